@@ -1,0 +1,54 @@
+"""Every error roundpipe raises on purpose.
+
+A user who catches ``roundpipe.RoundPipeError`` catches all of them. Each class also derives from
+the builtin a PyTorch user would expect (``ValueError`` for bad input, ``RuntimeError`` for a
+failure while running), so existing ``except ValueError`` code keeps working. Messages name the
+layer, stage, device and task involved and say what to change; this module only defines the
+types, it never formats tensors or imports torch.
+"""
+
+from __future__ import annotations
+
+
+class RoundPipeError(Exception):
+    """Base class of every roundpipe error."""
+
+
+class ConfigError(RoundPipeError, ValueError):
+    """A configuration value is invalid (message names the field and the accepted values)."""
+
+
+class PlanError(RoundPipeError, ValueError):
+    """Layer costs are invalid or the layers cannot be split into stages that fit."""
+
+
+class ModelError(RoundPipeError, ValueError):
+    """The model cannot be turned into a layer sequence."""
+
+
+class InputError(RoundPipeError, ValueError):
+    """Inputs or targets cannot be split into the requested microbatches."""
+
+
+class ScheduleError(RoundPipeError, RuntimeError):
+    """The task graph is malformed: a dependency cycle, a duplicate key, or a task that can never run."""
+
+
+class TaskFailedError(RoundPipeError, RuntimeError):
+    """A task raised while running. ``task`` describes it; ``__cause__`` is the original exception."""
+
+    def __init__(self, message: str, task_description: str = "") -> None:
+        super().__init__(message)
+        self.task_description = task_description
+
+
+class StageError(TaskFailedError):
+    """A layer raised inside a stage; the message names layer, stage, device and microbatch."""
+
+
+class DeviceOutOfMemoryError(StageError):
+    """A stage did not fit on its device; the message says what to change."""
+
+
+class PipeClosedError(RoundPipeError, RuntimeError):
+    """The pipe was closed (explicitly or after a fatal error) and can no longer run work."""
