@@ -1,0 +1,83 @@
+"""What the engine needs from a backend, and the one piece of plumbing real backends share.
+
+The engine decides *when* a task runs; a backend decides *how*. Keeping the contract this small
+is what lets the same engine drive a virtual clock (the fake backend), CPU worker threads and
+CUDA streams. Nothing here may import torch or know about partitioning.
+
+Two families:
+- virtual backends (``virtual = True``) keep their own clock; the engine calls ``advance()`` to
+  finish the earliest running task(s), synchronously, and never sleeps;
+- real backends run tasks on their own threads and report each completion to the loop thread
+  through a `CompletionPipe`, which batches completions that arrive together into one
+  ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from roundpipe.sched.task import Task
+
+DoneCallback = Callable[["Task", "BaseException | None"], None]
+
+
+class Backend(Protocol):
+    """The contract between the engine and whatever runs the tasks."""
+
+    virtual: bool
+    """True when the backend owns a virtual clock and completes tasks only inside `advance()`."""
+
+    def bind(self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Called once by the engine: ``done(task, error)`` must be called on the loop thread."""
+
+    def resource(self, lane: str) -> str:
+        """The resource a lane runs on; lanes that share a resource run one task at a time."""
+
+    def now(self) -> float:
+        """Current time in milliseconds (virtual or wall clock)."""
+
+    def start(self, task: Task) -> None:
+        """Begin running ``task``; report its completion later through the bound callback."""
+
+    def advance(self) -> bool:
+        """Virtual backends: complete the next task(s); False when nothing is running."""
+
+    def close(self) -> None:
+        """Release threads and memory. Idempotent."""
+
+
+class CompletionPipe:
+    """Carries completions from worker threads to the event loop, batched.
+
+    Workers call `put(task, error)` from any thread. The first completion after the loop has
+    drained schedules one drain callback; completions that arrive before it runs ride along.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, done: DoneCallback) -> None:
+        self._loop = loop
+        self._done = done
+        self._lock = threading.Lock()
+        self._items: list[tuple[Task, BaseException | None]] = []
+        self._scheduled = False
+
+    def put(self, task: Task, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._items.append((task, error))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: the pipe is shutting down, nobody is waiting
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for task, error in items:
+            self._done(task, error)

@@ -1,0 +1,383 @@
+"""The event-driven engine: starts each task when its dependencies are done and its lane is free.
+
+Why an engine and not hand-written waits: every ordering constraint in roundpipe (the five rules,
+one-stage prefetch, activation flow, one task at a time per lane) is a declared dependency or a
+lane, so a schedule can be printed, checked, simulated and replayed, and a stuck task can name
+what it waits for. The engine itself is small and cheap:
+
+- a task keeps a count of unmet dependencies and a list of dependents; completing a task
+  decrements its dependents and pushes those that reach zero onto their resource's ready heap,
+  keyed by (-priority, sequence) so the most urgent, then the oldest, starts first;
+- the engine never runs tensor math and never blocks: virtual backends are advanced in a tight
+  loop, real backends report completions through ``call_soon_threadsafe``;
+- on a failure the engine starts nothing new, lets running tasks finish, and raises
+  `TaskFailedError` in whoever waits, naming the task; `cancel_pending()` then drops the rest so
+  the owner can continue or close cleanly.
+
+The engine must never import torch or know what a task does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from roundpipe.errors import ScheduleError, TaskFailedError
+from roundpipe.sched.backend import Backend
+from roundpipe.sched.task import Key, Task
+from roundpipe.sched.trace import Trace
+
+_YIELD_EVERY = 4096  # virtual events between yields to the loop, so other coroutines keep ticking
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """A snapshot of the engine's state (counts only; no internals)."""
+
+    submitted: int
+    waiting: int
+    ready: int
+    running: int
+    done: int
+    failed: int
+    now_ms: float
+
+
+class _Resource:
+    __slots__ = ("busy", "heap", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy = False
+        self.heap: list[tuple[int, int, Task]] = []
+
+
+class Engine:
+    """Runs task graphs on one backend. Use from one event loop (the loop thread)."""
+
+    def __init__(self, backend: Backend, *, trace: Trace | None = None, stall_timeout_s: float | None = None):
+        self.backend = backend
+        self.trace = trace if trace is not None else Trace()
+        self.stall_timeout_s = stall_timeout_s
+        self._tasks: dict[Key, Task] = {}
+        self._missing: dict[Key, list[Task]] = {}
+        self._resources: dict[str, _Resource] = {}
+        self._resource_of_lane: dict[str, _Resource] = {}
+        self._seq = 0
+        self._pending = 0  # submitted and not done
+        self._ready = 0
+        self._running = 0
+        self._done = 0
+        self._failed: list[Task] = []
+        self._wakeup: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bound = False
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(self, tasks: Iterable[Task]) -> None:
+        """Add tasks to the graph. Dependencies may name tasks submitted earlier, in this batch,
+        or later (those keep the task waiting; `wait` reports them if they never come)."""
+        self._bind()
+        new = list(tasks)
+        by_key = self._tasks
+        for task in new:
+            if task.key in by_key:
+                raise ScheduleError(f"duplicate task key {task.key!r}: {task.describe()}")
+            by_key[task.key] = task
+        now = self.backend.now()
+        missing = self._missing
+        for task in new:
+            task.seq = self._seq
+            self._seq += 1
+            unmet = 0
+            for dep_key in task.deps:
+                dep = by_key.get(dep_key)
+                if dep is None:
+                    missing.setdefault(dep_key, []).append(task)
+                    unmet += 1
+                elif dep.state != "done":
+                    dep.dependents.append(task)
+                    unmet += 1
+            task.unmet = unmet
+            task.state = "waiting"
+            task.submit_t = now
+        if missing:
+            for task in new:
+                waiting = missing.pop(task.key, None)
+                if waiting:
+                    task.dependents.extend(waiting)
+        self._pending += len(new)
+        self._check_acyclic(new)
+        touched = [self._push_ready(task, now) for task in new if task.unmet == 0]
+        self._start_free(touched)
+
+    def _check_acyclic(self, new: list[Task]) -> None:
+        """Kahn's algorithm over the edges inside this batch; a leftover means a cycle."""
+        in_batch = {id(t) for t in new}
+        indegree: dict[int, int] = {}
+        for task in new:
+            for dep in task.dependents:
+                if id(dep) in in_batch:
+                    indegree[id(dep)] = indegree.get(id(dep), 0) + 1
+        stack = [t for t in new if id(t) not in indegree]
+        visited = 0
+        while stack:
+            task = stack.pop()
+            visited += 1
+            for dep in task.dependents:
+                if id(dep) in in_batch:
+                    indegree[id(dep)] -= 1
+                    if indegree[id(dep)] == 0:
+                        stack.append(dep)
+        if visited == len(new):
+            return
+        cycle = _find_cycle([t for t in new if indegree.get(id(t), 0) > 0], in_batch)
+        # Leave the engine usable: forget the whole malformed batch.
+        for task in new:
+            self._tasks.pop(task.key, None)
+            task.state = "cancelled"
+        self._pending -= len(new)
+        for task in self._tasks.values():
+            task.dependents = [d for d in task.dependents if d.state != "cancelled"]
+        for key in list(self._missing):
+            self._missing[key] = [d for d in self._missing[key] if d.state != "cancelled"]
+            if not self._missing[key]:
+                del self._missing[key]
+        path = " -> ".join(t.describe() for t in cycle)
+        raise ScheduleError(f"dependency cycle: {path} -> {cycle[0].describe()}")
+
+    # ------------------------------------------------------------------ running
+
+    def _bind(self) -> None:
+        if self._bound:
+            return
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self.backend.bind(self._task_done, self._loop)
+        self._bound = True
+
+    def _resource(self, lane: str) -> _Resource:
+        res = self._resource_of_lane.get(lane)
+        if res is None:
+            name = self.backend.resource(lane)
+            res = self._resources.get(name)
+            if res is None:
+                res = self._resources[name] = _Resource(name)
+            self._resource_of_lane[lane] = res
+        return res
+
+    def _push_ready(self, task: Task, now: float) -> _Resource:
+        task.state = "ready"
+        task.ready_t = now
+        res = self._resource(task.lane)
+        heapq.heappush(res.heap, (-task.priority, task.seq, task))
+        self._ready += 1
+        return res
+
+    def _start_free(self, resources: list[_Resource]) -> None:
+        # Called after *all* newly ready tasks are pushed, so the most urgent one starts first.
+        if self._failed:
+            return
+        for res in resources:
+            if not res.busy and res.heap:
+                self._start_next(res)
+
+    def _start_next(self, res: _Resource) -> None:
+        _, _, task = heapq.heappop(res.heap)
+        self._ready -= 1
+        res.busy = True
+        task.state = "running"
+        task.start_t = self.backend.now()
+        self._running += 1
+        self.backend.start(task)
+
+    def _task_done(self, task: Task, error: BaseException | None = None) -> None:
+        now = self.backend.now()
+        task.end_t = now
+        self._running -= 1
+        res = self._resource_of_lane[task.lane]
+        res.busy = False
+        if error is not None:
+            task.state = "failed"
+            task.error = error
+            self._failed.append(task)
+        else:
+            task.state = "done"
+            self._pending -= 1
+            self._done += 1
+            self.trace.records.append(task)
+            touched = [res]
+            for dep in task.dependents:
+                dep.unmet -= 1
+                if dep.unmet == 0:
+                    touched.append(self._push_ready(dep, now))
+            task.dependents = []
+            self._start_free(touched)
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
+    # ------------------------------------------------------------------ waiting
+
+    def task(self, key: Key) -> Task:
+        try:
+            return self._tasks[key]
+        except KeyError:
+            raise ScheduleError(f"no task with key {key!r} was submitted") from None
+
+    async def wait(self, keys: Iterable[Key] | None = None) -> None:
+        """Run until the given tasks (default: everything submitted) are done.
+
+        Raises `TaskFailedError` (after the running tasks have finished) when any task failed,
+        and `ScheduleError` when nothing can make progress any more.
+        """
+        self._bind()
+        targets = None if keys is None else [self.task(k) for k in keys]
+        index = 0
+        events = 0
+        backend = self.backend
+        while True:
+            if self._failed:
+                await self._drain_running()
+                self._raise_failure()
+            if targets is None:
+                if self._pending == 0:
+                    return
+            else:
+                while index < len(targets) and targets[index].state == "done":
+                    index += 1
+                if index == len(targets):
+                    return
+            if backend.virtual:
+                if not backend.advance():
+                    self._raise_stall(targets[index:] if targets is not None else None)
+                events += 1
+                if events % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+            else:
+                if self._running == 0:
+                    self._raise_stall(targets[index:] if targets is not None else None)
+                await self._sleep_until_progress()
+
+    async def _sleep_until_progress(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._wakeup = loop.create_future()
+        try:
+            if self.stall_timeout_s is None:
+                await self._wakeup
+            else:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._wakeup), self.stall_timeout_s)
+                except asyncio.TimeoutError:
+                    running = [t for t in self._tasks.values() if t.state == "running"]
+                    names = "; ".join(t.describe() for t in running[:8])
+                    raise ScheduleError(
+                        f"watchdog: no task finished for {self.stall_timeout_s:.1f} s; still running: {names}"
+                    ) from None
+        finally:
+            self._wakeup = None
+
+    async def _drain_running(self) -> None:
+        while self._running:
+            if self.backend.virtual:
+                self.backend.advance()
+            else:
+                await self._sleep_until_progress()
+
+    def _raise_failure(self) -> None:
+        task = self._failed[0]
+        error = task.error
+        if isinstance(error, TaskFailedError):
+            raise error
+        raise TaskFailedError(
+            f"task failed: {task.describe()}: {type(error).__name__}: {error}", task.describe()
+        ) from error
+
+    def _raise_stall(self, targets: list[Task] | None) -> None:
+        stuck = [t for t in self._tasks.values() if t.state == "waiting"]
+        lines = []
+        for task in stuck[:10]:
+            unmet = [k for k in task.deps if k not in self._tasks or self._tasks[k].state != "done"]
+            shown = ", ".join(_describe_key(k, self._tasks) for k in unmet[:4])
+            lines.append(f"  {task.describe()} waits for: {shown}")
+        more = f"\n  ... and {len(stuck) - 10} more" if len(stuck) > 10 else ""
+        what = f"{len(targets)} awaited task(s)" if targets is not None else f"{self._pending} task(s)"
+        raise ScheduleError(
+            f"stalled: {what} can never run; nothing is running or ready.\n" + "\n".join(lines) + more
+        )
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def cancel_pending(self) -> int:
+        """Drop every task that has not finished (after a failure); returns how many were dropped.
+
+        Must not be called while tasks are running: wait() has drained them when it raised.
+        """
+        if self._running:
+            raise ScheduleError(f"cancel_pending() with {self._running} task(s) still running")
+        dropped = 0
+        for key, task in list(self._tasks.items()):
+            if task.state != "done":
+                task.state = "cancelled"
+                task.dependents = []
+                del self._tasks[key]
+                dropped += 1
+        for res in self._resources.values():
+            res.heap.clear()
+        self._missing.clear()
+        self._failed.clear()
+        self._pending = 0
+        self._ready = 0
+        return dropped
+
+    def forget(self, predicate: Any) -> None:
+        """Drop finished tasks for which ``predicate(task)`` is true from the key index, to bound
+        memory in long runs. Later tasks must not depend on forgotten keys (they count as done)."""
+        for key, task in list(self._tasks.items()):
+            if task.state == "done" and predicate(task):
+                del self._tasks[key]
+
+    def is_done(self, key: Key) -> bool:
+        task = self._tasks.get(key)
+        return task is not None and task.state == "done"
+
+    def statistics(self) -> EngineStatistics:
+        waiting = self._pending - self._ready - self._running
+        return EngineStatistics(
+            submitted=self._seq,
+            waiting=waiting,
+            ready=self._ready,
+            running=self._running,
+            done=self._done,
+            failed=len(self._failed),
+            now_ms=self.backend.now(),
+        )
+
+
+def _describe_key(key: Key, tasks: dict[Key, Task]) -> str:
+    task = tasks.get(key)
+    if task is None:
+        return f"{key!r} (never submitted)"
+    return f"{task.describe()} ({task.state})"
+
+
+def _find_cycle(candidates: list[Task], in_batch: set[int]) -> list[Task]:
+    """A concrete cycle among tasks that Kahn's algorithm could not order."""
+    cand = {id(t) for t in candidates}
+    for start in candidates:
+        path: list[Task] = []
+        on_path: dict[int, int] = {}
+        node: Task | None = start
+        while node is not None and id(node) not in on_path:
+            on_path[id(node)] = len(path)
+            path.append(node)
+            node = next((d for d in node.dependents if id(d) in cand and id(d) in in_batch), None)
+        if node is not None:
+            return path[on_path[id(node)] :]
+    return candidates[:1]

@@ -1,0 +1,145 @@
+"""Simulation: the real engine and the real task graphs on the fake backend, under a virtual clock.
+
+Why simulate with the engine itself rather than a separate model: a simulator that reimplements
+the schedule drifts from what actually runs. Here `simulate` builds the same graphs the training
+path builds (`GraphBuilder`), runs them through the same `Engine`, and only swaps the backend. It
+answers "what bubble and makespan would this plan give" in milliseconds, and `replay` re-runs any
+recorded trace (from a fake or a real run) with its recorded durations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.partition import Plan
+from roundpipe.sched.engine import Engine
+from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.loop import run_sync
+from roundpipe.sched.trace import BubbleReport, Trace
+
+
+@dataclass
+class SimulationResult:
+    bubble_ratio: float
+    makespan_ms: float
+    trace: Trace
+    bubble: BubbleReport
+    utilisation: dict[int, float]  # per device: busy fraction of the compute lane
+    steady_bubble_ratio: float | None = None  # async runs of >= 3 iterations: bubble of the middle iterations
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "bubble_ratio": self.bubble_ratio,
+            "steady_bubble_ratio": self.steady_bubble_ratio,
+            "makespan_ms": self.makespan_ms,
+            "utilisation": {str(d): u for d, u in self.utilisation.items()},
+            "tasks": len(self.trace),
+        }
+
+
+def simulate(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int = 1,
+    async_optimizer: bool = True,
+    link_gbps: float | None = None,
+    *,
+    param_bytes: Sequence[int] | None = None,
+    act_bytes: int = 0,
+    optimizer_ms: float = 0.0,
+    latency_ms: float = 0.0,
+    round_size: int | None = None,
+    chunk_bytes: int | None = None,
+    shared_link: bool = True,
+    perturbation: object | None = None,
+) -> SimulationResult:
+    """Run ``iterations`` iterations (each followed by an optimizer step) on the fake backend.
+
+    ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
+    """
+    from roundpipe.backends.fake import FakeBackend, FakeCostModel, Perturbation
+
+    if num_devices < 1 or num_microbatches < 1 or iterations < 1:
+        from roundpipe.errors import PlanError
+
+        raise PlanError(
+            f"simulate needs num_devices, num_microbatches and iterations >= 1 "
+            f"(got {num_devices}, {num_microbatches}, {iterations})"
+        )
+    spec = ModelSpec(
+        param_bytes=tuple(param_bytes if param_bytes is not None else costs.mem_bytes),
+        owners=tuple((layer,) for layer in range(costs.num_layers)),
+        act_bytes=act_bytes,
+    )
+    options = ScheduleOptions(async_optimizer=async_optimizer, round_size=round_size, chunk_bytes=chunk_bytes)
+    builder = GraphBuilder(plan, spec, num_devices, options)
+    model = FakeCostModel(costs, link_gbps=link_gbps, optimizer_ms=optimizer_ms, latency_ms=latency_ms)
+    if perturbation is not None and not isinstance(perturbation, Perturbation):
+        raise TypeError("perturbation must be a roundpipe.backends.fake.Perturbation")
+    backend = FakeBackend(model, perturbation=perturbation, shared_link=shared_link)
+    trace = Trace(meta=builder.meta())
+    engine = Engine(backend, trace=trace)
+    iteration_computes: list[list[tuple[object, ...]]] = []
+
+    async def main() -> None:
+        for it in range(iterations):
+            graph = builder.forward_backward(it, it, num_microbatches)
+            engine.submit(graph.tasks)
+            engine.submit(builder.optimizer_step(it))
+            iteration_computes.append([t.key for t in graph.tasks if t.kind == "compute"])
+        await engine.wait()
+
+    run_sync(main())
+    report = trace.bubble_ratio()
+    steady = None
+    if iterations >= 3:
+        # Window from the start of iteration 1's first compute to the start of the last
+        # iteration's first compute: whole iterations in the middle, no fill or drain.
+        starts = [min(engine.task(k).start_t for k in keys) for keys in iteration_computes]
+        steady = trace.bubble_ratio(start_ms=starts[1], end_ms=starts[-1]).overall
+    return SimulationResult(
+        bubble_ratio=report.overall,
+        makespan_ms=trace.makespan_ms(),
+        trace=trace,
+        bubble=report,
+        utilisation={d: 1.0 - b for d, b in report.per_device.items()},
+        steady_bubble_ratio=steady,
+    )
+
+
+def replay(trace: Trace) -> Trace:
+    """Re-run a recorded trace's task graph on the fake backend with the recorded durations.
+
+    Tasks are submitted at their recorded submission times, in their recorded order, so a
+    trace of a fake run replays to exactly the same order, and a trace of a real run shows how
+    the same graph behaves without the noise of a real machine.
+    """
+    from roundpipe.backends.fake import FakeBackend
+
+    records = sorted(trace.records, key=lambda t: t.seq)
+    durations = {t.key: t.end_t - t.start_t for t in records}
+    backend = FakeBackend(durations=durations)
+    out = Trace(meta=dict(trace.meta))
+    engine = Engine(backend, trace=out)
+    batches: list[tuple[float, list]] = []
+    for task in records:
+        fresh = task.clone()
+        if batches and batches[-1][0] == task.submit_t:
+            batches[-1][1].append(fresh)
+        else:
+            batches.append((task.submit_t, [fresh]))
+
+    async def main() -> None:
+        for submit_t, batch in batches:
+            while backend.next_time() is not None and backend.next_time() <= submit_t:  # type: ignore[operator]
+                backend.advance()
+            backend.set_clock(max(backend.now(), submit_t))
+            engine.submit(batch)
+        await engine.wait()
+
+    run_sync(main())
+    return out

@@ -1,0 +1,240 @@
+"""The task: the one unit of work every part of roundpipe speaks about.
+
+A parameter upload, an activation transfer, a compute stage over one microbatch, a gradient
+download, a G-copy, an optimizer step and a P-copy are all the same object: a `Task` with a kind,
+a lane, a priority and dependencies declared by key. The engine orders them, backends run them,
+the trace records them and the rule checker reads them. A task is plain data (``__slots__``, no
+asyncio objects, no tensors) so that a graph of 10^5 tasks is cheap to build, run and save.
+
+A task must never hold a reference to a tensor or a module: backends look up what to do from the
+task's fields, so a task can be printed, saved as JSON and replayed on the fake backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+Key = tuple[Any, ...]
+"""A task's identity, e.g. ``("compute", 3, 0, 5, 2)``: kind, iteration, round, slot, microbatch."""
+
+# Kinds. Strings, not an Enum: they are compared in hot loops and written to JSON as they are.
+PARAM_UP = "param_up"
+ACT_UP = "act_up"
+COMPUTE = "compute"
+ACT_DOWN = "act_down"
+GRAD_DOWN = "grad_down"
+G_COPY = "g_copy"
+GRAD_NORM = "grad_norm"
+STEP = "step"
+P_COPY = "p_copy"
+
+DEVICE_LANES = ("compute", "act_up", "act_down", "param_up", "grad_down")
+HOST_OPTIMIZER_LANE = "host.optimizer"
+
+KIND_TO_LANE = {
+    PARAM_UP: "param_up",
+    ACT_UP: "act_up",
+    COMPUTE: "compute",
+    ACT_DOWN: "act_down",
+    GRAD_DOWN: "grad_down",
+}
+OPTIMIZER_KINDS = frozenset({G_COPY, GRAD_NORM, STEP, P_COPY})
+
+# Higher runs first among ready tasks that share a resource: activations are on the critical path,
+# parameters are needed one stage ahead, gradients can wait until a link is idle.
+PRIORITY = {
+    ACT_UP: 30,
+    ACT_DOWN: 30,
+    COMPUTE: 20,
+    PARAM_UP: 20,
+    GRAD_DOWN: 10,
+    G_COPY: 10,
+    GRAD_NORM: 10,
+    STEP: 10,
+    P_COPY: 10,
+}
+
+
+def device_lane(device: int, lane: str) -> str:
+    """Name of a device lane, e.g. ``device_lane(2, "compute") == "d2.compute"``."""
+    return f"d{device}.{lane}"
+
+
+class Task:
+    """One unit of work on one lane.
+
+    Declared fields (set by whoever builds the graph):
+      key, kind, lane, priority, deps (keys), device (int, or -1 for the host), layers (range),
+      stage (slot name such as ``"F1"``, ``"FB"``, ``"B3"``, or ``""``), stage_kind
+      (``"fwd"``/``"fused"``/``"bwd"``/``""``), microbatch (-1 when not per microbatch),
+      iteration (forward_backward call), step (for parameter uploads: the weight version read;
+      for step/P-copy/G-copy/grad-norm: the optimizer step), part/num_parts (a chunk of a large
+      upload), nbytes (bytes moved, when known), payload (backend-specific, optional).
+
+    Run-time fields (set by the engine): seq, unmet, dependents, submit/ready/start/end times (ms),
+    state, error.
+    """
+
+    __slots__ = (
+        "deps",
+        "dependents",
+        "device",
+        "end_t",
+        "error",
+        "iteration",
+        "key",
+        "kind",
+        "lane",
+        "layers",
+        "microbatch",
+        "nbytes",
+        "num_parts",
+        "part",
+        "payload",
+        "priority",
+        "ready_t",
+        "seq",
+        "stage",
+        "stage_kind",
+        "start_t",
+        "state",
+        "step",
+        "submit_t",
+        "unmet",
+    )
+
+    def __init__(
+        self,
+        key: Key,
+        kind: str,
+        lane: str,
+        *,
+        deps: Iterable[Key] = (),
+        priority: int | None = None,
+        device: int = -1,
+        layers: range = range(0),
+        stage: str = "",
+        stage_kind: str = "",
+        microbatch: int = -1,
+        iteration: int = -1,
+        step: int = -1,
+        part: int = 0,
+        num_parts: int = 1,
+        nbytes: int = 0,
+        payload: Any = None,
+    ) -> None:
+        self.key = key
+        self.kind = kind
+        self.lane = lane
+        self.deps: tuple[Key, ...] = tuple(deps)
+        self.priority = PRIORITY.get(kind, 0) if priority is None else priority
+        self.device = device
+        self.layers = layers
+        self.stage = stage
+        self.stage_kind = stage_kind
+        self.microbatch = microbatch
+        self.iteration = iteration
+        self.step = step
+        self.part = part
+        self.num_parts = num_parts
+        self.nbytes = nbytes
+        self.payload = payload
+        self.seq = -1
+        self.unmet = 0
+        self.dependents: list[Task] = []
+        self.submit_t = -1.0
+        self.ready_t = -1.0
+        self.start_t = -1.0
+        self.end_t = -1.0
+        self.state = "new"
+        self.error: BaseException | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end_t - self.start_t
+
+    def describe(self) -> str:
+        """A one-line, human-readable name: what, where, which layers/microbatch/iteration."""
+        bits = [self.kind]
+        if self.stage:
+            bits.append(self.stage)
+        if len(self.layers):
+            first, last = self.layers.start, self.layers.stop - 1
+            bits.append(f"layer {first}" if first == last else f"layers {first}-{last}")
+        if self.num_parts > 1:
+            bits.append(f"part {self.part + 1}/{self.num_parts}")
+        if self.microbatch >= 0:
+            bits.append(f"microbatch {self.microbatch}")
+        if self.iteration >= 0:
+            bits.append(f"iteration {self.iteration}")
+        if self.step >= 0 and self.kind not in (COMPUTE, ACT_UP, ACT_DOWN, GRAD_DOWN):
+            bits.append(f"step {self.step}")
+        if len(bits) == 1:  # nothing else identifies it: show the key
+            bits.append(repr(self.key))
+        bits.append(f"on {self.lane}")
+        return " ".join(bits)
+
+    def __repr__(self) -> str:
+        return f"Task({self.key!r}, {self.describe()!r}, state={self.state})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready record (no payload, no run-time links)."""
+        return {
+            "key": list(self.key),
+            "kind": self.kind,
+            "lane": self.lane,
+            "priority": self.priority,
+            "deps": [list(d) for d in self.deps],
+            "device": self.device,
+            "layers": [self.layers.start, self.layers.stop],
+            "stage": self.stage,
+            "stage_kind": self.stage_kind,
+            "microbatch": self.microbatch,
+            "iteration": self.iteration,
+            "step": self.step,
+            "part": self.part,
+            "num_parts": self.num_parts,
+            "nbytes": self.nbytes,
+            "seq": self.seq,
+            "submit": self.submit_t,
+            "ready": self.ready_t,
+            "start": self.start_t,
+            "end": self.end_t,
+            "state": self.state,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Task:
+        task = cls(
+            tuple(d["key"]),
+            d["kind"],
+            d["lane"],
+            deps=[tuple(k) for k in d["deps"]],
+            priority=d["priority"],
+            device=d["device"],
+            layers=range(*d["layers"]),
+            stage=d["stage"],
+            stage_kind=d["stage_kind"],
+            microbatch=d["microbatch"],
+            iteration=d["iteration"],
+            step=d["step"],
+            part=d["part"],
+            num_parts=d["num_parts"],
+            nbytes=d["nbytes"],
+        )
+        task.seq = d["seq"]
+        task.submit_t = d["submit"]
+        task.ready_t = d["ready"]
+        task.start_t = d["start"]
+        task.end_t = d["end"]
+        task.state = d["state"]
+        return task
+
+    def clone(self) -> Task:
+        """A fresh, not-yet-run copy with the same declared fields (used by replay)."""
+        task = Task.from_dict(self.to_dict())
+        task.seq, task.state = -1, "new"
+        task.submit_t = task.ready_t = task.start_t = task.end_t = -1.0
+        task.payload = self.payload
+        return task
