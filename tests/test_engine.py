@@ -9,8 +9,8 @@ import pytest
 from roundpipe.backends.fake import FakeBackend
 from roundpipe.errors import ScheduleError, TaskFailedError
 from roundpipe.sched.engine import Engine
-from roundpipe.sched.task import Task
 from roundpipe.sched.loop import run_sync
+from roundpipe.sched.task import Task
 
 
 def _task(name: str, lane: str = "d0.compute", deps: tuple[str, ...] = (), priority: int = 0) -> Task:

@@ -28,6 +28,7 @@ This module must never import torch or know how a task runs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -165,7 +166,7 @@ def check_lanes(tasks: Sequence[Task]) -> None:
         per_lane.setdefault(task.lane, []).append(task)
     for lane, lane_tasks in per_lane.items():
         lane_tasks.sort(key=lambda t: (t.start_t, t.end_t))
-        for a, b in zip(lane_tasks, lane_tasks[1:]):
+        for a, b in itertools.pairwise(lane_tasks):
             if b.start_t < a.end_t - 1e-9:
                 raise RuleViolation(
                     "lane", f"{lane} ran {a.describe()} and {b.describe()} at the same time", [a, b]

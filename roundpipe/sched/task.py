@@ -77,8 +77,8 @@ class Task:
     """
 
     __slots__ = (
-        "deps",
         "dependents",
+        "deps",
         "device",
         "end_t",
         "error",
