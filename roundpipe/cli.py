@@ -1,0 +1,107 @@
+"""The ``roundpipe`` command line: a tiny dispatcher over subcommands that live elsewhere.
+
+Why so small: each subcommand belongs to the part of roundpipe it drives (``plan``/``simulate``/
+``trace`` in `roundpipe.cli_schedule`, ``train`` with the training code), so this file only builds
+the top-level parser, lets each command module register itself, and turns expected failures into
+one ``roundpipe: error: ...`` line and exit code 2. It must never import torch or do real work at
+import time: ``roundpipe --help`` and ``roundpipe simulate`` have to start fast.
+
+A command module plugs in by defining ``add_parser(subparsers) -> argparse.ArgumentParser`` and
+``run(args) -> int``, and by being listed in `COMMAND_MODULES`. A module that registers several
+subcommands sets ``run`` on each of its parsers with ``parser.set_defaults(run=...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from roundpipe.errors import RoundPipeError
+
+# Modules whose subcommands make up `roundpipe`. Entries in OPTIONAL_MODULES are skipped while
+# the module does not exist yet.
+COMMAND_MODULES: tuple[str, ...] = ("roundpipe.cli_schedule", "roundpipe.train.cli")
+OPTIONAL_MODULES: frozenset[str] = frozenset({"roundpipe.train.cli"})
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad command-line arguments (argparse's complaints, re-routed so `main` can return 2)."""
+
+
+class RoundPipeArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that reports errors as ``roundpipe: error: ...`` instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = RoundPipeArgumentParser(
+        prog="roundpipe",
+        description="Fine-tune large models on a few small GPUs; plan and simulate round-robin pipelines.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=RoundPipeArgumentParser
+    )
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if name in OPTIONAL_MODULES and exc.name is not None and name.startswith(exc.name):
+                continue
+            raise
+        sub = module.add_parser(subparsers)
+        if isinstance(sub, argparse.ArgumentParser) and sub.get_default("run") is None:
+            sub.set_defaults(run=module.run)
+    return parser
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("roundpipe")
+    except Exception:  # not installed (running from a source tree)
+        return "unknown"
+
+
+def _error(message: str) -> int:
+    print(f"roundpipe: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``roundpipe`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as exc:
+        return _error(str(exc))
+    except SystemExit as exc:  # --help / --version
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
+    if run is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(run(args))
+    except UsageError as exc:
+        return _error(str(exc))
+    except (RoundPipeError, ValueError, ImportError) as exc:
+        return _error(str(exc) or type(exc).__name__)
+    except OSError as exc:
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        return _error(f"{where}{exc.strerror or exc}")
+    except KeyboardInterrupt:
+        print("roundpipe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

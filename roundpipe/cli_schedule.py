@@ -1,0 +1,557 @@
+"""The ``plan``, ``simulate`` and ``trace`` subcommands: the schedule, without a GPU.
+
+Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan` and `roundpipe.sched`
+(partition a model's layer costs, run the real engine on the fake backend, inspect saved traces),
+and keep the dispatcher tiny. ``roundpipe simulate`` with no arguments is the project's demo, so
+it must stay quick (well under 5 s) and print something a newcomer can read. This module must
+never import torch or touch a device, and never print a traceback for bad input: it raises
+`roundpipe.errors` / `ValueError` / `OSError` and lets `roundpipe.cli.main` report one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from roundpipe.plan.costs import LayerCosts
+    from roundpipe.plan.partition import Plan
+    from roundpipe.sched.trace import Trace
+
+DEFAULT_EXAMPLE = "qwen3-1.7b"
+DEFAULT_DEVICES = 8
+DEFAULT_MICROBATCHES = 16
+DEFAULT_ITERATIONS = 4
+
+
+# --------------------------------------------------------------------- built-in examples
+
+
+@dataclass(frozen=True)
+class Example:
+    """A model described by its layer costs: embedding, ``blocks`` equal decoder layers, LM head.
+
+    Times are milliseconds per microbatch of 4096 tokens in bf16 on one RTX 4090-class GPU
+    (rough estimates from FLOP counts, not measurements); memory is the layer's bf16 weights.
+    """
+
+    description: str
+    blocks: int
+    block_fwd_ms: float
+    block_mem_bytes: int
+    embed_fwd_ms: float
+    embed_mem_bytes: int
+    head_factor: float  # LM head (+ final norm + loss) cost relative to one decoder layer
+    head_mem_bytes: int
+
+    def costs(self) -> LayerCosts:
+        from roundpipe.plan.costs import LayerCosts
+
+        fwd = [self.embed_fwd_ms, *[self.block_fwd_ms] * self.blocks, self.block_fwd_ms * self.head_factor]
+        mem = [self.embed_mem_bytes, *[self.block_mem_bytes] * self.blocks, self.head_mem_bytes]
+        names = ["embed", *[f"layers.{i}" for i in range(self.blocks)], "head"]
+        return LayerCosts(tuple(fwd), tuple(2.0 * x for x in fwd), tuple(mem), tuple(names))
+
+
+EXAMPLES: dict[str, Example] = {
+    "qwen3-1.7b": Example(
+        "Qwen3-1.7B: 28 decoder layers, tied 152k-token embedding and LM head",
+        blocks=28,
+        block_fwd_ms=4.0,
+        block_mem_bytes=100_663_296,
+        embed_fwd_ms=0.15,
+        embed_mem_bytes=622_329_856,
+        head_factor=3.5,
+        head_mem_bytes=622_329_856,
+    ),
+    "llama-8b": Example(
+        "Llama-3-8B: 32 decoder layers, 128k-token embedding and LM head",
+        blocks=32,
+        block_fwd_ms=14.0,
+        block_mem_bytes=436_207_616,
+        embed_fwd_ms=0.3,
+        embed_mem_bytes=1_050_673_152,
+        head_factor=2.5,
+        head_mem_bytes=1_050_673_152,
+    ),
+    "tiny": Example(
+        "a tiny 8-layer model for quick experiments",
+        blocks=8,
+        block_fwd_ms=1.0,
+        block_mem_bytes=8_388_608,
+        embed_fwd_ms=0.1,
+        embed_mem_bytes=4_194_304,
+        head_factor=2.0,
+        head_mem_bytes=4_194_304,
+    ),
+}
+
+
+# --------------------------------------------------------------------- argument types
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GB"`` -> 24e9, ``"24GiB"`` -> 24 * 2**30, ``"1.5e9"`` -> 1500000000 (bytes)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; give bytes or a number with a unit: 24GB, 24GiB, 512MiB, 2.5e10"
+        )
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the memory limit must be > 0 bytes")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {text})")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--costs", metavar="FILE", help="layer costs JSON (see docs/cli.md)")
+    src.add_argument(
+        "--example",
+        choices=sorted(EXAMPLES),
+        help=f"a built-in model instead of a costs file (default: {DEFAULT_EXAMPLE})",
+    )
+    p.add_argument(
+        "--devices",
+        "-n",
+        type=_positive_int,
+        default=DEFAULT_DEVICES,
+        metavar="N",
+        help=f"number of GPUs (default {DEFAULT_DEVICES})",
+    )
+    p.add_argument(
+        "--microbatches",
+        "-m",
+        type=_positive_int,
+        default=DEFAULT_MICROBATCHES,
+        metavar="M",
+        help=f"microbatches per iteration (default {DEFAULT_MICROBATCHES})",
+    )
+    p.add_argument(
+        "--mem-limit",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="device memory per stage, e.g. 24GB or 22GiB (default: no limit)",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--async",
+        dest="async_optimizer",
+        action="store_true",
+        default=True,
+        help="asynchronous optimizer, staleness 1 (default)",
+    )
+    mode.add_argument("--sync", dest="async_optimizer", action="store_false", help="synchronous optimizer")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+# --------------------------------------------------------------------- registration
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``plan``, ``simulate`` and ``trace`` (each sets its own ``run``)."""
+    p = subparsers.add_parser(
+        "plan",
+        help="split a model's layers into pipeline stages",
+        description="Partition layer costs into forward, fused and backward stages and print the plan.",
+    )
+    _add_model_args(p)
+    p.set_defaults(run=run_plan)
+
+    s = subparsers.add_parser(
+        "simulate",
+        help="simulate the schedule on virtual GPUs (default: qwen3-1.7b on 8 devices)",
+        description="Partition, then run the real scheduling engine on the fake backend under a "
+        "virtual clock and report bubble ratio, makespan and per-device utilisation.",
+    )
+    _add_model_args(s)
+    s.add_argument(
+        "--iterations",
+        "-k",
+        type=_positive_int,
+        default=DEFAULT_ITERATIONS,
+        metavar="K",
+        help=f"iterations, each followed by an optimizer step (default {DEFAULT_ITERATIONS})",
+    )
+    s.add_argument(
+        "--link-gbps",
+        type=_positive_float,
+        default=None,
+        metavar="X",
+        help="host<->device link in GB/s; transfers then take time (default: free)",
+    )
+    s.add_argument("--trace", metavar="OUT.json", help="save the trace (roundpipe trace ... reads it)")
+    s.add_argument("--perfetto", metavar="OUT.json", help="write a Perfetto/Chrome trace (ui.perfetto.dev)")
+    s.add_argument("--png", metavar="OUT.png", help="draw the timeline (needs matplotlib)")
+    s.set_defaults(run=run_simulate)
+
+    t = subparsers.add_parser(
+        "trace",
+        help="check, summarise, replay or convert a saved trace",
+        description="Work with a trace saved by `roundpipe simulate --trace` or `pipe.trace().save()`.",
+    )
+    actions = t.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    helps = {
+        "check": "verify dependencies, lanes and the five ordering rules (exit 1 if broken)",
+        "summary": "print tasks, makespan and bubble ratio",
+        "replay": "re-run on the fake backend and compare the per-lane order (exit 1 if it differs)",
+        "grid": "print an ASCII timeline of the compute lanes",
+        "perfetto": "convert to Perfetto/Chrome trace-event JSON",
+        "png": "draw the timeline as a PNG (needs matplotlib)",
+    }
+    for action, text in helps.items():
+        a = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        a.add_argument("trace_path", metavar="TRACE.json")
+        if action in ("perfetto", "png"):
+            a.add_argument("-o", "--output", metavar="OUT", help="output file (default: next to TRACE)")
+        if action == "grid":
+            a.add_argument("--width", type=_positive_int, default=100, help="columns (default 100)")
+            a.add_argument("--all-lanes", action="store_true", help="show transfer and host lanes too")
+    t.set_defaults(run=run_trace)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to the subcommand's handler (`roundpipe.cli` normally does this itself)."""
+    handler = args.run
+    return int(handler(args))
+
+
+# --------------------------------------------------------------------- shared
+
+
+def _console() -> Console:
+    from rich.console import Console
+
+    return Console(file=sys.stdout, highlight=False)
+
+
+def _load_costs(args: argparse.Namespace) -> tuple[str, LayerCosts]:
+    from roundpipe.plan.costs import LayerCosts
+
+    if args.costs is not None:
+        return str(args.costs), LayerCosts.from_json(args.costs)
+    name = args.example or DEFAULT_EXAMPLE
+    return name, EXAMPLES[name].costs()
+
+
+def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
+    from roundpipe.plan.partition import partition
+
+    return partition(
+        costs, args.devices, args.microbatches, args.mem_limit, async_optimizer=args.async_optimizer
+    )
+
+
+def _layers(layers: range) -> str:
+    first, last = layers.start, layers.stop - 1
+    return f"{first}" if first == last else f"{first}-{last}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def plan_summary(
+    plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, async_optimizer: bool
+) -> dict[str, Any]:
+    """The numbers both ``plan`` and ``simulate`` report about a plan, JSON-ready."""
+    from roundpipe.plan.dispatch import analytic_bubble
+    from roundpipe.plan.partition import objective
+
+    stage_ms = list(plan.stage_ms(costs))
+    slots = [
+        {
+            "index": slot.index,
+            "name": slot.name,
+            "kind": slot.kind,
+            "layers": [slot.layers.start, slot.layers.stop],
+            "ms": ms,
+            "mem_bytes": costs.stage_mem(slot.layers),
+        }
+        for slot, ms in zip(plan.slots, stage_ms, strict=True)
+    ]
+    n, m, s = num_devices, num_microbatches, plan.num_slots
+    return {
+        "num_layers": costs.num_layers,
+        "num_devices": n,
+        "num_microbatches": m,
+        "slots": slots,
+        "num_slots": s,
+        "t_max_ms": plan.t_max,
+        "objective_ms": objective(plan, n, m, async_optimizer=async_optimizer),
+        "objective_formula": "M * max(S, N) * t_max" if async_optimizer else "(M*S + N*(N-1)) * t_max",
+        "analytic_bubble": analytic_bubble(n, m, s),
+        # Mean stage time over t_max: 100% when every slot takes exactly t_max.
+        "balance": math.fsum(stage_ms) / (s * plan.t_max) if plan.t_max > 0 else 1.0,
+    }
+
+
+# --------------------------------------------------------------------- plan
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    source, costs = _load_costs(args)
+    plan = _partition(costs, args)
+    info = plan_summary(plan, costs, args.devices, args.microbatches, args.async_optimizer)
+    info.update(source=source, async_optimizer=args.async_optimizer, mem_limit_bytes=args.mem_limit)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+
+    from rich.table import Table
+
+    console = _console()
+    table = Table(
+        title=f"plan for {source}: {costs.num_layers} layers on {args.devices} devices, "
+        f"{args.microbatches} microbatches",
+        title_justify="left",
+    )
+    table.add_column("slot")
+    table.add_column("kind")
+    table.add_column("layers", justify="right")
+    table.add_column("ms / microbatch", justify="right")
+    table.add_column("memory", justify="right")
+    for slot in info["slots"]:
+        table.add_row(
+            slot["name"],
+            slot["kind"],
+            _layers(range(*slot["layers"])),
+            f"{slot['ms']:.2f}",
+            _fmt_bytes(slot["mem_bytes"]),
+        )
+    console.print(table)
+    console.print(f"t_max            {info['t_max_ms']:.2f} ms (slowest stage)")
+    console.print(f"slots            {info['num_slots']}")
+    console.print(f"objective        {info['objective_ms']:.1f} ms = {info['objective_formula']}")
+    console.print(f"analytic bubble  {info['analytic_bubble']:.2%}")
+    if args.mem_limit is not None:
+        console.print(f"memory limit     {_fmt_bytes(args.mem_limit)} per stage")
+    return 0
+
+
+# --------------------------------------------------------------------- simulate
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from roundpipe.sched.simulate import simulate
+
+    source, costs = _load_costs(args)
+    plan = _partition(costs, args)
+    info = plan_summary(plan, costs, args.devices, args.microbatches, args.async_optimizer)
+    result = simulate(
+        plan,
+        costs,
+        args.devices,
+        args.microbatches,
+        iterations=args.iterations,
+        async_optimizer=args.async_optimizer,
+        link_gbps=args.link_gbps,
+    )
+    files: dict[str, str] = {}
+    if args.trace:
+        files["trace"] = str(result.trace.save(args.trace))
+    if args.perfetto:
+        files["perfetto"] = str(result.trace.to_perfetto(args.perfetto))
+    if args.png:
+        files["png"] = str(result.trace.plot(args.png))
+
+    if args.json:
+        out: dict[str, Any] = {
+            "source": source,
+            "iterations": args.iterations,
+            "async_optimizer": args.async_optimizer,
+            "link_gbps": args.link_gbps,
+            "mem_limit_bytes": args.mem_limit,
+            **info,
+            **result.to_dict(),
+            "files": files,
+        }
+        print(json.dumps(out))
+        return 0
+
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    console = _console()
+    mode = "async optimizer (staleness 1)" if args.async_optimizer else "sync optimizer"
+    console.print(
+        f"[bold]roundpipe simulate[/bold]: {source}, {costs.num_layers} layers on {args.devices} devices"
+    )
+    if source in EXAMPLES:
+        console.print(f"  [dim]{EXAMPLES[source].description}[/dim]")
+    console.print(
+        f"  {args.microbatches} microbatches x {args.iterations} "
+        f"iteration{'s' if args.iterations > 1 else ''}, {mode}, "
+        + (f"link {args.link_gbps:g} GB/s" if args.link_gbps else "transfers free")
+    )
+    console.print()
+    console.print(
+        f"[bold]plan[/bold]  {info['num_slots']} slots, t_max {info['t_max_ms']:.2f} ms, "
+        f"stages balanced to {info['balance']:.0%} of t_max"
+    )
+    stages = "  ".join(f"{s['name']}:{_layers(range(*s['layers']))}" for s in info["slots"])
+    console.print(Padding(Text(stages), (0, 0, 0, 2)))
+    console.print()
+
+    metrics = Table(show_header=False, box=None, padding=(0, 1))
+    metrics.add_column(style="bold")
+    metrics.add_column(justify="right")
+    metrics.add_column(style="dim")
+    metrics.add_row("bubble ratio", f"{result.bubble_ratio:.2%}", "idle compute, fill and drain included")
+    if result.steady_bubble_ratio is not None:
+        metrics.add_row(
+            "steady-state bubble",
+            f"{result.steady_bubble_ratio:.2%}",
+            f"iterations 1-{args.iterations - 2}, no fill or drain",
+        )
+    metrics.add_row("analytic bubble", f"{info['analytic_bubble']:.2%}", "N(N-1) / (M*S + N(N-1))")
+    metrics.add_row(
+        "makespan",
+        f"{result.makespan_ms:.1f} ms",
+        f"{result.makespan_ms / args.iterations:.1f} ms per iteration",
+    )
+    metrics.add_row("tasks", f"{len(result.trace)}", "")
+    console.print(metrics)
+    console.print()
+
+    util = Table(title="per-device utilisation", title_justify="left")
+    util.add_column("device")
+    util.add_column("busy ms", justify="right")
+    util.add_column("utilisation", justify="right")
+    util.add_column("", no_wrap=True)
+    for device, u in sorted(result.utilisation.items()):
+        filled = round(u * 30)
+        util.add_row(
+            f"d{device}",
+            f"{result.bubble.busy_ms.get(device, 0.0):.1f}",
+            f"{u:.1%}",
+            "[green]" + "█" * filled + "[/green][dim]" + "░" * (30 - filled) + "[/dim]",
+        )
+    console.print(util)
+    for kind, path in files.items():
+        console.print(f"wrote {kind}: {path}")
+    return 0
+
+
+# --------------------------------------------------------------------- trace
+
+
+def load_trace(path: str) -> Trace:
+    """`Trace.load` with every way a file can be wrong turned into one `ValueError` line."""
+    from roundpipe.sched.trace import Trace
+
+    try:
+        return Trace.load(path)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from exc
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a valid roundpipe trace (bad or missing field {exc})") from exc
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def _default_output(trace_path: str, suffix: str) -> Path:
+    p = Path(trace_path)
+    stem = p.name[: -len(".json")] if p.name.endswith(".json") else p.stem
+    return p.with_name(stem + suffix)
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    from roundpipe.sched.export import explain_violation, format_grid
+    from roundpipe.sched.rules import RuleViolation
+
+    trace = load_trace(args.trace_path)
+    action = args.trace_command
+    if action == "check":
+        try:
+            trace.check_rules()
+        except RuleViolation as violation:
+            print(explain_violation(trace, violation))
+            print(f"roundpipe: {args.trace_path}: {violation}", file=sys.stderr)
+            return 1
+        print(f"ok: {len(trace)} tasks respect their dependencies, the lanes and the five ordering rules")
+        return 0
+    if action == "summary":
+        print(trace.summary())
+        return 0
+    if action == "replay":
+        replayed = trace.replay()
+        before, after = trace.order(), replayed.order()
+        if before == after:
+            print(
+                f"replay: per-lane order identical ({len(before)} lanes, {len(trace)} tasks); "
+                f"makespan {trace.makespan_ms():.2f} ms -> {replayed.makespan_ms():.2f} ms"
+            )
+            return 0
+        for lane in sorted(set(before) | set(after)):
+            a, b = before.get(lane, []), after.get(lane, [])
+            if a != b:
+                i = next(
+                    (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+                )
+                got = b[i] if i < len(b) else "nothing"
+                want = a[i] if i < len(a) else "nothing"
+                print(f"replay: order differs on {lane} at position {i}: recorded {want}, replayed {got}")
+                break
+        return 1
+    if action == "grid":
+        lanes = None if args.all_lanes else ("compute",)
+        print(format_grid(trace, width=args.width, lanes=lanes))
+        return 0
+    if action == "perfetto":
+        out = Path(args.output) if args.output else _default_output(args.trace_path, ".perfetto.json")
+        print(f"wrote {trace.to_perfetto(out)} (open it in https://ui.perfetto.dev)")
+        return 0
+    if action == "png":
+        out = Path(args.output) if args.output else _default_output(args.trace_path, ".png")
+        print(f"wrote {trace.plot(out)}")
+        return 0
+    raise ValueError(f"unknown trace action {action!r}")  # pragma: no cover - argparse prevents it
