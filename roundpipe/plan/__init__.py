@@ -1,0 +1,22 @@
+"""Planning: layer costs, the stage partition, round-robin dispatch and the bubble formula.
+
+Pure functions and immutable values over plain numbers, so the planner can run anywhere (CLI,
+tests, the scheduler) in microseconds. Nothing here may import torch, asyncio or a backend.
+"""
+
+from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.dispatch import SlotRun, analytic_bubble, dispatch, round_sizes
+from roundpipe.plan.partition import Plan, Slot, SlotKind, objective, partition
+
+__all__ = [
+    "LayerCosts",
+    "Plan",
+    "Slot",
+    "SlotKind",
+    "SlotRun",
+    "analytic_bubble",
+    "dispatch",
+    "objective",
+    "partition",
+    "round_sizes",
+]

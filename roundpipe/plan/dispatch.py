@@ -1,0 +1,99 @@
+"""Round-robin dispatch: which device runs which slot of which round, over which microbatches.
+
+The microbatches of an iteration go through the plan's slots in rounds of M_R >= N. Slot i of a
+round runs on device (g0 + i) mod N; the next round starts at g0 + S, the device after the last one
+used, and so does the next iteration (the caller carries g0), so the stream of stages never
+breaks. This module only computes that mapping and the bubble formula; it must never wait, run or
+time anything (the scheduler in ``roundpipe.sched`` turns the runs into tasks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roundpipe.errors import PlanError
+from roundpipe.plan.partition import Plan, Slot
+
+
+def _count(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def round_sizes(num_microbatches: int, num_devices: int, round_size: int | None = None) -> tuple[int, ...]:
+    """Microbatches per round, in order; they sum to ``num_microbatches``.
+
+    Default: one round of all M when M < 2N, else rounds of N (host memory for stage-boundary
+    activations grows with the round, not the iteration). With ``round_size`` given, rounds of
+    that size. A last round that would be smaller than N is merged into the one before (a round
+    under N microbatches stalls: slot i+N needs its device before slot i is done); when M < N the
+    only round is all M, the best there is.
+    """
+    m = _count("num_microbatches", num_microbatches)
+    n = _count("num_devices", num_devices)
+    if round_size is None:
+        size = m if m < 2 * n else n
+    else:
+        size = _count("round_size", round_size)
+        if size < n:
+            raise PlanError(
+                f"round_size {size} is smaller than num_devices {n}: a round must hold M_R >= N "
+                f"microbatches, because slot i+N of a round runs on the device that runs slot i and "
+                f"must wait for all of slot i's microbatches; use round_size >= {n} (or None for the default)"
+            )
+    full, rest = divmod(m, size)
+    if full == 0:
+        return (m,)
+    rounds = [size] * full
+    if rest >= n:
+        rounds.append(rest)
+    else:
+        rounds[-1] += rest
+    return tuple(rounds)
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """One stage run: ``slot`` of ``round`` in ``iteration`` on ``device``, over a block of microbatches."""
+
+    iteration: int
+    round: int
+    slot: Slot
+    device: int
+    microbatches: range
+
+
+def dispatch(
+    plan: Plan,
+    num_microbatches: int,
+    num_devices: int,
+    *,
+    iteration: int = 0,
+    first_device: int = 0,
+    round_size: int | None = None,
+) -> tuple[list[SlotRun], int]:
+    """Every slot run of one iteration in dispatch order, and the g0 the next iteration starts at."""
+    n = _count("num_devices", num_devices)
+    sizes = round_sizes(num_microbatches, n, round_size)
+    if isinstance(first_device, bool) or not isinstance(first_device, int) or not 0 <= first_device < n:
+        raise PlanError(f"first_device must be a device index in 0..{n - 1}, got {first_device!r}")
+    slots = plan.slots
+    runs: list[SlotRun] = []
+    g0 = first_device
+    start = 0
+    for r, size in enumerate(sizes):
+        block = range(start, start + size)
+        runs.extend(SlotRun(iteration, r, slot, (g0 + slot.index) % n, block) for slot in slots)
+        g0 = (g0 + len(slots)) % n
+        start += size
+    return runs, g0
+
+
+def analytic_bubble(num_devices: int, num_microbatches: int, num_slots: int) -> float:
+    """Idle fraction of a balanced synchronous iteration: N(N-1) / (M*S + N(N-1))."""
+    n = _count("num_devices", num_devices)
+    m = _count("num_microbatches", num_microbatches)
+    s = _count("num_slots", num_slots)
+    fill_drain = n * (n - 1)
+    return fill_drain / (m * s + fill_drain)
