@@ -12,13 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from roundpipe.errors import PlanError
-from roundpipe.plan.partition import Plan, Slot
+from roundpipe.plan.partition import Plan, Slot, _as_count
 
 
 def _count(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{what} must be an integer >= 1, got {value!r}")
-    return value
+    return _as_count(what, value, f"pass a positive {what}")
 
 
 def round_sizes(num_microbatches: int, num_devices: int, round_size: int | None = None) -> tuple[int, ...]:
