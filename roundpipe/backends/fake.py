@@ -107,11 +107,14 @@ class FakeBackend:
         perturbation: Perturbation | None = None,
         shared_link: bool = False,
         fail: Callable[[Task], BaseException | None] | None = None,
+        execute: Callable[[Task], None] | None = None,
     ) -> None:
         """``durations`` overrides the cost model (by task key, or a function), as replay does.
         ``shared_link``: a device's two upload lanes share one link (and so do its two download
         lanes), so priorities decide who goes first. ``fail(task)`` may return an exception to
-        inject a failure (for tests)."""
+        inject a failure (for tests). ``execute(task)``, when given, does the task's real work at
+        its virtual completion time, on the loop thread (a `RoundPipe` on ``"fake:N"`` devices:
+        real math, virtual time, one thread, fully deterministic)."""
         if cost_model is None and durations is None:
             raise ValueError("FakeBackend needs a cost_model or durations")
         self.cost_model = cost_model
@@ -120,6 +123,7 @@ class FakeBackend:
         self._rng = random.Random(perturbation.seed if perturbation else 0)
         self._shared_link = shared_link
         self._fail = fail
+        self._execute = execute
         self._clock = 0.0
         self._heap: list[tuple[float, int, Task]] = []
         self._counter = 0
@@ -167,6 +171,11 @@ class FakeBackend:
         end, _, task = heapq.heappop(self._heap)
         self._clock = end
         error = self._fail(task) if self._fail is not None else None
+        if error is None and self._execute is not None:
+            try:
+                self._execute(task)
+            except Exception as exc:  # reported like any task failure
+                error = exc
         assert self._done is not None
         self._done(task, error)
         return True

@@ -10,9 +10,9 @@ what it waits for. The engine itself is small and cheap:
   keyed by (-priority, sequence) so the most urgent, then the oldest, starts first;
 - the engine never runs tensor math and never blocks: virtual backends are advanced in a tight
   loop, real backends report completions through ``call_soon_threadsafe``;
-- on a failure the engine starts nothing new, lets running tasks finish, and raises
-  `TaskFailedError` in whoever waits, naming the task; `cancel_pending()` then drops the rest so
-  the owner can continue or close cleanly.
+- on a failure the engine cancels everything that depends on the failed task, lets unrelated
+  work finish (so host state ends consistent), then raises `TaskFailedError` in whoever waits,
+  naming the task; `cancel_pending()` then drops the rest so the owner can continue or close.
 
 The engine must never import torch or know what a task does.
 """
@@ -182,14 +182,16 @@ class Engine:
 
     def _start_free(self, resources: list[_Resource]) -> None:
         # Called after *all* newly ready tasks are pushed, so the most urgent one starts first.
-        if self._failed:
-            return
         for res in resources:
             if not res.busy and res.heap:
                 self._start_next(res)
 
     def _start_next(self, res: _Resource) -> None:
         _, _, task = heapq.heappop(res.heap)
+        while task.state == "cancelled":
+            if not res.heap:
+                return
+            _, _, task = heapq.heappop(res.heap)
         self._ready -= 1
         res.busy = True
         task.state = "running"
@@ -207,6 +209,9 @@ class Engine:
             task.state = "failed"
             task.error = error
             self._failed.append(task)
+            self._pending -= 1
+            self._poison(task)
+            self._start_free([res])
         else:
             task.state = "done"
             self._pending -= 1
@@ -222,6 +227,22 @@ class Engine:
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
+
+    def _poison(self, failed: Task) -> None:
+        """Cancel everything that depends on a failed task, transitively; unrelated work goes on,
+        so the host state ends consistent (every step either fully applied or not at all)."""
+        stack = list(failed.dependents)
+        failed.dependents = []
+        while stack:
+            task = stack.pop()
+            if task.state in ("cancelled", "failed", "done"):
+                continue
+            if task.state == "ready":
+                self._ready -= 1  # its heap entry is skipped when popped
+            task.state = "cancelled"
+            self._pending -= 1
+            stack.extend(task.dependents)
+            task.dependents = []
 
     # ------------------------------------------------------------------ waiting
 
@@ -243,10 +264,11 @@ class Engine:
         events = 0
         backend = self.backend
         while True:
-            if self._failed:
-                await self._drain_running()
+            if self._failed and self._running == 0 and self._ready == 0:
                 self._raise_failure()
-            if targets is None:
+            if self._failed:
+                pass  # keep running unrelated work until the failure is isolated
+            elif targets is None:
                 if self._pending == 0:
                     return
             else:
@@ -256,12 +278,16 @@ class Engine:
                     return
             if backend.virtual:
                 if not backend.advance():
+                    if self._failed:
+                        self._raise_failure()
                     self._raise_stall(targets[index:] if targets is not None else None)
                 events += 1
                 if events % _YIELD_EVERY == 0:
                     await asyncio.sleep(0)
             else:
                 if self._running == 0:
+                    if self._failed:
+                        self._raise_failure()
                     self._raise_stall(targets[index:] if targets is not None else None)
                 await self._sleep_until_progress()
 
@@ -282,13 +308,6 @@ class Engine:
                     ) from None
         finally:
             self._wakeup = None
-
-    async def _drain_running(self) -> None:
-        while self._running:
-            if self.backend.virtual:
-                self.backend.advance()
-            else:
-                await self._sleep_until_progress()
 
     def _raise_failure(self) -> None:
         task = self._failed[0]

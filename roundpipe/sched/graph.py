@@ -115,7 +115,19 @@ class ScheduleOptions:
 class GraphBuilder:
     """Builds task graphs for successive iterations and optimizer steps of one run."""
 
-    def __init__(self, plan: Plan, spec: ModelSpec, num_devices: int, options: ScheduleOptions) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        spec: ModelSpec,
+        num_devices: int,
+        options: ScheduleOptions,
+        *,
+        first_iteration: int = 0,
+        first_step: int = 0,
+        base_version: int = 0,
+    ) -> None:
+        """``first_iteration``/``first_step`` continue a run's numbering (after a resume or a
+        recovery); ``base_version`` is the weight version already in the compute copy."""
         if spec.num_layers != plan.num_layers:
             raise ScheduleError(
                 f"the plan covers {plan.num_layers} layers but the model has {spec.num_layers}"
@@ -128,9 +140,9 @@ class GraphBuilder:
         self._device_runs: dict[int, list[Key]] = {}
         self._first_device = 0
         self._iterations_of_step: dict[int, list[int]] = {}
-        self._last_step = -1
-        self._last_iteration = -1
-        self._pending_p_copy_step: int | None = None  # async: the step whose P-copy is still owed
+        self._last_step = first_step - 1
+        self._last_iteration = first_iteration - 1
+        self.base_version = base_version
 
     def meta(self) -> dict[str, object]:
         """What a trace needs to be checked and replayed without the model."""
@@ -139,6 +151,7 @@ class GraphBuilder:
             "async_optimizer": self.options.async_optimizer,
             "num_devices": self.num_devices,
             "plan": self.plan.to_dict(),
+            "base_version": self.base_version,
         }
 
     def set_plan(self, plan: Plan) -> None:
@@ -188,13 +201,13 @@ class GraphBuilder:
             param_keys: list[Key] = []
             for layer in layers:
                 nbytes = spec.param_bytes[layer]
-                if nbytes <= 0:
-                    continue
+                if nbytes <= 0 and not spec.owners[layer]:
+                    continue  # nothing to upload and no weight version to wait for
                 chunk = self.options.chunk_bytes
                 parts = 1 if not chunk else max(1, -(-nbytes // chunk))
                 deps: list[Key] = list(prefetch_dep)
                 for unit in spec.owners[layer]:
-                    deps += rules.no_torn_weights(ledgers[unit], version)
+                    deps += rules.no_torn_weights(ledgers[unit], version, self.base_version)
                 for part in range(parts):
                     key = (PARAM_UP, t, r, si, layer, part)
                     tasks.append(
@@ -207,7 +220,9 @@ class GraphBuilder:
                             layers=range(layer, layer + 1),
                             stage=slot.name,
                             stage_kind=slot.kind,
+                            slot=si,
                             iteration=t,
+                            round=r,
                             step=version,
                             part=part,
                             num_parts=parts,
@@ -237,8 +252,10 @@ class GraphBuilder:
                         layers=layers,
                         stage=slot.name,
                         stage_kind=slot.kind,
+                        slot=si,
                         microbatch=mb,
                         iteration=t,
+                        round=r,
                         step=step,
                         nbytes=act_bytes * (2 if slot.kind == "bwd" else 1),
                     )
@@ -257,9 +274,13 @@ class GraphBuilder:
                         layers=layers,
                         stage=slot.name,
                         stage_kind=slot.kind,
+                        slot=si,
                         microbatch=mb,
                         iteration=t,
+                        round=r,
                         step=step,
+                        part=j,
+                        num_parts=len(mbs),
                     )
                 )
                 if slot.kind == "fused":
@@ -274,8 +295,10 @@ class GraphBuilder:
                         layers=layers,
                         stage=slot.name,
                         stage_kind=slot.kind,
+                        slot=si,
                         microbatch=mb,
                         iteration=t,
+                        round=r,
                         step=step,
                         nbytes=act_bytes if si < num_slots - 1 else 0,
                     )
@@ -310,7 +333,9 @@ class GraphBuilder:
                     layers=layers,
                     stage=slot.name,
                     stage_kind=slot.kind,
+                    slot=si,
                     iteration=t,
+                    round=r,
                     step=step,
                     nbytes=trainable_bytes,
                 )
@@ -359,7 +384,7 @@ class GraphBuilder:
             deps = [(G_COPY, t, u) for t in iterations for u in self.ledgers]
             tasks.append(Task(norm_key, GRAD_NORM, HOST_OPTIMIZER_LANE, deps=deps, step=step))
         for unit, ledger in self.ledgers.items():
-            if self.options.async_optimizer and step >= 1:
+            if self.options.async_optimizer and step > self.base_version:
                 tasks.append(self._p_copy(unit, ledger, step - 1))
             # Every trainable unit lies in a fused or backward stage: each iteration G-copies it.
             g_copies = [(G_COPY, t, unit) for t in iterations]

@@ -83,9 +83,10 @@ def weight_integrity(ledger: UnitLedger, step: int) -> list[Key]:
     return ledger.readers.pop(step, [])
 
 
-def no_torn_weights(ledger: UnitLedger, version: int) -> list[Key]:
-    """Rule 2: an upload of ``version`` waits for the P-copy that wrote it."""
-    if version == 0:
+def no_torn_weights(ledger: UnitLedger, version: int, base_version: int = 0) -> list[Key]:
+    """Rule 2: an upload of ``version`` waits for the P-copy that wrote it (versions up to
+    ``base_version`` were already in the compute copy when scheduling began)."""
+    if version <= base_version:
         return []
     key = ledger.p_copy.get(version)
     if key is None:
@@ -266,12 +267,19 @@ def _check_step_semantics(tasks: Sequence[Task]) -> None:
         unit, s = gc.layers.start, gc.step
         before(steps.get((unit, s - 1)), gc)  # step(s-1) -> G-copy
         before(gc, steps.get((unit, s)))  # G-copy -> step(s)
-    # Shallow units first: within one step, optimizer steps start in unit order.
+    # Shallow units first: of two steps of the same optimizer step that were both ready, the
+    # shallower one starts first (deep units whose gradients arrive early may go ahead).
     by_step: dict[int, list[Task]] = {}
     for (_, s), st in steps.items():
         by_step.setdefault(s, []).append(st)
-    for s, lst in by_step.items():
+    for lst in by_step.values():
         lst.sort(key=lambda t: t.start_t)
-        units = [t.layers.start for t in lst]
-        if units != sorted(units):
-            raise RuleViolation(5, f"step {s} did not run shallow units first: order {units}", lst)
+        for i, later in enumerate(lst):
+            for earlier in lst[:i]:
+                if later.layers.start < earlier.layers.start and later.ready_t < earlier.start_t - 1e-9:
+                    raise RuleViolation(
+                        5,
+                        f"{earlier.describe()} started before the shallower {later.describe()}, "
+                        "which was already ready",
+                        [earlier, later],
+                    )

@@ -67,10 +67,10 @@ class Task:
     Declared fields (set by whoever builds the graph):
       key, kind, lane, priority, deps (keys), device (int, or -1 for the host), layers (range),
       stage (slot name such as ``"F1"``, ``"FB"``, ``"B3"``, or ``""``), stage_kind
-      (``"fwd"``/``"fused"``/``"bwd"``/``""``), microbatch (-1 when not per microbatch),
-      iteration (forward_backward call), step (for parameter uploads: the weight version read;
+      (``"fwd"``/``"fused"``/``"bwd"``/``""``), slot (index in the dispatch sequence), microbatch (-1 when not per microbatch),
+      iteration (forward_backward call), round (of the iteration's dispatch), step (for parameter uploads: the weight version read;
       for step/P-copy/G-copy/grad-norm: the optimizer step), part/num_parts (a chunk of a large
-      upload), nbytes (bytes moved, when known), payload (backend-specific, optional).
+      upload, or for compute tasks a microbatch's position within its stage run), nbytes (bytes moved, when known), payload (backend-specific, optional).
 
     Run-time fields (set by the engine): seq, unmet, dependents, submit/ready/start/end times (ms),
     state, error.
@@ -94,7 +94,9 @@ class Task:
         "payload",
         "priority",
         "ready_t",
+        "round",
         "seq",
+        "slot",
         "stage",
         "stage_kind",
         "start_t",
@@ -116,8 +118,10 @@ class Task:
         layers: range = range(0),
         stage: str = "",
         stage_kind: str = "",
+        slot: int = -1,
         microbatch: int = -1,
         iteration: int = -1,
+        round: int = -1,
         step: int = -1,
         part: int = 0,
         num_parts: int = 1,
@@ -133,8 +137,10 @@ class Task:
         self.layers = layers
         self.stage = stage
         self.stage_kind = stage_kind
+        self.slot = slot
         self.microbatch = microbatch
         self.iteration = iteration
+        self.round = round
         self.step = step
         self.part = part
         self.num_parts = num_parts
@@ -162,7 +168,7 @@ class Task:
         if len(self.layers):
             first, last = self.layers.start, self.layers.stop - 1
             bits.append(f"layer {first}" if first == last else f"layers {first}-{last}")
-        if self.num_parts > 1:
+        if self.num_parts > 1 and self.kind == PARAM_UP:
             bits.append(f"part {self.part + 1}/{self.num_parts}")
         if self.microbatch >= 0:
             bits.append(f"microbatch {self.microbatch}")
@@ -190,8 +196,10 @@ class Task:
             "layers": [self.layers.start, self.layers.stop],
             "stage": self.stage,
             "stage_kind": self.stage_kind,
+            "slot": self.slot,
             "microbatch": self.microbatch,
             "iteration": self.iteration,
+            "round": self.round,
             "step": self.step,
             "part": self.part,
             "num_parts": self.num_parts,
@@ -216,8 +224,10 @@ class Task:
             layers=range(*d["layers"]),
             stage=d["stage"],
             stage_kind=d["stage_kind"],
+            slot=d.get("slot", -1),
             microbatch=d["microbatch"],
             iteration=d["iteration"],
+            round=d.get("round", -1),
             step=d["step"],
             part=d["part"],
             num_parts=d["num_parts"],

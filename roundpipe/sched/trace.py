@@ -123,6 +123,7 @@ class Trace:
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(self.to_dict(), f)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         return path
 
@@ -145,7 +146,7 @@ class Trace:
 
         return write_png(self, path)
 
-    def replay(self, *, link_gbps: float | None = None) -> Trace:
+    def replay(self) -> Trace:
         """Re-run the recorded task graph on the fake backend with the recorded durations."""
         from roundpipe.sched.simulate import replay
 

@@ -1,0 +1,475 @@
+"""Stage math: what each task kind does to tensors, for any torch device.
+
+Why one runtime for every real backend: the CPU workers and the CUDA streams must give the same
+numbers, so the math (upload into a transient copy, forward stages that save boundary
+activations, the fused stage, recompute + backward, gradient download, the optimizer-lane
+operations) is written once against a `torch.device`; backends only decide which thread or
+stream runs it and how completion is reported.
+
+Data flow of one microbatch through a plan, all keyed by (iteration, boundary layer, microbatch):
+  host inputs -> F1 -> ... -> Fk -> FB (loss, backward) -> Bk -> ... -> B1
+  forward stages save the activation entering every layer where a backward stage starts
+  (`boundaries`), backward stages fetch it, recompute, and send the input gradient down.
+
+Activation convention (also in docs/concepts.md): floating-point tensors are differentiable;
+integer/bool tensors are not; dict entries whose key starts with "_" are constants.
+
+This module must never decide when anything runs: that is the engine's job.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from roundpipe.errors import DeviceOutOfMemoryError, StageError
+from roundpipe.optim.host import HostModel
+from roundpipe.sched.task import (
+    ACT_DOWN,
+    ACT_UP,
+    COMPUTE,
+    G_COPY,
+    GRAD_DOWN,
+    GRAD_NORM,
+    P_COPY,
+    PARAM_UP,
+    STEP,
+    Task,
+)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+RunKey = tuple[int, int, int]  # iteration, round, slot
+
+
+# --------------------------------------------------------------------- activation helpers
+
+
+def _differentiable(obj: Any, out: list[torch.Tensor | None]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj if obj.is_floating_point() else None)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if not (isinstance(key, str) and key.startswith("_")):
+                _differentiable(value, out)
+    elif isinstance(obj, tuple | list):
+        for value in obj:
+            _differentiable(value, out)
+
+
+def differentiable_leaves(obj: Any) -> list[torch.Tensor | None]:
+    """The differentiable tensors of an activation, in a fixed traversal order (None for the
+    positions of integer tensors, so two traversals of the same structure line up)."""
+    out: list[torch.Tensor | None] = []
+    _differentiable(obj, out)
+    return out
+
+
+def with_leaves(obj: Any) -> tuple[Any, list[torch.Tensor | None]]:
+    """A copy of the activation whose differentiable tensors are fresh leaves requiring grad."""
+    leaves: list[torch.Tensor | None] = []
+
+    def rebuild(value: Any, constant: bool) -> Any:
+        if isinstance(value, torch.Tensor):
+            if constant:
+                return value
+            if value.is_floating_point():
+                leaf = value.detach().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf
+            leaves.append(None)
+            return value
+        if isinstance(value, Mapping):
+            return {
+                k: rebuild(v, constant or (isinstance(k, str) and k.startswith("_"))) for k, v in value.items()
+            }
+        if isinstance(value, tuple | list):
+            return type(value)(rebuild(v, constant) for v in value)
+        return value
+
+    return rebuild(obj, False), leaves
+
+
+def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device, non_blocking) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(to_device(v, device, non_blocking) for v in obj)
+    return obj
+
+
+def detach(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, Mapping):
+        return {k: detach(v) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(detach(v) for v in obj)
+    return obj
+
+
+# --------------------------------------------------------------------- per-iteration data
+
+
+@dataclass
+class IterationData:
+    """What the host holds for one forward_backward call."""
+
+    inputs: list[Any]
+    targets: list[Any]
+    weights: list[float]
+    loss_fn: LossFn | None
+    loss_scale: float
+    boundaries: frozenset[int]  # layers whose input a forward stage must save for a backward stage
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class LayerTimes:
+    """Measured forward milliseconds per layer (exponential moving average)."""
+
+    fwd_ms: list[float | None]
+    alpha: float = 0.5
+
+    def add(self, layer: int, ms: float) -> None:
+        old = self.fwd_ms[layer]
+        self.fwd_ms[layer] = ms if old is None else (1 - self.alpha) * old + self.alpha * ms
+
+
+class Runtime:
+    """Executes tasks on tensors. Shared by every device of a backend; thread-safe per lane."""
+
+    def __init__(
+        self,
+        host: HostModel,
+        names: list[str],
+        *,
+        computes_loss: bool,
+        recompute_grain: str = "stage",
+        seed: int = 0,
+        max_grad_norm: float | None = None,
+        scaler: Any = None,
+    ) -> None:
+        self.host = host
+        self.layers = host.layers
+        self.names = names
+        self.computes_loss = computes_loss
+        self.recompute_grain = recompute_grain
+        self.seed = seed
+        self.max_grad_norm = max_grad_norm
+        self.scaler = scaler
+        self.iterations: dict[int, IterationData] = {}
+        self.activations: dict[tuple[int, int, int], Any] = {}  # (iteration, layer, mb) -> activation
+        self.gradients: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
+        self.inbox: dict[tuple[int, int, int], Any] = {}  # (iteration, slot, mb) -> uploaded input
+        self.outbox: dict[tuple[int, int, int], Any] = {}  # (iteration, slot, mb) -> output to download
+        self.transient: dict[tuple[int, RunKey], dict[int, dict[str, torch.Tensor]]] = {}
+        self._replicas: dict[tuple[int, int], nn.Module] = {}
+        self._replica_lock = threading.Lock()
+        self._rng_lock = threading.Lock()
+        self.uses_rng = any(
+            isinstance(m, nn.Dropout) and m.p > 0 for layer in self.layers for m in layer.modules()
+        ) or any(getattr(getattr(layer, "config", None), "attention_dropout", 0.0) for layer in self.layers)
+        self.times = LayerTimes([None] * len(self.layers))
+        self.devices: dict[int, torch.device] = {}
+        self.iteration_scales: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def device(self, index: int) -> torch.device:
+        return self.devices.get(index, torch.device("cpu"))
+
+    def replica(self, device: int, layer: int) -> nn.Module:
+        """A per-device structural copy of a layer whose parameters are empty placeholders
+        (the transient copy is passed in at call time), with its own buffers."""
+        key = (device, layer)
+        module = self._replicas.get(key)
+        if module is not None:
+            return module
+        with self._replica_lock:
+            module = self._replicas.get(key)
+            if module is None:
+                original = self.layers[layer]
+                memo: dict[int, Any] = {
+                    id(p): nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+                    for p in original.parameters()
+                }
+                module = copy.deepcopy(original, memo)
+                module.to(self.device(device))
+                self._replicas[key] = module
+        return module
+
+    def begin_iteration(self, iteration: int, data: IterationData) -> None:
+        self.iterations[iteration] = data
+        self.iteration_scales[iteration] = data.loss_scale
+
+    def end_iteration(self, iteration: int) -> None:
+        self.iterations.pop(iteration, None)
+        for store in (self.activations, self.gradients, self.inbox, self.outbox):
+            for key in [k for k in store if k[0] == iteration]:
+                del store[key]
+        for key in [k for k in self.transient if k[1][0] == iteration]:
+            del self.transient[key]
+
+    def reset(self) -> None:
+        """Drop everything in flight (after a failure)."""
+        for iteration in list(self.iterations):
+            self.end_iteration(iteration)
+        self.activations.clear()
+        self.gradients.clear()
+        self.inbox.clear()
+        self.outbox.clear()
+        self.transient.clear()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def run(self, task: Task) -> None:
+        handler = _HANDLERS[task.kind]
+        handler(self, task)
+
+    # ------------------------------------------------------------------ device lanes
+
+    def param_up(self, task: Task) -> None:
+        layer = task.layers.start
+        device = self.device(task.device)
+        run = (task.iteration, task.round, task.slot)
+        params = self.transient.setdefault((task.device, run), {}).setdefault(layer, {})
+        named = self.host.layer_params[layer]
+        needs_grad = task.stage_kind != "fwd"
+        for i, (name, param) in enumerate(named):
+            if task.num_parts > 1 and i % task.num_parts != task.part:
+                continue
+            source = self.host.compute[id(param)]
+            tensor = source.detach().to(device, non_blocking=device.type == "cuda", copy=True)
+            if needs_grad and param.requires_grad:
+                tensor.requires_grad_(True)
+            params[name] = tensor
+
+    def act_up(self, task: Task) -> None:
+        t, mb, start = task.iteration, task.microbatch, task.layers.start
+        data = self.iterations[t]
+        device = self.device(task.device)
+        if start == 0 and task.stage_kind != "bwd":
+            value: Any = data.inputs[mb]
+        elif start == 0:
+            value = (data.inputs[mb], self.gradients.pop((t, task.layers.stop, mb)))
+        elif task.stage_kind == "fwd":
+            key = (t, start, mb)
+            value = self.activations[key] if start in data.boundaries else self.activations.pop(key)
+        elif task.stage_kind == "fused":
+            value = self.activations.pop((t, start, mb))
+        else:
+            value = (self.activations.pop((t, start, mb)), self.gradients.pop((t, task.layers.stop, mb)))
+        self.inbox[(t, task.slot, mb)] = to_device(value, device, device.type == "cuda")
+
+    def act_down(self, task: Task) -> None:
+        t, mb = task.iteration, task.microbatch
+        produced = self.outbox.pop((t, task.slot, mb), None)
+        if produced is None:
+            return
+        kind, payload = produced
+        for layer, value in payload.items():
+            host_value = to_device(value, torch.device("cpu"))
+            if kind == "act":
+                self.activations[(t, layer, mb)] = host_value
+            else:
+                self.gradients[(t, layer, mb)] = host_value
+
+    def grad_down(self, task: Task) -> None:
+        run = (task.iteration, task.round, task.slot)
+        params = self.transient.pop((task.device, run), {})
+        for layer, named in params.items():
+            buffers = self.host.grad_buffers[layer]
+            for name, tensor in named.items():
+                if tensor.grad is not None and name in buffers:
+                    buffers[name].add_(tensor.grad.to("cpu", torch.float32))
+
+    def compute(self, task: Task) -> None:
+        t, mb = task.iteration, task.microbatch
+        key = (t, task.slot, mb)
+        value = self.inbox.pop(key)
+        run = (t, task.round, task.slot)
+        params = self.transient.get((task.device, run), {})
+        if task.stage_kind == "fwd":
+            self.outbox[key] = ("act", self._forward_stage(task, params, value))
+            if task.part == task.num_parts - 1:  # last microbatch of the run: free the transient copy
+                self.transient.pop((task.device, run), None)
+        elif task.stage_kind == "fused":
+            self.outbox[key] = ("grad", self._fused_stage(task, params, value))
+        else:
+            act, grad = value
+            self.outbox[key] = ("grad", self._backward_stage(task, params, act, grad))
+
+    # ------------------------------------------------------------------ stage kinds
+
+    def _forward_stage(self, task: Task, params: dict[int, dict[str, torch.Tensor]], x: Any) -> dict[int, Any]:
+        data = self.iterations[task.iteration]
+        saved: dict[int, Any] = {}
+        with torch.no_grad():
+            for layer in task.layers:
+                if layer != task.layers.start and layer in data.boundaries:
+                    saved[layer] = x
+                started = time.perf_counter()
+                x = self._call(task, layer, params, x)
+                if task.device >= 0 and self.device(task.device).type == "cpu":
+                    self.times.add(layer, (time.perf_counter() - started) * 1e3)
+        saved[task.layers.stop] = x
+        return saved
+
+    def _fused_stage(self, task: Task, params: dict[int, dict[str, torch.Tensor]], x: Any) -> dict[int, Any]:
+        t, mb = task.iteration, task.microbatch
+        data = self.iterations[t]
+        start = task.layers.start
+        x, leaves = with_leaves(x) if start > 0 else (x, [])
+        with torch.enable_grad():
+            out = x
+            for layer in task.layers:
+                out = self._call(task, layer, params, out)
+            if self.computes_loss or data.loss_fn is None:
+                loss = out
+            else:
+                target = to_device(data.targets[mb], self.device(task.device))
+                try:
+                    loss = data.loss_fn(out, target)
+                except Exception as exc:
+                    raise StageError(
+                        f"loss_fn raised {type(exc).__name__}: {exc} (stage {task.stage} on device "
+                        f"{task.device}, microbatch {mb}, iteration {t})",
+                        task.describe(),
+                    ) from exc
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
+                raise StageError(
+                    f"the loss must be a scalar tensor, got {what} (stage {task.stage}, microbatch {mb}); "
+                    "pass a loss_fn(output, target) that returns a scalar, or a model whose last layer does",
+                    task.describe(),
+                )
+            scaled = loss.reshape(()) * (data.weights[mb] * data.loss_scale)
+            scaled.backward()
+        data.losses[mb] = float(loss.detach())
+        return {start: [leaf.grad if leaf is not None else None for leaf in leaves]}
+
+    def _backward_stage(
+        self, task: Task, params: dict[int, dict[str, torch.Tensor]], act: Any, grad_out: list[Any]
+    ) -> dict[int, Any]:
+        start = task.layers.start
+        if self.recompute_grain == "layer" and len(task.layers) > 1:
+            inputs = []
+            x = act
+            with torch.no_grad():
+                for layer in task.layers:
+                    inputs.append(x)
+                    x = self._call(task, layer, params, x)
+            grads: list[Any] = grad_out
+            for layer, layer_input in zip(reversed(task.layers), reversed(inputs), strict=True):
+                grads = self._backprop(task, range(layer, layer + 1), params, layer_input, grads, layer > 0)
+            return {start: grads}
+        return {start: self._backprop(task, task.layers, params, act, grad_out, start > 0)}
+
+    def _backprop(
+        self,
+        task: Task,
+        layers: range,
+        params: dict[int, dict[str, torch.Tensor]],
+        act: Any,
+        grad_out: list[Any],
+        input_grads: bool,
+    ) -> list[torch.Tensor | None]:
+        x, leaves = with_leaves(act) if input_grads else (act, [])
+        with torch.enable_grad():
+            out = x
+            for layer in layers:
+                out = self._call(task, layer, params, out)
+            outputs = differentiable_leaves(out)
+            pairs = [
+                (o, g.to(o.device, o.dtype))
+                for o, g in zip(outputs, grad_out, strict=False)
+                if o is not None and g is not None and o.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        return [leaf.grad if leaf is not None else None for leaf in leaves]
+
+    def _call(self, task: Task, layer: int, params: dict[int, dict[str, torch.Tensor]], x: Any) -> Any:
+        replica = self.replica(task.device, layer)
+        try:
+            with self._rng(task.iteration, layer, task.microbatch):
+                return functional_call(replica, params.get(layer, {}), (x,), strict=False)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemoryError(
+                f"out of memory in layer {layer} ({self.names[layer]}), stage {task.stage} on device "
+                f"{task.device}, microbatch {task.microbatch}: use more microbatches (smaller ones), "
+                'recompute_grain="layer", a shorter sequence, or set mem_limit_bytes so the plan makes '
+                "smaller stages",
+                task.describe(),
+            ) from exc
+        except StageError:
+            raise
+        except Exception as exc:
+            raise StageError(
+                f"layer {layer} ({self.names[layer]}) raised {type(exc).__name__}: {exc} "
+                f"(stage {task.stage} on device {task.device}, microbatch {task.microbatch}, "
+                f"iteration {task.iteration})",
+                task.describe(),
+            ) from exc
+
+    def _rng(self, iteration: int, layer: int, microbatch: int) -> AbstractContextManager[Any]:
+        """Dropout masks depend only on (seed, iteration, layer, microbatch): the same in the
+        forward and in recompute, and the same on any number of devices. The CPU generator is
+        global, so seeded sections are serialised."""
+        if not self.uses_rng:
+            return nullcontext()
+        return _SeededSection(self._rng_lock, hash((self.seed, iteration, layer, microbatch)) & 0x7FFF_FFFF)
+
+    # ------------------------------------------------------------------ optimizer lane
+
+    def g_copy(self, task: Task) -> None:
+        self.host.g_copy(task.layers.start, self.iteration_scales.get(task.iteration, 1.0))
+
+    def grad_norm(self, task: Task) -> None:
+        check = self.scaler is not None
+        self.host.grad_norm(self.max_grad_norm, check)
+        if self.scaler is not None:
+            self.scaler.update(self.host.found_inf)
+
+    def step(self, task: Task) -> None:
+        self.host.step(task.layers.start)
+
+    def p_copy(self, task: Task) -> None:
+        self.host.p_copy(task.layers.start)
+
+
+class _SeededSection:
+    def __init__(self, lock: threading.Lock, seed: int) -> None:
+        self.lock = lock
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+_HANDLERS: dict[str, Callable[[Runtime, Task], None]] = {
+    PARAM_UP: Runtime.param_up,
+    ACT_UP: Runtime.act_up,
+    COMPUTE: Runtime.compute,
+    ACT_DOWN: Runtime.act_down,
+    GRAD_DOWN: Runtime.grad_down,
+    G_COPY: Runtime.g_copy,
+    GRAD_NORM: Runtime.grad_norm,
+    STEP: Runtime.step,
+    P_COPY: Runtime.p_copy,
+}

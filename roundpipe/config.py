@@ -1,0 +1,140 @@
+"""Every user-facing knob of a run, validated in one place.
+
+Why pydantic: a bad value should fail when the config is built, with a message that names the
+field, what was given and what is accepted, not deep inside a worker thread. Factories (the
+optimizer, the LR scheduler, the loss function) are not configuration: they are arguments of
+`RoundPipe`, so a `RunConfig` stays plain data that can be saved in a checkpoint and compared.
+
+This module must never import torch at import time or touch devices.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from roundpipe.errors import ConfigError
+
+Precision = Literal["fp32", "bf16", "fp16"]
+_DEVICES_HELP = '"auto", "cpu:N", "fake:N", "cuda" or "cuda:0,1"'
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Parsed ``devices`` string: backend kind and device indices."""
+
+    kind: Literal["cpu", "fake", "cuda"]
+    indices: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+
+def parse_devices(value: str) -> DeviceSpec:
+    """``"cpu:2"`` -> cpu workers 0,1; ``"cuda:0,2"`` -> cuda 0 and 2; ``"auto"`` -> every CUDA
+    device if there is one, else two CPU workers."""
+    text = value.strip().lower()
+    if text == "auto":
+        try:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+                return DeviceSpec("cuda", tuple(range(torch.cuda.device_count())))
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+        return DeviceSpec("cpu", (0, 1))
+    match = re.fullmatch(r"(cpu|fake):(\d+)", text)
+    if match:
+        count = int(match.group(2))
+        if count < 1:
+            raise ConfigError(f"devices={value!r}: need at least one worker, e.g. \"{match.group(1)}:2\"")
+        return DeviceSpec(match.group(1), tuple(range(count)))  # type: ignore[arg-type]
+    if text == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError('devices="cuda" but no CUDA device is visible; use devices="cpu:2" to run on CPU')
+        return DeviceSpec("cuda", tuple(range(count)))
+    match = re.fullmatch(r"cuda:(\d+(?:\s*,\s*\d+)*)", text)
+    if match:
+        indices = tuple(int(i) for i in match.group(1).split(","))
+        if len(set(indices)) != len(indices):
+            raise ConfigError(f"devices={value!r} names a device twice")
+        return DeviceSpec("cuda", indices)
+    raise ConfigError(f"devices={value!r} is not understood; use {_DEVICES_HELP}")
+
+
+class RunConfig(BaseModel):
+    """How a `RoundPipe` runs. Every field has a default; see docs/api.md for each."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    devices: str = Field("cpu:2", description=f"where stages run: {_DEVICES_HELP}")
+    num_microbatches: int = Field(4, ge=1, description="microbatches each forward_backward splits its batch into")
+    async_optimizer: bool = Field(True, description="True: staleness-1 CPU optimizer overlapping the next iteration")
+    precision: Precision = Field("fp32", description="dtype of the compute copy and of device math")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
+    loss_scale: Literal["dynamic", "none"] | float = Field(
+        "dynamic", description='fp16 only: "dynamic" loss scaling, "none", or a fixed scale'
+    )
+    round_size: int | None = Field(None, ge=1, description="microbatches per round (>= number of devices)")
+    chunk_bytes: int | None = Field(64 << 20, ge=1, description="split parameter uploads larger than this")
+    recompute_grain: Literal["stage", "layer"] = Field("stage", description="backward recompute granularity")
+    mem_limit_bytes: int | None = Field(None, ge=1, description="device memory a stage pair may use")
+    seed: int = Field(0, description="seeds dropout; the same seed gives the same run on any device count")
+    trace_iterations: int = Field(8, ge=0, description="how many recent iterations the trace keeps")
+    stall_timeout_s: float | None = Field(600.0, gt=0, description="watchdog: fail if no task finishes this long")
+    replan: bool = Field(True, description="re-partition after the first iteration from measured layer times")
+
+    def __init__(self, **values: Any) -> None:
+        # Raise our ConfigError (a ValueError) with one line per bad field instead of pydantic's.
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise config_error(exc) from None
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        text = value.strip().lower()
+        if text in ("auto", "cuda"):
+            return text
+        if re.fullmatch(r"(cpu|fake):\d+", text) or re.fullmatch(r"cuda:\d+(\s*,\s*\d+)*", text):
+            if text.endswith(":0") and not text.startswith("cuda"):
+                raise ValueError(f"{value!r} asks for zero workers; use at least 1, e.g. \"cpu:2\"")
+            return text
+        raise ValueError(f"{value!r} is not understood; use {_DEVICES_HELP}")
+
+    @field_validator("loss_scale")
+    @classmethod
+    def _check_loss_scale(cls, value: Any) -> Any:
+        if isinstance(value, float | int) and not isinstance(value, bool) and value <= 0:
+            raise ValueError("a fixed loss scale must be > 0")
+        return value
+
+    @model_validator(mode="after")
+    def _check_round_size(self) -> RunConfig:
+        if self.round_size is not None and self.round_size > self.num_microbatches:
+            raise ValueError(
+                f"round_size={self.round_size} exceeds num_microbatches={self.num_microbatches}; "
+                "a round holds at most all microbatches"
+            )
+        return self
+
+    def device_spec(self) -> DeviceSpec:
+        return parse_devices(self.devices)
+
+
+def config_error(exc: ValidationError) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        lines.append(f"{field}: {msg} (got {given!r})")
+    return ConfigError("invalid RunConfig:\n  " + "\n  ".join(lines))

@@ -1,0 +1,284 @@
+"""The host copies of the model and the optimizer work on them: G-copy, grad norm, step, P-copy.
+
+Why three copies: devices read a compact *compute copy* (the run's precision, pinned for fast
+uploads) while the optimizer updates a full-precision *optimizer copy*; gradients land in fp32
+*gradient buffers*, one set per layer, so two layers sharing a parameter (tied embeddings) never
+write the same buffer at the same time. The copies are bridged per *unit* (the trainable
+parameters one layer owns) by exactly two operations: G-copy (buffers -> optimizer copy's .grad)
+and P-copy (optimizer copy -> compute copy). Which of them may run when is decided by the
+scheduler's rules, never here.
+
+The user's optimizer is used as it is: the factory is called once per unit, on that unit's fp32
+parameters, so each unit can be stepped on its own (shallow units first) without touching torch's
+optimizer internals. When a module parameter already is fp32 it *is* the optimizer copy, so the
+user's module holds the current weights without any copy back.
+
+This module must never decide ordering or start threads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.errors import ModelError
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling for fp16: halve on overflow (the step is skipped), double after
+    ``growth_interval`` clean steps."""
+
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    dynamic: bool = True
+    clean_steps: int = 0
+    skipped_steps: int = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            if found_inf:
+                self.skipped_steps += 1
+            return
+        if found_inf:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self.clean_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class HostModel:
+    """Host copies of a layer sequence's parameters, per-layer gradient buffers and per-unit
+    optimizers. See the module docstring."""
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        source: nn.Module,
+        *,
+        precision: str = "fp32",
+        optimizer: OptimizerFactory | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        self.layers = layers
+        self.source = source
+        self.dtype = PRECISION_DTYPES[precision]
+        self.pin_memory = pin_memory
+        # Named parameters of each layer (names as the layer sees them).
+        self.layer_params: list[list[tuple[str, nn.Parameter]]] = [
+            list(layer.named_parameters()) for layer in layers
+        ]
+        # The shallowest layer that holds a parameter owns it.
+        self.owner_of: dict[int, int] = {}
+        for index, named in enumerate(self.layer_params):
+            for _, param in named:
+                self.owner_of.setdefault(id(param), index)
+        self.unit_params: dict[int, list[nn.Parameter]] = {}
+        seen: set[int] = set()
+        for named in self.layer_params:
+            for _, param in named:
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    self.unit_params.setdefault(self.owner_of[id(param)], []).append(param)
+        if not self.unit_params:
+            raise ModelError("the model has no trainable parameter (every requires_grad is False)")
+        self.units: list[int] = sorted(self.unit_params)
+        self.owners: list[tuple[int, ...]] = [
+            tuple(sorted({self.owner_of[id(p)] for _, p in named if p.requires_grad}))
+            for named in self.layer_params
+        ]
+        # The three copies.
+        self.master: dict[int, torch.Tensor] = {}
+        self.compute: dict[int, torch.Tensor] = {}
+        for named in self.layer_params:
+            for _, param in named:
+                if id(param) in self.compute:
+                    continue
+                if param.requires_grad:
+                    if param.dtype == torch.float32 and param.device.type == "cpu":
+                        master = param  # the module's own tensor is the fp32 optimizer copy
+                    else:
+                        master = param.detach().to("cpu", torch.float32).clone()
+                    self.master[id(param)] = master
+                    self.compute[id(param)] = self._compute_tensor(param)
+                elif param.dtype == self.dtype and param.device.type == "cpu" and not pin_memory:
+                    self.compute[id(param)] = param.detach()  # frozen: never changes, no copy needed
+                else:
+                    self.compute[id(param)] = self._compute_tensor(param)
+        self.grad_buffers: list[dict[str, torch.Tensor]] = [
+            {
+                name: torch.zeros(param.shape, dtype=torch.float32)
+                for name, param in named
+                if param.requires_grad
+            }
+            for named in self.layer_params
+        ]
+        factory = optimizer or default_optimizer
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.schedulers: dict[int, Any] = {}
+        for unit in self.units:
+            masters = [self.master[id(p)] for p in self.unit_params[unit]]
+            opt = factory(masters)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ModelError(
+                    f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer; "
+                    "pass e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4)"
+                )
+            self.optimizers[unit] = opt
+            if lr_scheduler is not None:
+                self.schedulers[unit] = lr_scheduler(opt)
+        self.clip_coef = 1.0
+        self.found_inf = False
+        self.last_grad_norm: float | None = None
+
+    def _compute_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        tensor = param.detach().to("cpu", self.dtype).clone()
+        return tensor.pin_memory() if self.pin_memory else tensor
+
+    # ------------------------------------------------------------------ sizes
+
+    def param_bytes(self) -> tuple[int, ...]:
+        return tuple(
+            sum(self.compute[id(p)].numel() * self.compute[id(p)].element_size() for _, p in named)
+            for named in self.layer_params
+        )
+
+    def layer_numel(self) -> tuple[int, ...]:
+        return tuple(sum(p.numel() for _, p in named) for named in self.layer_params)
+
+    def trainable_numel(self) -> int:
+        return sum(p.numel() for params in self.unit_params.values() for p in params)
+
+    # ------------------------------------------------------------------ the four optimizer-lane operations
+
+    @torch.no_grad()
+    def g_copy(self, unit: int, scale: float = 1.0) -> None:
+        """Add every gradient buffer of ``unit``'s parameters into the fp32 ``.grad`` and zero them."""
+        inv = 1.0 / scale
+        for index, named in enumerate(self.layer_params):
+            buffers = self.grad_buffers[index]
+            for name, param in named:
+                if not param.requires_grad or self.owner_of[id(param)] != unit:
+                    continue
+                buf = buffers[name]
+                master = self.master[id(param)]
+                if master.grad is None:
+                    master.grad = buf * inv if inv != 1.0 else buf.clone()
+                elif inv != 1.0:
+                    master.grad.add_(buf, alpha=inv)
+                else:
+                    master.grad.add_(buf)
+                buf.zero_()
+
+    @torch.no_grad()
+    def grad_norm(self, max_norm: float | None, check_finite: bool) -> None:
+        """Global gradient norm over all units: sets ``clip_coef`` and ``found_inf``."""
+        total = 0.0
+        for unit in self.units:
+            for param in self.unit_params[unit]:
+                grad = self.master[id(param)].grad
+                if grad is not None:
+                    total += float(torch.linalg.vector_norm(grad, 2.0)) ** 2
+        norm = math.sqrt(total)
+        self.last_grad_norm = norm
+        self.found_inf = check_finite and not math.isfinite(norm)
+        if max_norm is not None and math.isfinite(norm):
+            self.clip_coef = min(1.0, max_norm / (norm + 1e-6))
+        else:
+            self.clip_coef = 1.0
+
+    @torch.no_grad()
+    def step(self, unit: int) -> None:
+        opt = self.optimizers[unit]
+        masters = [self.master[id(p)] for p in self.unit_params[unit]]
+        if not self.found_inf:
+            if self.clip_coef < 1.0:
+                for master in masters:
+                    if master.grad is not None:
+                        master.grad.mul_(self.clip_coef)
+            opt.step()
+            scheduler = self.schedulers.get(unit)
+            if scheduler is not None:
+                scheduler.step()
+        for master in masters:
+            master.grad = None
+
+    @torch.no_grad()
+    def p_copy(self, unit: int) -> None:
+        for param in self.unit_params[unit]:
+            self.compute[id(param)].copy_(self.master[id(param)])
+
+    def p_copy_all(self) -> None:
+        for unit in self.units:
+            self.p_copy(unit)
+
+    @torch.no_grad()
+    def zero_grad_buffers(self) -> None:
+        for buffers in self.grad_buffers:
+            for buf in buffers.values():
+                buf.zero_()
+
+    @torch.no_grad()
+    def sync_module(self) -> None:
+        """Write the optimizer copy into module parameters that are not themselves the copy."""
+        for unit in self.units:
+            for param in self.unit_params[unit]:
+                master = self.master[id(param)]
+                if master is not param:
+                    param.copy_(master)
+
+    # ------------------------------------------------------------------ state
+
+    def named_masters(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(source name, module parameter, optimizer copy) for every trainable parameter."""
+        for name, param in self.source.named_parameters():
+            if id(param) in self.master:
+                yield name, param, self.master[id(param)]
+
+    def named_compute(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.source.named_parameters():
+            if id(param) in self.master:
+                yield name, self.compute[id(param)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizers": {unit: opt.state_dict() for unit, opt in self.optimizers.items()},
+            "schedulers": {unit: s.state_dict() for unit, s in self.schedulers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state["optimizers"]) != set(self.optimizers):
+            raise ModelError(
+                f"optimizer state has units {sorted(state['optimizers'])} but this model has {self.units}; "
+                "was it saved from a different model?"
+            )
+        for unit, opt_state in state["optimizers"].items():
+            self.optimizers[unit].load_state_dict(opt_state)
+        for unit, sched_state in state.get("schedulers", {}).items():
+            if unit in self.schedulers:
+                self.schedulers[unit].load_state_dict(sched_state)
