@@ -241,8 +241,6 @@ class RoundPipe:
                 "loss_fn is required for this model (its last layer does not compute a loss): "
                 "pass forward_backward(inputs, targets, loss_fn) with loss_fn(output, target) -> scalar"
             )
-        if loss_fn is not None and targets is None and not self._sequence.computes_loss:
-            raise InputError("targets is None but a loss_fn was given; pass the targets to compare against")
         input_parts, target_parts, weights = microbatches(inputs, targets, self.config.num_microbatches)
         iteration = self._iteration
         scale = self._scaler.scale if self._scaler is not None else 1.0

@@ -108,6 +108,17 @@ def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any
     return obj
 
 
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors to ``dtype`` (model inputs enter the compute precision)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, Mapping):
+        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(cast_floating(v, dtype) for v in obj)
+    return obj
+
+
 def detach(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach()
@@ -260,9 +271,9 @@ class Runtime:
         data = self.iterations[t]
         device = self.device(task.device)
         if start == 0 and task.stage_kind != "bwd":
-            value: Any = data.inputs[mb]
+            value: Any = cast_floating(data.inputs[mb], self.host.dtype)
         elif start == 0:
-            value = (data.inputs[mb], self.gradients.pop((t, task.layers.stop, mb)))
+            value = (cast_floating(data.inputs[mb], self.host.dtype), self.gradients.pop((t, task.layers.stop, mb)))
         elif task.stage_kind == "fwd":
             key = (t, start, mb)
             value = self.activations[key] if start in data.boundaries else self.activations.pop(key)
@@ -340,7 +351,8 @@ class Runtime:
             else:
                 target = to_device(data.targets[mb], self.device(task.device))
                 try:
-                    loss = data.loss_fn(out, target)
+                    # The loss is computed in fp32 whatever the compute precision.
+                    loss = data.loss_fn(cast_floating(out, torch.float32), target)
                 except Exception as exc:
                     raise StageError(
                         f"loss_fn raised {type(exc).__name__}: {exc} (stage {task.stage} on device "

@@ -1,0 +1,86 @@
+"""Small models and plain-PyTorch reference loops shared by the training tests.
+
+The references are deliberately naive (one device, full batch, the textbook loop) so a bug in
+roundpipe cannot hide in them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mlp(seed: int = 0, width: int = 16, depth: int = 4, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(8, width), nn.Tanh()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(width, 4))
+    return nn.Sequential(*layers)
+
+
+def batches(n: int, batch: int = 12, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g)) for _ in range(n)]
+
+
+def sync_reference(
+    model: nn.Module,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """The plain loop: loss on the full batch, backward, step, zero_grad. Returns the losses and
+    the weights after every step."""
+    opt = optimizer(list(model.parameters()))
+    losses, weights = [], []
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        weights.append(copy.deepcopy(model.state_dict()))
+    return losses, weights
+
+
+def async_reference(
+    model: nn.Module,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Staleness 1: the gradient of iteration t is taken at the weights after step t-2 (the
+    initial weights for t = 0, 1) and applied by the optimizer to the newest weights."""
+    opt = optimizer(list(model.parameters()))
+    history = [copy.deepcopy(model.state_dict())]  # history[k] = weights after k steps
+    shadow = copy.deepcopy(model)
+    losses, weights = [], []
+    for t, (x, y) in enumerate(data):
+        shadow.load_state_dict(history[max(0, t - 1)])
+        shadow.zero_grad()
+        loss = loss_fn(shadow(x), y)
+        loss.backward()
+        for p, s in zip(model.parameters(), shadow.parameters(), strict=True):
+            p.grad = s.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        history.append(copy.deepcopy(model.state_dict()))
+        losses.append(float(loss))
+        weights.append(copy.deepcopy(model.state_dict()))
+    return losses, weights
+
+
+def assert_weights_equal(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,0 +1,128 @@
+"""Error paths: clear messages, host copies intact, the pipe usable afterwards, no thread left."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from tests.helpers import assert_weights_equal, batches, mlp
+
+mse = nn.functional.mse_loss
+
+
+class Flaky(nn.Module):
+    """Raises on inputs whose first value is negative after a marker, else the identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise ValueError("bad activation")
+        return x
+
+
+def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def roundpipe_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_layer_exception_names_layer_stage_device_microbatch_and_pipe_recovers(async_optimizer: bool) -> None:
+    torch.manual_seed(0)
+    flaky = Flaky()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), flaky, nn.Linear(8, 4))
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=async_optimizer, replan=False)
+    data = batches(3)
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        pipe.forward_backward(*data[0], mse)
+        pipe.step()
+        pipe.synchronize()
+        before = copy.deepcopy(model.state_dict())
+        flaky.armed = True
+        with pytest.raises(roundpipe.StageError) as info:
+            pipe.forward_backward(*data[1], mse)
+        message = str(info.value)
+        assert "layer 2 (2) raised ValueError: bad activation" in message
+        assert "stage " in message and "on device " in message and "microbatch " in message
+        assert isinstance(info.value.__cause__, ValueError)
+        pipe.synchronize()
+        # Host copies intact: the failed iteration changed nothing.
+        assert_weights_equal(model.state_dict(), before, rtol=0, atol=0)
+        flaky.armed = False
+        loss = pipe.forward_backward(*data[2], mse)
+        pipe.step()
+        pipe.synchronize()
+        assert loss == loss  # a number, not NaN
+    assert roundpipe_threads() == []
+
+
+def test_loss_fn_errors_are_reported_with_the_stage() -> None:
+    def broken_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise KeyError("oops")
+
+    with roundpipe.RoundPipe(mlp(), optimizer=sgd, config=roundpipe.RunConfig(devices="cpu:2")) as pipe:
+        with pytest.raises(roundpipe.StageError, match=r"loss_fn raised KeyError: 'oops' \(stage FB"):
+            pipe.forward_backward(*batches(1)[0], broken_loss)
+        with pytest.raises(roundpipe.StageError, match="the loss must be a scalar tensor, got shape"):
+            pipe.forward_backward(*batches(1)[0], lambda out, t: out)
+
+
+def test_inputs_that_cannot_be_split() -> None:
+    with roundpipe.RoundPipe(mlp(), optimizer=sgd, config=roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)) as pipe:
+        x, y = batches(1)[0]
+        with pytest.raises(roundpipe.InputError, match="has 3 sample\\(s\\) but num_microbatches=4"):
+            pipe.forward_backward(x[:3], y[:3], mse)
+        with pytest.raises(roundpipe.InputError, match="inputs have batch size 12 but targets have 5"):
+            pipe.forward_backward(x, y[:5], mse)
+        with pytest.raises(roundpipe.InputError, match="0-d tensor"):
+            pipe.forward_backward(torch.tensor(1.0), None, mse)
+        with pytest.raises(roundpipe.InputError, match="disagree on the batch size"):
+            pipe.forward_backward({"a": x, "b": x[:4]}, y, mse)
+        with pytest.raises(roundpipe.InputError, match="loss_fn is required"):
+            pipe.forward_backward(x, y)
+        # Still usable.
+        pipe.forward_backward(x, y, mse)
+
+
+def test_model_that_is_not_a_sequence_lists_what_is_supported() -> None:
+    with pytest.raises(roundpipe.ModelError, match=r"(?s)Sequential.*Qwen3ForCausalLM"):
+        roundpipe.RoundPipe(nn.Linear(3, 3), optimizer=sgd)
+
+
+def test_bad_config_messages() -> None:
+    with pytest.raises(roundpipe.ConfigError, match="devices: 'gpu' is not understood"):
+        roundpipe.RunConfig(devices="gpu")
+    with pytest.raises(roundpipe.ConfigError, match="num_microbatches"):
+        roundpipe.RunConfig(num_microbatches=0)
+    with pytest.raises(roundpipe.ConfigError, match="precision"):
+        roundpipe.RunConfig(precision="fp8")
+    with pytest.raises(roundpipe.ConfigError, match="round_size=9 exceeds num_microbatches=4"):
+        roundpipe.RunConfig(round_size=9, num_microbatches=4)
+    with pytest.raises(roundpipe.ConfigError, match="config must be a roundpipe.RunConfig"):
+        roundpipe.RoundPipe(mlp(), config={"devices": "cpu:2"})  # type: ignore[arg-type]
+
+
+def test_optimizer_factory_must_return_an_optimizer() -> None:
+    with pytest.raises(roundpipe.ModelError, match="not a torch.optim.Optimizer"):
+        roundpipe.RoundPipe(mlp(), optimizer=lambda params: params)  # type: ignore[arg-type,return-value]
+
+
+def test_closed_pipe_refuses_work_and_leaves_no_threads() -> None:
+    pipe = roundpipe.RoundPipe(mlp(), optimizer=sgd, config=roundpipe.RunConfig(devices="cpu:3"))
+    pipe.forward_backward(*batches(1)[0], mse)
+    assert roundpipe_threads()
+    pipe.close()
+    pipe.close()  # idempotent
+    assert roundpipe_threads() == []
+    with pytest.raises(roundpipe.PipeClosedError, match="closed"):
+        pipe.forward_backward(*batches(1)[0], mse)

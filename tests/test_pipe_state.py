@@ -1,0 +1,89 @@
+"""state_dict / load_state_dict: a resumed run continues exactly like an uninterrupted one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from tests.helpers import assert_weights_equal, batches, mlp
+
+mse = nn.functional.mse_loss
+
+
+def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def config(async_optimizer: bool) -> roundpipe.RunConfig:
+    return roundpipe.RunConfig(devices="cpu:2", num_microbatches=3, async_optimizer=async_optimizer)
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_resume_continues_exactly(async_optimizer: bool) -> None:
+    data = batches(6)
+    # Uninterrupted.
+    full = mlp()
+    with roundpipe.RoundPipe(full, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler) as pipe:
+        full_losses = []
+        for x, y in data:
+            full_losses.append(pipe.forward_backward(x, y, mse))
+            pipe.step()
+        pipe.synchronize()
+    # Interrupted after 3 steps; the state goes through torch.save like a real checkpoint.
+    first = mlp()
+    with roundpipe.RoundPipe(first, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler) as pipe:
+        losses = []
+        for x, y in data[:3]:
+            losses.append(pipe.forward_backward(x, y, mse))
+            pipe.step()
+        state = pipe.state_dict()
+    buffer = __import__("io").BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    second = mlp(seed=99)  # different initial weights: everything must come from the state
+    with roundpipe.RoundPipe(second, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler) as pipe:
+        pipe.load_state_dict(state)
+        assert pipe.step_count == 3
+        for x, y in data[3:]:
+            losses.append(pipe.forward_backward(x, y, mse))
+            pipe.step()
+        pipe.synchronize()
+    assert losses == full_losses
+    assert_weights_equal(second.state_dict(), full.state_dict(), rtol=0, atol=0)
+
+
+def test_state_dict_holds_weights_optimizer_step_and_config() -> None:
+    model = mlp()
+    with roundpipe.RoundPipe(model, optimizer=adamw, config=config(True)) as pipe:
+        x, y = batches(1)[0]
+        pipe.forward_backward(x, y, mse)
+        pipe.step()
+        state = pipe.state_dict()
+    assert state["step"] == 1 and state["iteration"] == 1
+    assert state["config"]["async_optimizer"] is True
+    assert set(state["model"]) == {n for n, _ in model.named_parameters()}
+    assert "in_flight_weights" in state
+    assert all("state" in opt for opt in state["host"]["optimizers"].values())
+
+
+def test_load_rejects_a_mismatched_state() -> None:
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=config(False)) as pipe:
+        with pytest.raises(roundpipe.ConfigError, match="not a RoundPipe state_dict"):
+            pipe.load_state_dict({"weights": 1})
+        state = pipe.state_dict()
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=config(True)) as pipe:
+        with pytest.raises(roundpipe.ConfigError, match="resume with the same mode"):
+            pipe.load_state_dict(state)
+    other = nn.Sequential(nn.Linear(8, 4))
+    with roundpipe.RoundPipe(other, optimizer=adamw, config=config(False)) as pipe:
+        with pytest.raises(roundpipe.ConfigError, match="does not match the model"):
+            pipe.load_state_dict(copy.deepcopy(state))
