@@ -108,12 +108,12 @@ def test_bad_config_messages() -> None:
         roundpipe.RunConfig(precision="fp8")
     with pytest.raises(roundpipe.ConfigError, match="round_size=9 exceeds num_microbatches=4"):
         roundpipe.RunConfig(round_size=9, num_microbatches=4)
-    with pytest.raises(roundpipe.ConfigError, match="config must be a roundpipe.RunConfig"):
+    with pytest.raises(roundpipe.ConfigError, match=r"config must be a roundpipe\.RunConfig"):
         roundpipe.RoundPipe(mlp(), config={"devices": "cpu:2"})  # type: ignore[arg-type]
 
 
 def test_optimizer_factory_must_return_an_optimizer() -> None:
-    with pytest.raises(roundpipe.ModelError, match="not a torch.optim.Optimizer"):
+    with pytest.raises(roundpipe.ModelError, match=r"not a torch\.optim\.Optimizer"):
         roundpipe.RoundPipe(mlp(), optimizer=lambda params: params)  # type: ignore[arg-type,return-value]
 
 
