@@ -229,8 +229,8 @@ class Runtime:
         for store in (self.activations, self.gradients, self.inbox, self.outbox):
             for key in [k for k in store if k[0] == iteration]:
                 del store[key]
-        for key in [k for k in self.transient if k[1][0] == iteration]:
-            del self.transient[key]
+        for run_key in [k for k in self.transient if k[1][0] == iteration]:
+            del self.transient[run_key]
 
     def reset(self) -> None:
         """Drop everything in flight (after a failure)."""

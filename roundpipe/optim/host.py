@@ -120,6 +120,7 @@ class HostModel:
                 if id(param) in self.compute:
                     continue
                 if param.requires_grad:
+                    master: torch.Tensor
                     if param.dtype == torch.float32 and param.device.type == "cpu":
                         master = param  # the module's own tensor is the fp32 optimizer copy
                     else:
