@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
-from roundpipe.sched.engine import Engine
+from roundpipe.sched.engine import Engine, EngineStatistics
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import run_sync
+from roundpipe.sched.task import Task
 from roundpipe.sched.trace import BubbleReport, Trace
 
 
@@ -28,6 +29,7 @@ class SimulationResult:
     bubble: BubbleReport
     utilisation: dict[int, float]  # per device: busy fraction of the compute lane
     steady_bubble_ratio: float | None = None  # async runs of >= 3 iterations: bubble of the middle iterations
+    statistics: EngineStatistics | None = None  # the engine's counts at the end (nothing left waiting)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -81,15 +83,21 @@ def simulate(
     if perturbation is not None and not isinstance(perturbation, Perturbation):
         raise TypeError("perturbation must be a roundpipe.backends.fake.Perturbation")
     backend = FakeBackend(model, perturbation=perturbation, shared_link=shared_link)
-    trace = Trace(meta=builder.meta())
+    # The fake backend's resource sharing changes who waits for whom: replay needs to know it.
+    trace = Trace(meta={**builder.meta(), "shared_link": shared_link})
     engine = Engine(backend, trace=trace)
     iteration_computes: list[list[tuple[object, ...]]] = []
+
+    batch_sizes: list[int] = []
+    trace.meta["submit_batches"] = batch_sizes  # replay re-submits the same batches
 
     async def main() -> None:
         for it in range(iterations):
             graph = builder.forward_backward(it, it, num_microbatches)
+            step_tasks = builder.optimizer_step(it)
             engine.submit(graph.tasks)
-            engine.submit(builder.optimizer_step(it))
+            engine.submit(step_tasks)
+            batch_sizes.extend((len(graph.tasks), len(step_tasks)))
             iteration_computes.append([t.key for t in graph.tasks if t.kind == "compute"])
         await engine.wait()
 
@@ -108,34 +116,55 @@ def simulate(
         bubble=report,
         utilisation={d: 1.0 - b for d, b in report.per_device.items()},
         steady_bubble_ratio=steady,
+        statistics=engine.statistics(),
     )
 
 
 def replay(trace: Trace) -> Trace:
     """Re-run a recorded trace's task graph on the fake backend with the recorded durations.
 
-    Tasks are submitted at their recorded submission times, in their recorded order, so a
-    trace of a fake run replays to exactly the same order, and a trace of a real run shows how
-    the same graph behaves without the noise of a real machine.
+    Tasks are submitted at their recorded submission times, in their recorded order and (when the
+    trace says how, as `simulate` does) in the same batches, on a fake backend with the same link
+    sharing, so a trace of a fake run replays to exactly the same order and times, and a trace of
+    a real run shows how the same graph behaves without the noise of a real machine.
     """
     from roundpipe.backends.fake import FakeBackend
 
     records = sorted(trace.records, key=lambda t: t.seq)
-    durations = {t.key: t.end_t - t.start_t for t in records}
-    backend = FakeBackend(durations=durations)
+    recorded = {t.key: (t.start_t, t.end_t) for t in records}
+
+    def duration(task: Task) -> float:
+        start, end = recorded[task.key]
+        now = backend.now()
+        if now == start:
+            return end - now  # now + (end - now) gives back the recorded end (ties stay ties)
+        return end - start
+
+    # A fake run whose devices shared one link per direction replays with the same sharing.
+    backend = FakeBackend(durations=duration, shared_link=bool(trace.meta.get("shared_link", False)))
     out = Trace(meta=dict(trace.meta))
     engine = Engine(backend, trace=out)
-    batches: list[tuple[float, list]] = []
-    for task in records:
-        fresh = task.clone()
-        if batches and batches[-1][0] == task.submit_t:
-            batches[-1][1].append(fresh)
-        else:
-            batches.append((task.submit_t, [fresh]))
+    batches: list[tuple[float, list[Task]]] = []
+    sizes = _batch_sizes(trace.meta.get("submit_batches"), len(records))
+    if sizes is None:  # unknown: tasks submitted at one time form one batch
+        for task in records:
+            if batches and batches[-1][0] == task.submit_t:
+                batches[-1][1].append(task.clone())
+            else:
+                batches.append((task.submit_t, [task.clone()]))
+    else:
+        at = 0
+        for size in sizes:
+            chunk = records[at : at + size]
+            at += size
+            if chunk:
+                batches.append((chunk[0].submit_t, [t.clone() for t in chunk]))
 
     async def main() -> None:
         for submit_t, batch in batches:
-            while backend.next_time() is not None and backend.next_time() <= submit_t:  # type: ignore[operator]
+            # Finish what ended before this submission; what ends at that very time is still
+            # running when the batch arrives (as it was: a run submits before it advances).
+            while backend.next_time() is not None and backend.next_time() < submit_t:  # type: ignore[operator]
                 backend.advance()
             backend.set_clock(max(backend.now(), submit_t))
             engine.submit(batch)
@@ -143,3 +172,10 @@ def replay(trace: Trace) -> Trace:
 
     run_sync(main())
     return out
+
+
+def _batch_sizes(sizes: object, count: int) -> list[int] | None:
+    """The recorded submission batches, when they are known and describe exactly ``count`` tasks."""
+    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
+        return None
+    return sizes if sum(sizes) == count else None

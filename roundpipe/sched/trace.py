@@ -25,6 +25,16 @@ from roundpipe.sched.task import COMPUTE, Task
 TRACE_FORMAT = "roundpipe.trace/1"
 
 
+def _json_type(value: Any) -> str:
+    """How JSON names the type of a parsed value (for error messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    names = {dict: "object", list: "array", str: "string", int: "number", float: "number"}
+    return names.get(type(value), type(value).__name__)
+
+
 @dataclass(frozen=True)
 class BubbleReport:
     """Idle time over the span of the compute lanes: per device and overall."""
@@ -93,7 +103,8 @@ class Trace:
             if overlap > 0:
                 busy[task.device] = busy.get(task.device, 0.0) + overlap
         devices = sorted({t.device for t in computes})
-        per_device = {d: 1.0 - busy.get(d, 0.0) / span for d in devices}
+        # Clamped: summing float durations can overshoot the span by an ulp (a bubble of -2e-16).
+        per_device = {d: min(1.0, max(0.0, 1.0 - busy.get(d, 0.0) / span)) for d in devices}
         overall = sum(per_device.values()) / len(per_device)
         return BubbleReport(per_device, overall, hi - lo, {d: busy.get(d, 0.0) for d in devices})
 
@@ -110,11 +121,28 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trace:
+        """The inverse of `to_dict`; anything else raises `ValueError` saying what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"not a roundpipe trace (a JSON {_json_type(data)}, expected an object with "
+                f'"format": {TRACE_FORMAT!r})'
+            )
         if data.get("format") != TRACE_FORMAT:
             raise ValueError(
                 f"not a roundpipe trace (format {data.get('format')!r}, expected {TRACE_FORMAT!r})"
             )
-        return cls([Task.from_dict(d) for d in data["tasks"]], data.get("meta", {}))
+        tasks, meta = data.get("tasks"), data.get("meta", {})
+        if not isinstance(tasks, list):
+            raise ValueError(f'not a roundpipe trace ("tasks" is a JSON {_json_type(tasks)}, expected an array)')
+        if not isinstance(meta, dict):
+            raise ValueError(f'not a roundpipe trace ("meta" is a JSON {_json_type(meta)}, expected an object)')
+        records = []
+        for i, d in enumerate(tasks):
+            try:
+                records.append(Task.from_dict(d))
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                raise ValueError(f"not a roundpipe trace (task record {i} is malformed: {exc!r})") from exc
+        return cls(records, meta)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the trace as JSON, atomically (temp file + rename)."""
