@@ -23,7 +23,7 @@ from torch import nn
 
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
-from roundpipe.errors import ConfigError, InputError, PipeClosedError, ScheduleError, TaskFailedError
+from roundpipe.errors import ConfigError, InputError, PipeClosedError, PlanError, ScheduleError, TaskFailedError
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.plan import LayerCosts, Plan, partition
@@ -36,11 +36,11 @@ T = TypeVar("T")
 STATE_FORMAT = "roundpipe.state/1"
 
 
-def _estimate_costs(numel: tuple[int, ...], param_bytes: tuple[int, ...]) -> LayerCosts:
+def _estimate_costs(numel: tuple[int, ...], param_bytes: tuple[int, ...], names: tuple[str, ...]) -> LayerCosts:
     """Before anything was measured: forward time proportional to parameters (plus a floor so
     parameter-free layers are not free), backward twice the forward."""
     fwd = [1e-6 * n + 1e-3 for n in numel]
-    return LayerCosts(tuple(fwd), tuple(2 * f for f in fwd), tuple(param_bytes))
+    return LayerCosts(tuple(fwd), tuple(2 * f for f in fwd), tuple(param_bytes), names)
 
 
 class RoundPipe:
@@ -103,7 +103,7 @@ class RoundPipe:
             scaler=self._scaler,
         )
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
-        self.costs = _estimate_costs(self.host.layer_numel(), self._spec.param_bytes)
+        self.costs = _estimate_costs(self.host.layer_numel(), self._spec.param_bytes, tuple(self._sequence.names))
         self.plan: Plan = self._partition(self.costs)
         self._options = ScheduleOptions(
             async_optimizer=config.async_optimizer,
@@ -139,13 +139,20 @@ class RoundPipe:
         return FakeBackend(FakeCostModel(self.costs), execute=self.runtime.run)
 
     def _partition(self, costs: LayerCosts) -> Plan:
-        return partition(
-            costs,
-            self.num_devices,
-            self.config.num_microbatches,
-            self.config.mem_limit_bytes,
-            async_optimizer=self.config.async_optimizer,
-        )
+        try:
+            return partition(
+                costs,
+                self.num_devices,
+                self.config.num_microbatches,
+                self.config.mem_limit_bytes,
+                async_optimizer=self.config.async_optimizer,
+            )
+        except PlanError as exc:
+            raise PlanError(
+                f"{exc}\n(RoundPipe counts a layer's memory as its parameter bytes in the compute "
+                f"precision {self.config.precision!r}: raise RunConfig.mem_limit_bytes "
+                f"(now {self.config.mem_limit_bytes}) or use precision='bf16')"
+            ) from None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -254,8 +261,8 @@ class RoundPipe:
         self._unfinished.append((iteration, graph.done_keys))
         try:
             await self._engine.wait(graph.loss_keys)
-        except (TaskFailedError, ScheduleError):
-            self._recover()
+        except (TaskFailedError, ScheduleError) as exc:
+            self._recover(exc)
             raise
         losses = self.runtime.iterations[iteration].losses
         loss = sum(weights[mb] * losses[mb] for mb in range(len(weights)))
@@ -270,8 +277,8 @@ class RoundPipe:
     async def _synchronize(self) -> None:
         try:
             await self._engine.wait()
-        except (TaskFailedError, ScheduleError):
-            self._recover()
+        except (TaskFailedError, ScheduleError) as exc:
+            self._recover(exc)
             raise
         self._housekeeping()
         self.host.sync_module()
@@ -308,7 +315,7 @@ class RoundPipe:
             self.plan = plan
             self._builder.set_plan(plan)
 
-    def _recover(self) -> None:
+    def _recover(self, error: BaseException) -> None:
         """After a failed task: drop what cannot run, keep the host copies consistent, go on.
 
         The engine has let every task that did not depend on the failure finish, so each
@@ -317,8 +324,8 @@ class RoundPipe:
         """
         try:
             self._engine.cancel_pending()
-        except ScheduleError as exc:  # tasks still running (watchdog): nothing safe to do
-            self._broken = str(exc)
+        except ScheduleError:  # tasks still running (watchdog): nothing safe to do
+            self._broken = str(error).splitlines()[0]
             return
         self.runtime.reset()
         self.host.zero_grad_buffers()
@@ -343,8 +350,14 @@ class RoundPipe:
 
     def state_dict(self) -> dict[str, Any]:
         """Weights (fp32), optimizer and scheduler state, counters, config, loss scaler, and in
-        async mode the weights the next iteration will read (the P-copy still in flight)."""
-        self.synchronize()
+        async mode the weights the next iteration will read (the P-copy still in flight).
+
+        Works on a pipe that stopped after an error it could not recover from: the host copies
+        are then saved as they are (every completed optimizer step is in them)."""
+        if self._broken is None:
+            self.synchronize()
+        elif self._closed:
+            raise PipeClosedError("this RoundPipe is closed; take state_dict() before close()")
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "config": self.config.model_dump(),

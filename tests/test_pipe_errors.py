@@ -126,3 +126,47 @@ def test_closed_pipe_refuses_work_and_leaves_no_threads() -> None:
     assert roundpipe_threads() == []
     with pytest.raises(roundpipe.PipeClosedError, match="closed"):
         pipe.forward_backward(*batches(1)[0], mse)
+
+
+SLOW = {"on": False}
+
+
+class Slow(nn.Module):
+    """Blocks its worker for a while when switched on (a hung kernel, as the watchdog sees it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if SLOW["on"]:
+            import time
+
+            time.sleep(0.8)
+        return x
+
+
+def test_watchdog_names_the_running_task_and_state_dict_still_works() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Slow(), nn.Linear(8, 4))
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, stall_timeout_s=0.2, replan=False)
+    pipe = roundpipe.RoundPipe(model, optimizer=sgd, config=config)
+    try:
+        x, y = batches(1)[0]
+        pipe.forward_backward(x, y, mse)
+        pipe.step()
+        pipe.synchronize()
+        SLOW["on"] = True
+        with pytest.raises(roundpipe.ScheduleError, match=r"watchdog: no task finished for 0\.2 s; still running: compute"):
+            pipe.forward_backward(x, y, mse)
+        with pytest.raises(roundpipe.PipeClosedError, match="watchdog"):
+            pipe.forward_backward(x, y, mse)
+        state = pipe.state_dict()
+        assert state["step"] == 1
+        assert_weights_equal(state["model"], {k: v for k, v in model.state_dict().items()}, rtol=0, atol=0)
+    finally:
+        SLOW["on"] = False
+        pipe.close()
+    assert roundpipe_threads() == []
+
+
+def test_plan_error_from_the_pipe_says_what_to_change() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with pytest.raises(roundpipe.PlanError, match=r"(?s)layer 0 \('0'\).*raise RunConfig\.mem_limit_bytes"):
+        roundpipe.RoundPipe(model, optimizer=sgd, config=roundpipe.RunConfig(mem_limit_bytes=1000))
