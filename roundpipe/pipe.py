@@ -23,7 +23,14 @@ from torch import nn
 
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
-from roundpipe.errors import ConfigError, InputError, PipeClosedError, PlanError, ScheduleError, TaskFailedError
+from roundpipe.errors import (
+    ConfigError,
+    InputError,
+    PipeClosedError,
+    PlanError,
+    ScheduleError,
+    TaskFailedError,
+)
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.plan import LayerCosts, Plan, partition
