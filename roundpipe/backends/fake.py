@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 _H2D = (ACT_UP, PARAM_UP)
 _D2H = (ACT_DOWN, GRAD_DOWN)
+_TRANSFERS = frozenset((PARAM_UP, ACT_UP, ACT_DOWN, GRAD_DOWN))
 
 
 @dataclass
@@ -55,18 +56,24 @@ class FakeCostModel:
     optimizer_ms: float | tuple[float, ...] = 0.0
     copy_fraction: float = 0.1
     latency_ms: float = 0.0
+    # Stage times by (stage kind, layers): a simulation asks for the same few stages thousands of
+    # times, and summing a stage's layers each time was the fake backend's largest cost.
+    _stage_ms: dict[tuple[str, range], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _stage_costs: LayerCosts | None = field(default=None, init=False, repr=False, compare=False)
 
     def duration(self, task: Task) -> float:
         kind = task.kind
         if kind == COMPUTE:
-            layers = task.layers
-            if task.stage_kind == "fwd":
-                ms = self.costs.fwd_stage_ms(layers)
-            elif task.stage_kind == "fused":
-                ms = self.costs.fused_stage_ms(layers)
-            else:
-                ms = self.costs.bwd_stage_ms(layers)
-        elif kind in (PARAM_UP, ACT_UP, ACT_DOWN, GRAD_DOWN):
+            if self._stage_costs is not self.costs:  # first use, or the costs were replaced
+                self._stage_ms.clear()
+                self._stage_costs = self.costs
+            key = (task.stage_kind, task.layers)
+            ms = self._stage_ms.get(key)
+            if ms is None:
+                ms = self._stage_ms[key] = self._compute_ms(task.stage_kind, task.layers)
+        elif kind in _TRANSFERS:
             ms = 0.0 if self.link_gbps is None else task.nbytes / (self.link_gbps * 1e6)
         elif kind == STEP:
             ms = self._optimizer_ms(task)
@@ -77,6 +84,13 @@ class FakeCostModel:
         else:
             ms = 0.0
         return ms + self.latency_ms
+
+    def _compute_ms(self, stage_kind: str, layers: range) -> float:
+        if stage_kind == "fwd":
+            return self.costs.fwd_stage_ms(layers)
+        if stage_kind == "fused":
+            return self.costs.fused_stage_ms(layers)
+        return self.costs.bwd_stage_ms(layers)
 
     def _optimizer_ms(self, task: Task) -> float:
         if isinstance(self.optimizer_ms, tuple):
@@ -128,6 +142,8 @@ class FakeBackend:
         self._heap: list[tuple[float, int, Task]] = []
         self._counter = 0
         self._done: DoneCallback | None = None
+        # Durations straight from the cost model: no overrides, no perturbation.
+        self._plain = durations is None and perturbation is None
 
     def bind(self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None) -> None:
         self._done = done
@@ -163,7 +179,13 @@ class FakeBackend:
 
     def start(self, task: Task) -> None:
         self._counter += 1
-        heapq.heappush(self._heap, (self._clock + self.duration(task), self._counter, task))
+        if self._plain:  # the common case, without the indirections of `duration`
+            ms = self.cost_model.duration(task)  # type: ignore[union-attr]
+            if ms < 0.0:
+                ms = 0.0
+        else:
+            ms = self.duration(task)
+        heapq.heappush(self._heap, (self._clock + ms, self._counter, task))
 
     def advance(self) -> bool:
         if not self._heap:

@@ -31,6 +31,10 @@ from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import Trace
 
 _YIELD_EVERY = 4096  # virtual events between yields to the loop, so other coroutines keep ticking
+# What one stretch of virtual events ended with (see `Engine._advance_virtual`).
+_STUCK = "stuck"  # nothing was running
+_PROGRESS = "progress"  # the awaited tasks are done, or a task failed
+_BUDGET_SPENT = "budget spent"  # _YIELD_EVERY events ran: yield to the loop, then go on
 
 
 @dataclass(frozen=True)
@@ -84,36 +88,58 @@ class Engine:
         self._bind()
         new = list(tasks)
         by_key = self._tasks
+        seq = self._seq
         for task in new:
-            if task.key in by_key:
-                raise ScheduleError(f"duplicate task key {task.key!r}: {task.describe()}")
-            by_key[task.key] = task
+            key = task.key
+            if key in by_key:
+                self._forget_partial(new, task)
+                raise ScheduleError(f"duplicate task key {key!r}: {task.describe()}")
+            by_key[key] = task
+            task.seq = seq
+            seq += 1
+        self._seq = seq
         now = self.backend.now()
         missing = self._missing
+        # A batch is acyclic when no task depends on a task that comes after it in the batch
+        # (graph builders emit tasks in dependency order); only then is the full check skipped.
+        backward = False
         for task in new:
-            task.seq = self._seq
-            self._seq += 1
             unmet = 0
             for dep_key in task.deps:
                 dep = by_key.get(dep_key)
                 if dep is None:
-                    missing.setdefault(dep_key, []).append(task)
+                    waiting = missing.get(dep_key)
+                    if waiting is None:
+                        missing[dep_key] = [task]
+                    else:
+                        waiting.append(task)
                     unmet += 1
                 elif dep.state != "done":
                     dep.dependents.append(task)
                     unmet += 1
+                    if dep.seq >= task.seq:
+                        backward = True
             task.unmet = unmet
             task.state = "waiting"
             task.submit_t = now
         if missing:
             for task in new:
                 waiting = missing.pop(task.key, None)
-                if waiting:
+                if waiting:  # tasks of earlier batches: they cannot close a cycle in this one
                     task.dependents.extend(waiting)
         self._pending += len(new)
-        self._check_acyclic(new)
+        if backward:
+            self._check_acyclic(new)
         touched = [self._push_ready(task, now) for task in new if task.unmet == 0]
         self._start_free(touched)
+
+    def _forget_partial(self, new: list[Task], duplicate: Task) -> None:
+        """Undo the key registrations of a batch refused for a duplicate key (up to ``duplicate``)."""
+        for task in new:
+            if task is duplicate:
+                return
+            self._tasks.pop(task.key, None)
+            task.seq = -1
 
     def _check_acyclic(self, new: list[Task]) -> None:
         """Kahn's algorithm over the edges inside this batch; a leftover means a cycle."""
@@ -175,7 +201,7 @@ class Engine:
     def _push_ready(self, task: Task, now: float) -> _Resource:
         task.state = "ready"
         task.ready_t = now
-        res = self._resource(task.lane)
+        res = self._resource_of_lane.get(task.lane) or self._resource(task.lane)
         heapq.heappush(res.heap, (-task.priority, task.seq, task))
         self._ready += 1
         return res
@@ -187,11 +213,12 @@ class Engine:
                 self._start_next(res)
 
     def _start_next(self, res: _Resource) -> None:
-        _, _, task = heapq.heappop(res.heap)
+        heap = res.heap
+        task = heapq.heappop(heap)[2]
         while task.state == "cancelled":
-            if not res.heap:
+            if not heap:
                 return
-            _, _, task = heapq.heappop(res.heap)
+            task = heapq.heappop(heap)[2]
         self._ready -= 1
         res.busy = True
         task.state = "running"
@@ -200,6 +227,9 @@ class Engine:
         self.backend.start(task)
 
     def _task_done(self, task: Task, error: BaseException | None = None) -> None:
+        # The hot path: one call per finished task. It does the work of `_push_ready` and
+        # `_start_free` inline (same order: the freed resource first, then the resources of the
+        # newly ready tasks in dependents order) because method calls dominate its cost.
         now = self.backend.now()
         task.end_t = now
         self._running -= 1
@@ -217,13 +247,35 @@ class Engine:
             self._pending -= 1
             self._done += 1
             self.trace.records.append(task)
-            touched = [res]
-            for dep in task.dependents:
-                dep.unmet -= 1
-                if dep.unmet == 0:
-                    touched.append(self._push_ready(dep, now))
-            task.dependents = []
-            self._start_free(touched)
+            dependents = task.dependents
+            others: list[_Resource] | None = None
+            if dependents:
+                resource_of_lane = self._resource_of_lane
+                heappush = heapq.heappush
+                pushed = 0
+                for dep in dependents:
+                    unmet = dep.unmet - 1
+                    dep.unmet = unmet
+                    if unmet:
+                        continue
+                    dep.state = "ready"
+                    dep.ready_t = now
+                    target = resource_of_lane.get(dep.lane) or self._resource(dep.lane)
+                    heappush(target.heap, (-dep.priority, dep.seq, dep))
+                    pushed += 1
+                    if target is not res and not target.busy:
+                        if others is None:
+                            others = [target]
+                        else:
+                            others.append(target)
+                self._ready += pushed
+                task.dependents = []
+            if res.heap:
+                self._start_next(res)
+            if others is not None:
+                for target in others:
+                    if not target.busy and target.heap:
+                        self._start_next(target)
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
@@ -261,7 +313,6 @@ class Engine:
         self._bind()
         targets = None if keys is None else [self.task(k) for k in keys]
         index = 0
-        events = 0
         backend = self.backend
         while True:
             if self._failed and self._running == 0 and self._ready == 0:
@@ -277,19 +328,35 @@ class Engine:
                 if index == len(targets):
                     return
             if backend.virtual:
-                if not backend.advance():
+                outcome = self._advance_virtual(targets[index] if targets is not None else None)
+                if outcome is _STUCK:
                     if self._failed:
                         self._raise_failure()
                     self._raise_stall(targets[index:] if targets is not None else None)
-                events += 1
-                if events % _YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
+                if outcome is _BUDGET_SPENT:
+                    await asyncio.sleep(0)  # let other coroutines on the loop tick
             else:
                 if self._running == 0:
                     if self._failed:
                         self._raise_failure()
                     self._raise_stall(targets[index:] if targets is not None else None)
                 await self._sleep_until_progress()
+
+    def _advance_virtual(self, target: Task | None) -> str:
+        """Complete up to `_YIELD_EVERY` virtual events; stop early when ``target`` (None: every
+        submitted task) is done or a task failed, so `wait` can re-check its exit conditions."""
+        advance = self.backend.advance
+        for _ in range(_YIELD_EVERY):
+            if not advance():
+                return _STUCK
+            if self._failed:
+                return _PROGRESS
+            if target is None:
+                if self._pending == 0:
+                    return _PROGRESS
+            elif target.state == "done":
+                return _PROGRESS
+        return _BUDGET_SPENT
 
     async def _sleep_until_progress(self) -> None:
         loop = asyncio.get_running_loop()

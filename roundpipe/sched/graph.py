@@ -33,6 +33,7 @@ from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
     COMPUTE,
+    DEVICE_LANES,
     G_COPY,
     GRAD_DOWN,
     GRAD_NORM,
@@ -138,6 +139,7 @@ class GraphBuilder:
         self.options = options
         self.ledgers: dict[int, UnitLedger] = {u: UnitLedger() for u in spec.units}
         self._device_runs: dict[int, list[Key]] = {}
+        self._lanes: dict[int, dict[str, str]] = {}  # device -> lane kind -> lane name
         self._first_device = 0
         self._iterations_of_step: dict[int, list[int]] = {}
         self._last_step = first_step - 1
@@ -186,6 +188,7 @@ class GraphBuilder:
         g_copy_needed: set[int] = set()
         act_bytes = spec.act_bytes
 
+        lanes = self._lanes
         for run in runs:
             slot = run.slot
             d = run.device
@@ -194,6 +197,11 @@ class GraphBuilder:
             si = slot.index
             layers = slot.layers
             mbs = run.microbatches
+            # Hoisted out of the per-task loops below: they are the same for every task of the run.
+            name, kind = slot.name, slot.kind
+            lane = lanes.get(d)
+            if lane is None:
+                lane = lanes[d] = {x: device_lane(d, x) for x in DEVICE_LANES}
             history = self._device_runs.setdefault(d, [])
             prefetch_dep = [history[-2]] if len(history) >= 2 else []
 
@@ -209,17 +217,17 @@ class GraphBuilder:
                 for unit in spec.owners[layer]:
                     deps += rules.no_torn_weights(ledgers[unit], version, self.base_version)
                 for part in range(parts):
-                    key = (PARAM_UP, t, r, si, layer, part)
+                    key: Key = (PARAM_UP, t, r, si, layer, part)
                     tasks.append(
                         Task(
                             key,
                             PARAM_UP,
-                            device_lane(d, "param_up"),
+                            lane["param_up"],
                             deps=deps,
                             device=d,
                             layers=range(layer, layer + 1),
-                            stage=slot.name,
-                            stage_kind=slot.kind,
+                            stage=name,
+                            stage_kind=kind,
                             slot=si,
                             iteration=t,
                             round=r,
@@ -246,18 +254,18 @@ class GraphBuilder:
                     Task(
                         up_key,
                         ACT_UP,
-                        device_lane(d, "act_up"),
+                        lane["act_up"],
                         deps=up_deps,
                         device=d,
                         layers=layers,
-                        stage=slot.name,
-                        stage_kind=slot.kind,
+                        stage=name,
+                        stage_kind=kind,
                         slot=si,
                         microbatch=mb,
                         iteration=t,
                         round=r,
                         step=step,
-                        nbytes=act_bytes * (2 if slot.kind == "bwd" else 1),
+                        nbytes=act_bytes * (2 if kind == "bwd" else 1),
                     )
                 )
                 compute_key = (COMPUTE, t, si, mb)
@@ -268,12 +276,12 @@ class GraphBuilder:
                     Task(
                         compute_key,
                         COMPUTE,
-                        device_lane(d, "compute"),
+                        lane["compute"],
                         deps=compute_deps,
                         device=d,
                         layers=layers,
-                        stage=slot.name,
-                        stage_kind=slot.kind,
+                        stage=name,
+                        stage_kind=kind,
                         slot=si,
                         microbatch=mb,
                         iteration=t,
@@ -283,18 +291,18 @@ class GraphBuilder:
                         num_parts=len(mbs),
                     )
                 )
-                if slot.kind == "fused":
+                if kind == "fused":
                     loss_keys.append(compute_key)
                 tasks.append(
                     Task(
                         (ACT_DOWN, t, si, mb),
                         ACT_DOWN,
-                        device_lane(d, "act_down"),
+                        lane["act_down"],
                         deps=[compute_key],
                         device=d,
                         layers=layers,
-                        stage=slot.name,
-                        stage_kind=slot.kind,
+                        stage=name,
+                        stage_kind=kind,
                         slot=si,
                         microbatch=mb,
                         iteration=t,
@@ -310,7 +318,7 @@ class GraphBuilder:
                 del history[0]
 
             # Gradient download: once per fused/backward run that has trainable layers.
-            if slot.kind == "fwd":
+            if kind == "fwd":
                 continue
             units = sorted({u for layer in layers for u in spec.owners[layer]})
             if not units:
@@ -327,12 +335,12 @@ class GraphBuilder:
                 Task(
                     down_key,
                     GRAD_DOWN,
-                    device_lane(d, "grad_down"),
+                    lane["grad_down"],
                     deps=down_deps,
                     device=d,
                     layers=layers,
-                    stage=slot.name,
-                    stage_kind=slot.kind,
+                    stage=name,
+                    stage_kind=kind,
                     slot=si,
                     iteration=t,
                     round=r,
