@@ -1,0 +1,189 @@
+"""`TrainConfig`: every option of `roundpipe train`, validated in one place.
+
+Why a pydantic model and not just argparse: the same options come from three places (defaults,
+a ``--config`` YAML/JSON file, command-line flags, and on ``--resume`` the options saved in the
+checkpoint) and must be merged, validated and saved the same way. A bad value or an unknown key
+fails here, before any model is built, with a message naming the option as the user wrote it.
+
+This module must never import torch or transformers (``roundpipe train --help`` stays fast) and
+never touch the file system except to read the config file it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from roundpipe.config import RunConfig
+from roundpipe.errors import ConfigError
+
+DEFAULT_MODEL = "qwen3-tiny"
+
+
+class TrainConfig(BaseModel):
+    """Options of one training run; the defaults train the built-in demo in under 3 minutes on
+    two CPU cores. See docs/train.md for each option."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_assignment=True)
+
+    model: str = Field(
+        default=DEFAULT_MODEL, description="preset name, a local config.json, or a local model directory"
+    )
+    data: str | None = Field(
+        default=None, description="a .txt or .jsonl file; None = the corpus shipped with roundpipe"
+    )
+    lora_r: int | None = Field(
+        default=None, ge=1, description="train LoRA adapters of this rank (alpha 2r) on q/k/v/o"
+    )
+    devices: str = Field(default="cpu:2", description='"auto", "cpu:N", "fake:N", "cuda", "cuda:0,1"')
+    microbatches: int = Field(default=4, ge=1, description="microbatches per step")
+    batch_size: int = Field(default=16, ge=1, description="sequences per step")
+    seq_len: int = Field(default=64, ge=2, description="tokens per sequence")
+    steps: int = Field(default=200, ge=1, description="optimizer steps (in total, counting resumed ones)")
+    lr: float = Field(default=1.5e-3, gt=0, description="peak learning rate of AdamW")
+    warmup_steps: int = Field(default=20, ge=0, description="linear warmup steps before the cosine decay")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="the cosine decays to lr * min_lr_ratio")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float | None = Field(default=None, gt=0, description="clip the global gradient norm")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(default="fp32", description="compute precision")
+    async_optimizer: bool = Field(default=True, description="staleness-1 optimizer overlapping the next step")
+    seed: int = Field(default=0, description="model init, LoRA init, data order and dropout")
+    save_every: int | None = Field(default=None, ge=1, description="also save a checkpoint every N steps")
+    resume: str | None = Field(default=None, description="continue from this checkpoint directory")
+    export: str | None = Field(default=None, description="export the model (save_pretrained) here at the end")
+    out: str = Field(default="runs", description="parent directory of run directories")
+    name: str | None = Field(default=None, description="run directory name; default a timestamp")
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        # RunConfig owns the syntax of device strings; reuse its check and message.
+        try:
+            RunConfig(devices=value)
+        except ConfigError as exc:
+            message = str(exc).split("devices: ", 1)[-1]
+            raise ValueError(message.rsplit(" (got ", 1)[0]) from None
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str | None) -> str | None:
+        if value is not None and (not value or "/" in value or value in (".", "..") or os.sep in value):
+            raise ValueError("must be a plain directory name (no '/')")
+        return value
+
+    @field_validator("model", "data", "resume", "export", "out")
+    @classmethod
+    def _not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> TrainConfig:
+        if self.microbatches > self.batch_size:
+            raise ValueError(
+                f"microbatches={self.microbatches} exceeds batch_size={self.batch_size}; "
+                "each microbatch needs at least one sequence"
+            )
+        return self
+
+    def run_config(self) -> RunConfig:
+        """The `RunConfig` of the pipe this training run drives."""
+        return RunConfig(
+            devices=self.devices,
+            num_microbatches=self.microbatches,
+            async_optimizer=self.async_optimizer,
+            precision=self.precision,
+            max_grad_norm=self.max_grad_norm,
+            seed=self.seed,
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def option_name(field: str) -> str:
+    """How the user writes a field on the command line: ``seq_len`` -> ``--seq-len``."""
+    if field == "async_optimizer":
+        return "--sync/--async"
+    return "--" + field.replace("_", "-")
+
+
+def make_config(values: Mapping[str, Any], *, source: str | None = None) -> TrainConfig:
+    """Validate ``values`` into a `TrainConfig`, raising `ConfigError` with one line per problem."""
+    prefix = f"{source}: " if source else ""
+    unknown = sorted(set(values) - set(TrainConfig.model_fields))
+    if unknown:
+        raise ConfigError(
+            f"{prefix}unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"known options: {', '.join(TrainConfig.model_fields)}"
+        )
+    try:
+        return TrainConfig(**values)
+    except ValidationError as exc:
+        raise _config_error(exc, prefix) from None
+
+
+def _config_error(exc: ValidationError, prefix: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        where = f"{option_name(loc[0])}" if loc else "config"
+        message = err["msg"].removeprefix("Value error, ")
+        if loc:
+            lines.append(f"{where}: {message} (got {err.get('input')!r})")
+        else:
+            lines.append(message)
+    if len(lines) == 1:
+        return ConfigError(prefix + lines[0])
+    return ConfigError(f"{prefix}{len(lines)} invalid options:\n  " + "\n  ".join(lines))
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Options from a YAML (.yaml/.yml) or JSON (.json) file: a mapping of option names
+    (``seq_len`` or ``seq-len``) to values. Unknown names are rejected later by `make_config`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(
+            f"config file {str(p)!r} does not exist" if not p.exists() else f"{p} is not a file"
+        )
+    text = p.read_text(encoding="utf-8")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".json":
+            data = json.loads(text) if text.strip() else {}
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"config file {p} must end in .yaml, .yml or .json")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: not valid JSON ({exc})") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # yaml.YAMLError and friends: report, never a traceback
+        raise ConfigError(f"{p}: not valid YAML ({exc})".replace("\n", " ")) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of option names to values, got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name == "sync":  # the flag's name; the option is async_optimizer
+            name, value = "async_optimizer", not value if isinstance(value, bool) else value
+        elif name == "async":
+            name = "async_optimizer"
+        out[name] = value
+    return out
+
+
+__all__ = ["DEFAULT_MODEL", "TrainConfig", "make_config", "option_name", "read_config_file"]

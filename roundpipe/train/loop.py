@@ -1,0 +1,415 @@
+"""The training loop behind `roundpipe train`, usable from Python as `train(TrainConfig(...))`.
+
+Why apart from the CLI: a notebook, a test or a service should run exactly the loop the command
+runs (same model building, data order, learning-rate schedule, checkpoints, output files) without
+going through argv, and the CLI should stay a thin layer of parsing and printing. Everything the
+user sees goes through a `Reporter`, so the loop itself never prints.
+
+Resume is exact because every input of step ``s`` is a function of the options and ``s``: the
+batch comes from `roundpipe.data.batch_at` (seeded by step), the learning rate from `lr_factor`,
+the weights, optimizer, scheduler and RNG state from the checkpoint. Ctrl-C (SIGINT) only sets a
+flag: the current step finishes, then a checkpoint is saved at a step boundary. The loop must never
+swallow an error silently nor leave the pipe open.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta, save_checkpoint
+from roundpipe.data.text import BYTE_VOCAB, CORPUS_PATH, DataFileNotFoundError, token_batches
+from roundpipe.errors import ConfigError, ModelError
+from roundpipe.pipe import RoundPipe
+from roundpipe.train.config import TrainConfig
+
+METRICS_FILE = "metrics.jsonl"
+TRACE_FILE = "trace.json"
+TIMELINE_FILE = "timeline.png"
+CHECKPOINT_DIR = "checkpoint"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class TrainResult:
+    """What a run did. ``losses`` are this call's steps only (a resumed run starts at
+    ``start_step``); ``steps`` is the step count reached, resumed steps included."""
+
+    out_dir: Path
+    start_step: int
+    steps: int
+    losses: list[float]
+    tokens_per_s: float
+    bubble_ratio: float
+    elapsed_s: float
+    checkpoint: Path | None
+    files: dict[str, Path] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    interrupted: bool = False
+
+    @property
+    def initial_loss(self) -> float | None:
+        return self.losses[0] if self.losses else None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON object `roundpipe train --json` prints."""
+        return {
+            "initial_loss": self.initial_loss,
+            "final_loss": self.final_loss,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble_ratio": self.bubble_ratio,
+            "steps": self.steps,
+            "start_step": self.start_step,
+            "elapsed_s": self.elapsed_s,
+            "interrupted": self.interrupted,
+            "out_dir": str(self.out_dir),
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "files": {k: str(v) for k, v in self.files.items()},
+        }
+
+
+class Reporter(Protocol):
+    """Receives what a person would want to see; `roundpipe.train.report` draws it with rich."""
+
+    def start(
+        self, config: TrainConfig, out_dir: Path, start_step: int, model_info: dict[str, Any]
+    ) -> None: ...
+    def step(self, record: dict[str, Any]) -> None: ...
+    def note(self, message: str) -> None: ...
+    def finish(self, result: TrainResult) -> None: ...
+
+
+class NullReporter:
+    """Reports nothing (the default for calls from Python)."""
+
+    def start(self, config: TrainConfig, out_dir: Path, start_step: int, model_info: dict[str, Any]) -> None:
+        pass
+
+    def step(self, record: dict[str, Any]) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+    def finish(self, result: TrainResult) -> None:
+        pass
+
+
+# --------------------------------------------------------------------- pieces
+
+
+def lr_factor(config: TrainConfig, step: int) -> float:
+    """Multiplier of ``config.lr`` for the optimizer step with 0-based index ``step``: linear
+    warmup, then a cosine from 1 down to ``min_lr_ratio`` at the last step."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    floor = config.min_lr_ratio
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def data_path(config: TrainConfig) -> Path:
+    """The text file to train on; an existing file is required (never a literal string)."""
+    if config.data is None:
+        return CORPUS_PATH
+    path = Path(config.data).expanduser()
+    if not path.exists():
+        raise DataFileNotFoundError(f"--data {config.data!r}: no such file (give a .txt or .jsonl file)")
+    if not path.is_file():
+        raise ConfigError(f"--data {config.data!r} is not a file (give a .txt or .jsonl file)")
+    return path
+
+
+def build_model(config: TrainConfig) -> nn.Module:
+    """The model ``config`` names (random init seeded by ``config.seed`` unless it is a directory
+    with weights), wrapped in LoRA adapters on q/k/v/o (alpha = 2r) when ``lora_r`` is set."""
+    from roundpipe.model import build_model as build
+
+    model = build(config.model, seed=config.seed)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and vocab < BYTE_VOCAB:
+        raise ModelError(
+            f"model {config.model!r} has a vocabulary of {vocab} tokens but the byte tokenizer needs {BYTE_VOCAB}"
+        )
+    if config.lora_r is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=2 * config.lora_r,
+            lora_dropout=0.0,
+            target_modules=list(LORA_TARGETS),
+            task_type="CAUSAL_LM",
+        )
+        # peft draws the adapters' initial values from the global RNG: pin it to the seed so a
+        # resumed run rebuilds the same model and the caller's RNG is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = get_peft_model(model, lora)
+    return model
+
+
+def _make_optimizer(config: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+    return make
+
+
+def _make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], Any]:
+    def make(opt: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(config, step))
+
+    return make
+
+
+def run_dir(config: TrainConfig) -> Path:
+    """``<out>/<name>``; the name defaults to the current time (made unique with a suffix)."""
+    out = Path(config.out).expanduser()
+    if config.name is not None:
+        return out / config.name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = out / stamp, 2
+    while candidate.exists():
+        candidate, n = out / f"{stamp}-{n}", n + 1
+    return candidate
+
+
+def _prepare_run_dir(path: Path, resume_step: int | None) -> Path:
+    metrics = path / METRICS_FILE
+    if resume_step is None:
+        if metrics.exists():
+            raise ConfigError(
+                f"run directory {path} already holds a run; choose another --name, or continue it with "
+                f"--resume {path / CHECKPOINT_DIR}"
+            )
+        path.mkdir(parents=True, exist_ok=True)
+        metrics.write_text("")
+        return metrics
+    path.mkdir(parents=True, exist_ok=True)
+    # Steps logged after the checkpoint was written will run again: drop their lines.
+    kept: list[str] = []
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                if int(json.loads(line)["step"]) <= resume_step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+    metrics.write_text("".join(line + "\n" for line in kept))
+    return metrics
+
+
+@contextmanager
+def _stop_on_sigint(stop: threading.Event, reporter: Reporter) -> Iterator[None]:
+    """First Ctrl-C: finish the current step, then stop and save. A second one aborts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        reporter.note("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# --------------------------------------------------------------------- the loop
+
+
+def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResult:
+    """Train as ``config`` says; return what happened. Raises `roundpipe` errors for bad input
+    before any work starts. See docs/train.md."""
+    reporter = reporter or NullReporter()
+    source = data_path(config)
+    resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
+    resume_step = int(resume_meta["data_step"]) if resume_meta is not None else None
+    if resume_step is not None and resume_step >= config.steps:
+        raise ConfigError(
+            f"the checkpoint {config.resume} is at step {resume_step} and --steps is {config.steps}: "
+            "nothing to do; pass a larger --steps to train further"
+        )
+    out_dir = run_dir(config)
+    # The resolved name is saved, so a resumed run writes into the same directory.
+    config = config.model_copy(update={"name": out_dir.name})
+    batches = token_batches(
+        str(source), config.seq_len, config.batch_size, config.seed, start_step=resume_step or 0
+    )
+    model = build_model(config)
+    pipe = RoundPipe(
+        model,
+        optimizer=_make_optimizer(config),
+        config=config.run_config(),
+        lr_scheduler=_make_scheduler(config),
+    )
+    with pipe:
+        if config.resume:
+            info = load_checkpoint(pipe, config.resume)
+            start = info.data_step
+        else:
+            torch.manual_seed(config.seed)
+            random.seed(config.seed)
+            start = 0
+        # Only now that the model, the pipe and the checkpoint are known to be good.
+        _prepare_run_dir(out_dir, start if config.resume else None)
+        model_info = {
+            "class": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable": pipe.host.trainable_numel(),
+            "layers": len(pipe.host.layers),
+        }
+        reporter.start(config, out_dir, start, model_info)
+        offset = float(resume_meta["extra"].get("elapsed", 0.0)) if resume_meta is not None else 0.0
+        return _run(pipe, config, batches, start, out_dir, reporter, offset)
+
+
+def _run(
+    pipe: RoundPipe,
+    config: TrainConfig,
+    batches: Iterator[dict[str, torch.Tensor]],
+    start: int,
+    out_dir: Path,
+    reporter: Reporter,
+    elapsed_offset: float = 0.0,
+) -> TrainResult:
+    """Steps ``start`` .. ``config.steps``; ``elapsed_offset`` is the time the resumed run had
+    already spent, so ``elapsed`` in metrics.jsonl keeps counting across a resume."""
+    checkpoint_dir = out_dir / CHECKPOINT_DIR
+    metrics_path = out_dir / METRICS_FILE
+    tokens = config.tokens_per_step
+    losses: list[float] = []
+    stop = threading.Event()
+    step = start  # optimizer steps completed
+    t0 = time.perf_counter()
+    last = t0
+    interrupted = False
+
+    def save() -> Path:
+        extra = {
+            "train_config": config.model_dump(mode="json"),
+            "elapsed": elapsed_offset + time.perf_counter() - t0,
+        }
+        return save_checkpoint(pipe, checkpoint_dir, data_step=step, extra=extra)
+
+    with _stop_on_sigint(stop, reporter), open(metrics_path, "a", encoding="utf-8") as metrics:
+
+        def log(done: int, loss: float) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            record = {
+                "step": done,
+                "loss": loss,
+                "tokens_per_s": tokens / max(now - last, 1e-9),
+                "lr": config.lr * lr_factor(config, done - 1),
+                "elapsed": elapsed_offset + now - t0,
+            }
+            last = now
+            losses.append(loss)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            reporter.step(record)
+
+        loss: float | None = None
+        try:
+            while step < config.steps and not stop.is_set():
+                loss = None
+                loss = pipe.forward_backward(next(batches), None, None)
+                pipe.step()
+                step += 1
+                log(step, loss)
+                if not math.isfinite(loss):
+                    reporter.note(
+                        f"loss is {loss} at step {step}; stopping (lower --lr or use --precision fp32)"
+                    )
+                    break
+                if config.save_every and step % config.save_every == 0 and step < config.steps:
+                    save()
+        except KeyboardInterrupt:
+            # Raised outside our handler (a second Ctrl-C, or another thread's signal set-up):
+            # bring the pipe to a step boundary so the checkpoint is still exact.
+            interrupted = True
+            settled = _settle(pipe, step)
+            if loss is not None and len(losses) < settled - start:  # the step ran but was not logged
+                log(settled, loss)
+            step = settled
+        interrupted = interrupted or stop.is_set()
+        pipe.synchronize()
+        elapsed = time.perf_counter() - t0
+        files: dict[str, Path] = {"metrics": metrics_path}
+        notes: list[str] = []
+        trace = pipe.trace()
+        bubble = float(trace.bubble_ratio().overall)
+        files["trace"] = trace.to_perfetto(out_dir / TRACE_FILE)
+        try:
+            files["timeline"] = trace.plot(out_dir / TIMELINE_FILE)
+        except ImportError as exc:
+            notes.append(f"no {TIMELINE_FILE}: {exc}")
+        files["checkpoint"] = save()
+        if config.export and not interrupted:
+            files["export"] = export_pretrained(pipe, config.export)
+    done = step - start
+    result = TrainResult(
+        out_dir=out_dir,
+        start_step=start,
+        steps=step,
+        losses=losses,
+        tokens_per_s=done * tokens / elapsed if elapsed > 0 else 0.0,
+        bubble_ratio=bubble,
+        elapsed_s=elapsed,
+        checkpoint=files["checkpoint"],
+        files=files,
+        notes=notes,
+        interrupted=interrupted,
+    )
+    reporter.finish(result)
+    return result
+
+
+def _settle(pipe: RoundPipe, step: int) -> int:
+    """After a KeyboardInterrupt anywhere in a step: let in-flight work finish and, if the step's
+    forward_backward already ran, apply its optimizer step. Returns the steps completed."""
+    pipe.synchronize()
+    # The iteration counter is private; it tells whether forward_backward of step `step` ran.
+    iterations = int(getattr(pipe, "_iteration", pipe.step_count))
+    if pipe.step_count == step and iterations == step + 1:
+        pipe.step()
+        pipe.synchronize()
+    return pipe.step_count
+
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "METRICS_FILE",
+    "TIMELINE_FILE",
+    "TRACE_FILE",
+    "NullReporter",
+    "Reporter",
+    "TrainResult",
+    "build_model",
+    "data_path",
+    "lr_factor",
+    "train",
+]

@@ -1,0 +1,128 @@
+"""What `roundpipe train` shows a person: a live progress bar and the closing summary table.
+
+Why separate from the loop: the loop reports through the small `Reporter` protocol, so Python
+callers get no output unless they ask for it, and ``--json`` can send all of this to stderr while
+stdout carries only the JSON line. This module must never change the run; it only draws.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from roundpipe.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from roundpipe.train.loop import TrainResult
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _where(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+class RichReporter:
+    """Draws on ``console``: a header line, a progress bar with step, loss, tokens/s and ETA,
+    notes, and the summary table."""
+
+    def __init__(self, console: Console, *, progress: bool = True) -> None:
+        self.console = console
+        self.show_progress = progress
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._smoothed: float | None = None
+
+    def start(self, config: TrainConfig, out_dir: Path, start_step: int, model_info: dict[str, Any]) -> None:
+        lora = f", LoRA r={config.lora_r}" if config.lora_r else ""
+        trainable = model_info["trainable"]
+        self.console.print(
+            f"[bold]roundpipe train[/]: {config.model}{lora} ({_human(model_info['parameters'])} parameters, "
+            f"{_human(trainable)} trainable, {model_info['layers']} layers) on {config.devices}, "
+            f"{'async' if config.async_optimizer else 'sync'} optimizer, {config.precision}; "
+            f"batch {config.batch_size}x{config.seq_len} tokens in {config.microbatches} microbatches",
+            soft_wrap=True,
+        )
+        if start_step:
+            self.console.print(f"resuming at step {start_step} from {config.resume}", soft_wrap=True)
+        self.console.print(f"writing to {_where(out_dir)}/", soft_wrap=True)
+        if not self.show_progress:
+            return
+        self._progress = Progress(
+            TextColumn("[bold blue]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss [bold]{task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "train", total=config.steps, completed=start_step, loss="-", tps="-"
+        )
+
+    def step(self, record: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        # Smoothed tokens/s: a single step's rate jumps with the optimizer overlap.
+        rate = float(record["tokens_per_s"])
+        self._smoothed = rate if self._smoothed is None else 0.8 * self._smoothed + 0.2 * rate
+        self._progress.update(
+            self._task,
+            completed=record["step"],
+            loss=f"{record['loss']:.4f}",
+            tps=f"{self._smoothed:,.0f}",
+        )
+
+    def note(self, message: str) -> None:
+        self.console.print(f"[yellow]{message}[/]", soft_wrap=True)
+
+    def finish(self, result: TrainResult) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        table = Table(title="roundpipe train: summary", show_header=False, title_justify="left")
+        table.add_column("what", style="bold")
+        table.add_column("value", overflow="fold")
+        if result.losses:
+            table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+        steps = f"{result.steps}"
+        if result.start_step:
+            steps += f" (resumed at {result.start_step})"
+        if result.interrupted:
+            steps += " [yellow](interrupted)[/]"
+        table.add_row("steps", steps)
+        table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
+        table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
+        table.add_row("time", f"{result.elapsed_s:.1f} s")
+        labels = {
+            "metrics": "metrics",
+            "trace": "trace (ui.perfetto.dev)",
+            "timeline": "timeline",
+            "checkpoint": "checkpoint",
+            "export": "exported model",
+        }
+        for key, label in labels.items():
+            if key in result.files:
+                table.add_row(label, _where(result.files[key]))
+        self.console.print(table)
+        for note in result.notes:
+            self.note(note)
+
+
+__all__ = ["RichReporter"]

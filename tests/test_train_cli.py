@@ -1,0 +1,232 @@
+"""`roundpipe train` end to end, in-process, on a tiny model: files, --json, resume, Ctrl-C, errors."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from roundpipe.cli import main
+from roundpipe.pipe import RoundPipe
+from roundpipe.train import TrainConfig, make_config, read_config_file
+from roundpipe.train.loop import lr_factor
+
+JSON_KEYS = {"initial_loss", "final_loss", "tokens_per_s", "bubble_ratio", "steps", "out_dir"}
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen3Config
+
+    path = tmp_path_factory.mktemp("model") / "config.json"
+    Qwen3Config(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    ).to_json_file(str(path))
+    return path
+
+
+def tiny_args(model_config: Path, out: Path, name: str, steps: int = 4) -> list[str]:
+    return [
+        "train",
+        "--model", str(model_config),
+        "--steps", str(steps),
+        "--seq-len", "16",
+        "--batch-size", "4",
+        "--microbatches", "2",
+        "--warmup-steps", "2",
+        "--lr", "3e-3",
+        "--out", str(out),
+        "--name", name,
+    ]  # fmt: skip
+
+
+def last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_writes_files_and_json(
+    model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main([*tiny_args(model_config, tmp_path, "a", steps=3), "--json", "--export", str(tmp_path / "hf")])
+        == 0
+    )
+    out = capsys.readouterr()
+    summary = last_json(out.out)
+    assert JSON_KEYS <= summary.keys()
+    assert summary["steps"] == 3 and summary["out_dir"] == str(tmp_path / "a")
+    assert summary["final_loss"] != summary["initial_loss"]  # three steps: too few to ask for a fall
+    assert out.out.strip().count("\n") == 0  # --json: nothing but the JSON line on stdout
+    assert "summary" in out.err  # the table went to stderr
+    run = tmp_path / "a"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert set(rows[0]) == {"step", "loss", "tokens_per_s", "lr", "elapsed"}
+    assert rows[0]["loss"] == summary["initial_loss"] and rows[-1]["loss"] == summary["final_loss"]
+    assert json.loads((run / "trace.json").read_text())["traceEvents"]
+    assert (run / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    meta = json.loads((run / "checkpoint" / "meta.json").read_text())
+    assert meta["data_step"] == 3 and meta["extra"]["train_config"]["name"] == "a"
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_table_output_without_json(
+    model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*tiny_args(model_config, tmp_path, "t", steps=2), "--sync", "--lora-r", "2"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "LoRA r=2",
+        "sync optimizer",
+        "loss",
+        "tokens/s",
+        "bubble ratio",
+        "metrics.jsonl",
+        "checkpoint",
+    ):
+        assert text in out
+
+
+def interrupt_at(monkeypatch: pytest.MonkeyPatch, at_step: int, how: str) -> None:
+    """Make Ctrl-C arrive while step ``at_step`` runs (a real SIGINT, or a bare KeyboardInterrupt)."""
+    original = RoundPipe.step
+
+    def step(self: RoundPipe) -> None:
+        original(self)
+        if self.step_count == at_step:
+            if how == "signal":
+                signal.raise_signal(signal.SIGINT)
+            else:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(RoundPipe, "step", step)
+
+
+@pytest.mark.parametrize("how", ["signal", "keyboard-interrupt"])
+def test_ctrl_c_saves_and_resume_continues_exactly(
+    model_config: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    assert main([*tiny_args(model_config, tmp_path, "full"), "--json"]) == 0
+    full = metrics(tmp_path / "full")
+    capsys.readouterr()
+
+    interrupt_at(monkeypatch, 2, how)
+    assert main([*tiny_args(model_config, tmp_path, "cut"), "--json"]) == 130
+    monkeypatch.undo()
+    out = capsys.readouterr()
+    checkpoint = tmp_path / "cut" / "checkpoint"
+    assert f"roundpipe train --resume {checkpoint}" in out.err
+    assert "Traceback" not in out.err
+    assert last_json(out.out)["steps"] == 2 and last_json(out.out)["interrupted"] is True
+    assert json.loads((checkpoint / "meta.json").read_text())["data_step"] == 2
+
+    # Only --resume: every other option comes from the checkpoint, output goes to the same run.
+    assert main(["train", "--resume", str(checkpoint), "--json"]) == 0
+    summary = last_json(capsys.readouterr().out)
+    assert summary["steps"] == 4 and summary["out_dir"] == str(tmp_path / "cut")
+    resumed = metrics(tmp_path / "cut")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]  # bit-exact
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full]
+    assert summary["initial_loss"] == full[2]["loss"]
+
+
+def test_config_file_and_flag_precedence(model_config: Path, tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {model_config}\nseq-len: 16\nsteps: 9\nsync: true\nbatch_size: 4\n")
+    values = read_config_file(path)
+    assert values == {
+        "model": str(model_config),
+        "seq_len": 16,
+        "steps": 9,
+        "async_optimizer": False,
+        "batch_size": 4,
+    }
+    (tmp_path / "run.json").write_text(json.dumps({"steps": 1, "microbatches": 2}))
+    args = [*tiny_args(model_config, tmp_path, "p", steps=2), "--config", str(tmp_path / "run.json")]
+    from roundpipe.cli import build_parser
+    from roundpipe.train.cli import options
+
+    merged = make_config(options(build_parser().parse_args(args)))
+    assert merged.steps == 2 and merged.microbatches == 2  # the flag beats the file
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--data", "no/such/file.txt"], "no such file"),
+        (["--steps", "0"], "--steps: Input should be greater than or equal to 1"),
+        (["--steps", "many"], "argument --steps: invalid int value"),
+        (["--model", "gpt-17"], "unknown model 'gpt-17'"),
+        (["--devices", "gpu:3"], "--devices: 'gpu:3' is not understood"),
+        (["--precision", "fp8"], "--precision: Input should be 'fp32', 'bf16' or 'fp16'"),
+        (["--microbatches", "64", "--batch-size", "4"], "microbatches=64 exceeds batch_size=4"),
+        (["--resume", "no/such/checkpoint"], "checkpoint no/such/checkpoint does not exist"),
+        (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message(
+    args: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("roundpipe: error: ") and message in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # nothing was written
+
+
+def test_config_file_with_unknown_key_is_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 3\nlearning_rate: 0.1\n")
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"roundpipe: error: {path}: unknown option 'learning_rate'; known options: model")
+    (tmp_path / "bad.yaml").write_text("steps: [1\n")
+    assert main(["train", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_existing_run_is_not_overwritten(
+    model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*tiny_args(model_config, tmp_path, "once", steps=1), "--json"]) == 0
+    assert main([*tiny_args(model_config, tmp_path, "once", steps=1), "--json"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "once" / "checkpoint"), "--json"]) == 2
+    assert "nothing to do; pass a larger --steps" in capsys.readouterr().err
+
+
+def test_defaults_and_schedule() -> None:
+    config = TrainConfig()
+    assert (config.model, config.devices, config.async_optimizer, config.data) == (
+        "qwen3-tiny",
+        "cpu:2",
+        True,
+        None,
+    )
+    assert lr_factor(config, 0) == pytest.approx(1 / config.warmup_steps)
+    assert lr_factor(config, config.warmup_steps) == pytest.approx(1.0)
+    assert lr_factor(config, config.steps - 1) == pytest.approx(config.min_lr_ratio, abs=1e-3)
