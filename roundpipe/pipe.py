@@ -190,7 +190,13 @@ class RoundPipe:
 
     @property
     def step_count(self) -> int:
+        """Optimizer steps requested so far (`step()` calls, plus those of a loaded state)."""
         return self._step
+
+    @property
+    def iteration_count(self) -> int:
+        """`forward_backward` calls so far (plus those of a loaded state)."""
+        return self._iteration
 
     def forward_backward(self, inputs: Any, targets: Any = None, loss_fn: Callable[..., Any] | None = None) -> float:
         """Run forward and backward over ``inputs`` split into microbatches; gradients accumulate

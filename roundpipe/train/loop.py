@@ -393,7 +393,7 @@ def _settle(pipe: RoundPipe, step: int) -> int:
     forward_backward already ran, apply its optimizer step. Returns the steps completed."""
     pipe.synchronize()
     # The iteration counter is private; it tells whether forward_backward of step `step` ran.
-    iterations = int(getattr(pipe, "_iteration", pipe.step_count))
+    iterations = pipe.iteration_count
     if pipe.step_count == step and iterations == step + 1:
         pipe.step()
         pipe.synchronize()
