@@ -392,7 +392,7 @@ def _settle(pipe: RoundPipe, step: int) -> int:
     """After a KeyboardInterrupt anywhere in a step: let in-flight work finish and, if the step's
     forward_backward already ran, apply its optimizer step. Returns the steps completed."""
     pipe.synchronize()
-    # The iteration counter is private; it tells whether forward_backward of step `step` ran.
+    # One forward_backward per step here: the iteration count tells whether step `step`'s ran.
     iterations = pipe.iteration_count
     if pipe.step_count == step and iterations == step + 1:
         pipe.step()
