@@ -328,6 +328,19 @@ class RoundPipe:
             self.plan = plan
             self._builder.set_plan(plan)
 
+    def _new_builder(self, *, base_version: int) -> GraphBuilder:
+        """A graph builder that continues this run's numbering from a compute copy that holds
+        weight version ``base_version``."""
+        return GraphBuilder(
+            self.plan,
+            self._spec,
+            self.num_devices,
+            self._options,
+            first_iteration=self._iteration,
+            first_step=self._step,
+            base_version=base_version,
+        )
+
     def _recover(self, error: BaseException) -> None:
         """After a failed task: drop what cannot run, keep the host copies consistent, go on.
 
@@ -349,15 +362,7 @@ class RoundPipe:
         for unit in self.host.units:
             self.host.p_copy(unit)
         self._unfinished = []
-        self._builder = GraphBuilder(
-            self.plan,
-            self._spec,
-            self.num_devices,
-            self._options,
-            first_iteration=self._iteration,
-            first_step=self._step,
-            base_version=steps_done,
-        )
+        self._builder = self._new_builder(base_version=steps_done)
 
     # ------------------------------------------------------------------ state
 
@@ -424,15 +429,7 @@ class RoundPipe:
         base = self._step - 1 if self.config.async_optimizer and self._step > 0 else self._step
         self.runtime.reset()
         self._unfinished = []
-        self._builder = GraphBuilder(
-            self.plan,
-            self._spec,
-            self.num_devices,
-            self._options,
-            first_iteration=self._iteration,
-            first_step=self._step,
-            base_version=base,
-        )
+        self._builder = self._new_builder(base_version=base)
         self.host.sync_module()
 
 
