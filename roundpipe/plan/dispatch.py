@@ -4,7 +4,8 @@ The microbatches of an iteration go through the plan's slots in rounds of M_R >=
 round runs on device (g0 + i) mod N; the next round starts at g0 + S, the device after the last one
 used, and so does the next iteration (the caller carries g0), so the stream of stages never
 breaks. This module only computes that mapping and the bubble formula; it must never wait, run or
-time anything (the scheduler in ``roundpipe.sched`` turns the runs into tasks).
+time anything (the scheduler in ``roundpipe.sched`` turns the runs into tasks); `steady_iteration_ms`
+only evaluates a model of the stream.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from roundpipe.errors import PlanError
+from roundpipe.plan import _search
 from roundpipe.plan.partition import Plan, Slot, _as_count
 
 
@@ -95,3 +97,23 @@ def analytic_bubble(num_devices: int, num_microbatches: int, num_slots: int) -> 
     s = _count("num_slots", num_slots)
     fill_drain = n * (n - 1)
     return fill_drain / (m * s + fill_drain)
+
+
+def steady_iteration_ms(
+    plan: Plan, num_microbatches: int, num_devices: int, *, round_size: int | None = None
+) -> float:
+    """Modelled milliseconds per iteration once an async run has settled (no fill, no drain).
+
+    The model (``plan._search.steady_period``) is the round-robin stream of stage runs as a
+    max-plus system: a run's first microbatch follows the previous slot's, its device first
+    finishes the run N before, and the run 2N before must have ended (one stage of prefetch).
+    Transfers and the optimizer are not in it. ``1 - M * sum(plan.slot_ms) / (N * this)`` is the
+    steady bubble it predicts.
+    """
+    n = _count("num_devices", num_devices)
+    rounds = round_sizes(num_microbatches, n, round_size)
+    if len(plan.slot_ms) != plan.num_slots:
+        raise PlanError(
+            "the plan does not know its slot times; build it with partition() or Plan.from_stages()"
+        )
+    return _search.steady_period(plan.slot_ms, n, rounds)

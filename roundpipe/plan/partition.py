@@ -2,7 +2,8 @@
 
 A `Plan` is what the scheduler dispatches: the slots ``F1..Fk, FB, Bk..B1`` and the layers each
 runs. `partition` chooses the plan that minimises the pipeline objective (see `objective`) for
-given layer costs, device count, microbatch count and memory limit; `Plan.from_stages` checks a
+given layer costs, device count, microbatch count and memory limit, or, for the async optimizer
+with ``steady=True``, the shortest modelled steady-state iteration; `Plan.from_stages` checks a
 hand-made one. Plans are immutable values that validate on construction, so a plan that exists is
 well formed. This module must never run, time or place anything: it only decides stage borders.
 """
@@ -343,22 +344,47 @@ def partition(
     mem_limit_bytes: int | None = None,
     *,
     async_optimizer: bool = False,
+    steady: bool = False,
+    round_size: int | None = None,
 ) -> Plan:
     """The plan with the least `objective` whose every stage fits ``mem_limit_bytes // 2``.
 
     Ties go to fewer slots, then to a longer fused stage. Exact: the search (see ``_search``)
     visits every slot count that could still win, at its least possible t_max.
+
+    ``steady=True`` (async only) chooses by the steady-state model of round-robin dispatch instead
+    (``_search.steady_period``, rounds as `roundpipe.plan.round_sizes` makes them with
+    ``round_size``): the plan with the shortest modelled iteration of an endless async run, its
+    chains cut evenly with the larger stages first in dispatch order. The t_max objective counts
+    every slot at t_max; in the steady state what costs time is how the stream of runs paces
+    itself, which depends on where the heavy stages sit (docs/performance.md).
     """
     if not isinstance(costs, LayerCosts):
         raise PlanError(f"costs must be a LayerCosts, got {type(costs).__name__}")
     n = _as_count("num_devices", num_devices, "pass the number of GPUs (or CPU workers) to plan for")
     m = _as_count("num_microbatches", num_microbatches, "split each batch into at least one microbatch")
+    if steady and not async_optimizer:
+        raise PlanError(
+            "steady=True models the steady state of asynchronous iterations; with async_optimizer=False "
+            "every iteration fills and drains the pipeline, which the default objective already counts"
+        )
     cap = None if mem_limit_bytes is None else _check_memory(costs, mem_limit_bytes)
     total = math.fsum(costs.fwd_ms) * 2 + math.fsum(costs.bwd_ms)
     if not math.isfinite(total):
         raise PlanError(f"the layer times add up to {total}; express them in milliseconds")
     fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
     ticks = _search.Ticks(fwd, fb, costs.mem_bytes, cap)
+    if steady:
+        # dispatch.py builds on Plan, so it is imported here rather than at the top.
+        from roundpipe.plan.dispatch import round_sizes
+
+        rounds = round_sizes(m, n, round_size)
+        if len(set(rounds)) == 1:
+            rounds = rounds[:1]  # rounds alike: one round is already the period of the stream
+        found = _search.steady_search(ticks, n, rounds)
+        if found is not None:
+            return Plan.from_stages(*found, costs, n, m)
+        # No candidate lies where the model can be trusted: the t_max objective decides.
     if async_optimizer:
         t = _search.search(ticks, m, fill_drain=0, slot_floor=n)
     else:
