@@ -9,7 +9,8 @@ Prints one JSON line per profile and mode:
   mode "sync": the bubble of synchronous iterations next to the balanced formula
       analytic = N(N-1)/(M*S + N(N-1)) and the bound once unequal stages are counted,
       bound = 1 - (1 - analytic) * (1 - imbalance), imbalance = 1 - mean slot / t_max.
-  mode "async" (planner "t_max": partition's default objective; "steady": partition(steady=True)):
+  mode "async" (planner "t_max": partition's default objective; "steady": partition(steady=True);
+      "chosen": choose_plan, what RoundPipe and the CLI run: the better of the two by the model):
       steady_bubble     simulate(iterations=6).steady_bubble_ratio: iterations 1..5, which
                         still include the run's settling
       settled_bubble    the same run continued to 14 iterations, iterations 6..13 only
@@ -27,7 +28,7 @@ import argparse
 import json
 import time
 
-from roundpipe.plan import LayerCosts, Plan, analytic_bubble, partition
+from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.dispatch import steady_iteration_ms
 from roundpipe.sched.simulate import simulate
 
@@ -97,9 +98,12 @@ def main() -> None:
         }
         print(json.dumps(row), flush=True)
 
-        for planner in ("t_max", "steady"):
+        for planner in ("t_max", "steady", "chosen"):
             start = time.perf_counter()
-            plan = partition(costs, N, M, async_optimizer=True, steady=planner == "steady")
+            if planner == "chosen":
+                plan = choose_plan(costs, N, M, async_optimizer=True)
+            else:
+                plan = partition(costs, N, M, async_optimizer=True, steady=planner == "steady")
             plan_ms = (time.perf_counter() - start) * 1e3
             steady = simulate(plan, costs, N, M, iterations=STEADY_ITERATIONS, async_optimizer=True)
             assert steady.steady_bubble_ratio is not None

@@ -278,9 +278,9 @@ def _load_costs(args: argparse.Namespace) -> tuple[str, LayerCosts]:
 
 
 def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
-    from roundpipe.plan.partition import partition
+    from roundpipe.plan.choose import choose_plan
 
-    return partition(
+    return choose_plan(
         costs, args.devices, args.microbatches, args.mem_limit, async_optimizer=args.async_optimizer
     )
 

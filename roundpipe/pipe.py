@@ -33,7 +33,7 @@ from roundpipe.errors import (
 )
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
-from roundpipe.plan import LayerCosts, Plan, partition
+from roundpipe.plan import LayerCosts, Plan, choose_plan
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import new_event_loop
@@ -147,12 +147,13 @@ class RoundPipe:
 
     def _partition(self, costs: LayerCosts) -> Plan:
         try:
-            return partition(
+            return choose_plan(
                 costs,
                 self.num_devices,
                 self.config.num_microbatches,
                 self.config.mem_limit_bytes,
                 async_optimizer=self.config.async_optimizer,
+                round_size=self.config.round_size,
             )
         except PlanError as exc:
             raise PlanError(

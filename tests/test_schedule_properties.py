@@ -233,8 +233,9 @@ def _check_priorities(sc: Scenario, trace: Trace) -> None:
     """Whenever a task started on a resource, it was the most urgent (priority, then seq) of the
     tasks on that resource that were ready before that moment and not yet started.
 
-    Tasks that became ready at the very instant another one started are left out here: the
-    engine handles completions at one virtual time one by one (see the xfail test below)."""
+    Tasks that became ready at the very instant another one started are left out here: a
+    zero-length task can finish, and ready another, after that instant's starts were made
+    (`test_same_instant_completions_still_start_the_most_urgent_task` covers the instant itself)."""
     per_resource: dict[str, list[tuple[int, Task]]] = {}
     for index, t in enumerate(trace.records):  # completion order = start order on one resource
         per_resource.setdefault(sc.resource(t.lane), []).append((index, t))
@@ -424,15 +425,6 @@ def _engine_run(tasks: list[Task], ms: dict[str, float]) -> Trace:
     return engine.trace
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "engine.py Engine._task_done starts the next task on a freed resource immediately, and "
-        "fake.py FakeBackend.advance delivers one completion per call: of two tasks that become "
-        "ready at the same virtual instant, the one whose dependency happened to be popped first "
-        "starts, even at a lower priority (a grad_down can hold up an act_down for its whole length)"
-    ),
-)
 def test_same_instant_completions_still_start_the_most_urgent_task() -> None:
     tasks = [
         Task(("a",), COMPUTE, "d0.compute"),
@@ -443,7 +435,7 @@ def test_same_instant_completions_still_start_the_most_urgent_task() -> None:
     trace = _engine_run(tasks, {"a": 1.0, "b": 1.0, "low": 5.0, "high": 1.0})
     times = {t.key[0]: (t.ready_t, t.start_t) for t in trace}
     assert times["low"][0] == times["high"][0] == 1.0  # both ready at t = 1 ms, same resource
-    assert times["high"][1] == 1.0  # the more urgent one should start first (it starts at 6 ms)
+    assert times["high"][1] == 1.0  # the more urgent one starts first
     assert times["low"][1] == 2.0
 
 

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from roundpipe.plan import LayerCosts, Plan, analytic_bubble, partition
+from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan._search import balanced_split, steady_bound, steady_period
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
 from roundpipe.sched.simulate import simulate
@@ -40,7 +40,7 @@ def uniform_plan(layers: int, devices: int, microbatches: int) -> tuple[LayerCos
 @pytest.mark.parametrize("decoders", [28, 32, 64])
 def test_async_steady_bubble_of_llm_profiles_is_under_target(decoders: int) -> None:
     costs = llm(decoders)
-    plan = partition(costs, N, M, async_optimizer=True, steady=True)
+    plan = choose_plan(costs, N, M, async_optimizer=True)  # what RoundPipe and the CLI run
     result = simulate(plan, costs, N, M, iterations=6, async_optimizer=True)
     assert result.steady_bubble_ratio is not None
     assert result.steady_bubble_ratio < ASYNC_TARGET, plan

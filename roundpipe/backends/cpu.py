@@ -49,6 +49,9 @@ class CpuBackend:
     def advance(self) -> bool:
         return False
 
+    def next_time(self) -> float | None:
+        return None
+
     def _executor(self, lane: str) -> ThreadPoolExecutor:
         executor = self._executors.get(lane)
         if executor is None:

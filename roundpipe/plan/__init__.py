@@ -4,8 +4,9 @@ Pure functions and immutable values over plain numbers, so the planner can run a
 tests, the scheduler) in microseconds. Nothing here may import torch, asyncio or a backend.
 """
 
+from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
-from roundpipe.plan.dispatch import SlotRun, analytic_bubble, dispatch, round_sizes
+from roundpipe.plan.dispatch import SlotRun, analytic_bubble, dispatch, round_sizes, steady_iteration_ms
 from roundpipe.plan.partition import Plan, Slot, SlotKind, objective, partition
 
 __all__ = [
@@ -15,8 +16,10 @@ __all__ = [
     "SlotKind",
     "SlotRun",
     "analytic_bubble",
+    "choose_plan",
     "dispatch",
     "objective",
     "partition",
     "round_sizes",
+    "steady_iteration_ms",
 ]

@@ -46,6 +46,9 @@ class Backend(Protocol):
     def advance(self) -> bool:
         """Virtual backends: complete the next task(s); False when nothing is running."""
 
+    def next_time(self) -> float | None:
+        """Virtual backends: when the earliest running task ends (None when nothing runs)."""
+
     def close(self) -> None:
         """Release threads and memory. Idempotent."""
 

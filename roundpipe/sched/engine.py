@@ -77,6 +77,8 @@ class Engine:
         self._done = 0
         self._failed: list[Task] = []
         self._wakeup: asyncio.Future[None] | None = None
+        self._virtual = bool(backend.virtual)
+        self._held: list[_Resource] = []  # resources freed at an instant that is not over yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound = False
 
@@ -241,7 +243,8 @@ class Engine:
             self._failed.append(task)
             self._pending -= 1
             self._poison(task)
-            self._start_free([res])
+            self._start_free([*self._held, res])
+            self._held = []
         else:
             task.state = "done"
             self._pending -= 1
@@ -270,12 +273,24 @@ class Engine:
                             others.append(target)
                 self._ready += pushed
                 task.dependents = []
-            if res.heap:
-                self._start_next(res)
-            if others is not None:
-                for target in others:
-                    if not target.busy and target.heap:
-                        self._start_next(target)
+            if self._virtual and self.backend.next_time() == now:
+                # Another task finishes at this same instant: start nothing until its dependents
+                # are ready too, so the most urgent of them all goes first, not the first popped.
+                self._held.append(res)
+                if others is not None:
+                    self._held.extend(others)
+            else:
+                if self._held:
+                    held, self._held = self._held, []
+                    for target in held:
+                        if not target.busy and target.heap:
+                            self._start_next(target)
+                if res.heap and not res.busy:
+                    self._start_next(res)
+                if others is not None:
+                    for target in others:
+                        if not target.busy and target.heap:
+                            self._start_next(target)
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
