@@ -7,6 +7,8 @@ parameter copy, the host gradient buffers and the optimizer lane. Prints one JSO
 configuration; the target is < 10 % when a layer takes >= 5 ms.
 
     python bench/cpu_overhead.py [--layers 8] [--width 1024] [--batch 512] [--steps 6]
+
+(--batch is the rows of one microbatch; a batch holds that times the microbatch count.)
 """
 
 from __future__ import annotations
@@ -71,12 +73,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=512, help="rows per microbatch")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    x = torch.randn(args.batch, args.width)
-    y = torch.randn(args.batch, 16)
     for microbatches in (1, 4):
+        # Every configuration keeps a microbatch at --batch rows, so a layer takes as long in each.
+        x = torch.randn(args.batch * microbatches, args.width)
+        y = torch.randn(args.batch * microbatches, 16)
         for async_optimizer in (False, True):
             plain_model = build(args.layers, args.width)
             pipe_model = build(args.layers, args.width)
@@ -100,7 +103,7 @@ def main() -> None:
                         "microbatches": microbatches,
                         "async_optimizer": async_optimizer,
                         "layers": args.layers,
-                        "layer_fwd_ms": round(layer_ms(args.width, args.batch // microbatches), 2),
+                        "layer_fwd_ms": round(layer_ms(args.width, args.batch), 2),
                         "plain_s": round(plain_s, 4),
                         "roundpipe_s": round(ours_s, 4),
                         "overhead": round(ours_s / plain_s - 1, 4),

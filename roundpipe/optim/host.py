@@ -131,13 +131,10 @@ class HostModel:
                     self.compute[id(param)] = param.detach()  # frozen: never changes, no copy needed
                 else:
                     self.compute[id(param)] = self._compute_tensor(param)
-        self.grad_buffers: list[dict[str, torch.Tensor]] = [
-            {
-                name: torch.zeros(param.shape, dtype=torch.float32)
-                for name, param in named
-                if param.requires_grad
-            }
-            for named in self.layer_params
+        # None means zero: the first gradient to land is adopted, not added, and a G-copy hands
+        # the buffer over to the optimizer copy, so no pass over the gradients zeroes anything.
+        self.grad_buffers: list[dict[str, torch.Tensor | None]] = [
+            {name: None for name, param in named if param.requires_grad} for named in self.layer_params
         ]
         factory = optimizer or default_optimizer
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
@@ -178,8 +175,21 @@ class HostModel:
     # ------------------------------------------------------------------ the four optimizer-lane operations
 
     @torch.no_grad()
+    def land_gradient(self, layer: int, name: str, grad: torch.Tensor) -> None:
+        """A gradient download: add ``grad`` (any device/dtype) into the layer's fp32 buffer."""
+        buffers = self.grad_buffers[layer]
+        host = grad.to("cpu", torch.float32)
+        current = buffers[name]
+        if current is None:
+            # Adopt it: the transient copy that produced it is dropped after its download.
+            buffers[name] = host
+        else:
+            current.add_(host)
+
+    @torch.no_grad()
     def g_copy(self, unit: int, scale: float = 1.0) -> None:
-        """Add every gradient buffer of ``unit``'s parameters into the fp32 ``.grad`` and zero them."""
+        """Move every gradient buffer of ``unit``'s parameters into the fp32 ``.grad`` (summing
+        buffers of layers that share a parameter) and leave the buffers empty."""
         inv = 1.0 / scale
         for index, named in enumerate(self.layer_params):
             buffers = self.grad_buffers[index]
@@ -187,14 +197,14 @@ class HostModel:
                 if not param.requires_grad or self.owner_of[id(param)] != unit:
                     continue
                 buf = buffers[name]
+                if buf is None:
+                    continue
+                buffers[name] = None
                 master = self.master[id(param)]
                 if master.grad is None:
-                    master.grad = buf * inv if inv != 1.0 else buf.clone()
-                elif inv != 1.0:
-                    master.grad.add_(buf, alpha=inv)
+                    master.grad = buf.mul_(inv) if inv != 1.0 else buf
                 else:
-                    master.grad.add_(buf)
-                buf.zero_()
+                    master.grad.add_(buf, alpha=inv)
 
     @torch.no_grad()
     def grad_norm(self, max_norm: float | None, check_finite: bool) -> None:
@@ -238,11 +248,10 @@ class HostModel:
         for unit in self.units:
             self.p_copy(unit)
 
-    @torch.no_grad()
     def zero_grad_buffers(self) -> None:
         for buffers in self.grad_buffers:
-            for buf in buffers.values():
-                buf.zero_()
+            for name in buffers:
+                buffers[name] = None
 
     @torch.no_grad()
     def sync_module(self) -> None:
