@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,3 +85,30 @@ def assert_weights_equal(
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def tiny_causal_lm_config(kind: str = "qwen3", *, vocab: int = 64, tied: bool | None = None) -> Any:
+    """A two-layer transformers config small enough for a test step in milliseconds."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    if kind == "qwen3":
+        return Qwen3Config(**common, head_dim=8, tie_word_embeddings=True if tied is None else tied)
+    if kind == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False if tied is None else tied)
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def tiny_causal_lm(kind: str = "qwen3", *, vocab: int = 64, attn: str = "eager", seed: int = 0) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_causal_lm_config(kind, vocab=vocab), attn_implementation=attn)

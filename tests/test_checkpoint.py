@@ -15,6 +15,7 @@ import roundpipe
 from roundpipe import checkpoint as ckpt
 from roundpipe.checkpoint import CheckpointError, export_pretrained, load_checkpoint, save_checkpoint
 from roundpipe.data import CORPUS_PATH, batch_at
+from tests.helpers import tiny_causal_lm
 from tests.test_transformers_parity import lora, tiny_llama, tiny_qwen3
 
 SEQ, BATCH = 16, 4
@@ -22,21 +23,7 @@ _TOKENS = torch.tensor(list(CORPUS_PATH.read_bytes()[:20000]), dtype=torch.long)
 
 
 def byte_qwen3(seed: int = 0) -> nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return tiny_causal_lm("qwen3", vocab=256, attn="sdpa", seed=seed)
 
 
 def batch(step: int) -> dict[str, torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,14 +12,7 @@ from roundpipe.errors import ModelError
 from roundpipe.model import chunked_cross_entropy
 from roundpipe.model.loss import chunked_module_cross_entropy
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from threads, and one thread stays fast on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _data(n: int = 37, h: int = 8, v: int = 11, seed: int = 0) -> tuple[torch.Tensor, ...]:

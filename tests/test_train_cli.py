@@ -12,26 +12,15 @@ from roundpipe.cli import main
 from roundpipe.pipe import RoundPipe
 from roundpipe.train import TrainConfig, make_config, read_config_file
 from roundpipe.train.loop import lr_factor
+from tests.helpers import tiny_causal_lm_config
 
 JSON_KEYS = {"initial_loss", "final_loss", "tokens_per_s", "bubble_ratio", "steps", "out_dir"}
 
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import Qwen3Config
-
     path = tmp_path_factory.mktemp("model") / "config.json"
-    Qwen3Config(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    ).to_json_file(str(path))
+    tiny_causal_lm_config("qwen3", vocab=256).to_json_file(str(path))
     return path
 
 

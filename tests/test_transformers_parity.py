@@ -17,43 +17,17 @@ import torch
 from torch import nn
 
 import roundpipe
+from tests.helpers import tiny_causal_lm
 
 VOCAB = 64
 
 
 def tiny_qwen3(seed: int = 0) -> nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return tiny_causal_lm("qwen3", vocab=VOCAB, attn="eager", seed=seed)
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return tiny_causal_lm("llama", vocab=VOCAB, attn="sdpa", seed=seed)
 
 
 def token_data(steps: int, batch: int = 4, seq: int = 16, seed: int = 3) -> list[dict[str, torch.Tensor]]:
