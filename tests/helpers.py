@@ -47,7 +47,7 @@ def sync_reference(
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
         weights.append(copy.deepcopy(model.state_dict()))
     return losses, weights
 
@@ -74,7 +74,7 @@ def async_reference(
         opt.step()
         opt.zero_grad()
         history.append(copy.deepcopy(model.state_dict()))
-        losses.append(float(loss))
+        losses.append(loss.item())
         weights.append(copy.deepcopy(model.state_dict()))
     return losses, weights
 
