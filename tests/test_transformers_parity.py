@@ -55,7 +55,7 @@ def reference_loop(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> lis
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
