@@ -43,7 +43,9 @@ T = TypeVar("T")
 STATE_FORMAT = "roundpipe.state/1"
 
 
-def _estimate_costs(numel: tuple[int, ...], param_bytes: tuple[int, ...], names: tuple[str, ...]) -> LayerCosts:
+def _estimate_costs(
+    numel: tuple[int, ...], param_bytes: tuple[int, ...], names: tuple[str, ...]
+) -> LayerCosts:
     """Before anything was measured: forward time proportional to parameters (plus a floor so
     parameter-free layers are not free), backward twice the forward."""
     fwd = [1e-6 * n + 1e-3 for n in numel]
@@ -96,7 +98,8 @@ class RoundPipe:
             precision=config.precision,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
-            pin_memory=False,
+            # Pinned host memory is what makes uploads to a GPU asynchronous and fast.
+            pin_memory=torch.cuda.is_available(),
         )
         from roundpipe.backends.runtime import Runtime
 
@@ -110,7 +113,9 @@ class RoundPipe:
             scaler=self._scaler,
         )
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
-        self.costs = _estimate_costs(self.host.layer_numel(), self._spec.param_bytes, tuple(self._sequence.names))
+        self.costs = _estimate_costs(
+            self.host.layer_numel(), self._spec.param_bytes, tuple(self._sequence.names)
+        )
         self.plan: Plan = self._partition(self.costs)
         self._options = ScheduleOptions(
             async_optimizer=config.async_optimizer,
@@ -199,7 +204,9 @@ class RoundPipe:
         """`forward_backward` calls so far (plus those of a loaded state)."""
         return self._iteration
 
-    def forward_backward(self, inputs: Any, targets: Any = None, loss_fn: Callable[..., Any] | None = None) -> float:
+    def forward_backward(
+        self, inputs: Any, targets: Any = None, loss_fn: Callable[..., Any] | None = None
+    ) -> float:
         """Run forward and backward over ``inputs`` split into microbatches; gradients accumulate
         until `step()`. Returns the mean of the microbatch losses (weighted by their sizes)."""
         self._check_open()
@@ -311,9 +318,16 @@ class RoundPipe:
         records = self._trace.records
         if records and records[0].iteration < oldest:
             self._trace.records = [
-                t for t in records if t.iteration >= oldest or (t.iteration < 0 and t.step >= self._step - keep)
+                t
+                for t in records
+                if t.iteration >= oldest or (t.iteration < 0 and t.step >= self._step - keep)
             ]
-        self._engine.forget(lambda t: (t.iteration >= 0 and t.iteration < oldest - 2) or (0 <= t.step < self._step - 3 and t.iteration < 0))
+        self._engine.forget(
+            lambda t: (
+                (t.iteration >= 0 and t.iteration < oldest - 2)
+                or (0 <= t.step < self._step - 3 and t.iteration < 0)
+            )
+        )
         if self.config.replan and not self._replanned and self._iteration >= 1:
             self._maybe_replan()
 
@@ -323,7 +337,9 @@ class RoundPipe:
             return
         self._replanned = True
         fwd = tuple(float(ms) for ms in measured)  # type: ignore[arg-type]
-        self.costs = LayerCosts(fwd, tuple(2 * f for f in fwd), self.costs.mem_bytes, tuple(self._sequence.names))
+        self.costs = LayerCosts(
+            fwd, tuple(2 * f for f in fwd), self.costs.mem_bytes, tuple(self._sequence.names)
+        )
         plan = self._partition(self.costs)
         if plan != self.plan:
             self.plan = plan

@@ -22,7 +22,9 @@ def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def run_pipe(model: nn.Module, optimizer, data, *, devices: str, microbatches: int, async_optimizer: bool, **cfg):
+def run_pipe(
+    model: nn.Module, optimizer, data, *, devices: str, microbatches: int, async_optimizer: bool, **cfg
+):
     config = roundpipe.RunConfig(
         devices=devices, num_microbatches=microbatches, async_optimizer=async_optimizer, **cfg
     )
@@ -43,7 +45,9 @@ def run_pipe(model: nn.Module, optimizer, data, *, devices: str, microbatches: i
 def test_sync_matches_plain_loop_after_every_step(devices: str, microbatches: int) -> None:
     data = batches(4)
     ref_losses, ref_weights = sync_reference(mlp(), adamw, data, mse)
-    losses, weights = run_pipe(mlp(), adamw, data, devices=devices, microbatches=microbatches, async_optimizer=False)
+    losses, weights = run_pipe(
+        mlp(), adamw, data, devices=devices, microbatches=microbatches, async_optimizer=False
+    )
     for got, want in zip(weights, ref_weights, strict=True):
         assert_weights_equal(got, want)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -122,7 +126,10 @@ def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("async_optimizer", [False, True])
 def test_tied_parameters_get_one_optimizer_entry_and_summed_gradients(async_optimizer: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)) for _ in range(3)]
+    data = [
+        (torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g))
+        for _ in range(3)
+    ]
     reference = sync_reference if not async_optimizer else async_reference
     ref_losses, ref_weights = reference(tied_model(), adamw, data, ce)
     model = tied_model()
@@ -151,7 +158,9 @@ def test_clipping_and_lr_scheduler_match_torch() -> None:
         sched.step()
         opt.zero_grad()
     model = mlp()
-    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=False, max_grad_norm=0.05)
+    config = roundpipe.RunConfig(
+        devices="cpu:2", num_microbatches=2, async_optimizer=False, max_grad_norm=0.05
+    )
     with roundpipe.RoundPipe(
         model,
         optimizer=adamw,
@@ -188,7 +197,9 @@ def test_dropout_masks_match_between_forward_and_recompute() -> None:
         config = roundpipe.RunConfig(
             devices=devices, num_microbatches=microbatches, async_optimizer=False, seed=seed, replan=False
         )
-        with roundpipe.RoundPipe(model, optimizer=lambda p: torch.optim.SGD(p, lr=1.0), config=config) as pipe:
+        with roundpipe.RoundPipe(
+            model, optimizer=lambda p: torch.optim.SGD(p, lr=1.0), config=config
+        ) as pipe:
             assert pipe.runtime.uses_rng
             pipe.forward_backward(x, y, mse)
             pipe.synchronize()
@@ -220,5 +231,60 @@ def test_fp16_loss_scaling_skips_a_step_with_inf_gradients() -> None:
 def test_bf16_trains_close_to_fp32() -> None:
     data = batches(3)
     _, ref_weights = sync_reference(mlp(), sgd, data, mse)
-    _, weights = run_pipe(mlp(), sgd, data, devices="cpu:2", microbatches=2, async_optimizer=False, precision="bf16")
+    _, weights = run_pipe(
+        mlp(), sgd, data, devices="cpu:2", microbatches=2, async_optimizer=False, precision="bf16"
+    )
     assert_weights_equal(weights[-1], ref_weights[-1], rtol=5e-2, atol=5e-2)
+
+
+class SplitTwo(nn.Module):
+    """Returns a tuple: a differentiable half and an integer tensor that must travel unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.proj(x))
+        return h, (h[:, 0] > 0).long()
+
+
+class UseTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+        self.bias = nn.Parameter(torch.zeros(2, 4))
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, sign = pair
+        return self.proj(h) + self.bias[sign]
+
+
+class DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": self.proj(x), "_scale": torch.full((x.shape[0], 1), 0.5)}
+
+
+class DictIn(nn.Module):
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.tanh(d["h"]) * d["_scale"]
+
+
+def structured_model() -> nn.Sequential:
+    torch.manual_seed(5)
+    return nn.Sequential(DictOut(), DictIn(), nn.Linear(8, 8), SplitTwo(), UseTwo())
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:3"])
+def test_tuple_and_dict_activations_between_layers(devices: str) -> None:
+    data = batches(3)
+    _, ref_weights = sync_reference(structured_model(), sgd, data, mse)
+    _, weights = run_pipe(
+        structured_model(), sgd, data, devices=devices, microbatches=3, async_optimizer=False
+    )
+    for got, want in zip(weights, ref_weights, strict=True):
+        assert_weights_equal(got, want)
