@@ -34,7 +34,9 @@ def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-3)
 
 
-def time_plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, microbatches: int, steps: int) -> list[float]:
+def time_plain(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, microbatches: int, steps: int
+) -> list[float]:
     opt = sgd(list(model.parameters()))
     times = []
     for _ in range(steps):

@@ -28,7 +28,9 @@ def batch_size(batch: Batch, what: str = "inputs") -> int:
     def visit(obj: Any, path: str) -> None:
         if isinstance(obj, torch.Tensor):
             if obj.dim() == 0:
-                raise InputError(f"{what}{path} is a 0-d tensor; it cannot be split into microbatches on dim 0")
+                raise InputError(
+                    f"{what}{path} is a 0-d tensor; it cannot be split into microbatches on dim 0"
+                )
             sizes[path or "<tensor>"] = obj.shape[0]
         elif isinstance(obj, Mapping):
             for key, value in obj.items():
@@ -83,9 +85,13 @@ def microbatches(
     if targets is not None:
         target_total = batch_size(targets, "targets")
         if target_total != total:
-            raise InputError(f"inputs have batch size {total} but targets have {target_total}; they must match")
+            raise InputError(
+                f"inputs have batch size {total} but targets have {target_total}; they must match"
+            )
     sizes = split_sizes(total, num_microbatches)
     input_parts = split_batch(inputs, sizes)
-    target_parts: list[Batch | None] = split_batch(targets, sizes) if targets is not None else [None] * len(sizes)
+    target_parts: list[Batch | None] = (
+        split_batch(targets, sizes) if targets is not None else [None] * len(sizes)
+    )
     weights = [size / total for size in sizes]
     return input_parts, target_parts, weights

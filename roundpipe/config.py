@@ -44,14 +44,16 @@ def parse_devices(value: str) -> DeviceSpec:
     if match:
         count = int(match.group(2))
         if count < 1:
-            raise ConfigError(f"devices={value!r}: need at least one worker, e.g. \"{match.group(1)}:2\"")
+            raise ConfigError(f'devices={value!r}: need at least one worker, e.g. "{match.group(1)}:2"')
         return DeviceSpec(match.group(1), tuple(range(count)))  # type: ignore[arg-type]
     if text == "cuda":
         import torch
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ConfigError('devices="cuda" but no CUDA device is visible; use devices="cpu:2" to run on CPU')
+            raise ConfigError(
+                'devices="cuda" but no CUDA device is visible; use devices="cpu:2" to run on CPU'
+            )
         return DeviceSpec("cuda", tuple(range(count)))
     match = re.fullmatch(r"cuda:(\d+(?:\s*,\s*\d+)*)", text)
     if match:
@@ -68,8 +70,12 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     devices: str = Field("cpu:2", description=f"where stages run: {_DEVICES_HELP}")
-    num_microbatches: int = Field(4, ge=1, description="microbatches each forward_backward splits its batch into")
-    async_optimizer: bool = Field(True, description="True: staleness-1 CPU optimizer overlapping the next iteration")
+    num_microbatches: int = Field(
+        4, ge=1, description="microbatches each forward_backward splits its batch into"
+    )
+    async_optimizer: bool = Field(
+        True, description="True: staleness-1 CPU optimizer overlapping the next iteration"
+    )
     precision: Precision = Field("fp32", description="dtype of the compute copy and of device math")
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(
@@ -81,7 +87,9 @@ class RunConfig(BaseModel):
     mem_limit_bytes: int | None = Field(None, ge=1, description="device memory a stage pair may use")
     seed: int = Field(0, description="seeds dropout; the same seed gives the same run on any device count")
     trace_iterations: int = Field(8, ge=0, description="how many recent iterations the trace keeps")
-    stall_timeout_s: float | None = Field(600.0, gt=0, description="watchdog: fail if no task finishes this long")
+    stall_timeout_s: float | None = Field(
+        600.0, gt=0, description="watchdog: fail if no task finishes this long"
+    )
     replan: bool = Field(True, description="re-partition after the first iteration from measured layer times")
 
     def __init__(self, **values: Any) -> None:
@@ -99,7 +107,7 @@ class RunConfig(BaseModel):
             return text
         if re.fullmatch(r"(cpu|fake):\d+", text) or re.fullmatch(r"cuda:\d+(\s*,\s*\d+)*", text):
             if text.endswith(":0") and not text.startswith("cuda"):
-                raise ValueError(f"{value!r} asks for zero workers; use at least 1, e.g. \"cpu:2\"")
+                raise ValueError(f'{value!r} asks for zero workers; use at least 1, e.g. "cpu:2"')
             return text
         raise ValueError(f"{value!r} is not understood; use {_DEVICES_HELP}")
 

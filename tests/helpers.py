@@ -80,11 +80,17 @@ def async_reference(
 
 
 def assert_weights_equal(
-    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *, rtol: float = 1e-5, atol: float = 1e-6
+    actual: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
 ) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def tiny_causal_lm_config(kind: str = "qwen3", *, vocab: int = 64, tied: bool | None = None) -> Any:
@@ -111,4 +117,6 @@ def tiny_causal_lm(kind: str = "qwen3", *, vocab: int = 64, attn: str = "eager",
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_causal_lm_config(kind, vocab=vocab), attn_implementation=attn)
+    return AutoModelForCausalLM.from_config(
+        tiny_causal_lm_config(kind, vocab=vocab), attn_implementation=attn
+    )

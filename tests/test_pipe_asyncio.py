@@ -22,7 +22,9 @@ def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 
 async def test_heartbeat_keeps_ticking_while_training() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 4))
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 4)
+    )
     x, y = torch.randn(64, 256), torch.randn(64, 4)
     config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=8)
     gaps: list[float] = []

@@ -41,7 +41,9 @@ def test_layer_exception_names_layer_stage_device_microbatch_and_pipe_recovers(a
     torch.manual_seed(0)
     flaky = Flaky()
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), flaky, nn.Linear(8, 4))
-    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=async_optimizer, replan=False)
+    config = roundpipe.RunConfig(
+        devices="cpu:2", num_microbatches=2, async_optimizer=async_optimizer, replan=False
+    )
     data = batches(3)
     with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
         pipe.forward_backward(*data[0], mse)
@@ -78,7 +80,9 @@ def test_loss_fn_errors_are_reported_with_the_stage() -> None:
 
 
 def test_inputs_that_cannot_be_split() -> None:
-    with roundpipe.RoundPipe(mlp(), optimizer=sgd, config=roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)) as pipe:
+    with roundpipe.RoundPipe(
+        mlp(), optimizer=sgd, config=roundpipe.RunConfig(devices="cpu:2", num_microbatches=4)
+    ) as pipe:
         x, y = batches(1)[0]
         with pytest.raises(roundpipe.InputError, match="has 3 sample\\(s\\) but num_microbatches=4"):
             pipe.forward_backward(x[:3], y[:3], mse)
@@ -153,7 +157,9 @@ def test_watchdog_names_the_running_task_and_state_dict_still_works() -> None:
         pipe.step()
         pipe.synchronize()
         SLOW["on"] = True
-        with pytest.raises(roundpipe.ScheduleError, match=r"watchdog: no task finished for 0\.2 s; still running: compute"):
+        with pytest.raises(
+            roundpipe.ScheduleError, match=r"watchdog: no task finished for 0\.2 s; still running: compute"
+        ):
             pipe.forward_backward(x, y, mse)
         with pytest.raises(roundpipe.PipeClosedError, match="watchdog"):
             pipe.forward_backward(x, y, mse)

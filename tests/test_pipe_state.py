@@ -31,7 +31,9 @@ def test_resume_continues_exactly(async_optimizer: bool) -> None:
     data = batches(6)
     # Uninterrupted.
     full = mlp()
-    with roundpipe.RoundPipe(full, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler) as pipe:
+    with roundpipe.RoundPipe(
+        full, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler
+    ) as pipe:
         full_losses = []
         for x, y in data:
             full_losses.append(pipe.forward_backward(x, y, mse))
@@ -39,7 +41,9 @@ def test_resume_continues_exactly(async_optimizer: bool) -> None:
         pipe.synchronize()
     # Interrupted after 3 steps; the state goes through torch.save like a real checkpoint.
     first = mlp()
-    with roundpipe.RoundPipe(first, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler) as pipe:
+    with roundpipe.RoundPipe(
+        first, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler
+    ) as pipe:
         losses = []
         for x, y in data[:3]:
             losses.append(pipe.forward_backward(x, y, mse))
@@ -50,7 +54,9 @@ def test_resume_continues_exactly(async_optimizer: bool) -> None:
     buffer.seek(0)
     state = torch.load(buffer, weights_only=False)
     second = mlp(seed=99)  # different initial weights: everything must come from the state
-    with roundpipe.RoundPipe(second, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler) as pipe:
+    with roundpipe.RoundPipe(
+        second, optimizer=adamw, config=config(async_optimizer), lr_scheduler=scheduler
+    ) as pipe:
         pipe.load_state_dict(state)
         assert pipe.step_count == 3
         for x, y in data[3:]:

@@ -89,7 +89,8 @@ def with_leaves(obj: Any) -> tuple[Any, list[torch.Tensor | None]]:
             return value
         if isinstance(value, Mapping):
             return {
-                k: rebuild(v, constant or (isinstance(k, str) and k.startswith("_"))) for k, v in value.items()
+                k: rebuild(v, constant or (isinstance(k, str) and k.startswith("_")))
+                for k, v in value.items()
             }
         if isinstance(value, tuple | list):
             return type(value)(rebuild(v, constant) for v in value)
@@ -306,7 +307,10 @@ class Runtime:
         if start == 0 and task.stage_kind != "bwd":
             value: Any = cast_floating(data.inputs[mb], self.host.dtype)
         elif start == 0:
-            value = (cast_floating(data.inputs[mb], self.host.dtype), self.gradients.pop((t, task.layers.stop, mb)))
+            value = (
+                cast_floating(data.inputs[mb], self.host.dtype),
+                self.gradients.pop((t, task.layers.stop, mb)),
+            )
         elif task.stage_kind == "fwd":
             key = (t, start, mb)
             value = self.activations[key] if start in data.boundaries else self.activations.pop(key)
@@ -357,7 +361,9 @@ class Runtime:
 
     # ------------------------------------------------------------------ stage kinds
 
-    def _forward_stage(self, task: Task, params: dict[int, dict[str, torch.Tensor]], x: Any) -> dict[int, Any]:
+    def _forward_stage(
+        self, task: Task, params: dict[int, dict[str, torch.Tensor]], x: Any
+    ) -> dict[int, Any]:
         data = self.iterations[task.iteration]
         saved: dict[int, Any] = {}
         with torch.no_grad():
@@ -394,7 +400,11 @@ class Runtime:
                         task.describe(),
                     ) from exc
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
+                what = (
+                    type(loss).__name__
+                    if not isinstance(loss, torch.Tensor)
+                    else f"shape {tuple(loss.shape)}"
+                )
                 raise StageError(
                     f"the loss must be a scalar tensor, got {what} (stage {task.stage}, microbatch {mb}); "
                     "pass a loss_fn(output, target) that returns a scalar, or a model whose last layer does",

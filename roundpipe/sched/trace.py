@@ -133,9 +133,13 @@ class Trace:
             )
         tasks, meta = data.get("tasks"), data.get("meta", {})
         if not isinstance(tasks, list):
-            raise ValueError(f'not a roundpipe trace ("tasks" is a JSON {_json_type(tasks)}, expected an array)')
+            raise ValueError(
+                f'not a roundpipe trace ("tasks" is a JSON {_json_type(tasks)}, expected an array)'
+            )
         if not isinstance(meta, dict):
-            raise ValueError(f'not a roundpipe trace ("meta" is a JSON {_json_type(meta)}, expected an object)')
+            raise ValueError(
+                f'not a roundpipe trace ("meta" is a JSON {_json_type(meta)}, expected an object)'
+            )
         records = []
         for i, d in enumerate(tasks):
             try:
@@ -183,7 +187,6 @@ class Trace:
     def summary(self) -> str:
         report = self.bubble_ratio()
         per_device = ", ".join(f"d{d} {b:.1%}" for d, b in report.per_device.items())
-        return (
-            f"{len(self)} tasks, makespan {report.makespan_ms:.2f} ms, bubble {report.overall:.2%}"
-            + (f" ({per_device})" if per_device else "")
+        return f"{len(self)} tasks, makespan {report.makespan_ms:.2f} ms, bubble {report.overall:.2%}" + (
+            f" ({per_device})" if per_device else ""
         )
