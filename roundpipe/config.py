@@ -35,10 +35,14 @@ class DeviceSpec:
 
 
 def parse_devices(value: str) -> DeviceSpec:
-    """``"cpu:2"`` -> cpu workers 0,1; ``"cuda:0,2"`` -> cuda 0 and 2; ``"auto"`` -> the best
-    backend this version has: two CPU workers (it will pick the GPUs once a CUDA backend exists)."""
+    """``"cpu:2"`` -> cpu workers 0,1; ``"cuda:0,2"`` -> cuda 0 and 2; ``"auto"`` -> every CUDA
+    device when there is one, else two CPU workers."""
     text = value.strip().lower()
     if text == "auto":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return DeviceSpec("cuda", tuple(range(torch.cuda.device_count())))
         return DeviceSpec("cpu", (0, 1))
     match = re.fullmatch(r"(cpu|fake):(\d+)", text)
     if match:

@@ -75,11 +75,6 @@ class RoundPipe:
             raise ConfigError(f"config must be a roundpipe.RunConfig, got {type(config).__name__}")
         self.config = config
         device_spec = config.device_spec()
-        if device_spec.kind == "cuda":
-            raise ConfigError(
-                f"devices={config.devices!r}: the CUDA backend is not available in this version; "
-                'use devices="cpu:N" (real math on CPU workers) or "fake:N"'
-            )
         self.num_devices = device_spec.count
         self._sequence = to_layer_sequence(model)
         self._model = model
@@ -134,18 +129,22 @@ class RoundPipe:
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="roundpipe-loop", daemon=True)
         self._thread.start()
-        self._backend = self._make_backend(device_spec.kind)
+        self._backend = self._make_backend(device_spec.kind, device_spec.indices)
         self._trace = Trace(meta=self._builder.meta())
         self._engine = Engine(self._backend, trace=self._trace, stall_timeout_s=config.stall_timeout_s)
         self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._backend)
 
     # ------------------------------------------------------------------ construction helpers
 
-    def _make_backend(self, kind: str) -> Any:
+    def _make_backend(self, kind: str, indices: tuple[int, ...]) -> Any:
         if kind == "cpu":
             from roundpipe.backends.cpu import CpuBackend
 
             return CpuBackend(self.runtime, self.num_devices)
+        if kind == "cuda":
+            from roundpipe.backends.cuda import CudaBackend
+
+            return CudaBackend(self.runtime, indices)
         from roundpipe.backends.fake import FakeBackend, FakeCostModel
 
         return FakeBackend(FakeCostModel(self.costs), execute=self.runtime.run)

@@ -146,6 +146,8 @@ class TransientPool:
         self._lock = threading.Lock()
 
     def copy_of(self, source: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+        if device.type != "cpu":  # the CUDA caching allocator already reuses device memory
+            return source.detach().to(device, non_blocking=True).requires_grad_(requires_grad)
         key = (device, source.shape, source.dtype)
         with self._lock:
             free = self._free.get(key)
@@ -160,6 +162,8 @@ class TransientPool:
         with self._lock:
             for named in run.values():
                 for tensor in named.values():
+                    if tensor.device.type != "cpu":
+                        continue
                     tensor.grad = None
                     key = (tensor.device, tensor.shape, tensor.dtype)
                     self._free.setdefault(key, []).append(tensor.detach_())

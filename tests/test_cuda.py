@@ -1,0 +1,72 @@
+"""The CUDA backend against plain PyTorch (run on a machine with a GPU; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from tests.helpers import assert_weights_equal, async_reference, batches, mlp, sync_reference, tiny_causal_lm
+
+pytestmark = pytest.mark.gpu
+mse = nn.functional.mse_loss
+
+
+def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def run(
+    model: nn.Module, data, *, devices: str, async_optimizer: bool, **cfg
+) -> tuple[list[float], list[dict]]:
+    config = roundpipe.RunConfig(devices=devices, num_microbatches=4, async_optimizer=async_optimizer, **cfg)
+    losses, weights = [], []
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        assert type(pipe._backend).__name__ == "CudaBackend"
+        for x, y in data:
+            losses.append(pipe.forward_backward(x, y, mse))
+            pipe.step()
+            pipe.synchronize()
+            weights.append(copy.deepcopy(pipe.module.state_dict()))
+        pipe.trace().check_rules()
+        assert {t.device for t in pipe.trace() if t.kind == "compute"} <= set(range(pipe.num_devices))
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
+    return losses, weights
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_cuda_matches_plain_loop(async_optimizer: bool) -> None:
+    data = batches(4)
+    reference = async_reference if async_optimizer else sync_reference
+    ref_losses, ref_weights = reference(mlp(), sgd, data, mse)
+    devices = "cuda:0" if torch.cuda.device_count() == 1 else "cuda"
+    losses, weights = run(mlp(), data, devices=devices, async_optimizer=async_optimizer)
+    for got, want in zip(weights, ref_weights, strict=True):
+        assert_weights_equal(got, want, rtol=1e-4, atol=1e-5)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+
+
+def test_cuda_transformers_bf16_learns() -> None:
+    torch.manual_seed(0)
+    model = tiny_causal_lm("qwen3", vocab=256, attn="sdpa")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, 64), generator=g).repeat(8, 1)  # one repeated sequence: easy to learn
+    batch = {"input_ids": ids, "labels": ids}
+    config = roundpipe.RunConfig(devices="cuda:0", num_microbatches=4, precision="bf16")
+    with roundpipe.RoundPipe(model, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), config=config) as pipe:
+        losses = []
+        for _ in range(30):
+            losses.append(pipe.forward_backward(batch))
+            pipe.step()
+        pipe.synchronize()
+        pipe.trace().check_rules()
+    assert losses[-1] < 0.5 * losses[0]
