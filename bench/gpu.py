@@ -87,13 +87,19 @@ def ours(args: argparse.Namespace, data: dict[str, torch.Tensor], async_optimize
                 pipe.synchronize()
             times.append(time.perf_counter() - start)
         pipe.synchronize()
-        bubble = pipe.trace().bubble_ratio().overall
+        trace = pipe.trace()
+        bubble = trace.bubble_ratio().overall
         slots = pipe.plan.num_slots
+        iterations = len({t.iteration for t in trace if t.iteration >= 0})
+        busy: dict[str, float] = {}
+        for task in trace:
+            busy[task.kind] = busy.get(task.kind, 0.0) + task.duration
     return {
         "step_s": statistics.median(times[2:]),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "bubble": bubble,
         "slots": slots,
+        "busy_ms_per_step": {k: round(v / max(iterations, 1), 1) for k, v in sorted(busy.items())},
     }
 
 
@@ -128,6 +134,7 @@ def main() -> None:
                     "roundpipe_peak_gib": round(result["peak_gib"], 2),
                     "roundpipe_bubble": round(result["bubble"], 4),
                     "slots": result["slots"],
+                    "busy_ms_per_step": result["busy_ms_per_step"],
                 }
             ),
             flush=True,

@@ -61,10 +61,12 @@ def test_cuda_transformers_bf16_learns() -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, 64), generator=g).repeat(8, 1)  # one repeated sequence: easy to learn
     batch = {"input_ids": ids, "labels": ids}
-    config = roundpipe.RunConfig(devices="cuda:0", num_microbatches=4, precision="bf16")
+    config = roundpipe.RunConfig(
+        devices="cuda:0", num_microbatches=4, precision="bf16", async_optimizer=False
+    )
     with roundpipe.RoundPipe(model, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), config=config) as pipe:
         losses = []
-        for _ in range(30):
+        for _ in range(40):
             losses.append(pipe.forward_backward(batch))
             pipe.step()
         pipe.synchronize()
