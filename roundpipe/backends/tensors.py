@@ -1,0 +1,125 @@
+"""Tensor plumbing shared by the real backends: activation structures and transient storage.
+
+An activation is a tensor or a (nested) dict / tuple / list of tensors. The rules of what is
+differentiable live here, once: floating-point tensors are, integer/bool tensors are not, and
+dict entries whose key starts with "_" are constants (carried, never differentiated). So does
+the pool that lets a backend reuse the storage of finished stages' transient weights.
+
+Nothing here knows about tasks, stages or scheduling.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------- activation helpers
+
+
+def _differentiable(obj: Any, out: list[torch.Tensor | None]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj if obj.is_floating_point() else None)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if not (isinstance(key, str) and key.startswith("_")):
+                _differentiable(value, out)
+    elif isinstance(obj, tuple | list):
+        for value in obj:
+            _differentiable(value, out)
+
+
+def differentiable_leaves(obj: Any) -> list[torch.Tensor | None]:
+    """The differentiable tensors of an activation, in a fixed traversal order (None for the
+    positions of integer tensors, so two traversals of the same structure line up)."""
+    out: list[torch.Tensor | None] = []
+    _differentiable(obj, out)
+    return out
+
+
+def with_leaves(obj: Any) -> tuple[Any, list[torch.Tensor | None]]:
+    """A copy of the activation whose differentiable tensors are fresh leaves requiring grad."""
+    leaves: list[torch.Tensor | None] = []
+
+    def rebuild(value: Any, constant: bool) -> Any:
+        if isinstance(value, torch.Tensor):
+            if constant:
+                return value
+            if value.is_floating_point():
+                leaf = value.detach().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf
+            leaves.append(None)
+            return value
+        if isinstance(value, Mapping):
+            return {
+                k: rebuild(v, constant or (isinstance(k, str) and k.startswith("_")))
+                for k, v in value.items()
+            }
+        if isinstance(value, tuple | list):
+            return type(value)(rebuild(v, constant) for v in value)
+        return value
+
+    return rebuild(obj, False), leaves
+
+
+def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device, non_blocking) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(to_device(v, device, non_blocking) for v in obj)
+    return obj
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors to ``dtype`` (model inputs enter the compute precision)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, Mapping):
+        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(cast_floating(v, dtype) for v in obj)
+    return obj
+
+
+# --------------------------------------------------------------------- transient storage
+
+
+class TransientPool:
+    """Reuses the storage of finished stages' transient weights.
+
+    Allocating fresh tensors for every upload costs a page fault per page on the CPU backend (the
+    upload then runs at a fraction of memory bandwidth); CUDA's caching allocator does the same
+    reuse for device memory. Thread-safe: uploads and releases run on different lanes.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.device, torch.Size, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def copy_of(self, source: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+        if device.type != "cpu":  # the CUDA caching allocator already reuses device memory
+            return source.detach().to(device, non_blocking=True).requires_grad_(requires_grad)
+        key = (device, source.shape, source.dtype)
+        with self._lock:
+            free = self._free.get(key)
+            tensor = free.pop() if free else None
+        if tensor is None:
+            tensor = torch.empty(source.shape, dtype=source.dtype, device=device)
+        with torch.no_grad():
+            tensor.copy_(source, non_blocking=device.type == "cuda")
+        return tensor.requires_grad_(requires_grad)
+
+    def release(self, run: dict[int, dict[str, torch.Tensor]]) -> None:
+        with self._lock:
+            for named in run.values():
+                for tensor in named.values():
+                    if tensor.device.type != "cpu":
+                        continue
+                    tensor.grad = None
+                    key = (tensor.device, tensor.shape, tensor.dtype)
+                    self._free.setdefault(key, []).append(tensor.detach_())
