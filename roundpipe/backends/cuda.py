@@ -16,23 +16,18 @@ It must never decide ordering and never leave a thread running after `close()`.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from roundpipe.backends.runtime import Runtime
+from roundpipe.backends.threads import LaneThreadBackend
 from roundpipe.errors import ConfigError
-from roundpipe.sched.backend import CompletionPipe, DoneCallback
 from roundpipe.sched.task import Task
 
 
-class CudaBackend:
+class CudaBackend(LaneThreadBackend):
     """Runs each lane's tasks on that lane's CUDA stream; see the module docstring."""
-
-    virtual = False
 
     def __init__(self, runtime: Runtime, device_indices: tuple[int, ...]) -> None:
         if not torch.cuda.is_available():
@@ -41,74 +36,23 @@ class CudaBackend:
         for index in device_indices:
             if not 0 <= index < count:
                 raise ConfigError(f"cuda:{index} does not exist: this machine has {count} CUDA device(s)")
-        self.runtime = runtime
+        super().__init__(runtime)
         self.device_indices = device_indices
         runtime.devices = {d: torch.device("cuda", index) for d, index in enumerate(device_indices)}
         self._streams: dict[str, Any] = {}
-        self._executors: dict[str, ThreadPoolExecutor] = {}
-        self._pipe: CompletionPipe | None = None
-        self._t0 = time.perf_counter()
-        self._closed = False
-
-    def bind(self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None) -> None:
-        if loop is None:
-            raise RuntimeError("the CUDA backend needs a running event loop")
-        self._pipe = CompletionPipe(loop, done)
-
-    def resource(self, lane: str) -> str:
-        return lane
-
-    def now(self) -> float:
-        return (time.perf_counter() - self._t0) * 1e3
-
-    def advance(self) -> bool:
-        return False
-
-    def next_time(self) -> float | None:
-        return None
 
     def _stream(self, task: Task) -> Any:
         stream = self._streams.get(task.lane)
         if stream is None:
-            device = self.runtime.device(task.device)
-            stream = torch.cuda.Stream(device=device)
+            stream = torch.cuda.Stream(device=self.runtime.device(task.device))
             self._streams[task.lane] = stream
         return stream
 
-    def _executor(self, lane: str) -> ThreadPoolExecutor:
-        executor = self._executors.get(lane)
-        if executor is None:
-            if self._closed:
-                raise RuntimeError("the CUDA backend is closed")
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"roundpipe-{lane}")
-            self._executors[lane] = executor
-        return executor
-
-    def start(self, task: Task) -> None:
-        try:
-            self._executor(task.lane).submit(self._run, task)
-        except RuntimeError as exc:  # closed, or the interpreter is exiting: report, never hang
-            assert self._pipe is not None
-            self._pipe.put(task, exc)
-
-    def _run(self, task: Task) -> None:
-        error: BaseException | None = None
-        try:
-            if task.device < 0:  # host lane (the optimizer): plain CPU work
-                self.runtime.run(task)
-            else:
-                device = self.runtime.device(task.device)
-                stream = self._stream(task)
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    self.runtime.run(task)
-                stream.synchronize()
-        except BaseException as exc:  # reported to the engine, which re-raises in the caller
-            error = exc
-        assert self._pipe is not None
-        self._pipe.put(task, error)
-
-    def close(self) -> None:
-        self._closed = True
-        executors, self._executors = self._executors, {}
-        for executor in executors.values():
-            executor.shutdown(wait=True, cancel_futures=True)
+    def execute(self, task: Task) -> None:
+        if task.device < 0:  # host lane (the optimizer): plain CPU work
+            self.runtime.run(task)
+            return
+        stream = self._stream(task)
+        with torch.cuda.device(self.runtime.device(task.device)), torch.cuda.stream(stream):
+            self.runtime.run(task)
+        stream.synchronize()  # blocks this lane only; the other streams keep running
