@@ -93,3 +93,27 @@ def test_load_rejects_a_mismatched_state() -> None:
     with roundpipe.RoundPipe(other, optimizer=adamw, config=config(False)) as pipe:
         with pytest.raises(roundpipe.ConfigError, match="does not match the model"):
             pipe.load_state_dict(copy.deepcopy(state))
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_long_runs_forget_old_tasks_without_stalling(async_optimizer: bool) -> None:
+    """The engine forgets finished tasks to bound memory. Dependencies may still point at them:
+    a device that was last used many iterations ago (one slot, many devices) and P-copies that
+    wait for uploads of every iteration of a long accumulation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))  # one layer: one fused slot, so devices take turns
+    config = roundpipe.RunConfig(
+        devices="fake:6", num_microbatches=6, async_optimizer=async_optimizer, trace_iterations=0
+    )
+    data = batches(4, batch=12)
+    with roundpipe.RoundPipe(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), config=config) as pipe:
+        for step in range(3):
+            for _ in range(13):  # accumulate over more iterations than the trace keeps
+                x, y = data[step]
+                pipe.forward_backward(x, y, mse)
+            pipe.step()
+        for _ in range(30):  # and many single-iteration steps
+            pipe.forward_backward(*data[3], mse)
+            pipe.step()
+        pipe.synchronize()
+        assert pipe.step_count == 33

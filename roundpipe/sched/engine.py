@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from roundpipe.errors import ScheduleError, TaskFailedError
 from roundpipe.sched.backend import Backend
@@ -79,6 +78,7 @@ class Engine:
         self._wakeup: asyncio.Future[None] | None = None
         self._virtual = bool(backend.virtual)
         self._held: list[_Resource] = []  # resources freed at an instant that is not over yet
+        self._forgotten: Callable[[Key], bool] | None = None  # see forget()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound = False
 
@@ -102,6 +102,7 @@ class Engine:
         self._seq = seq
         now = self.backend.now()
         missing = self._missing
+        forgotten = self._forgotten
         # A batch is acyclic when no task depends on a task that comes after it in the batch
         # (graph builders emit tasks in dependency order); only then is the full check skipped.
         backward = False
@@ -110,6 +111,8 @@ class Engine:
             for dep_key in task.deps:
                 dep = by_key.get(dep_key)
                 if dep is None:
+                    if forgotten is not None and forgotten(dep_key):
+                        continue  # finished long ago and forgotten
                     waiting = missing.get(dep_key)
                     if waiting is None:
                         missing[dep_key] = [task]
@@ -437,11 +440,14 @@ class Engine:
         self._ready = 0
         return dropped
 
-    def forget(self, predicate: Any) -> None:
-        """Drop finished tasks for which ``predicate(task)`` is true from the key index, to bound
-        memory in long runs. Later tasks must not depend on forgotten keys (they count as done)."""
+    def forget(self, older: Callable[[Key], bool]) -> None:
+        """Drop finished tasks whose key ``older(key)`` calls old from the key index, to bound
+        memory in long runs. From then on a dependency on a key that is not known and that
+        ``older`` calls old counts as done: it was, and was forgotten. ``older`` must only grow
+        (each call's predicate accepts every key the previous one did)."""
+        self._forgotten = older
         for key, task in list(self._tasks.items()):
-            if task.state == "done" and predicate(task):
+            if task.state == "done" and older(key):
                 del self._tasks[key]
 
     def is_done(self, key: Key) -> bool:
