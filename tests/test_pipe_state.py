@@ -117,3 +117,9 @@ def test_long_runs_forget_old_tasks_without_stalling(async_optimizer: bool) -> N
             pipe.step()
         pipe.synchronize()
         assert pipe.step_count == 33
+        # Memory stays bounded: only recent tasks and iterations are kept (about 23 tasks per
+        # iteration here; 69 iterations ran), and the trace keeps what it was asked to keep.
+        assert len(pipe._engine._tasks) < 6 * 23
+        assert len(pipe.runtime.iterations) <= 1
+        assert len(pipe.runtime.iteration_scales) <= 1
+        assert len(pipe.trace()) == 0

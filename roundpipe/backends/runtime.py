@@ -155,6 +155,7 @@ class Runtime:
 
     def end_iteration(self, iteration: int) -> None:
         self.iterations.pop(iteration, None)
+        self.iteration_scales.pop(iteration, None)
         for store in (self.activations, self.gradients, self.inbox, self.outbox):
             for key in [k for k in store if k[0] == iteration]:
                 del store[key]
