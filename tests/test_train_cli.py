@@ -67,6 +67,7 @@ def test_run_writes_files_and_json(
     assert set(rows[0]) == {"step", "loss", "tokens_per_s", "lr", "elapsed"}
     assert rows[0]["loss"] == summary["initial_loss"] and rows[-1]["loss"] == summary["final_loss"]
     assert json.loads((run / "trace.json").read_text())["traceEvents"]
+    assert main(["trace", "check", str(run / "schedule.json")]) == 0  # the real run obeyed the rules
     assert (run / "timeline.png").read_bytes().startswith(b"\x89PNG")
     meta = json.loads((run / "checkpoint" / "meta.json").read_text())
     assert meta["data_step"] == 3 and meta["extra"]["train_config"]["name"] == "a"

@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Train a causal language model with roundpipe. With no arguments it trains the built-in "
             "qwen3-tiny on the shipped corpus on two CPU workers in a few minutes. Writes "
-            "<out>/<name>/ with metrics.jsonl, trace.json, timeline.png and a checkpoint. "
+            "<out>/<name>/ with metrics.jsonl, trace.json (Perfetto), schedule.json, timeline.png and a checkpoint. "
             "Ctrl-C saves a checkpoint; continue with --resume. See docs/train.md."
         ),
         argument_default=argparse.SUPPRESS,  # only flags actually given override the config

@@ -37,6 +37,7 @@ from roundpipe.train.config import TrainConfig
 
 METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "trace.json"
+SCHEDULE_FILE = "schedule.json"  # the same trace in roundpipe's format: `roundpipe trace check|replay`
 TIMELINE_FILE = "timeline.png"
 CHECKPOINT_DIR = "checkpoint"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -363,6 +364,7 @@ def _run(
         trace = pipe.trace()
         bubble = float(trace.bubble_ratio().overall)
         files["trace"] = trace.to_perfetto(out_dir / TRACE_FILE)
+        files["schedule"] = trace.save(out_dir / SCHEDULE_FILE)
         try:
             files["timeline"] = trace.plot(out_dir / TIMELINE_FILE)
         except ImportError as exc:

@@ -113,6 +113,7 @@ class RichReporter:
         labels = {
             "metrics": "metrics",
             "trace": "trace (ui.perfetto.dev)",
+            "schedule": "schedule (roundpipe trace)",
             "timeline": "timeline",
             "checkpoint": "checkpoint",
             "export": "exported model",
