@@ -151,8 +151,8 @@ class HostModel:
             self.optimizers[unit] = opt
             if lr_scheduler is not None:
                 self.schedulers[unit] = lr_scheduler(opt)
-        self._staging: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
-        self._staging_lock = threading.Lock()
+        self._pinned: dict[torch.Size, list[torch.Tensor]] = {}  # fp32 gradient buffers to reuse
+        self._pinned_lock = threading.Lock()
         self.clip_coef = 1.0
         self.found_inf = False
         self.last_grad_norm: float | None = None
@@ -183,17 +183,16 @@ class HostModel:
         buffers = self.grad_buffers[layer]
         current = buffers[name]
         if grad.device.type != "cpu":
-            # Through reused pinned staging: a device-to-pageable copy runs at a fraction of the
-            # link's speed, and pinning a fresh buffer each time costs more than the copy.
-            staging = self._take_staging(grad)
-            try:
-                staging.copy_(grad)
-                if current is None:
-                    buffers[name] = staging.to(torch.float32, copy=True)
-                else:
-                    current.add_(staging)
-            finally:
-                self._give_staging(staging)
+            # Convert on the device, then copy into a recycled pinned fp32 buffer: a fresh pageable
+            # buffer page-faults its way through the copy, and converting on the host is slower
+            # than the download itself (docs/performance.md).
+            buf = self._take_pinned(grad.shape)
+            buf.copy_(grad.to(torch.float32))
+            if current is None:
+                buffers[name] = buf  # recycled once the optimizer step has used it
+            else:
+                current.add_(buf)
+                self._give_pinned(buf)
             return
         host = grad.to(torch.float32)
         if current is None:
@@ -202,17 +201,16 @@ class HostModel:
         else:
             current.add_(host)
 
-    def _take_staging(self, like: torch.Tensor) -> torch.Tensor:
-        key = (like.shape, like.dtype)
-        with self._staging_lock:
-            free = self._staging.get(key)
+    def _take_pinned(self, shape: torch.Size) -> torch.Tensor:
+        with self._pinned_lock:
+            free = self._pinned.get(shape)
             if free:
                 return free.pop()
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return torch.empty(shape, dtype=torch.float32, pin_memory=True)
 
-    def _give_staging(self, staging: torch.Tensor) -> None:
-        with self._staging_lock:
-            self._staging.setdefault((staging.shape, staging.dtype), []).append(staging)
+    def _give_pinned(self, tensor: torch.Tensor) -> None:
+        with self._pinned_lock:
+            self._pinned.setdefault(tensor.shape, []).append(tensor)
 
     @torch.no_grad()
     def g_copy(self, unit: int, scale: float = 1.0) -> None:
@@ -233,6 +231,8 @@ class HostModel:
                     master.grad = buf.mul_(inv) if inv != 1.0 else buf
                 else:
                     master.grad.add_(buf, alpha=inv)
+                    if buf.is_pinned():
+                        self._give_pinned(buf)
 
     @torch.no_grad()
     def grad_norm(self, max_norm: float | None, check_finite: bool) -> None:
@@ -265,6 +265,9 @@ class HostModel:
             if scheduler is not None:
                 scheduler.step()
         for master in masters:
+            grad = master.grad
+            if grad is not None and grad.is_pinned():
+                self._give_pinned(grad)  # a gradient that came from a GPU: reuse its buffer
             master.grad = None
 
     @torch.no_grad()
