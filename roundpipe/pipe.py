@@ -374,15 +374,10 @@ class RoundPipe:
             self._broken = str(error).splitlines()[0]
             return
         self.runtime.reset()
-        self.host.zero_grad_buffers()
-        for unit in self.host.units:
-            for param in self.host.unit_params[unit]:
-                self.host.master[id(param)].grad = None
-        steps_done = self._step
-        for unit in self.host.units:
-            self.host.p_copy(unit)
+        self.host.drop_gradients()
+        self.host.p_copy_all()
         self._unfinished = []
-        self._builder = self._new_builder(base_version=steps_done)
+        self._builder = self._new_builder(base_version=self._step)
 
     # ------------------------------------------------------------------ state
 
@@ -432,9 +427,8 @@ class RoundPipe:
         with torch.no_grad():
             for name, (_, master) in masters.items():
                 master.copy_(state["model"][name])
-                master.grad = None
             self.host.load_state_dict(state["host"])
-            self.host.zero_grad_buffers()
+            self.host.drop_gradients()
             if self.config.async_optimizer and "in_flight_weights" in state:
                 compute = dict(self.host.named_compute())
                 for name, tensor in state["in_flight_weights"].items():

@@ -164,8 +164,8 @@ class Runtime:
 
     def reset(self) -> None:
         """Drop everything in flight (after a failure)."""
-        for iteration in list(self.iterations):
-            self.end_iteration(iteration)
+        self.iterations.clear()
+        self.iteration_scales.clear()
         self.activations.clear()
         self.gradients.clear()
         self.inbox.clear()

@@ -279,10 +279,15 @@ class HostModel:
         for unit in self.units:
             self.p_copy(unit)
 
-    def zero_grad_buffers(self) -> None:
+    def drop_gradients(self) -> None:
+        """Forget every gradient not yet stepped: the landed buffers and the optimizer copy's
+        ``.grad`` (after a failed iteration, or when a saved state replaces this one)."""
         for buffers in self.grad_buffers:
             for name in buffers:
                 buffers[name] = None
+        for masters in self.unit_params.values():
+            for param in masters:
+                self.master[id(param)].grad = None
 
     @torch.no_grad()
     def sync_module(self) -> None:
