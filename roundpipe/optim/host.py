@@ -113,6 +113,13 @@ class HostModel:
             tuple(sorted({self.owner_of[id(p)] for _, p in named if p.requires_grad}))
             for named in self.layer_params
         ]
+        # Where each unit's gradients land: (layer, name in that layer, parameter), so a G-copy
+        # visits its own buffers only instead of scanning every layer.
+        self.unit_buffers: dict[int, list[tuple[int, str, nn.Parameter]]] = {u: [] for u in self.units}
+        for index, named in enumerate(self.layer_params):
+            for name, param in named:
+                if param.requires_grad:
+                    self.unit_buffers[self.owner_of[id(param)]].append((index, name, param))
         # The three copies.
         self.master: dict[int, torch.Tensor] = {}
         self.compute: dict[int, torch.Tensor] = {}
@@ -217,22 +224,19 @@ class HostModel:
         """Move every gradient buffer of ``unit``'s parameters into the fp32 ``.grad`` (summing
         buffers of layers that share a parameter) and leave the buffers empty."""
         inv = 1.0 / scale
-        for index, named in enumerate(self.layer_params):
+        for index, name, param in self.unit_buffers[unit]:
             buffers = self.grad_buffers[index]
-            for name, param in named:
-                if not param.requires_grad or self.owner_of[id(param)] != unit:
-                    continue
-                buf = buffers[name]
-                if buf is None:
-                    continue
-                buffers[name] = None
-                master = self.master[id(param)]
-                if master.grad is None:
-                    master.grad = buf.mul_(inv) if inv != 1.0 else buf
-                else:
-                    master.grad.add_(buf, alpha=inv)
-                    if buf.is_pinned():
-                        self._give_pinned(buf)
+            buf = buffers[name]
+            if buf is None:
+                continue
+            buffers[name] = None
+            master = self.master[id(param)]
+            if master.grad is None:
+                master.grad = buf.mul_(inv) if inv != 1.0 else buf
+            else:
+                master.grad.add_(buf, alpha=inv)
+                if buf.is_pinned():
+                    self._give_pinned(buf)
 
     @torch.no_grad()
     def grad_norm(self, max_norm: float | None, check_finite: bool) -> None:
