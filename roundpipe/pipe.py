@@ -108,6 +108,7 @@ class RoundPipe:
             seed=config.seed,
             max_grad_norm=config.max_grad_norm,
             scaler=self._scaler,
+            chunk_bytes=config.chunk_bytes,
         )
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
         self.costs = _estimate_costs(
@@ -287,7 +288,7 @@ class RoundPipe:
             self._recover(exc)
             raise
         losses = self.runtime.iterations[iteration].losses
-        loss = sum(weights[mb] * losses[mb] for mb in range(len(weights)))
+        loss = sum(weights[mb] * float(losses[mb]) for mb in range(len(weights)))
         self._housekeeping()
         return float(loss)
 

@@ -1,35 +1,52 @@
-"""The CUDA backend: per device a compute stream and four copy streams, driven by lane threads.
+"""The CUDA backend: per device a compute stream and four copy streams; the host runs ahead.
 
-Why this shape: the engine already guarantees that a task starts only when its dependencies are
-done and its lane is free, so each lane needs exactly one thing from CUDA, a stream of its own.
-A lane thread issues its task's work on its stream, waits for that stream (blocking only this
-lane: the other streams of the device keep running, and the event loop never waits), and reports
-completion through the `CompletionPipe`. Copies therefore overlap compute the way the design asks
-(activation up/down, parameter up, gradient down, each on its own stream), the compute copy on the
-host is pinned so uploads are asynchronous DMA, and the math is the same `Runtime` as on the CPU.
+Why this shape: the engine already guarantees that a task starts only when its dependencies
+allow it and its lane is free, so each lane needs exactly one thing from CUDA, a stream of its
+own. A lane thread *issues* its task's work on its stream and returns at once: it never waits
+for the GPU. Ordering against the task's dependencies is expressed on the device: before the
+work, the stream waits on the CUDA events its device dependencies recorded when they were
+issued (`stream.wait_event`), so the engine may issue a task as soon as what it depends on is
+issued (the engine's ``issues_ahead`` protocol). After the work the lane records a blocking
+event and hands it to the lane's waiter thread, which sleeps until the event completes (no
+spinning core), and only then reports the task done. Host consumers (the optimizer lane's
+G-copy and P-copy, the one-stage prefetch and one-microbatch-ahead limits, buffer reuse) wait
+for that completion; device consumers do not.
 
-Memory: a device holds at most the stage it runs and one prefetched stage (the graph's prefetch
-dependency), plus the activations of two microbatches; everything else stays on the host.
+Each task is timed on the device itself: a timing event before and after its work gives the
+task's real start and end on the GPU, on the same millisecond clock as the host, so the trace,
+the bubble figures and the five-rule checker describe what the GPU did, not when the host
+queued it (`Task.issue_t` keeps that).
+
+Memory across streams: a tensor allocated on one stream and read on another must not be reused
+before the reader is done. The runtime keeps such tensors alive until the reading task has
+completed (`Runtime.hold` / `Runtime.finish`), so the caching allocator only recycles them
+afterwards.
 
 It must never decide ordering and never leave a thread running after `close()`.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import torch
 
 from roundpipe.backends.runtime import Runtime
-from roundpipe.backends.threads import LaneThreadBackend
+from roundpipe.backends.threads import LaneThreadBackend, Waiter
 from roundpipe.errors import ConfigError
 from roundpipe.sched.task import Task
 
 
 class CudaBackend(LaneThreadBackend):
-    """Runs each lane's tasks on that lane's CUDA stream; see the module docstring."""
+    """Issues each lane's tasks on that lane's CUDA stream; see the module docstring."""
 
-    def __init__(self, runtime: Runtime, device_indices: tuple[int, ...]) -> None:
+    issues_ahead = True
+
+    def __init__(
+        self, runtime: Runtime, device_indices: tuple[int, ...], *, host_threads: int | None = None
+    ) -> None:
         if not torch.cuda.is_available():
             raise ConfigError('devices="cuda" but CUDA is not available; use devices="cpu:N"')
         count = torch.cuda.device_count()
@@ -39,7 +56,29 @@ class CudaBackend(LaneThreadBackend):
         super().__init__(runtime)
         self.device_indices = device_indices
         runtime.devices = {d: torch.device("cuda", index) for d, index in enumerate(device_indices)}
+        runtime.defer_release = True
         self._streams: dict[str, Any] = {}
+        self._events: dict[Any, Any] = {}  # key of an issued, not yet completed device task -> end event
+        self._events_lock = threading.Lock()
+        # One clock for host and devices: a base event per device, recorded now.
+        self._base: dict[int, tuple[Any, float]] = {}
+        for d, index in enumerate(device_indices):
+            with torch.cuda.device(index):
+                base = torch.cuda.Event(enable_timing=True)
+                base.record()
+                base.synchronize()
+                self._base[d] = (base, self.now())
+        self._limit_host_threads(host_threads)
+
+    def _limit_host_threads(self, host_threads: int | None) -> None:
+        """Keep cores free for the lane threads that launch kernels: torch's intra-op pool (the
+        CPU optimizer, the P-copy) would otherwise take every core and delay each launch."""
+        if host_threads is None:
+            cores = os.cpu_count() or 1
+            host_threads = max(1, cores - 2 * len(self.device_indices) - 1)
+        if torch.get_num_threads() > host_threads:
+            torch.set_num_threads(host_threads)
+        self.host_threads = torch.get_num_threads()
 
     def _stream(self, task: Task) -> Any:
         stream = self._streams.get(task.lane)
@@ -48,11 +87,41 @@ class CudaBackend(LaneThreadBackend):
             self._streams[task.lane] = stream
         return stream
 
-    def execute(self, task: Task) -> None:
-        if task.device < 0:  # host lane (the optimizer): plain CPU work
+    def stream_of(self, lane: str) -> Any:
+        """The stream of a lane (None before its first task)."""
+        return self._streams.get(lane)
+
+    def execute(self, task: Task) -> Waiter | None:
+        if task.device < 0:  # host lane (the optimizer): plain CPU work, complete on return
             self.runtime.run(task)
-            return
+            return None
+        device = self.runtime.device(task.device)
         stream = self._stream(task)
-        with torch.cuda.device(self.runtime.device(task.device)), torch.cuda.stream(stream):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            with self._events_lock:
+                waits = [self._events[k] for k in task.deps if k in self._events]
+            for event in waits:
+                stream.wait_event(event)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             self.runtime.run(task)
-        stream.synchronize()  # blocks this lane only; the other streams keep running
+            end = torch.cuda.Event(enable_timing=True, blocking=True)
+            end.record(stream)
+        with self._events_lock:
+            self._events[task.key] = end
+        return lambda: self._wait(task, start, end)
+
+    def _wait(self, task: Task, start: Any, end: Any) -> None:
+        try:
+            end.synchronize()  # sleeps (blocking event), releases the GIL
+            base, base_ms = self._base[task.device]
+            task.start_t = base_ms + base.elapsed_time(start)
+            task.end_t = base_ms + base.elapsed_time(end)
+        finally:
+            with self._events_lock:
+                self._events.pop(task.key, None)
+
+    def close(self) -> None:
+        super().close()
+        self._events.clear()
+        self._streams.clear()

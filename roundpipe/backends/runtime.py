@@ -35,6 +35,10 @@ from roundpipe.backends.tensors import (
     TransientPool,
     cast_floating,
     differentiable_leaves,
+    download,
+    download_fp32,
+    element_span,
+    part_range,
     to_device,
     with_leaves,
 )
@@ -70,7 +74,7 @@ class IterationData:
     loss_fn: LossFn | None
     loss_scale: float
     boundaries: frozenset[int]  # layers whose input a forward stage must save for a backward stage
-    losses: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once the fused stage is done
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Runtime:
         seed: int = 0,
         max_grad_norm: float | None = None,
         scaler: Any = None,
+        chunk_bytes: int | None = None,
     ) -> None:
         self.host = host
         self.layers = host.layers
@@ -107,6 +112,7 @@ class Runtime:
         self.seed = seed
         self.max_grad_norm = max_grad_norm
         self.scaler = scaler
+        self.chunk_elements = max(1, (chunk_bytes or 64 << 20) // 4)  # fp32 elements per gradient chunk
         self.iterations: dict[int, IterationData] = {}
         self.activations: dict[tuple[int, int, int], Any] = {}  # (iteration, layer, mb) -> activation
         self.gradients: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
@@ -123,6 +129,11 @@ class Runtime:
         self.pool = TransientPool()
         self.devices: dict[int, torch.device] = {}
         self.iteration_scales: dict[int, float] = {}
+        # Backends that issue device work ahead of its completion set this: what a task's work
+        # reads on another stream is then kept alive until the task has run (`hold`, `finish`).
+        self.defer_release = False
+        self._holds: dict[Any, list[Any]] = {}
+        self._holds_lock = threading.Lock()
 
     # ------------------------------------------------------------------ setup
 
@@ -178,6 +189,24 @@ class Runtime:
         handler = _HANDLERS[task.kind]
         handler(self, task)
 
+    def hold(self, task: Task, *items: Any) -> None:
+        """Keep ``items`` alive until ``task`` has run; a callable among them runs then (host work
+        on the task's results, such as landing a downloaded gradient)."""
+        with self._holds_lock:
+            self._holds.setdefault(task.key, []).extend(items)
+
+    def finish(self, task: Task, *, failed: bool = False) -> None:
+        """Called by the backend once ``task``'s work has completed (at once on the CPU)."""
+        if not self._holds:
+            return
+        with self._holds_lock:
+            items = self._holds.pop(task.key, ())
+        if failed:
+            return
+        for item in items:
+            if callable(item):
+                item()
+
     # ------------------------------------------------------------------ device lanes
 
     def param_up(self, task: Task) -> None:
@@ -187,11 +216,28 @@ class Runtime:
         params = self.transient.setdefault((task.device, run), {}).setdefault(layer, {})
         named = self.host.layer_params[layer]
         needs_grad = task.stage_kind != "fwd"
-        for i, (name, param) in enumerate(named):
-            if task.num_parts > 1 and i % task.num_parts != task.part:
+        if task.num_parts == 1:
+            for name, param in named:
+                source = self.host.compute[id(param)]
+                params[name] = self.pool.copy_of(source, device, needs_grad and param.requires_grad)
+            return
+        # A chunk is a byte range of the layer's parameters laid end to end: large tensors are
+        # cut, so no single copy holds a link longer than one chunk.
+        sources = [(name, param, self.host.compute[id(param)]) for name, param in named]
+        total = sum(src.numel() * src.element_size() for _, _, src in sources)
+        low, high = part_range(total, task.part, task.num_parts)
+        offset = 0
+        for name, param, src in sources:
+            size = src.numel() * src.element_size()
+            first, last = element_span(offset, size, src.element_size(), low, high)
+            offset += size
+            if first >= last:
                 continue
-            source = self.host.compute[id(param)]
-            params[name] = self.pool.copy_of(source, device, needs_grad and param.requires_grad)
+            dst = params.get(name)
+            if dst is None:
+                dst = params[name] = self.pool.empty_like(src, device, needs_grad and param.requires_grad)
+            with torch.no_grad():
+                dst.view(-1)[first:last].copy_(src.view(-1)[first:last], non_blocking=device.type == "cuda")
 
     def act_up(self, task: Task) -> None:
         t, mb, start = task.iteration, task.microbatch, task.layers.start
@@ -211,7 +257,10 @@ class Runtime:
             value = self.activations.pop((t, start, mb))
         else:
             value = (self.activations.pop((t, start, mb)), self.gradients.pop((t, task.layers.stop, mb)))
-        self.inbox[(t, task.slot, mb)] = to_device(value, device, device.type == "cuda")
+        uploaded = to_device(value, device, device.type == "cuda")
+        self.inbox[(t, task.slot, mb)] = uploaded
+        if self.defer_release:
+            self.hold(task, value)  # the host tensors the copy reads
 
     def act_down(self, task: Task) -> None:
         t, mb = task.iteration, task.microbatch
@@ -219,8 +268,10 @@ class Runtime:
         if produced is None:
             return
         kind, payload = produced
+        if self.defer_release:
+            self.hold(task, payload)  # computed on the compute stream, read by this copy
         for layer, value in payload.items():
-            host_value = to_device(value, torch.device("cpu"))
+            host_value = download(value)
             if kind == "act":
                 self.activations[(t, layer, mb)] = host_value
             else:
@@ -229,23 +280,51 @@ class Runtime:
     def grad_down(self, task: Task) -> None:
         run = (task.iteration, task.round, task.slot)
         params = self.transient.pop((task.device, run), {})
+        landings: list[tuple[int, str, torch.Tensor]] = []
         for layer, named in params.items():
             buffers = self.host.grad_buffers[layer]
             for name, tensor in named.items():
-                if tensor.grad is not None and name in buffers:
-                    self.host.land_gradient(layer, name, tensor.grad)
-        self.pool.release(params)
+                grad = tensor.grad
+                if grad is None or name not in buffers:
+                    continue
+                if grad.device.type == "cpu":
+                    self.host.land_gradient(layer, name, grad)
+                    continue
+                # Converted to fp32 on the device a chunk at a time, straight into a recycled
+                # pinned buffer; the host adds it in only once the copy has completed.
+                landing = self.host.take_pinned(grad.shape)
+                download_fp32(grad, landing, self.chunk_elements)
+                landings.append((layer, name, landing))
+        if landings:
+            host = self.host
+
+            def land() -> None:
+                for layer, name, landing in landings:
+                    host.land_gradient(layer, name, landing)
+
+            self.hold(task, params, land)
+        else:
+            self._release(task, params)
+
+    def _release(self, task: Task, params: dict[int, dict[str, torch.Tensor]]) -> None:
+        """A run's transient weights are no longer needed once ``task`` has run."""
+        if self.defer_release:
+            self.hold(task, params)
+        else:
+            self.pool.release(params)
 
     def compute(self, task: Task) -> None:
         t, mb = task.iteration, task.microbatch
         key = (t, task.slot, mb)
         value = self.inbox.pop(key)
+        if self.defer_release:
+            self.hold(task, value)  # uploaded on another stream
         run = (t, task.round, task.slot)
         params = self.transient.get((task.device, run), {})
         if task.stage_kind == "fwd":
             self.outbox[key] = ("act", self._forward_stage(task, params, value))
             if task.part == task.num_parts - 1:  # last microbatch of the run: free the transient copy
-                self.pool.release(self.transient.pop((task.device, run), {}))
+                self._release(task, self.transient.pop((task.device, run), {}))
         elif task.stage_kind == "fused":
             self.outbox[key] = ("grad", self._fused_stage(task, params, value))
         else:
@@ -305,7 +384,7 @@ class Runtime:
                 )
             scaled = loss.reshape(()) * (data.weights[mb] * data.loss_scale)
             scaled.backward()
-        data.losses[mb] = float(loss.detach())
+        data.losses[mb] = loss.detach()  # no host sync here: read once the task is done
         return {start: [leaf.grad if leaf is not None else None for leaf in leaves]}
 
     def _backward_stage(

@@ -75,6 +75,51 @@ def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any
     return obj
 
 
+def download(obj: Any) -> Any:
+    """A device activation copied to the host. From a GPU the copy lands in pinned memory and is
+    asynchronous (on the current stream): the host must not read it before that stream's work
+    has completed, but device consumers ordered after it may upload it at once."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            return obj
+        out = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+        out.copy_(obj, non_blocking=True)
+        return out
+    if isinstance(obj, Mapping):
+        return {k: download(v) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(download(v) for v in obj)
+    return obj
+
+
+def download_fp32(source: torch.Tensor, landing: torch.Tensor, chunk_elements: int) -> None:
+    """Copy a device tensor into the host fp32 tensor ``landing``, converting on the device one
+    chunk at a time (a 600 MB bf16 LM-head gradient never needs 2.4 GB of fp32 on the device)."""
+    flat_source = source.reshape(-1)
+    flat_landing = landing.view(-1)
+    count = flat_source.numel()
+    for first in range(0, count, chunk_elements):
+        last = min(count, first + chunk_elements)
+        flat_landing[first:last].copy_(flat_source[first:last].to(torch.float32), non_blocking=True)
+
+
+def part_range(total_bytes: int, part: int, num_parts: int) -> tuple[int, int]:
+    """Byte range [low, high) of chunk ``part`` when ``total_bytes`` are cut into ``num_parts``
+    near-equal chunks (the first ``total % parts`` chunks one byte larger, as the graph counts them)."""
+    base, extra = divmod(total_bytes, num_parts)
+    low = part * base + min(part, extra)
+    return low, low + base + (1 if part < extra else 0)
+
+
+def element_span(offset: int, size: int, element_size: int, low: int, high: int) -> tuple[int, int]:
+    """Elements [first, last) of a tensor occupying bytes [offset, offset + size) whose first byte
+    falls in [low, high): every element belongs to exactly one chunk."""
+    count = size // element_size
+    first = min(count, max(0, -(-(low - offset) // element_size)))
+    last = min(count, max(0, -(-(high - offset) // element_size)))
+    return first, last
+
+
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Floating-point tensors to ``dtype`` (model inputs enter the compute precision)."""
     if isinstance(obj, torch.Tensor):
@@ -112,6 +157,19 @@ class TransientPool:
             tensor = torch.empty(source.shape, dtype=source.dtype, device=device)
         with torch.no_grad():
             tensor.copy_(source, non_blocking=device.type == "cuda")
+        return tensor.requires_grad_(requires_grad)
+
+    def empty_like(self, source: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+        """Uninitialised storage shaped like ``source`` on ``device`` (reused on the CPU)."""
+        if device.type != "cpu":
+            tensor = torch.empty(source.shape, dtype=source.dtype, device=device)
+        else:
+            key = (device, source.shape, source.dtype)
+            with self._lock:
+                free = self._free.get(key)
+                tensor = free.pop() if free else None
+            if tensor is None:
+                tensor = torch.empty(source.shape, dtype=source.dtype, device=device)
         return tensor.requires_grad_(requires_grad)
 
     def release(self, run: dict[int, dict[str, torch.Tensor]]) -> None:

@@ -207,6 +207,12 @@ class HostModel:
             buffers[name] = host
         else:
             current.add_(host)
+            if host.is_pinned():  # a landing buffer of a GPU download: reuse it
+                self._give_pinned(host)
+
+    def take_pinned(self, shape: torch.Size) -> torch.Tensor:
+        """A pinned fp32 buffer of ``shape`` for a gradient download to land in (recycled)."""
+        return self._take_pinned(shape)
 
     def _take_pinned(self, shape: torch.Size) -> torch.Tensor:
         with self._pinned_lock:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from roundpipe.sched.task import Task
 
 DoneCallback = Callable[["Task", "BaseException | None"], None]
+IssuedCallback = Callable[["Task"], None]
 
 
 class Backend(Protocol):
@@ -31,8 +32,18 @@ class Backend(Protocol):
     virtual: bool
     """True when the backend owns a virtual clock and completes tasks only inside `advance()`."""
 
-    def bind(self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Called once by the engine: ``done(task, error)`` must be called on the loop thread."""
+    issues_ahead: bool
+    """True when device work is *issued* before it completes (CUDA streams): the backend then
+    reports each device task twice, ``issued(task)`` when its work is queued on the device and
+    ``done(task, error)`` when it has run. A device task whose device dependencies are issued may
+    be issued too (the backend orders it after them on the device); host work and the
+    dependencies a task lists in ``sync_deps`` wait for completion."""
+
+    def bind(
+        self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None, issued: IssuedCallback | None = None
+    ) -> None:
+        """Called once by the engine: ``done(task, error)`` and ``issued(task)`` must be called on
+        the loop thread."""
 
     def resource(self, lane: str) -> str:
         """The resource a lane runs on; lanes that share a resource run one task at a time."""
@@ -53,23 +64,36 @@ class Backend(Protocol):
         """Release threads and memory. Idempotent."""
 
 
-class CompletionPipe:
-    """Carries completions from worker threads to the event loop, batched.
+_ISSUED = object()  # marks an "issued" item in the pipe (a completion carries an error or None)
 
-    Workers call `put(task, error)` from any thread. The first completion after the loop has
-    drained schedules one drain callback; completions that arrive before it runs ride along.
+
+class CompletionPipe:
+    """Carries issue and completion reports from worker threads to the event loop, batched.
+
+    Workers call `put(task, error)` (completion) or `put_issued(task)` from any thread, in the
+    order they happen. The first report after the loop has drained schedules one drain callback;
+    reports that arrive before it runs ride along, and are delivered in arrival order.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, done: DoneCallback) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, done: DoneCallback, issued: IssuedCallback | None = None
+    ) -> None:
         self._loop = loop
         self._done = done
+        self._issued = issued
         self._lock = threading.Lock()
-        self._items: list[tuple[Task, BaseException | None]] = []
+        self._items: list[tuple[Task, object]] = []
         self._scheduled = False
 
+    def put_issued(self, task: Task) -> None:
+        self._put(task, _ISSUED)
+
     def put(self, task: Task, error: BaseException | None = None) -> None:
+        self._put(task, error)
+
+    def _put(self, task: Task, what: object) -> None:
         with self._lock:
-            self._items.append((task, error))
+            self._items.append((task, what))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -82,5 +106,9 @@ class CompletionPipe:
         with self._lock:
             items, self._items = self._items, []
             self._scheduled = False
-        for task, error in items:
-            self._done(task, error)
+        for task, what in items:
+            if what is _ISSUED:
+                if self._issued is not None:
+                    self._issued(task)
+            else:
+                self._done(task, what)  # type: ignore[arg-type]
