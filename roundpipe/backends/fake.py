@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from roundpipe.sched.backend import DoneCallback
+from roundpipe.sched.backend import DoneCallback, IssuedCallback
 from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
@@ -112,6 +112,7 @@ class FakeBackend:
     """Completes tasks on a virtual clock. See the module docstring."""
 
     virtual = True
+    issues_ahead = False
 
     def __init__(
         self,
@@ -145,7 +146,9 @@ class FakeBackend:
         # Durations straight from the cost model: no overrides, no perturbation.
         self._plain = durations is None and perturbation is None
 
-    def bind(self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None) -> None:
+    def bind(
+        self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None, issued: IssuedCallback | None = None
+    ) -> None:
         self._done = done
 
     def resource(self, lane: str) -> str:

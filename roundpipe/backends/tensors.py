@@ -161,15 +161,14 @@ class TransientPool:
 
     def empty_like(self, source: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
         """Uninitialised storage shaped like ``source`` on ``device`` (reused on the CPU)."""
-        if device.type != "cpu":
-            tensor = torch.empty(source.shape, dtype=source.dtype, device=device)
-        else:
+        tensor: torch.Tensor | None = None
+        if device.type == "cpu":
             key = (device, source.shape, source.dtype)
             with self._lock:
                 free = self._free.get(key)
                 tensor = free.pop() if free else None
-            if tensor is None:
-                tensor = torch.empty(source.shape, dtype=source.dtype, device=device)
+        if tensor is None:
+            tensor = torch.empty(source.shape, dtype=source.dtype, device=device)
         return tensor.requires_grad_(requires_grad)
 
     def release(self, run: dict[int, dict[str, torch.Tensor]]) -> None:

@@ -35,9 +35,9 @@ class Backend(Protocol):
     issues_ahead: bool
     """True when device work is *issued* before it completes (CUDA streams): the backend then
     reports each device task twice, ``issued(task)`` when its work is queued on the device and
-    ``done(task, error)`` when it has run. A device task whose device dependencies are issued may
-    be issued too (the backend orders it after them on the device); host work and the
-    dependencies a task lists in ``sync_deps`` wait for completion."""
+    ``done(task, error)`` when it has run. A device task whose dependencies on the same device are
+    issued may be issued too (the backend orders it after them on the device); host work,
+    dependencies on another device and those a task lists in ``sync_deps`` wait for completion."""
 
     def bind(
         self, done: DoneCallback, loop: asyncio.AbstractEventLoop | None, issued: IssuedCallback | None = None

@@ -58,6 +58,10 @@ class _Resource:
         self.heap: list[tuple[int, int, Task]] = []
 
 
+_FREED_AT_ISSUE = _Resource("freed at issue")  # stands in for the lane of an issued task
+_FREED_AT_ISSUE.busy = True  # never started from
+
+
 class Engine:
     """Runs task graphs on one backend. Use from one event loop (the loop thread)."""
 
@@ -77,6 +81,8 @@ class Engine:
         self._failed: list[Task] = []
         self._wakeup: asyncio.Future[None] | None = None
         self._virtual = bool(backend.virtual)
+        # Device work may be issued before what it depends on has completed (see Backend).
+        self._ahead = bool(getattr(backend, "issues_ahead", False))
         self._held: list[_Resource] = []  # resources freed at an instant that is not over yet
         self._forgotten: Callable[[Key], bool] | None = None  # see forget()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,6 +109,7 @@ class Engine:
         now = self.backend.now()
         missing = self._missing
         forgotten = self._forgotten
+        ahead = self._ahead
         # A batch is acyclic when no task depends on a task that comes after it in the batch
         # (graph builders emit tasks in dependency order); only then is the full check skipped.
         backward = False
@@ -119,6 +126,15 @@ class Engine:
                     else:
                         waiting.append(task)
                     unmet += 1
+                elif ahead and dep.device == task.device >= 0 and dep_key not in task.sync_deps:
+                    # Same device: ordered on the device, so issued is enough. Across devices (and
+                    # for host work) completion: a stream that waits on another device's far-off
+                    # event would hold back everything issued behind it.
+                    if dep.state != "done" and dep.state != "issued":
+                        dep.issue_dependents.append(task)
+                        unmet += 1
+                        if dep.seq >= task.seq:
+                            backward = True
                 elif dep.state != "done":
                     dep.dependents.append(task)
                     unmet += 1
@@ -151,7 +167,7 @@ class Engine:
         in_batch = {id(t) for t in new}
         indegree: dict[int, int] = {}
         for task in new:
-            for dep in task.dependents:
+            for dep in _released_by(task):
                 if id(dep) in in_batch:
                     indegree[id(dep)] = indegree.get(id(dep), 0) + 1
         stack = [t for t in new if id(t) not in indegree]
@@ -159,7 +175,7 @@ class Engine:
         while stack:
             task = stack.pop()
             visited += 1
-            for dep in task.dependents:
+            for dep in _released_by(task):
                 if id(dep) in in_batch:
                     indegree[id(dep)] -= 1
                     if indegree[id(dep)] == 0:
@@ -174,6 +190,7 @@ class Engine:
         self._pending -= len(new)
         for task in self._tasks.values():
             task.dependents = [d for d in task.dependents if d.state != "cancelled"]
+            task.issue_dependents = [d for d in task.issue_dependents if d.state != "cancelled"]
         for key in list(self._missing):
             self._missing[key] = [d for d in self._missing[key] if d.state != "cancelled"]
             if not self._missing[key]:
@@ -190,7 +207,10 @@ class Engine:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self.backend.bind(self._task_done, self._loop)
+        if self._ahead:
+            self.backend.bind(self._task_done, self._loop, self._task_issued)  # type: ignore[call-arg]
+        else:
+            self.backend.bind(self._task_done, self._loop)
         self._bound = True
 
     def _resource(self, lane: str) -> _Resource:
@@ -231,15 +251,46 @@ class Engine:
         self._running += 1
         self.backend.start(task)
 
+    def _task_issued(self, task: Task) -> None:
+        """A device task's work is queued on its device: its lane may issue the next task, and
+        the device tasks that depend on it (and on nothing unissued) may be issued too. It still
+        counts as running until `_task_done`."""
+        if task.state != "running":
+            return  # failed or cancelled meanwhile
+        now = self.backend.now()
+        task.state = "issued"
+        task.issue_t = now
+        res = self._resource_of_lane[task.lane]
+        res.busy = False
+        touched = [res]
+        dependents, task.issue_dependents = task.issue_dependents, []
+        for dep in dependents:
+            dep.unmet -= 1
+            if dep.unmet == 0 and dep.state == "waiting":
+                touched.append(self._push_ready(dep, now))
+        self._start_free(touched)
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
     def _task_done(self, task: Task, error: BaseException | None = None) -> None:
         # The hot path: one call per finished task. It does the work of `_push_ready` and
         # `_start_free` inline (same order: the freed resource first, then the resources of the
         # newly ready tasks in dependents order) because method calls dominate its cost.
         now = self.backend.now()
-        task.end_t = now
+        if task.end_t < 0.0:  # a backend that times tasks on the device has set it already
+            task.end_t = now
         self._running -= 1
         res = self._resource_of_lane[task.lane]
-        res.busy = False
+        if task.state == "issued":
+            # Its lane was freed at issue and its device dependents released then: start nothing
+            # on the lane here.
+            res = _FREED_AT_ISSUE
+        else:
+            res.busy = False
+            if task.issue_dependents:  # done without a separate issue report (host work)
+                task.dependents = task.issue_dependents + task.dependents
+                task.issue_dependents = []
         if error is not None:
             task.state = "failed"
             task.error = error
@@ -301,18 +352,20 @@ class Engine:
     def _poison(self, failed: Task) -> None:
         """Cancel everything that depends on a failed task, transitively; unrelated work goes on,
         so the host state ends consistent (every step either fully applied or not at all)."""
-        stack = list(failed.dependents)
+        stack = _released_by(failed)
         failed.dependents = []
+        failed.issue_dependents = []
         while stack:
             task = stack.pop()
-            if task.state in ("cancelled", "failed", "done"):
-                continue
+            if task.state in ("cancelled", "failed", "done", "running", "issued"):
+                continue  # running and issued work completes (or fails) on its own
             if task.state == "ready":
                 self._ready -= 1  # its heap entry is skipped when popped
             task.state = "cancelled"
             self._pending -= 1
-            stack.extend(task.dependents)
+            stack.extend(_released_by(task))
             task.dependents = []
+            task.issue_dependents = []
 
     # ------------------------------------------------------------------ waiting
 
@@ -467,6 +520,11 @@ class Engine:
         )
 
 
+def _released_by(task: Task) -> list[Task]:
+    """Every task waiting on ``task`` (for its issue or for its completion)."""
+    return task.issue_dependents + task.dependents if task.issue_dependents else task.dependents
+
+
 def _describe_key(key: Key, tasks: dict[Key, Task]) -> str:
     task = tasks.get(key)
     if task is None:
@@ -484,7 +542,7 @@ def _find_cycle(candidates: list[Task], in_batch: set[int]) -> list[Task]:
         while node is not None and id(node) not in on_path:
             on_path[id(node)] = len(path)
             path.append(node)
-            node = next((d for d in node.dependents if id(d) in cand and id(d) in in_batch), None)
+            node = next((d for d in _released_by(node) if id(d) in cand and id(d) in in_batch), None)
         if node is not None:
             return path[on_path[id(node)] :]
     return candidates[:1]

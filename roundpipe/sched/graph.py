@@ -8,8 +8,10 @@ device: its recent stage runs) and nothing else, so the engine can stay a plain 
 
 What one iteration contains, per stage run (a slot of a round on a device):
   per layer (chunked when large)  param_up     <- rule 2, and the run two before on the device
+                                                  (completed: one stage prefetched)
   per microbatch                  act_up       <- the previous slot's act_down (critical path),
-                                                  and compute two microbatches back (one ahead)
+                                                  and compute two microbatches back (completed:
+                                                  one microbatch ahead)
                                   compute      <- act_up, all param_up chunks, previous microbatch
                                   act_down     <- compute
   once (fused / backward runs)    grad_down    <- last compute, the previous round's grad_down
@@ -224,6 +226,7 @@ class GraphBuilder:
                             PARAM_UP,
                             lane["param_up"],
                             deps=deps,
+                            sync_deps=prefetch_dep,
                             device=d,
                             layers=range(layer, layer + 1),
                             stage=name,
@@ -246,16 +249,19 @@ class GraphBuilder:
             for j, mb in enumerate(mbs):
                 up_key = (ACT_UP, t, si, mb)
                 up_deps: list[Key] = []
+                up_sync: list[Key] = []
                 if si > 0:
                     up_deps.append((ACT_DOWN, t, si - 1, mb))
-                if j >= 2:
-                    up_deps.append((COMPUTE, t, si, mbs[j - 2]))
+                if j >= 2:  # one microbatch ahead: flow control, so it waits for completion
+                    up_sync.append((COMPUTE, t, si, mbs[j - 2]))
+                    up_deps.append(up_sync[0])
                 tasks.append(
                     Task(
                         up_key,
                         ACT_UP,
                         lane["act_up"],
                         deps=up_deps,
+                        sync_deps=up_sync,
                         device=d,
                         layers=layers,
                         stage=name,

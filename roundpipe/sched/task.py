@@ -82,6 +82,8 @@ class Task:
         "device",
         "end_t",
         "error",
+        "issue_dependents",
+        "issue_t",
         "iteration",
         "key",
         "kind",
@@ -103,6 +105,7 @@ class Task:
         "state",
         "step",
         "submit_t",
+        "sync_deps",
         "unmet",
     )
 
@@ -127,11 +130,15 @@ class Task:
         num_parts: int = 1,
         nbytes: int = 0,
         payload: Any = None,
+        sync_deps: Iterable[Key] = (),
     ) -> None:
         self.key = key
         self.kind = kind
         self.lane = lane
         self.deps: tuple[Key, ...] = tuple(deps)
+        # Dependencies that must have *completed*, not merely been issued, even where the backend
+        # issues device work ahead (flow control: one stage prefetched, one microbatch ahead).
+        self.sync_deps: tuple[Key, ...] = tuple(sync_deps)
         self.priority = PRIORITY.get(kind, 0) if priority is None else priority
         self.device = device
         self.layers = layers
@@ -148,7 +155,9 @@ class Task:
         self.payload = payload
         self.seq = -1
         self.unmet = 0
-        self.dependents: list[Task] = []
+        self.dependents: list[Task] = []  # released when this task is done
+        self.issue_dependents: list[Task] = []  # device tasks released when this task is issued
+        self.issue_t = -1.0
         self.submit_t = -1.0
         self.ready_t = -1.0
         self.start_t = -1.0
@@ -204,8 +213,10 @@ class Task:
             "part": self.part,
             "num_parts": self.num_parts,
             "nbytes": self.nbytes,
+            "sync_deps": [list(d) for d in self.sync_deps],
             "seq": self.seq,
             "submit": self.submit_t,
+            "issue": self.issue_t,
             "ready": self.ready_t,
             "start": self.start_t,
             "end": self.end_t,
@@ -232,8 +243,10 @@ class Task:
             part=d["part"],
             num_parts=d["num_parts"],
             nbytes=d["nbytes"],
+            sync_deps=[tuple(k) for k in d.get("sync_deps", ())],
         )
         task.seq = d["seq"]
+        task.issue_t = d.get("issue", -1.0)
         task.submit_t = d["submit"]
         task.ready_t = d["ready"]
         task.start_t = d["start"]
@@ -245,6 +258,6 @@ class Task:
         """A fresh, not-yet-run copy with the same declared fields (used by replay)."""
         task = Task.from_dict(self.to_dict())
         task.seq, task.state = -1, "new"
-        task.submit_t = task.ready_t = task.start_t = task.end_t = -1.0
+        task.submit_t = task.ready_t = task.start_t = task.end_t = task.issue_t = -1.0
         task.payload = self.payload
         return task
