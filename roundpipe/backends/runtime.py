@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from roundpipe.backends.tensors import (
     TransientPool,
@@ -120,6 +119,7 @@ class Runtime:
         self.outbox: dict[tuple[int, int, int], Any] = {}  # (iteration, slot, mb) -> output to download
         self.transient: dict[tuple[int, RunKey], dict[int, dict[str, torch.Tensor]]] = {}
         self._replicas: dict[tuple[int, int], nn.Module] = {}
+        self._binders: dict[tuple[int, int], _Binder] = {}
         self._replica_lock = threading.Lock()
         self._rng_lock = threading.Lock()
         self.uses_rng = any(
@@ -157,6 +157,7 @@ class Runtime:
                 }
                 module = copy.deepcopy(original, memo)
                 module.to(self.device(device))
+                self._binders[key] = _Binder(module)
                 self._replicas[key] = module
         return module
 
@@ -430,9 +431,14 @@ class Runtime:
 
     def _call(self, task: Task, layer: int, params: dict[int, dict[str, torch.Tensor]], x: Any) -> Any:
         replica = self.replica(task.device, layer)
+        binder = self._binders[(task.device, layer)]
         try:
             with self._rng(task.iteration, layer, task.microbatch):
-                return functional_call(replica, params.get(layer, {}), (x,), strict=False)
+                binder.bind(params.get(layer, {}))
+                try:
+                    return replica(x)
+                finally:
+                    binder.unbind()  # the replica must not keep a finished run's weights alive
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(
                 f"out of memory in layer {layer} ({self.names[layer]}), stage {task.stage} on device "
@@ -475,6 +481,31 @@ class Runtime:
 
     def p_copy(self, task: Task) -> None:
         self.host.p_copy(task.layers.start)
+
+
+class _Binder:
+    """Puts a run's transient tensors into a replica's parameter slots for one call, and the
+    placeholders back after it. Cheaper than `torch.func.functional_call` (which rebuilds its
+    bookkeeping on every call), and only one compute lane ever calls a given replica."""
+
+    def __init__(self, module: nn.Module) -> None:
+        canonical: dict[int, str] = {}
+        self.slots: list[tuple[dict[str, Any], str, str, nn.Parameter]] = []
+        for name, param in module.named_parameters(remove_duplicate=False):
+            first = canonical.setdefault(id(param), name)  # tied slots take the first name's tensor
+            owner, _, leaf = name.rpartition(".")
+            submodule = module.get_submodule(owner) if owner else module
+            self.slots.append((submodule._parameters, leaf, first, param))
+
+    def bind(self, tensors: dict[str, torch.Tensor]) -> None:
+        for slots, leaf, name, _ in self.slots:
+            tensor = tensors.get(name)
+            if tensor is not None:
+                slots[leaf] = tensor
+
+    def unbind(self) -> None:
+        for slots, leaf, _, placeholder in self.slots:
+            slots[leaf] = placeholder
 
 
 class _SeededSection:
