@@ -3,7 +3,15 @@
 Everything large lives in host memory; GPUs are stateless workers that take the next stage in
 turn; an asyncio engine overlaps every transfer with compute; the optimizer runs on the CPU one
 step behind. This package exports the public API only; see docs/api.md.
+
+`RoundPipe` is loaded on first access (PEP 562): the facade pulls in torch, and importing this
+package must not, so that the planner, the scheduler, the fake backend and the ``roundpipe
+plan | simulate | trace`` commands run where torch is absent (tests/test_layering.py checks it).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from roundpipe.config import RunConfig
 from roundpipe.errors import (
@@ -18,7 +26,9 @@ from roundpipe.errors import (
     StageError,
     TaskFailedError,
 )
-from roundpipe.pipe import RoundPipe
+
+if TYPE_CHECKING:
+    from roundpipe.pipe import RoundPipe
 
 __version__ = "0.1.0"
 
@@ -37,3 +47,12 @@ __all__ = [
     "TaskFailedError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RoundPipe":
+        from roundpipe.pipe import RoundPipe
+
+        globals()["RoundPipe"] = RoundPipe  # later lookups skip this function
+        return RoundPipe
+    raise AttributeError(f"module 'roundpipe' has no attribute {name!r}")

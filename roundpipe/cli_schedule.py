@@ -318,7 +318,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from roundpipe.sched.simulate import simulate
+    from roundpipe.simulate import simulate
 
     source, costs = _load_costs(args)
     plan = _partition(costs, args)

@@ -6,8 +6,9 @@ tests, the scheduler) in microseconds. Nothing here may import torch, asyncio or
 
 from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
-from roundpipe.plan.dispatch import SlotRun, analytic_bubble, dispatch, round_sizes, steady_iteration_ms
+from roundpipe.plan.dispatch import SlotRun, analytic_bubble, dispatch, steady_iteration_ms
 from roundpipe.plan.partition import Plan, Slot, SlotKind, objective, partition
+from roundpipe.plan.rounds import round_sizes
 
 __all__ = [
     "LayerCosts",

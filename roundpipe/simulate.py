@@ -5,6 +5,12 @@ the schedule drifts from what actually runs. Here `simulate` builds the same gra
 path builds (`GraphBuilder`), runs them through the same `Engine`, and only swaps the backend. It
 answers "what bubble and makespan would this plan give" in milliseconds, and `replay` re-runs any
 recorded trace (from a fake or a real run) with its recorded durations.
+
+Why at the top of the package and not in `roundpipe.sched`: simulation joins the scheduler to one
+backend (the fake one), and backends build on `roundpipe.sched`; placed in either, it would make
+the two import each other. Here it sits above both. `roundpipe.sched.simulate` and friends still
+resolve, lazily, to the names below (docs/design.md, "Import layers"). This module must never
+import torch or a real backend.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from roundpipe.backends.fake import FakeBackend, FakeCostModel, Perturbation
+from roundpipe.errors import PlanError
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 from roundpipe.sched.engine import Engine, EngineStatistics
@@ -63,11 +71,7 @@ def simulate(
 
     ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
     """
-    from roundpipe.backends.fake import FakeBackend, FakeCostModel, Perturbation
-
     if num_devices < 1 or num_microbatches < 1 or iterations < 1:
-        from roundpipe.errors import PlanError
-
         raise PlanError(
             f"simulate needs num_devices, num_microbatches and iterations >= 1 "
             f"(got {num_devices}, {num_microbatches}, {iterations})"
@@ -128,8 +132,6 @@ def replay(trace: Trace) -> Trace:
     sharing, so a trace of a fake run replays to exactly the same order and times, and a trace of
     a real run shows how the same graph behaves without the noise of a real machine.
     """
-    from roundpipe.backends.fake import FakeBackend
-
     records = sorted(trace.records, key=lambda t: t.seq)
     recorded = {t.key: (t.start_t, t.end_t) for t in records}
 
