@@ -71,11 +71,7 @@ def simulate(
 
     ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
     """
-    if num_devices < 1 or num_microbatches < 1 or iterations < 1:
-        raise PlanError(
-            f"simulate needs num_devices, num_microbatches and iterations >= 1 "
-            f"(got {num_devices}, {num_microbatches}, {iterations})"
-        )
+    _check_counts(num_devices, num_microbatches, iterations)
     spec = ModelSpec(
         param_bytes=tuple(param_bytes if param_bytes is not None else costs.mem_bytes),
         owners=tuple((layer,) for layer in range(costs.num_layers)),
@@ -84,14 +80,11 @@ def simulate(
     options = ScheduleOptions(async_optimizer=async_optimizer, round_size=round_size, chunk_bytes=chunk_bytes)
     builder = GraphBuilder(plan, spec, num_devices, options)
     model = FakeCostModel(costs, link_gbps=link_gbps, optimizer_ms=optimizer_ms, latency_ms=latency_ms)
-    if perturbation is not None and not isinstance(perturbation, Perturbation):
-        raise TypeError("perturbation must be a roundpipe.backends.fake.Perturbation")
-    backend = FakeBackend(model, perturbation=perturbation, shared_link=shared_link)
+    backend = _fake_backend(model, perturbation, shared_link)
     # The fake backend's resource sharing changes who waits for whom: replay needs to know it.
     trace = Trace(meta={**builder.meta(), "shared_link": shared_link})
     engine = Engine(backend, trace=trace)
     iteration_computes: list[list[tuple[object, ...]]] = []
-
     batch_sizes: list[int] = []
     trace.meta["submit_batches"] = batch_sizes  # replay re-submits the same batches
 
@@ -107,21 +100,43 @@ def simulate(
 
     run_sync(main())
     report = trace.bubble_ratio()
-    steady = None
-    if iterations >= 3:
-        # Window from the start of iteration 1's first compute to the start of the last
-        # iteration's first compute: whole iterations in the middle, no fill or drain.
-        starts = [min(engine.task(k).start_t for k in keys) for keys in iteration_computes]
-        steady = trace.bubble_ratio(start_ms=starts[1], end_ms=starts[-1]).overall
     return SimulationResult(
         bubble_ratio=report.overall,
         makespan_ms=trace.makespan_ms(),
         trace=trace,
         bubble=report,
         utilisation={d: 1.0 - b for d, b in report.per_device.items()},
-        steady_bubble_ratio=steady,
+        steady_bubble_ratio=_steady_bubble(engine, trace, iteration_computes),
         statistics=engine.statistics(),
     )
+
+
+def _check_counts(num_devices: int, num_microbatches: int, iterations: int) -> None:
+    if num_devices < 1 or num_microbatches < 1 or iterations < 1:
+        raise PlanError(
+            f"simulate needs num_devices, num_microbatches and iterations >= 1 "
+            f"(got {num_devices}, {num_microbatches}, {iterations})"
+        )
+
+
+def _fake_backend(model: FakeCostModel, perturbation: object | None, shared_link: bool) -> FakeBackend:
+    if perturbation is not None and not isinstance(perturbation, Perturbation):
+        raise TypeError("perturbation must be a roundpipe.backends.fake.Perturbation")
+    return FakeBackend(model, perturbation=perturbation, shared_link=shared_link)
+
+
+def _steady_bubble(
+    engine: Engine, trace: Trace, iteration_computes: list[list[tuple[object, ...]]]
+) -> float | None:
+    """The bubble of the middle iterations (None under 3 iterations: there is no middle).
+
+    The window runs from the start of iteration 1's first compute to the start of the last
+    iteration's first compute: whole iterations, no fill or drain.
+    """
+    if len(iteration_computes) < 3:
+        return None
+    starts = [min(engine.task(k).start_t for k in keys) for keys in iteration_computes]
+    return trace.bubble_ratio(start_ms=starts[1], end_ms=starts[-1]).overall
 
 
 def replay(trace: Trace) -> Trace:
