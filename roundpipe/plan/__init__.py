@@ -1,7 +1,9 @@
 """Planning: layer costs, the stage partition, round-robin dispatch and the bubble formula.
 
 Pure functions and immutable values over plain numbers, so the planner can run anywhere (CLI,
-tests, the scheduler) in microseconds. Nothing here may import torch, asyncio or a backend.
+tests, the scheduler) in microseconds. Nothing here may import anything but the standard library
+and `roundpipe.errors`: no torch, no asyncio, no backend, no other part of roundpipe
+(tests/test_layering.py checks the imports, and that the package loads where torch is absent).
 """
 
 from roundpipe.plan.choose import choose_plan
