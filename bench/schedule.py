@@ -30,7 +30,7 @@ import time
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.dispatch import steady_iteration_ms
-from roundpipe.sched.simulate import simulate
+from roundpipe.simulate import simulate
 
 N, M = 8, 16
 ASYNC_TARGET = 0.045

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, partition
-from roundpipe.sched import Trace, simulate
+from roundpipe.sched import Trace
 from roundpipe.sched.export import format_grid
+from roundpipe.simulate import simulate
 
 
 @dataclass(frozen=True)

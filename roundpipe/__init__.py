@@ -3,9 +3,18 @@
 Everything large lives in host memory; GPUs are stateless workers that take the next stage in
 turn; an asyncio engine overlaps every transfer with compute; the optimizer runs on the CPU one
 step behind. This package exports the public API only; see docs/api.md.
+
+`RoundPipe` and `RunConfig` are loaded on first access (PEP 562): the facade pulls in torch and
+the configuration pydantic, and importing this package must do neither, because every submodule
+import runs it first. So the planner stays standard-library only, and the scheduler, the fake
+backend and the ``roundpipe plan | simulate | trace`` commands run where torch is absent
+(tests/test_layering.py checks both).
 """
 
-from roundpipe.config import RunConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from roundpipe.errors import (
     ConfigError,
     DeviceOutOfMemoryError,
@@ -18,7 +27,10 @@ from roundpipe.errors import (
     StageError,
     TaskFailedError,
 )
-from roundpipe.pipe import RoundPipe
+
+if TYPE_CHECKING:
+    from roundpipe.config import RunConfig
+    from roundpipe.pipe import RoundPipe
 
 __version__ = "0.1.0"
 
@@ -37,3 +49,15 @@ __all__ = [
     "TaskFailedError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    value: Any
+    if name == "RoundPipe":
+        from roundpipe.pipe import RoundPipe as value
+    elif name == "RunConfig":
+        from roundpipe.config import RunConfig as value
+    else:
+        raise AttributeError(f"module 'roundpipe' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -3,8 +3,10 @@
 Why so small: each subcommand belongs to the part of roundpipe it drives (``plan``/``simulate``/
 ``trace`` in `roundpipe.cli_schedule`, ``train`` with the training code), so this file only builds
 the top-level parser, lets each command module register itself, and turns expected failures into
-one ``roundpipe: error: ...`` line and exit code 2. It must never import torch or do real work at
-import time: ``roundpipe --help`` and ``roundpipe simulate`` have to start fast.
+one ``roundpipe: error: ...`` line and exit code 2. Importing it, or any command module, must never
+import torch or do real work: ``roundpipe --help``, ``plan``, ``simulate`` and ``trace`` start fast
+and run where torch is not installed (tests/test_layering.py runs them with torch blocked); only
+``roundpipe train`` loads torch, when it runs.
 
 A command module plugs in by defining ``add_parser(subparsers) -> argparse.ArgumentParser`` and
 ``run(args) -> int``, and by being listed in `COMMAND_MODULES`. A module that registers several
@@ -21,12 +23,11 @@ from typing import NoReturn
 
 from roundpipe.errors import RoundPipeError
 
-# Modules whose subcommands make up `roundpipe`. Entries in OPTIONAL_MODULES are skipped while
-# the module does not exist yet.
+# Modules whose subcommands make up `roundpipe`, in the order `roundpipe --help` lists them.
 COMMAND_MODULES: tuple[str, ...] = ("roundpipe.cli_schedule", "roundpipe.train.cli")
-OPTIONAL_MODULES: frozenset[str] = frozenset({"roundpipe.train.cli"})
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# A failed check (exit 1) is a command's own result; the dispatcher only knows these two.
+EXIT_OK, EXIT_USAGE = 0, 2
 
 
 class UsageError(Exception):
@@ -50,12 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", metavar="COMMAND", parser_class=RoundPipeArgumentParser
     )
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if name in OPTIONAL_MODULES and exc.name is not None and name.startswith(exc.name):
-                continue
-            raise
+        module = importlib.import_module(name)
         sub = module.add_parser(subparsers)
         if isinstance(sub, argparse.ArgumentParser) and sub.get_default("run") is None:
             sub.set_defaults(run=module.run)

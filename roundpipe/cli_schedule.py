@@ -1,8 +1,9 @@
 """The ``plan``, ``simulate`` and ``trace`` subcommands: the schedule, without a GPU.
 
-Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan` and `roundpipe.sched`
-(partition a model's layer costs, run the real engine on the fake backend, inspect saved traces),
-and keep the dispatcher tiny. ``roundpipe simulate`` with no arguments is the project's demo, so
+Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan`, `roundpipe.simulate`
+and `roundpipe.sched` (partition a model's layer costs, run the real engine on the fake backend,
+inspect saved traces), and keep the dispatcher tiny. This module parses the arguments and runs the
+work; `roundpipe.cli_report` words and draws what ``plan`` and ``simulate`` print. ``roundpipe simulate`` with no arguments is the project's demo, so
 it must stay quick (well under 5 s) and print something a newcomer can read. This module must
 never import torch or touch a device, and never print a traceback for bad input: it raises
 `roundpipe.errors` / `ValueError` / `OSError` and lets `roundpipe.cli.main` report one line.
@@ -21,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 from roundpipe.plan.examples import EXAMPLES
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from roundpipe.plan.costs import LayerCosts
     from roundpipe.plan.partition import Plan
     from roundpipe.sched.trace import Trace
@@ -138,7 +137,11 @@ def add_parser(subparsers: Any) -> None:
     )
     _add_model_args(p)
     p.set_defaults(run=run_plan)
+    _add_simulate_parser(subparsers)
+    _add_trace_parser(subparsers)
 
+
+def _add_simulate_parser(subparsers: Any) -> None:
     s = subparsers.add_parser(
         "simulate",
         help="simulate the schedule on virtual GPUs (default: qwen3-1.7b on 8 devices)",
@@ -166,6 +169,8 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--png", metavar="OUT.png", help="draw the timeline (needs matplotlib)")
     s.set_defaults(run=run_simulate)
 
+
+def _add_trace_parser(subparsers: Any) -> None:
     t = subparsers.add_parser(
         "trace",
         help="check, summarise, replay or convert a saved trace",
@@ -197,13 +202,7 @@ def run(args: argparse.Namespace) -> int:
     return int(handler(args))
 
 
-# --------------------------------------------------------------------- shared
-
-
-def _console() -> Console:
-    from rich.console import Console
-
-    return Console(file=sys.stdout, highlight=False)
+# --------------------------------------------------------------------- plan and simulate
 
 
 def _load_costs(args: argparse.Namespace) -> tuple[str, LayerCosts]:
@@ -223,102 +222,23 @@ def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
     )
 
 
-def _layers(layers: range) -> str:
-    first, last = layers.start, layers.stop - 1
-    return f"{first}" if first == last else f"{first}-{last}"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
-def plan_summary(
-    plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, async_optimizer: bool
-) -> dict[str, Any]:
-    """The numbers both ``plan`` and ``simulate`` report about a plan, JSON-ready."""
-    from roundpipe.plan.dispatch import analytic_bubble
-    from roundpipe.plan.partition import objective
-
-    stage_ms = list(plan.stage_ms(costs))
-    slots = [
-        {
-            "index": slot.index,
-            "name": slot.name,
-            "kind": slot.kind,
-            "layers": [slot.layers.start, slot.layers.stop],
-            "ms": ms,
-            "mem_bytes": costs.stage_mem(slot.layers),
-        }
-        for slot, ms in zip(plan.slots, stage_ms, strict=True)
-    ]
-    n, m, s = num_devices, num_microbatches, plan.num_slots
-    return {
-        "num_layers": costs.num_layers,
-        "num_devices": n,
-        "num_microbatches": m,
-        "slots": slots,
-        "num_slots": s,
-        "t_max_ms": plan.t_max,
-        "objective_ms": objective(plan, n, m, async_optimizer=async_optimizer),
-        "objective_formula": "M * max(S, N) * t_max" if async_optimizer else "(M*S + N*(N-1)) * t_max",
-        "analytic_bubble": analytic_bubble(n, m, s),
-        # Mean stage time over t_max: 100% when every slot takes exactly t_max.
-        "balance": math.fsum(stage_ms) / (s * plan.t_max) if plan.t_max > 0 else 1.0,
-    }
-
-
-# --------------------------------------------------------------------- plan
-
-
 def run_plan(args: argparse.Namespace) -> int:
+    from roundpipe.cli_report import plan_summary, print_plan
+
     source, costs = _load_costs(args)
     plan = _partition(costs, args)
     info = plan_summary(plan, costs, args.devices, args.microbatches, args.async_optimizer)
     info.update(source=source, async_optimizer=args.async_optimizer, mem_limit_bytes=args.mem_limit)
     if args.json:
         print(json.dumps(info))
-        return 0
-
-    from rich.table import Table
-
-    console = _console()
-    table = Table(
-        title=f"plan for {source}: {costs.num_layers} layers on {args.devices} devices, "
-        f"{args.microbatches} microbatches",
-        title_justify="left",
-    )
-    table.add_column("slot")
-    table.add_column("kind")
-    table.add_column("layers", justify="right")
-    table.add_column("ms / microbatch", justify="right")
-    table.add_column("memory", justify="right")
-    for slot in info["slots"]:
-        table.add_row(
-            slot["name"],
-            slot["kind"],
-            _layers(range(*slot["layers"])),
-            f"{slot['ms']:.2f}",
-            _fmt_bytes(slot["mem_bytes"]),
-        )
-    console.print(table)
-    console.print(f"t_max            {info['t_max_ms']:.2f} ms (slowest stage)")
-    console.print(f"slots            {info['num_slots']}")
-    console.print(f"objective        {info['objective_ms']:.1f} ms = {info['objective_formula']}")
-    console.print(f"analytic bubble  {info['analytic_bubble']:.2%}")
-    if args.mem_limit is not None:
-        console.print(f"memory limit     {_fmt_bytes(args.mem_limit)} per stage")
+    else:
+        print_plan(info, source, args.devices, args.microbatches, args.mem_limit)
     return 0
 
 
-# --------------------------------------------------------------------- simulate
-
-
 def run_simulate(args: argparse.Namespace) -> int:
-    from roundpipe.sched.simulate import simulate
+    from roundpipe.cli_report import plan_summary, print_simulation
+    from roundpipe.simulate import simulate
 
     source, costs = _load_costs(args)
     plan = _partition(costs, args)
@@ -339,83 +259,17 @@ def run_simulate(args: argparse.Namespace) -> int:
         files["perfetto"] = str(result.trace.to_perfetto(args.perfetto))
     if args.png:
         files["png"] = str(result.trace.plot(args.png))
-
+    settings = {
+        "iterations": args.iterations,
+        "async_optimizer": args.async_optimizer,
+        "link_gbps": args.link_gbps,
+    }
     if args.json:
-        out: dict[str, Any] = {
-            "source": source,
-            "iterations": args.iterations,
-            "async_optimizer": args.async_optimizer,
-            "link_gbps": args.link_gbps,
-            "mem_limit_bytes": args.mem_limit,
-            **info,
-            **result.to_dict(),
-            "files": files,
-        }
-        print(json.dumps(out))
-        return 0
-
-    from rich.padding import Padding
-    from rich.table import Table
-    from rich.text import Text
-
-    console = _console()
-    mode = "async optimizer (staleness 1)" if args.async_optimizer else "sync optimizer"
-    console.print(
-        f"[bold]roundpipe simulate[/bold]: {source}, {costs.num_layers} layers on {args.devices} devices"
-    )
-    if source in EXAMPLES:
-        console.print(f"  [dim]{EXAMPLES[source].description}[/dim]")
-    console.print(
-        f"  {args.microbatches} microbatches x {args.iterations} "
-        f"iteration{'s' if args.iterations > 1 else ''}, {mode}, "
-        + (f"link {args.link_gbps:g} GB/s" if args.link_gbps else "transfers free")
-    )
-    console.print()
-    console.print(
-        f"[bold]plan[/bold]  {info['num_slots']} slots, t_max {info['t_max_ms']:.2f} ms, "
-        f"stages balanced to {info['balance']:.0%} of t_max"
-    )
-    stages = "  ".join(f"{s['name']}:{_layers(range(*s['layers']))}" for s in info["slots"])
-    console.print(Padding(Text(stages), (0, 0, 0, 2)))
-    console.print()
-
-    metrics = Table(show_header=False, box=None, padding=(0, 1))
-    metrics.add_column(style="bold")
-    metrics.add_column(justify="right")
-    metrics.add_column(style="dim")
-    metrics.add_row("bubble ratio", f"{result.bubble_ratio:.2%}", "idle compute, fill and drain included")
-    if result.steady_bubble_ratio is not None:
-        metrics.add_row(
-            "steady-state bubble",
-            f"{result.steady_bubble_ratio:.2%}",
-            f"iterations 1-{args.iterations - 2}, no fill or drain",
-        )
-    metrics.add_row("analytic bubble", f"{info['analytic_bubble']:.2%}", "N(N-1) / (M*S + N(N-1))")
-    metrics.add_row(
-        "makespan",
-        f"{result.makespan_ms:.1f} ms",
-        f"{result.makespan_ms / args.iterations:.1f} ms per iteration",
-    )
-    metrics.add_row("tasks", f"{len(result.trace)}", "")
-    console.print(metrics)
-    console.print()
-
-    util = Table(title="per-device utilisation", title_justify="left")
-    util.add_column("device")
-    util.add_column("busy ms", justify="right")
-    util.add_column("utilisation", justify="right")
-    util.add_column("", no_wrap=True)
-    for device, u in sorted(result.utilisation.items()):
-        filled = round(u * 30)
-        util.add_row(
-            f"d{device}",
-            f"{result.bubble.busy_ms.get(device, 0.0):.1f}",
-            f"{u:.1%}",
-            "[green]" + "█" * filled + "[/green][dim]" + "░" * (30 - filled) + "[/dim]",
-        )
-    console.print(util)
-    for kind, path in files.items():
-        console.print(f"wrote {kind}: {path}")
+        out = {"source": source, **settings, "mem_limit_bytes": args.mem_limit, **info, **result.to_dict()}
+        print(json.dumps({**out, "files": files}))
+    else:
+        run_settings = {**settings, "devices": args.devices, "microbatches": args.microbatches}
+        print_simulation(info, result, source, run_settings, files)
     return 0
 
 
@@ -461,25 +315,7 @@ def run_trace(args: argparse.Namespace) -> int:
         print(trace.summary())
         return 0
     if action == "replay":
-        replayed = trace.replay()
-        before, after = trace.order(), replayed.order()
-        if before == after:
-            print(
-                f"replay: per-lane order identical ({len(before)} lanes, {len(trace)} tasks); "
-                f"makespan {trace.makespan_ms():.2f} ms -> {replayed.makespan_ms():.2f} ms"
-            )
-            return 0
-        for lane in sorted(set(before) | set(after)):
-            a, b = before.get(lane, []), after.get(lane, [])
-            if a != b:
-                i = next(
-                    (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-                )
-                got = b[i] if i < len(b) else "nothing"
-                want = a[i] if i < len(a) else "nothing"
-                print(f"replay: order differs on {lane} at position {i}: recorded {want}, replayed {got}")
-                break
-        return 1
+        return _replay(trace)
     if action == "grid":
         lanes = None if args.all_lanes else ("compute",)
         print(format_grid(trace, width=args.width, lanes=lanes))
@@ -493,3 +329,24 @@ def run_trace(args: argparse.Namespace) -> int:
         print(f"wrote {trace.plot(out)}")
         return 0
     raise ValueError(f"unknown trace action {action!r}")  # pragma: no cover - argparse prevents it
+
+
+def _replay(trace: Trace) -> int:
+    """Replay on the fake backend; 0 when every lane runs in the recorded order, else 1 and where."""
+    replayed = trace.replay()
+    before, after = trace.order(), replayed.order()
+    if before == after:
+        print(
+            f"replay: per-lane order identical ({len(before)} lanes, {len(trace)} tasks); "
+            f"makespan {trace.makespan_ms():.2f} ms -> {replayed.makespan_ms():.2f} ms"
+        )
+        return 0
+    for lane in sorted(set(before) | set(after)):
+        a, b = before.get(lane, []), after.get(lane, [])
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            got = b[i] if i < len(b) else "nothing"
+            want = a[i] if i < len(a) else "nothing"
+            print(f"replay: order differs on {lane} at position {i}: recorded {want}, replayed {got}")
+            break
+    return 1

@@ -1,4 +1,4 @@
-"""Training on CPU workers equals plain PyTorch (the numerics contract of DESIGN.md)."""
+"""Training on CPU workers equals plain PyTorch (the numerics contract in docs/design.md)."""
 
 from __future__ import annotations
 

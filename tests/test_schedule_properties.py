@@ -29,7 +29,6 @@ from roundpipe.plan import LayerCosts, Plan, dispatch, partition
 from roundpipe.sched import rules
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.rules import RuleViolation
-from roundpipe.sched.simulate import SimulationResult, simulate
 from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
@@ -42,6 +41,7 @@ from roundpipe.sched.task import (
     Task,
 )
 from roundpipe.sched.trace import Trace
+from roundpipe.simulate import SimulationResult, simulate
 
 KINDS = (PARAM_UP, ACT_UP, COMPUTE, ACT_DOWN, GRAD_DOWN, G_COPY, STEP, P_COPY)
 PROPERTY_SETTINGS = settings(

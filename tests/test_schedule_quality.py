@@ -16,7 +16,7 @@ import pytest
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan._search import balanced_split, steady_bound, steady_period
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
-from roundpipe.sched.simulate import simulate
+from roundpipe.simulate import simulate
 
 N, M = 8, 16
 ASYNC_TARGET = 0.045  # steady-state bubble of the async optimizer

@@ -14,43 +14,10 @@ from dataclasses import dataclass
 
 from roundpipe.errors import PlanError
 from roundpipe.plan import _search
-from roundpipe.plan.partition import Plan, Slot, _as_count
+from roundpipe.plan.partition import Plan, Slot
+from roundpipe.plan.rounds import positive_count, round_sizes
 
-
-def _count(what: str, value: object) -> int:
-    return _as_count(what, value, f"pass a positive {what}")
-
-
-def round_sizes(num_microbatches: int, num_devices: int, round_size: int | None = None) -> tuple[int, ...]:
-    """Microbatches per round, in order; they sum to ``num_microbatches``.
-
-    Default: one round of all M when M < 2N, else rounds of N (host memory for stage-boundary
-    activations grows with the round, not the iteration). With ``round_size`` given, rounds of
-    that size. A last round that would be smaller than N is merged into the one before (a round
-    under N microbatches stalls: slot i+N needs its device before slot i is done); when M < N the
-    only round is all M, the best there is.
-    """
-    m = _count("num_microbatches", num_microbatches)
-    n = _count("num_devices", num_devices)
-    if round_size is None:
-        size = m if m < 2 * n else n
-    else:
-        size = _count("round_size", round_size)
-        if size < n:
-            raise PlanError(
-                f"round_size {size} is smaller than num_devices {n}: a round must hold M_R >= N "
-                f"microbatches, because slot i+N of a round runs on the device that runs slot i and "
-                f"must wait for all of slot i's microbatches; use round_size >= {n} (or None for the default)"
-            )
-    full, rest = divmod(m, size)
-    if full == 0:
-        return (m,)
-    rounds = [size] * full
-    if rest >= n:
-        rounds.append(rest)
-    else:
-        rounds[-1] += rest
-    return tuple(rounds)
+__all__ = ["SlotRun", "analytic_bubble", "dispatch", "round_sizes", "steady_iteration_ms"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +41,7 @@ def dispatch(
     round_size: int | None = None,
 ) -> tuple[list[SlotRun], int]:
     """Every slot run of one iteration in dispatch order, and the g0 the next iteration starts at."""
-    n = _count("num_devices", num_devices)
+    n = positive_count("num_devices", num_devices)
     sizes = round_sizes(num_microbatches, n, round_size)
     if isinstance(first_device, bool) or not isinstance(first_device, int) or not 0 <= first_device < n:
         raise PlanError(f"first_device must be a device index in 0..{n - 1}, got {first_device!r}")
@@ -92,9 +59,9 @@ def dispatch(
 
 def analytic_bubble(num_devices: int, num_microbatches: int, num_slots: int) -> float:
     """Idle fraction of a balanced synchronous iteration: N(N-1) / (M*S + N(N-1))."""
-    n = _count("num_devices", num_devices)
-    m = _count("num_microbatches", num_microbatches)
-    s = _count("num_slots", num_slots)
+    n = positive_count("num_devices", num_devices)
+    m = positive_count("num_microbatches", num_microbatches)
+    s = positive_count("num_slots", num_slots)
     fill_drain = n * (n - 1)
     return fill_drain / (m * s + fill_drain)
 
@@ -110,7 +77,7 @@ def steady_iteration_ms(
     Transfers and the optimizer are not in it. ``1 - M * sum(plan.slot_ms) / (N * this)`` is the
     steady bubble it predicts.
     """
-    n = _count("num_devices", num_devices)
+    n = positive_count("num_devices", num_devices)
     rounds = round_sizes(num_microbatches, n, round_size)
     if len(plan.slot_ms) != plan.num_slots:
         raise PlanError(

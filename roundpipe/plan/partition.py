@@ -20,6 +20,7 @@ from typing import Any, Literal
 from roundpipe.errors import PlanError
 from roundpipe.plan import _search
 from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.rounds import as_count, round_sizes
 
 SlotKind = Literal["fwd", "fused", "bwd"]
 _KINDS = ("fwd", "fused", "bwd")
@@ -54,12 +55,6 @@ class Slot:
         if self.kind == "fwd":
             return f"F{self.number or self.index + 1}"
         return f"B{self.number}" if self.number else f"B(slot {self.index})"
-
-
-def _as_count(what: str, value: object, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{what} must be an integer >= 1, got {value!r}: {hint}")
-    return value
 
 
 def _as_range(what: str, value: object) -> range:
@@ -125,8 +120,8 @@ class Plan:
             raise PlanError(f"the fused stage {fused!r} must hold at least one layer (the deepest ones)")
         _check_chain("fwd_stages", fwd, 0, fused.start, descending=False)
         _check_chain("bwd_stages", bwd, 0, fused.start, descending=True)
-        _as_count("num_devices", self.num_devices, "a plan is for at least one device")
-        _as_count("num_microbatches", self.num_microbatches, "a plan is for at least one microbatch")
+        as_count("num_devices", self.num_devices, "a plan is for at least one device")
+        as_count("num_microbatches", self.num_microbatches, "a plan is for at least one microbatch")
         if isinstance(self.t_max, bool) or not isinstance(self.t_max, (int, float)):
             raise PlanError(f"t_max must be a number of milliseconds, got {self.t_max!r}")
         if not math.isfinite(self.t_max) or self.t_max < 0:
@@ -290,8 +285,8 @@ def objective(
     (iterations chain, no flush): ``M * max(S, N) * t_max``, the steady state; fewer slots than
     devices is counted as N slots, because a round then leaves devices without work.
     """
-    n = _as_count("num_devices", num_devices, "pass the number of devices")
-    m = _as_count("num_microbatches", num_microbatches, "pass the number of microbatches")
+    n = as_count("num_devices", num_devices, "pass the number of devices")
+    m = as_count("num_microbatches", num_microbatches, "pass the number of microbatches")
     if isinstance(plan, Plan):
         slots, t_max = plan.num_slots, plan.t_max
     else:
@@ -361,8 +356,8 @@ def partition(
     """
     if not isinstance(costs, LayerCosts):
         raise PlanError(f"costs must be a LayerCosts, got {type(costs).__name__}")
-    n = _as_count("num_devices", num_devices, "pass the number of GPUs (or CPU workers) to plan for")
-    m = _as_count("num_microbatches", num_microbatches, "split each batch into at least one microbatch")
+    n = as_count("num_devices", num_devices, "pass the number of GPUs (or CPU workers) to plan for")
+    m = as_count("num_microbatches", num_microbatches, "split each batch into at least one microbatch")
     if steady and not async_optimizer:
         raise PlanError(
             "steady=True models the steady state of asynchronous iterations; with async_optimizer=False "
@@ -375,9 +370,6 @@ def partition(
     fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
     ticks = _search.Ticks(fwd, fb, costs.mem_bytes, cap)
     if steady:
-        # dispatch.py builds on Plan, so it is imported here rather than at the top.
-        from roundpipe.plan.dispatch import round_sizes
-
         rounds = round_sizes(m, n, round_size)
         if len(set(rounds)) == 1:
             rounds = rounds[:1]  # rounds alike: one round is already the period of the stream

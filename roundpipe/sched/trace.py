@@ -180,7 +180,7 @@ class Trace:
 
     def replay(self) -> Trace:
         """Re-run the recorded task graph on the fake backend with the recorded durations."""
-        from roundpipe.sched.simulate import replay
+        from roundpipe.simulate import replay
 
         return replay(self)
 

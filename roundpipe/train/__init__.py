@@ -3,7 +3,9 @@
 It exists so the main job can be driven from Python exactly as from the command line:
 ``train(TrainConfig(steps=50))`` builds the model, trains it through a `RoundPipe`, writes the run
 directory (metrics, trace, timeline, checkpoint) and returns a `TrainResult`. Importing this
-package must stay cheap (no torch): the loop is imported on first use.
+package must stay cheap and must not import torch (``roundpipe --help`` builds its parser from
+here): the loop, which needs torch, is imported on first use (tests/test_layering.py imports this
+package with torch blocked).
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ the schedule drifts from what actually runs. Here `simulate` builds the same gra
 path builds (`GraphBuilder`), runs them through the same `Engine`, and only swaps the backend. It
 answers "what bubble and makespan would this plan give" in milliseconds, and `replay` re-runs any
 recorded trace (from a fake or a real run) with its recorded durations.
+
+Why at the top of the package and not in `roundpipe.sched`: simulation joins the scheduler to one
+backend (the fake one), and backends build on `roundpipe.sched`; placed in either, it would make
+the two import each other. Here it sits above both. `roundpipe.sched.simulate` and friends still
+resolve, lazily, to the names below (docs/design.md, "Import layers"). This module must never
+import torch or a real backend.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from roundpipe.backends.fake import FakeBackend, FakeCostModel, Perturbation
+from roundpipe.errors import PlanError
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 from roundpipe.sched.engine import Engine, EngineStatistics
@@ -63,15 +71,7 @@ def simulate(
 
     ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
     """
-    from roundpipe.backends.fake import FakeBackend, FakeCostModel, Perturbation
-
-    if num_devices < 1 or num_microbatches < 1 or iterations < 1:
-        from roundpipe.errors import PlanError
-
-        raise PlanError(
-            f"simulate needs num_devices, num_microbatches and iterations >= 1 "
-            f"(got {num_devices}, {num_microbatches}, {iterations})"
-        )
+    _check_counts(num_devices, num_microbatches, iterations)
     spec = ModelSpec(
         param_bytes=tuple(param_bytes if param_bytes is not None else costs.mem_bytes),
         owners=tuple((layer,) for layer in range(costs.num_layers)),
@@ -80,14 +80,11 @@ def simulate(
     options = ScheduleOptions(async_optimizer=async_optimizer, round_size=round_size, chunk_bytes=chunk_bytes)
     builder = GraphBuilder(plan, spec, num_devices, options)
     model = FakeCostModel(costs, link_gbps=link_gbps, optimizer_ms=optimizer_ms, latency_ms=latency_ms)
-    if perturbation is not None and not isinstance(perturbation, Perturbation):
-        raise TypeError("perturbation must be a roundpipe.backends.fake.Perturbation")
-    backend = FakeBackend(model, perturbation=perturbation, shared_link=shared_link)
+    backend = _fake_backend(model, perturbation, shared_link)
     # The fake backend's resource sharing changes who waits for whom: replay needs to know it.
     trace = Trace(meta={**builder.meta(), "shared_link": shared_link})
     engine = Engine(backend, trace=trace)
     iteration_computes: list[list[tuple[object, ...]]] = []
-
     batch_sizes: list[int] = []
     trace.meta["submit_batches"] = batch_sizes  # replay re-submits the same batches
 
@@ -103,21 +100,43 @@ def simulate(
 
     run_sync(main())
     report = trace.bubble_ratio()
-    steady = None
-    if iterations >= 3:
-        # Window from the start of iteration 1's first compute to the start of the last
-        # iteration's first compute: whole iterations in the middle, no fill or drain.
-        starts = [min(engine.task(k).start_t for k in keys) for keys in iteration_computes]
-        steady = trace.bubble_ratio(start_ms=starts[1], end_ms=starts[-1]).overall
     return SimulationResult(
         bubble_ratio=report.overall,
         makespan_ms=trace.makespan_ms(),
         trace=trace,
         bubble=report,
         utilisation={d: 1.0 - b for d, b in report.per_device.items()},
-        steady_bubble_ratio=steady,
+        steady_bubble_ratio=_steady_bubble(engine, trace, iteration_computes),
         statistics=engine.statistics(),
     )
+
+
+def _check_counts(num_devices: int, num_microbatches: int, iterations: int) -> None:
+    if num_devices < 1 or num_microbatches < 1 or iterations < 1:
+        raise PlanError(
+            f"simulate needs num_devices, num_microbatches and iterations >= 1 "
+            f"(got {num_devices}, {num_microbatches}, {iterations})"
+        )
+
+
+def _fake_backend(model: FakeCostModel, perturbation: object | None, shared_link: bool) -> FakeBackend:
+    if perturbation is not None and not isinstance(perturbation, Perturbation):
+        raise TypeError("perturbation must be a roundpipe.backends.fake.Perturbation")
+    return FakeBackend(model, perturbation=perturbation, shared_link=shared_link)
+
+
+def _steady_bubble(
+    engine: Engine, trace: Trace, iteration_computes: list[list[tuple[object, ...]]]
+) -> float | None:
+    """The bubble of the middle iterations (None under 3 iterations: there is no middle).
+
+    The window runs from the start of iteration 1's first compute to the start of the last
+    iteration's first compute: whole iterations, no fill or drain.
+    """
+    if len(iteration_computes) < 3:
+        return None
+    starts = [min(engine.task(k).start_t for k in keys) for keys in iteration_computes]
+    return trace.bubble_ratio(start_ms=starts[1], end_ms=starts[-1]).overall
 
 
 def replay(trace: Trace) -> Trace:
@@ -128,8 +147,6 @@ def replay(trace: Trace) -> Trace:
     sharing, so a trace of a fake run replays to exactly the same order and times, and a trace of
     a real run shows how the same graph behaves without the noise of a real machine.
     """
-    from roundpipe.backends.fake import FakeBackend
-
     records = sorted(trace.records, key=lambda t: t.seq)
     recorded = {t.key: (t.start_t, t.end_t) for t in records}
 
