@@ -290,7 +290,7 @@ def load_checkpoint(
     _check_model(meta["model"], _fingerprint(pipe), path)
     from safetensors.torch import load_file
 
-    from roundpipe.pipe import STATE_FORMAT
+    from roundpipe.state import STATE_FORMAT
 
     try:
         weights = load_file(str(path / WEIGHTS_FILE))
