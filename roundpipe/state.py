@@ -3,7 +3,8 @@
 Why a module of its own: the state is a format other code relies on (`roundpipe.checkpoint`
 writes it to disk piece by piece and rebuilds it on load), so its keys, its version tag and the
 rules for putting it back belong in one place rather than among the facade's plumbing. The
-facade decides *when* (after synchronizing, on an open pipe); this module says *what*.
+facade decides *when* (after synchronizing, on an open pipe); this module says *what*. The
+global RNG states a checkpoint saves beside it are captured and restored here too.
 
 It must never touch the engine or the runtime, and never load a state into a model it does not
 match (it refuses with the names that differ).
@@ -11,6 +12,7 @@ match (it refuses with the names that differ).
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
@@ -86,3 +88,20 @@ def compute_copy_version(step: int, async_optimizer: bool) -> int:
     """The weight version the compute copy holds after a restore at ``step``: in async mode the
     weights before the last step (version step-1), otherwise those after it."""
     return step - 1 if async_optimizer and step > 0 else step
+
+
+def rng_state() -> dict[str, Any]:
+    """The global torch (and CUDA, once initialised) and Python RNG states, for a checkpoint: a
+    resumed run draws the same numbers (dropout, data order) as one that never stopped."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
