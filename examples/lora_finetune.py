@@ -93,6 +93,26 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
+def reload_adapters(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """Save the adapters, load them into a fresh base model and compare the logits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out if args.out is not None else Path(tmp) / "adapters"
+        model.save_pretrained(out)
+        # A fresh base model (same seed, so the same base weights) with the saved adapters.
+        reloaded = PeftModel.from_pretrained(build_model("qwen3-tiny", seed=0), out)
+        sample = next(token_batches(CORPUS_PATH, seq_len=args.seq_len, batch_size=2, seed=1))["input_ids"]
+        expected, got = logits(model, sample), logits(reloaded, sample)
+        # Without adapters the logits differ: the reload really carries the training.
+        with reloaded.disable_adapter():
+            adapter_effect = float((logits(reloaded, sample) - got).abs().max())
+        return {
+            "same_logits": torch.allclose(expected, got, rtol=1e-5, atol=1e-5),
+            "max_logit_diff": float((expected - got).abs().max()),
+            "adapter_effect": adapter_effect,
+            "saved_files": sorted(p.name for p in out.iterdir()),
+        }
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.steps < 2:
@@ -111,7 +131,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     window = max(1, min(5, len(losses) // 4))
     first, last = mean(losses[:window]), mean(losses[-window:])
     fell = last < first and all(math.isfinite(x) for x in losses)
-
     frozen_after = base_weights(model)
     base_unchanged = frozen_before.keys() == frozen_after.keys() and all(
         torch.equal(frozen_before[n], frozen_after[n]) for n in frozen_before
@@ -121,40 +140,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for n, p in model.named_parameters()
         if p.requires_grad
     )
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = args.out if args.out is not None else Path(tmp) / "adapters"
-        model.save_pretrained(out)
-        # A fresh base model (same seed, so the same base weights) with the saved adapters.
-        reloaded = PeftModel.from_pretrained(build_model("qwen3-tiny", seed=0), out)
-        sample = next(token_batches(CORPUS_PATH, seq_len=args.seq_len, batch_size=2, seed=1))["input_ids"]
-        expected, got = logits(model, sample), logits(reloaded, sample)
-        max_diff = float((expected - got).abs().max())
-        same_logits = torch.allclose(expected, got, rtol=1e-5, atol=1e-5)
-        # Without adapters the logits differ: the reload really carries the training.
-        with reloaded.disable_adapter():
-            adapter_effect = float((logits(reloaded, sample) - got).abs().max())
-        saved = sorted(p.name for p in out.iterdir())
-
-    result = {
+    reload = reload_adapters(args, model)
+    print(
+        f"loss {first:.4f} -> {last:.4f} ({'fell' if fell else 'DID NOT FALL'}); "
+        f"base weights {'unchanged' if base_unchanged else 'CHANGED'}; "
+        f"adapters saved ({', '.join(reload['saved_files'])}) and reloaded: max logit difference "
+        f"{reload['max_logit_diff']:.2e} ({'same' if reload['same_logits'] else 'DIFFERENT'}); "
+        f"adapters change the logits by up to {reload['adapter_effect']:.3f}"
+    )
+    return {
         "first_loss": first,
         "last_loss": last,
         "loss_fell": fell,
         "base_unchanged": base_unchanged,
         "adapters_moved": adapters_moved,
-        "same_logits": same_logits,
-        "max_logit_diff": max_diff,
-        "adapter_effect": adapter_effect,
-        "saved_files": saved,
+        **reload,
         "losses": losses,
     }
-    print(
-        f"loss {first:.4f} -> {last:.4f} ({'fell' if fell else 'DID NOT FALL'}); "
-        f"base weights {'unchanged' if base_unchanged else 'CHANGED'}; "
-        f"adapters saved ({', '.join(saved)}) and reloaded: max logit difference {max_diff:.2e} "
-        f"({'same' if same_logits else 'DIFFERENT'}); adapters change the logits by up to {adapter_effect:.3f}"
-    )
-    return result
 
 
 if __name__ == "__main__":

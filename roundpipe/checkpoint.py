@@ -20,7 +20,6 @@ import ctypes
 import errno
 import json
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roundpipe.errors import RoundPipeError
+from roundpipe.state import STATE_FORMAT, rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from roundpipe.pipe import RoundPipe
@@ -107,17 +107,30 @@ def save_checkpoint(
     if "in_flight_weights" in state:
         meta["files"].append(IN_FLIGHT_FILE)
 
+    return _write_directory(target, lambda tmp: _write_checkpoint_files(tmp, state, meta))
+
+
+def _write_checkpoint_files(tmp: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    _write_safetensors(tmp / WEIGHTS_FILE, state["model"])
+    if "in_flight_weights" in state:
+        _write_safetensors(tmp / IN_FLIGHT_FILE, state["in_flight_weights"])
+    _write_torch(tmp / TRAINING_STATE_FILE, {"host": state["host"], "scaler": state["scaler"]})
+    _write_torch(tmp / RNG_FILE, rng_state())
+    # meta.json last: a directory with it holds every file the meta lists.
+    (tmp / META_FILE).write_bytes(json.dumps(meta, indent=2).encode())
+
+
+def _write_directory(target: Path, fill: Callable[[Path], None]) -> Path:
+    """The one write sequence of every writer here: ``fill`` a fresh temporary directory beside
+    ``target``, flush each file and directory in it to disk, then install it under ``target``'s
+    name (`_install`). On any failure the temporary directory is removed and ``target`` is left
+    as it was."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name}-", dir=target.parent))
     try:
-        _write_safetensors(tmp / WEIGHTS_FILE, state["model"])
-        if "in_flight_weights" in state:
-            _write_safetensors(tmp / IN_FLIGHT_FILE, state["in_flight_weights"])
-        _write_torch(tmp / TRAINING_STATE_FILE, {"host": state["host"], "scaler": state["scaler"]})
-        _write_torch(tmp / RNG_FILE, _rng_state())
-        # meta.json last: a directory with it is complete even before the rename.
-        _write_bytes(tmp / META_FILE, json.dumps(meta, indent=2).encode())
+        fill(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a checkpoint is an ordinary directory
-        _fsync_dir(tmp)
+        _fsync_tree(tmp)
         _install(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -188,25 +201,26 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save
 
     # safetensors refuses views and shared storage: give it contiguous private tensors.
-    _write_bytes(path, save({name: t.detach().contiguous().clone() for name, t in tensors.items()}))
+    path.write_bytes(save({name: t.detach().contiguous().clone() for name, t in tensors.items()}))
 
 
 def _write_torch(path: Path, obj: Any) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    torch.save(obj, path)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` (and ``root`` itself) to disk."""
+    for child in sorted(root.rglob("*")):
+        if child.is_dir():
+            _fsync_dir(child)
+        elif child.is_file():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -217,21 +231,6 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _fingerprint(pipe: RoundPipe) -> dict[str, Any]:
@@ -290,8 +289,6 @@ def load_checkpoint(
     _check_model(meta["model"], _fingerprint(pipe), path)
     from safetensors.torch import load_file
 
-    from roundpipe.pipe import STATE_FORMAT
-
     try:
         weights = load_file(str(path / WEIGHTS_FILE))
         training = _read_torch(path / TRAINING_STATE_FILE)
@@ -311,7 +308,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path} cannot be read ({exc}); it is damaged") from exc
     pipe.load_state_dict(state)
     if rng is not None:
-        _set_rng_state(rng)
+        set_rng_state(rng)
     return CheckpointInfo(
         path=path, step=int(meta["step"]), data_step=int(meta["data_step"]), extra=meta["extra"]
     )
@@ -375,21 +372,7 @@ def export_pretrained(pipe: RoundPipe, directory: str | os.PathLike[str]) -> Pat
             raise CheckpointError(
                 f"{target} exists and does not look like an exported model; refusing to replace it"
             )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{target.name}-", dir=target.parent))
-    try:
-        save(str(tmp))
-        os.chmod(tmp, 0o755)
-        for child in tmp.rglob("*"):
-            if child.is_file():
-                with open(child, "rb") as f:
-                    os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        _install(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return _write_directory(target, lambda tmp: save(str(tmp)))
 
 
 __all__ = [

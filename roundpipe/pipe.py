@@ -1,57 +1,48 @@
 """`RoundPipe`: the facade users call. Thin: it wires model, host copies, plan, graph builder,
 engine and backend together and translates the public API into submitted task graphs.
 
-Why a private event loop on a background thread: the engine is asyncio, but users call
-`forward_backward` from scripts, notebooks whose loop is already running, other threads, or
-their own services. Owning the loop means the sync API works anywhere (it blocks only the
-caller's thread) and the async API (`aforward_backward`, `astep`) awaits the engine without
-ever blocking the caller's loop.
+What it delegates: the engine's loop thread (`roundpipe.looprunner`), what is kept how long
+(`roundpipe.retention`), and the state format (`roundpipe.state`). What it keeps: the counters
+of iterations and steps, the re-plan from measured times, and recovery after a failed task.
 
 It must never do tensor math itself (that is the runtime's) nor decide ordering (the rules').
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import weakref
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
-import torch
 from torch import nn
 
+from roundpipe.assembly import (
+    estimated_costs,
+    make_backend,
+    make_host,
+    make_runtime,
+    make_scaler,
+    measured_costs,
+    plan_for,
+)
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
 from roundpipe.errors import (
     ConfigError,
     InputError,
     PipeClosedError,
-    PlanError,
     ScheduleError,
     TaskFailedError,
 )
+from roundpipe.looprunner import LoopRunner
 from roundpipe.model.sequence import to_layer_sequence
-from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
-from roundpipe.plan import LayerCosts, Plan, choose_plan
+from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
+from roundpipe.plan import Plan
+from roundpipe.retention import Retention
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
-from roundpipe.sched.loop import new_event_loop
-from roundpipe.sched.task import GRAD_NORM, P_COPY, STEP
 from roundpipe.sched.trace import Trace
-
-T = TypeVar("T")
-_STEP_KEYED = frozenset({STEP, P_COPY, GRAD_NORM})  # task kinds whose key names a step, not an iteration
-STATE_FORMAT = "roundpipe.state/1"
-
-
-def _estimate_costs(
-    numel: tuple[int, ...], param_bytes: tuple[int, ...], names: tuple[str, ...]
-) -> LayerCosts:
-    """Before anything was measured: forward time proportional to parameters (plus a floor so
-    parameter-free layers are not free), backward twice the forward."""
-    fwd = [1e-6 * n + 1e-3 for n in numel]
-    return LayerCosts(tuple(fwd), tuple(2 * f for f in fwd), tuple(param_bytes), names)
+from roundpipe.state import STATE_FORMAT, capture_state, check_state, compute_copy_version, restore_host
 
 
 class RoundPipe:
@@ -80,41 +71,12 @@ class RoundPipe:
         self.num_devices = device_spec.count
         self._sequence = to_layer_sequence(model)
         self._model = model
-        self._optimizer_factory = optimizer
-        self._scheduler_factory = lr_scheduler
-        fp16 = config.precision == "fp16"
-        self._scaler: LossScaler | None = None
-        if fp16 and config.loss_scale != "none":
-            if config.loss_scale == "dynamic":
-                self._scaler = LossScaler()
-            else:
-                self._scaler = LossScaler(scale=float(config.loss_scale), dynamic=False)
-        self.host = HostModel(
-            self._sequence.layers,
-            self._sequence.source,
-            precision=config.precision,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            # Pinned host memory is what makes uploads to a GPU asynchronous and fast.
-            pin_memory=torch.cuda.is_available(),
-        )
-        from roundpipe.backends.runtime import Runtime
-
-        self.runtime = Runtime(
-            self.host,
-            self._sequence.names,
-            computes_loss=self._sequence.computes_loss,
-            recompute_grain=config.recompute_grain,
-            seed=config.seed,
-            max_grad_norm=config.max_grad_norm,
-            scaler=self._scaler,
-            chunk_bytes=config.chunk_bytes,
-        )
+        self._scaler = make_scaler(config)
+        self.host = make_host(self._sequence, config, optimizer, lr_scheduler)
+        self.runtime = make_runtime(self.host, self._sequence, config, self._scaler)
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
-        self.costs = _estimate_costs(
-            self.host.layer_numel(), self._spec.param_bytes, tuple(self._sequence.names)
-        )
-        self.plan: Plan = self._partition(self.costs)
+        self.costs = estimated_costs(self.host, self._sequence.names)
+        self.plan: Plan = plan_for(self.costs, config, self.num_devices)
         self._options = ScheduleOptions(
             async_optimizer=config.async_optimizer,
             round_size=config.round_size,
@@ -123,51 +85,29 @@ class RoundPipe:
         )
         self._iteration = 0
         self._step = 0
-        self._builder = GraphBuilder(self.plan, self._spec, self.num_devices, self._options)
-        self._unfinished: list[tuple[int, list[Any]]] = []
+        self._builder = self._new_builder(base_version=0)
+        self._retention = Retention(config.trace_iterations)
         self._replanned = False
         self._closed = False
         self._broken: str | None = None
-        # The engine's loop, on its own thread.
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="roundpipe-loop", daemon=True)
-        self._thread.start()
-        self._backend = self._make_backend(device_spec.kind, device_spec.indices)
+        self._runner = LoopRunner()
+        self._backend = make_backend(device_spec.kind, device_spec.indices, self.runtime, self.costs)
         self._trace = Trace(meta=self._builder.meta())
         self._engine = Engine(self._backend, trace=self._trace, stall_timeout_s=config.stall_timeout_s)
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._backend)
+        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._backend)
 
-    # ------------------------------------------------------------------ construction helpers
-
-    def _make_backend(self, kind: str, indices: tuple[int, ...]) -> Any:
-        if kind == "cpu":
-            from roundpipe.backends.cpu import CpuBackend
-
-            return CpuBackend(self.runtime, self.num_devices)
-        if kind == "cuda":
-            from roundpipe.backends.cuda import CudaBackend
-
-            return CudaBackend(self.runtime, indices)
-        from roundpipe.backends.fake import FakeBackend, FakeCostModel
-
-        return FakeBackend(FakeCostModel(self.costs), execute=self.runtime.run)
-
-    def _partition(self, costs: LayerCosts) -> Plan:
-        try:
-            return choose_plan(
-                costs,
-                self.num_devices,
-                self.config.num_microbatches,
-                self.config.mem_limit_bytes,
-                async_optimizer=self.config.async_optimizer,
-                round_size=self.config.round_size,
-            )
-        except PlanError as exc:
-            raise PlanError(
-                f"{exc}\n(RoundPipe counts a layer's memory as its parameter bytes in the compute "
-                f"precision {self.config.precision!r}: raise RunConfig.mem_limit_bytes "
-                f"(now {self.config.mem_limit_bytes}) or use precision='bf16')"
-            ) from None
+    def _new_builder(self, *, base_version: int) -> GraphBuilder:
+        """A graph builder that continues this run's numbering from a compute copy that holds
+        weight version ``base_version``."""
+        return GraphBuilder(
+            self.plan,
+            self._spec,
+            self.num_devices,
+            self._options,
+            first_iteration=self._iteration,
+            first_step=self._step,
+            base_version=base_version,
+        )
 
     # ------------------------------------------------------------------ plumbing
 
@@ -179,15 +119,6 @@ class RoundPipe:
                 f"this RoundPipe stopped after an error it cannot recover from ({self._broken}); "
                 "save what you need with state_dict() and create a new one"
             )
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError("RoundPipe's synchronous API cannot be called from its own engine thread")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    async def _arun(self, coro: Coroutine[Any, Any, T]) -> T:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     # ------------------------------------------------------------------ public API
 
@@ -212,32 +143,32 @@ class RoundPipe:
         """Run forward and backward over ``inputs`` split into microbatches; gradients accumulate
         until `step()`. Returns the mean of the microbatch losses (weighted by their sizes)."""
         self._check_open()
-        return self._run(self._forward_backward(inputs, targets, loss_fn))
+        return self._runner.run(self._forward_backward(inputs, targets, loss_fn))
 
     async def aforward_backward(
         self, inputs: Any, targets: Any = None, loss_fn: Callable[..., Any] | None = None
     ) -> float:
         self._check_open()
-        return await self._arun(self._forward_backward(inputs, targets, loss_fn))
+        return await self._runner.arun(self._forward_backward(inputs, targets, loss_fn))
 
     def step(self) -> None:
         """Schedule the optimizer step (it runs on the host optimizer lane; with
         ``async_optimizer`` the next iteration does not wait for it). Also zeroes the gradients."""
         self._check_open()
-        self._run(self._optimizer_step())
+        self._runner.run(self._optimizer_step())
 
     async def astep(self) -> None:
         self._check_open()
-        await self._arun(self._optimizer_step())
+        await self._runner.arun(self._optimizer_step())
 
     def synchronize(self) -> None:
         """Wait for everything in flight; then `module` holds the current weights."""
         self._check_open()
-        self._run(self._synchronize())
+        self._runner.run(self._synchronize())
 
     async def asynchronize(self) -> None:
         self._check_open()
-        await self._arun(self._synchronize())
+        await self._runner.arun(self._synchronize())
 
     def trace(self) -> Trace:
         """What ran (the last ``trace_iterations`` iterations), as a `roundpipe.sched.Trace`."""
@@ -249,7 +180,7 @@ class RoundPipe:
             return
         if self._broken is None:
             try:
-                self._run(self._synchronize())
+                self._runner.run(self._synchronize())
             except Exception:  # closing must not raise for work that already failed
                 pass
         self._closed = True
@@ -281,7 +212,7 @@ class RoundPipe:
         graph = self._builder.forward_backward(iteration, self._step, self.config.num_microbatches)
         self._iteration += 1
         self._engine.submit(graph.tasks)
-        self._unfinished.append((iteration, graph.done_keys))
+        self._retention.track(iteration, graph.done_keys)
         try:
             await self._engine.wait(graph.loss_keys)
         except (TaskFailedError, ScheduleError) as exc:
@@ -307,60 +238,21 @@ class RoundPipe:
         self.host.sync_module()
 
     def _housekeeping(self) -> None:
-        """Free finished iterations, trim the trace, and re-plan once from measured times."""
-        still = []
-        for iteration, keys in self._unfinished:
-            if all(self._engine.is_done(k) for k in keys):
-                self.runtime.end_iteration(iteration)
-            else:
-                still.append((iteration, keys))
-        self._unfinished = still
-        keep = self.config.trace_iterations
-        oldest = self._iteration - keep
-        records = self._trace.records
-        if records and records[0].iteration < oldest:
-            self._trace.records = [
-                t
-                for t in records
-                if t.iteration >= oldest or (t.iteration < 0 and t.step >= self._step - keep)
-            ]
-        # Forget finished tasks a few iterations and steps back. Keys name their iteration (device
-        # tasks, G-copies) or their step (optimizer tasks) second; later tasks may still depend on
-        # forgotten ones, which then count as done.
-        iteration_horizon = oldest - 2
-        step_horizon = self._step - 3
-        self._engine.forget(
-            lambda key: key[1] < (step_horizon if key[0] in _STEP_KEYED else iteration_horizon)
-        )
+        """Let go of what the retention policy no longer keeps; re-plan once from measured times."""
+        self._retention.tidy(self._engine, self.runtime, self._trace, self._iteration, self._step)
         if self.config.replan and not self._replanned and self._iteration >= 1:
             self._maybe_replan()
 
     def _maybe_replan(self) -> None:
-        measured = self.runtime.times.fwd_ms
-        if any(ms is None for ms in measured):
+        costs = measured_costs(self.runtime.times.fwd_ms, self.costs)
+        if costs is None:
             return
         self._replanned = True
-        fwd = tuple(float(ms) for ms in measured)  # type: ignore[arg-type]
-        self.costs = LayerCosts(
-            fwd, tuple(2 * f for f in fwd), self.costs.mem_bytes, tuple(self._sequence.names)
-        )
-        plan = self._partition(self.costs)
+        self.costs = costs
+        plan = plan_for(costs, self.config, self.num_devices)
         if plan != self.plan:
             self.plan = plan
             self._builder.set_plan(plan)
-
-    def _new_builder(self, *, base_version: int) -> GraphBuilder:
-        """A graph builder that continues this run's numbering from a compute copy that holds
-        weight version ``base_version``."""
-        return GraphBuilder(
-            self.plan,
-            self._spec,
-            self.num_devices,
-            self._options,
-            first_iteration=self._iteration,
-            first_step=self._step,
-            base_version=base_version,
-        )
 
     def _recover(self, error: BaseException) -> None:
         """After a failed task: drop what cannot run, keep the host copies consistent, go on.
@@ -377,7 +269,7 @@ class RoundPipe:
         self.runtime.reset()
         self.host.drop_gradients()
         self.host.p_copy_all()
-        self._unfinished = []
+        self._retention.clear()
         self._builder = self._new_builder(base_version=self._step)
 
     # ------------------------------------------------------------------ state
@@ -392,66 +284,29 @@ class RoundPipe:
             self.synchronize()
         elif self._closed:
             raise PipeClosedError("this RoundPipe is closed; take state_dict() before close()")
-        state: dict[str, Any] = {
-            "format": STATE_FORMAT,
-            "config": self.config.model_dump(),
-            "step": self._step,
-            "iteration": self._iteration,
-            "model": {name: master.detach().clone() for name, _, master in self.host.named_masters()},
-            "host": self.host.state_dict(),
-            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-        }
-        if self.config.async_optimizer:
-            state["in_flight_weights"] = {name: t.clone() for name, t in self.host.named_compute()}
-        return state
+        return capture_state(self.config, self.host, self._scaler, self._step, self._iteration)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; the run continues exactly as if it had not stopped."""
         self._check_open()
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ConfigError("not a RoundPipe state_dict (missing or unknown 'format')")
-        if bool(state["config"]["async_optimizer"]) != self.config.async_optimizer:
-            raise ConfigError(
-                "the state was saved with async_optimizer="
-                f"{state['config']['async_optimizer']} but this pipe uses {self.config.async_optimizer}; "
-                "resume with the same mode"
-            )
+        check_state(state, self.config)
         self.synchronize()
-        masters = {name: (param, master) for name, param, master in self.host.named_masters()}
-        missing = set(masters) - set(state["model"])
-        unexpected = set(state["model"]) - set(masters)
-        if missing or unexpected:
-            raise ConfigError(
-                f"state_dict does not match the model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
-        with torch.no_grad():
-            for name, (_, master) in masters.items():
-                master.copy_(state["model"][name])
-            self.host.load_state_dict(state["host"])
-            self.host.drop_gradients()
-            if self.config.async_optimizer and "in_flight_weights" in state:
-                compute = dict(self.host.named_compute())
-                for name, tensor in state["in_flight_weights"].items():
-                    compute[name].copy_(tensor)
-            else:
-                self.host.p_copy_all()
-        if self._scaler is not None and state.get("scaler"):
-            self._scaler.load_state_dict(state["scaler"])
+        restore_host(state, self.host, self._scaler, self.config.async_optimizer)
         self._step = int(state["step"])
         self._iteration = int(state["iteration"])
-        # In async mode the compute copy holds the weights before the last step (version step-1).
-        base = self._step - 1 if self.config.async_optimizer and self._step > 0 else self._step
         self.runtime.reset()
-        self._unfinished = []
-        self._builder = self._new_builder(base_version=base)
+        self._retention.clear()
+        self._builder = self._new_builder(
+            base_version=compute_copy_version(self._step, self.config.async_optimizer)
+        )
         self.host.sync_module()
 
 
-def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, backend: Any) -> None:
-    if loop.is_running():
-        loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=30)
+def _shutdown(runner: LoopRunner, backend: Any) -> None:
+    """Stop the loop before the workers that report to it, and close it only after them."""
+    runner.stop()
     backend.close()
-    if not loop.is_running():
-        loop.close()
+    runner.close()
+
+
+__all__ = ["STATE_FORMAT", "RoundPipe"]

@@ -12,13 +12,9 @@ It must never decide ordering (the engine does) and never leave a thread running
 
 from __future__ import annotations
 
-from roundpipe.backends.runtime import Runtime
 from roundpipe.backends.threads import LaneThreadBackend
 
 
 class CpuBackend(LaneThreadBackend):
-    """Runs tasks on per-lane worker threads; see the module docstring."""
-
-    def __init__(self, runtime: Runtime, num_devices: int) -> None:
-        super().__init__(runtime)
-        self.num_devices = num_devices
+    """Runs tasks on per-lane worker threads (started as each lane is first used, so the
+    device count is the plan's, not the backend's); see the module docstring."""

@@ -94,7 +94,27 @@ class HostModel:
         self.layer_params: list[list[tuple[str, nn.Parameter]]] = [
             list(layer.named_parameters()) for layer in layers
         ]
-        # The shallowest layer that holds a parameter owns it.
+        self._find_units()
+        # The three copies.
+        self.master: dict[int, torch.Tensor] = {}
+        self.compute: dict[int, torch.Tensor] = {}
+        self._make_copies()
+        # None means zero: the first gradient to land is adopted, not added, and a G-copy hands
+        # the buffer over to the optimizer copy, so no pass over the gradients zeroes anything.
+        self.grad_buffers: list[dict[str, torch.Tensor | None]] = [
+            {name: None for name, param in named if param.requires_grad} for named in self.layer_params
+        ]
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.schedulers: dict[int, Any] = {}
+        self._make_optimizers(optimizer or default_optimizer, lr_scheduler)
+        self._pinned: dict[torch.Size, list[torch.Tensor]] = {}  # fp32 gradient buffers to reuse
+        self._pinned_lock = threading.Lock()
+        self.clip_coef = 1.0
+        self.found_inf = False
+
+    def _find_units(self) -> None:
+        """Which layer owns each parameter (the shallowest that holds it), each unit's trainable
+        parameters, and where each unit's gradients land."""
         self.owner_of: dict[int, int] = {}
         for index, named in enumerate(self.layer_params):
             for _, param in named:
@@ -120,9 +140,9 @@ class HostModel:
             for name, param in named:
                 if param.requires_grad:
                     self.unit_buffers[self.owner_of[id(param)]].append((index, name, param))
-        # The three copies.
-        self.master: dict[int, torch.Tensor] = {}
-        self.compute: dict[int, torch.Tensor] = {}
+
+    def _make_copies(self) -> None:
+        """The fp32 optimizer copy of every trainable parameter and the compute copy of all."""
         for named in self.layer_params:
             for _, param in named:
                 if id(param) in self.compute:
@@ -135,18 +155,13 @@ class HostModel:
                         master = param.detach().to("cpu", torch.float32).clone()
                     self.master[id(param)] = master
                     self.compute[id(param)] = self._compute_tensor(param)
-                elif param.dtype == self.dtype and param.device.type == "cpu" and not pin_memory:
+                elif param.dtype == self.dtype and param.device.type == "cpu" and not self.pin_memory:
                     self.compute[id(param)] = param.detach()  # frozen: never changes, no copy needed
                 else:
                     self.compute[id(param)] = self._compute_tensor(param)
-        # None means zero: the first gradient to land is adopted, not added, and a G-copy hands
-        # the buffer over to the optimizer copy, so no pass over the gradients zeroes anything.
-        self.grad_buffers: list[dict[str, torch.Tensor | None]] = [
-            {name: None for name, param in named if param.requires_grad} for named in self.layer_params
-        ]
-        factory = optimizer or default_optimizer
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.schedulers: dict[int, Any] = {}
+
+    def _make_optimizers(self, factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None) -> None:
+        """One user optimizer (and scheduler) per unit, on that unit's optimizer copies."""
         for unit in self.units:
             masters = [self.master[id(p)] for p in self.unit_params[unit]]
             opt = factory(masters)
@@ -158,11 +173,6 @@ class HostModel:
             self.optimizers[unit] = opt
             if lr_scheduler is not None:
                 self.schedulers[unit] = lr_scheduler(opt)
-        self._pinned: dict[torch.Size, list[torch.Tensor]] = {}  # fp32 gradient buffers to reuse
-        self._pinned_lock = threading.Lock()
-        self.clip_coef = 1.0
-        self.found_inf = False
-        self.last_grad_norm: float | None = None
 
     def _compute_tensor(self, param: torch.Tensor) -> torch.Tensor:
         tensor = param.detach().to("cpu", self.dtype).clone()
@@ -254,7 +264,6 @@ class HostModel:
                 if grad is not None:
                     total += float(torch.linalg.vector_norm(grad, 2.0)) ** 2
         norm = math.sqrt(total)
-        self.last_grad_norm = norm
         self.found_inf = check_finite and not math.isfinite(norm)
         if max_norm is not None and math.isfinite(norm):
             self.clip_coef = min(1.0, max_norm / (norm + 1e-6))

@@ -22,9 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from roundpipe.data.text import BYTE_VOCAB, CORPUS_PATH, DataFileNotFoundError, 
 from roundpipe.errors import ConfigError, ModelError
 from roundpipe.pipe import RoundPipe
 from roundpipe.train.config import TrainConfig
+from roundpipe.train.result import NullReporter, Reporter, TrainResult
 
 METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "trace.json"
@@ -41,75 +41,6 @@ SCHEDULE_FILE = "schedule.json"  # the same trace in roundpipe's format: `roundp
 TIMELINE_FILE = "timeline.png"
 CHECKPOINT_DIR = "checkpoint"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-@dataclass
-class TrainResult:
-    """What a run did. ``losses`` are this call's steps only (a resumed run starts at
-    ``start_step``); ``steps`` is the step count reached, resumed steps included."""
-
-    out_dir: Path
-    start_step: int
-    steps: int
-    losses: list[float]
-    tokens_per_s: float
-    bubble_ratio: float
-    elapsed_s: float
-    checkpoint: Path | None
-    files: dict[str, Path] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    interrupted: bool = False
-
-    @property
-    def initial_loss(self) -> float | None:
-        return self.losses[0] if self.losses else None
-
-    @property
-    def final_loss(self) -> float | None:
-        return self.losses[-1] if self.losses else None
-
-    def summary(self) -> dict[str, Any]:
-        """The JSON object `roundpipe train --json` prints."""
-        return {
-            "initial_loss": self.initial_loss,
-            "final_loss": self.final_loss,
-            "tokens_per_s": self.tokens_per_s,
-            "bubble_ratio": self.bubble_ratio,
-            "steps": self.steps,
-            "start_step": self.start_step,
-            "elapsed_s": self.elapsed_s,
-            "interrupted": self.interrupted,
-            "out_dir": str(self.out_dir),
-            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
-            "files": {k: str(v) for k, v in self.files.items()},
-        }
-
-
-class Reporter(Protocol):
-    """Receives what a person would want to see; `roundpipe.train.report` draws it with rich."""
-
-    def start(
-        self, config: TrainConfig, out_dir: Path, start_step: int, model_info: dict[str, Any]
-    ) -> None: ...
-    def step(self, record: dict[str, Any]) -> None: ...
-    def note(self, message: str) -> None: ...
-    def finish(self, result: TrainResult) -> None: ...
-
-
-class NullReporter:
-    """Reports nothing (the default for calls from Python)."""
-
-    def start(self, config: TrainConfig, out_dir: Path, start_step: int, model_info: dict[str, Any]) -> None:
-        pass
-
-    def step(self, record: dict[str, Any]) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        pass
-
-    def finish(self, result: TrainResult) -> None:
-        pass
 
 
 # --------------------------------------------------------------------- pieces
@@ -287,6 +218,55 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
         return _run(pipe, config, batches, start, out_dir, reporter, offset)
 
 
+class _Progress:
+    """What the step loop, the metrics log and the checkpoint writer share during `_run`."""
+
+    def __init__(
+        self,
+        pipe: RoundPipe,
+        config: TrainConfig,
+        start: int,
+        out_dir: Path,
+        reporter: Reporter,
+        elapsed_offset: float,
+        metrics: IO[str],
+    ) -> None:
+        self.pipe = pipe
+        self.config = config
+        self.start = start
+        self.step = start  # optimizer steps completed
+        self.checkpoint_dir = out_dir / CHECKPOINT_DIR
+        self.reporter = reporter
+        self.elapsed_offset = elapsed_offset
+        self.losses: list[float] = []
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.metrics = metrics
+
+    def log(self, done: int, loss: float) -> None:
+        """One line of metrics.jsonl (and one report) for the step ``done`` just completed."""
+        now = time.perf_counter()
+        record = {
+            "step": done,
+            "loss": loss,
+            "tokens_per_s": self.config.tokens_per_step / max(now - self.last, 1e-9),
+            "lr": self.config.lr * lr_factor(self.config, done - 1),
+            "elapsed": self.elapsed_offset + now - self.t0,
+        }
+        self.last = now
+        self.losses.append(loss)
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        self.reporter.step(record)
+
+    def save(self) -> Path:
+        extra = {
+            "train_config": self.config.model_dump(mode="json"),
+            "elapsed": self.elapsed_offset + time.perf_counter() - self.t0,
+        }
+        return save_checkpoint(self.pipe, self.checkpoint_dir, data_step=self.step, extra=extra)
+
+
 def _run(
     pipe: RoundPipe,
     config: TrainConfig,
@@ -298,87 +278,24 @@ def _run(
 ) -> TrainResult:
     """Steps ``start`` .. ``config.steps``; ``elapsed_offset`` is the time the resumed run had
     already spent, so ``elapsed`` in metrics.jsonl keeps counting across a resume."""
-    checkpoint_dir = out_dir / CHECKPOINT_DIR
-    metrics_path = out_dir / METRICS_FILE
-    tokens = config.tokens_per_step
-    losses: list[float] = []
     stop = threading.Event()
-    step = start  # optimizer steps completed
-    t0 = time.perf_counter()
-    last = t0
-    interrupted = False
-
-    def save() -> Path:
-        extra = {
-            "train_config": config.model_dump(mode="json"),
-            "elapsed": elapsed_offset + time.perf_counter() - t0,
-        }
-        return save_checkpoint(pipe, checkpoint_dir, data_step=step, extra=extra)
-
-    with _stop_on_sigint(stop, reporter), open(metrics_path, "a", encoding="utf-8") as metrics:
-
-        def log(done: int, loss: float) -> None:
-            nonlocal last
-            now = time.perf_counter()
-            record = {
-                "step": done,
-                "loss": loss,
-                "tokens_per_s": tokens / max(now - last, 1e-9),
-                "lr": config.lr * lr_factor(config, done - 1),
-                "elapsed": elapsed_offset + now - t0,
-            }
-            last = now
-            losses.append(loss)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            reporter.step(record)
-
-        loss: float | None = None
-        try:
-            while step < config.steps and not stop.is_set():
-                loss = None
-                loss = pipe.forward_backward(next(batches), None, None)
-                pipe.step()
-                step += 1
-                log(step, loss)
-                if not math.isfinite(loss):
-                    reporter.note(
-                        f"loss is {loss} at step {step}; stopping (lower --lr or use --precision fp32)"
-                    )
-                    break
-                if config.save_every and step % config.save_every == 0 and step < config.steps:
-                    save()
-        except KeyboardInterrupt:
-            # Raised outside our handler (a second Ctrl-C, or another thread's signal set-up):
-            # bring the pipe to a step boundary so the checkpoint is still exact.
-            interrupted = True
-            settled = _settle(pipe, step)
-            if loss is not None and len(losses) < settled - start:  # the step ran but was not logged
-                log(settled, loss)
-            step = settled
-        interrupted = interrupted or stop.is_set()
+    files: dict[str, Path] = {"metrics": out_dir / METRICS_FILE}
+    with _stop_on_sigint(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as metrics:
+        progress = _Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics)
+        interrupted = _steps(progress, batches, stop) or stop.is_set()
         pipe.synchronize()
-        elapsed = time.perf_counter() - t0
-        files: dict[str, Path] = {"metrics": metrics_path}
-        notes: list[str] = []
-        trace = pipe.trace()
-        bubble = float(trace.bubble_ratio().overall)
-        files["trace"] = trace.to_perfetto(out_dir / TRACE_FILE)
-        files["schedule"] = trace.save(out_dir / SCHEDULE_FILE)
-        try:
-            files["timeline"] = trace.plot(out_dir / TIMELINE_FILE)
-        except ImportError as exc:
-            notes.append(f"no {TIMELINE_FILE}: {exc}")
-        files["checkpoint"] = save()
+        elapsed = time.perf_counter() - progress.t0
+        bubble, notes = _write_trace_files(pipe, out_dir, files)
+        files["checkpoint"] = progress.save()
         if config.export and not interrupted:
             files["export"] = export_pretrained(pipe, config.export)
-    done = step - start
+    step = progress.step
     result = TrainResult(
         out_dir=out_dir,
         start_step=start,
         steps=step,
-        losses=losses,
-        tokens_per_s=done * tokens / elapsed if elapsed > 0 else 0.0,
+        losses=progress.losses,
+        tokens_per_s=(step - start) * config.tokens_per_step / elapsed if elapsed > 0 else 0.0,
         bubble_ratio=bubble,
         elapsed_s=elapsed,
         checkpoint=files["checkpoint"],
@@ -388,6 +305,51 @@ def _run(
     )
     reporter.finish(result)
     return result
+
+
+def _steps(progress: _Progress, batches: Iterator[dict[str, torch.Tensor]], stop: threading.Event) -> bool:
+    """Train until ``config.steps``, a stop request or a non-finite loss; True when a
+    KeyboardInterrupt cut it short."""
+    pipe, config = progress.pipe, progress.config
+    loss: float | None = None
+    try:
+        while progress.step < config.steps and not stop.is_set():
+            loss = None
+            loss = pipe.forward_backward(next(batches), None, None)
+            pipe.step()
+            progress.step += 1
+            progress.log(progress.step, loss)
+            if not math.isfinite(loss):
+                progress.reporter.note(
+                    f"loss is {loss} at step {progress.step}; stopping (lower --lr or use --precision fp32)"
+                )
+                break
+            if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
+                progress.save()
+    except KeyboardInterrupt:
+        # Raised outside our handler (a second Ctrl-C, or another thread's signal set-up):
+        # bring the pipe to a step boundary so the checkpoint is still exact.
+        settled = _settle(pipe, progress.step)
+        if loss is not None and len(progress.losses) < settled - progress.start:  # ran, not logged
+            progress.log(settled, loss)
+        progress.step = settled
+        return True
+    return False
+
+
+def _write_trace_files(pipe: RoundPipe, out_dir: Path, files: dict[str, Path]) -> tuple[float, list[str]]:
+    """The trace as Perfetto JSON, in roundpipe's format, and as a timeline picture (when
+    matplotlib is there); adds them to ``files``. Returns the bubble ratio and notes."""
+    notes: list[str] = []
+    trace = pipe.trace()
+    bubble = float(trace.bubble_ratio().overall)
+    files["trace"] = trace.to_perfetto(out_dir / TRACE_FILE)
+    files["schedule"] = trace.save(out_dir / SCHEDULE_FILE)
+    try:
+        files["timeline"] = trace.plot(out_dir / TIMELINE_FILE)
+    except ImportError as exc:
+        notes.append(f"no {TIMELINE_FILE}: {exc}")
+    return bubble, notes
 
 
 def _settle(pipe: RoundPipe, step: int) -> int:

@@ -17,7 +17,7 @@ from rich.table import Table
 from roundpipe.train.config import TrainConfig
 
 if TYPE_CHECKING:
-    from roundpipe.train.loop import TrainResult
+    from roundpipe.train.result import TrainResult
 
 
 def _human(n: int) -> str:

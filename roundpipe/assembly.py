@@ -1,0 +1,119 @@
+"""How a `RunConfig` becomes the parts `RoundPipe` wires together: the host copies, the loss
+scaler, the runtime, the cost estimates, the plan and the backend.
+
+Why apart from the facade: each choice here is a small rule of its own (which backend a device
+string names, when fp16 needs a loss scale, what a layer costs before anything was measured, how
+a planning failure is explained in the user's terms) and the facade reads better as the wiring of
+their results. Backends are imported only when chosen, so a machine without CUDA never imports
+the CUDA backend.
+
+It must never start threads, submit tasks or keep state: every function returns a new part.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from roundpipe.config import RunConfig
+from roundpipe.errors import PlanError
+from roundpipe.model.sequence import LayerSequence
+from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
+from roundpipe.plan import LayerCosts, Plan, choose_plan
+
+if TYPE_CHECKING:
+    from roundpipe.backends.runtime import Runtime
+
+
+def make_host(
+    sequence: LayerSequence,
+    config: RunConfig,
+    optimizer: OptimizerFactory | None,
+    lr_scheduler: SchedulerFactory | None,
+) -> HostModel:
+    return HostModel(
+        sequence.layers,
+        sequence.source,
+        precision=config.precision,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        # Pinned host memory is what makes uploads to a GPU asynchronous and fast.
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def make_scaler(config: RunConfig) -> LossScaler | None:
+    """fp16 needs a loss scale (dynamic unless a number is given); other precisions none."""
+    if config.precision != "fp16" or config.loss_scale == "none":
+        return None
+    if config.loss_scale == "dynamic":
+        return LossScaler()
+    return LossScaler(scale=float(config.loss_scale), dynamic=False)
+
+
+def make_runtime(
+    host: HostModel, sequence: LayerSequence, config: RunConfig, scaler: LossScaler | None
+) -> Runtime:
+    from roundpipe.backends.runtime import Runtime
+
+    return Runtime(
+        host,
+        sequence.names,
+        computes_loss=sequence.computes_loss,
+        recompute_grain=config.recompute_grain,
+        seed=config.seed,
+        max_grad_norm=config.max_grad_norm,
+        scaler=scaler,
+        chunk_bytes=config.chunk_bytes,
+    )
+
+
+def make_backend(kind: str, indices: tuple[int, ...], runtime: Runtime, costs: LayerCosts) -> Any:
+    """The backend ``RunConfig.devices`` names (``kind`` and ``indices`` of its device spec)."""
+    if kind == "cpu":
+        from roundpipe.backends.cpu import CpuBackend
+
+        return CpuBackend(runtime)
+    if kind == "cuda":
+        from roundpipe.backends.cuda import CudaBackend
+
+        return CudaBackend(runtime, indices)
+    from roundpipe.backends.fake import FakeBackend, FakeCostModel
+
+    return FakeBackend(FakeCostModel(costs), execute=runtime.run)
+
+
+def estimated_costs(host: HostModel, names: list[str]) -> LayerCosts:
+    """Before anything was measured: forward time proportional to parameters (plus a floor so
+    parameter-free layers are not free), backward twice the forward."""
+    fwd = [1e-6 * n + 1e-3 for n in host.layer_numel()]
+    return LayerCosts(tuple(fwd), tuple(2 * f for f in fwd), host.param_bytes(), tuple(names))
+
+
+def measured_costs(fwd_ms: list[float | None], previous: LayerCosts) -> LayerCosts | None:
+    """Costs from measured forward times (backward twice the forward), or None while some layer
+    has not been measured yet."""
+    if any(ms is None for ms in fwd_ms):
+        return None
+    fwd = tuple(float(ms) for ms in fwd_ms if ms is not None)
+    return LayerCosts(fwd, tuple(2 * f for f in fwd), previous.mem_bytes, previous.names)
+
+
+def plan_for(costs: LayerCosts, config: RunConfig, num_devices: int) -> Plan:
+    """The plan for ``costs``; a planning failure says what to change in the `RunConfig`."""
+    try:
+        return choose_plan(
+            costs,
+            num_devices,
+            config.num_microbatches,
+            config.mem_limit_bytes,
+            async_optimizer=config.async_optimizer,
+            round_size=config.round_size,
+        )
+    except PlanError as exc:
+        raise PlanError(
+            f"{exc}\n(RoundPipe counts a layer's memory as its parameter bytes in the compute "
+            f"precision {config.precision!r}: raise RunConfig.mem_limit_bytes "
+            f"(now {config.mem_limit_bytes}) or use precision='bf16')"
+        ) from None

@@ -1,0 +1,84 @@
+"""What a training run returns and how it reports while it runs: `TrainResult` and `Reporter`.
+
+Why apart from the loop: the CLI's rich reporter and anyone driving `train` from Python need
+these types without pulling in torch or the loop itself. They carry data only.
+
+This module must never import torch, and a reporter must never change what the loop does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from roundpipe.train.config import TrainConfig
+
+
+@dataclass
+class TrainResult:
+    """What a run did. ``losses`` are this call's steps only (a resumed run starts at
+    ``start_step``); ``steps`` is the step count reached, resumed steps included."""
+
+    out_dir: Path
+    start_step: int
+    steps: int
+    losses: list[float]
+    tokens_per_s: float
+    bubble_ratio: float
+    elapsed_s: float
+    checkpoint: Path | None
+    files: dict[str, Path] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    interrupted: bool = False
+
+    @property
+    def initial_loss(self) -> float | None:
+        return self.losses[0] if self.losses else None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON object `roundpipe train --json` prints."""
+        return {
+            "initial_loss": self.initial_loss,
+            "final_loss": self.final_loss,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble_ratio": self.bubble_ratio,
+            "steps": self.steps,
+            "start_step": self.start_step,
+            "elapsed_s": self.elapsed_s,
+            "interrupted": self.interrupted,
+            "out_dir": str(self.out_dir),
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "files": {k: str(v) for k, v in self.files.items()},
+        }
+
+
+class Reporter(Protocol):
+    """Receives what a person would want to see; `roundpipe.train.report` draws it with rich."""
+
+    def start(
+        self, config: TrainConfig, out_dir: Path, start_step: int, model_info: dict[str, Any]
+    ) -> None: ...
+    def step(self, record: dict[str, Any]) -> None: ...
+    def note(self, message: str) -> None: ...
+    def finish(self, result: TrainResult) -> None: ...
+
+
+class NullReporter:
+    """Reports nothing (the default for calls from Python)."""
+
+    def start(self, config: TrainConfig, out_dir: Path, start_step: int, model_info: dict[str, Any]) -> None:
+        pass
+
+    def step(self, record: dict[str, Any]) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+    def finish(self, result: TrainResult) -> None:
+        pass
