@@ -142,23 +142,48 @@ class HostModel:
                     self.unit_buffers[self.owner_of[id(param)]].append((index, name, param))
 
     def _make_copies(self) -> None:
-        """The fp32 optimizer copy of every trainable parameter and the compute copy of all."""
+        """The fp32 optimizer copy of every trainable parameter and the compute copy of all.
+
+        Frozen parameters never change, so they live on the host once, in the compute precision:
+        the module's own parameter is made to hold its compute copy (a frozen 14B base costs its
+        bf16 bytes, not those plus an fp32 original). Compute copies that must be made are laid
+        out layer by layer in one arena, pinned when a GPU reads them: one allocation (pinned
+        allocations are rounded up to a power of two each, which per tensor wastes up to half)."""
+        unique: dict[int, nn.Parameter] = {}
         for named in self.layer_params:
             for _, param in named:
-                if id(param) in self.compute:
-                    continue
-                if param.requires_grad:
-                    master: torch.Tensor
-                    if param.dtype == torch.float32 and param.device.type == "cpu":
-                        master = param  # the module's own tensor is the fp32 optimizer copy
-                    else:
-                        master = param.detach().to("cpu", torch.float32).clone()
-                    self.master[id(param)] = master
-                    self.compute[id(param)] = self._compute_tensor(param)
-                elif param.dtype == self.dtype and param.device.type == "cpu" and not self.pin_memory:
-                    self.compute[id(param)] = param.detach()  # frozen: never changes, no copy needed
+                unique.setdefault(id(param), param)
+        made = [p for p in unique.values() if p.requires_grad or not self._usable_as_is(p)]
+        arena = torch.empty(
+            sum(p.numel() for p in made), dtype=self.dtype, pin_memory=self.pin_memory and bool(made)
+        )
+        offset = 0
+        for param in unique.values():
+            if param.requires_grad:
+                master: torch.Tensor
+                if param.dtype == torch.float32 and param.device.type == "cpu":
+                    master = param  # the module's own tensor is the fp32 optimizer copy
                 else:
-                    self.compute[id(param)] = self._compute_tensor(param)
+                    master = param.detach().to("cpu", torch.float32).clone()
+                self.master[id(param)] = master
+            if param.requires_grad or not self._usable_as_is(param):
+                view = arena[offset : offset + param.numel()].view(param.shape)
+                offset += param.numel()
+                with torch.no_grad():
+                    view.copy_(param.detach())
+                self.compute[id(param)] = view
+                if not param.requires_grad:
+                    param.data = view  # the frozen original is dropped: one host copy
+            else:
+                self.compute[id(param)] = param.detach()
+
+    def _usable_as_is(self, param: torch.Tensor) -> bool:
+        """A frozen tensor that already is a compute copy (right dtype, on the host, pinned if needed)."""
+        return (
+            param.dtype == self.dtype
+            and param.device.type == "cpu"
+            and (not self.pin_memory or param.is_pinned())
+        )
 
     def _make_optimizers(self, factory: OptimizerFactory, lr_scheduler: SchedulerFactory | None) -> None:
         """One user optimizer (and scheduler) per unit, on that unit's optimizer copies."""
@@ -173,10 +198,6 @@ class HostModel:
             self.optimizers[unit] = opt
             if lr_scheduler is not None:
                 self.schedulers[unit] = lr_scheduler(opt)
-
-    def _compute_tensor(self, param: torch.Tensor) -> torch.Tensor:
-        tensor = param.detach().to("cpu", self.dtype).clone()
-        return tensor.pin_memory() if self.pin_memory else tensor
 
     # ------------------------------------------------------------------ sizes
 
