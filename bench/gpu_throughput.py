@@ -17,11 +17,13 @@ error and the run goes on: this script must never lose the figures of the other 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -36,12 +38,16 @@ from gpu_throughput_run import (
     Workload,
     adamw,
     build_model,
+    cuda_indices,
     device_memory,
+    device_names,
     make_batch,
+    model_dtype,
     parse_size,
     predicted_memory,
     reset_peaks,
     run_plain,
+    versions,
 )
 
 QWEN3_1_7B = Shape(28, 2048, 6144, 16, 8, 128, 151936, True)
@@ -153,14 +159,15 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         return roundpipe.RunConfig(**fields, memory_budget=parse_size(workload.budget or ""))
 
 
-def run_roundpipe(workload: Workload, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_roundpipe(
+    workload: Workload, mode: str, args: argparse.Namespace, model: torch.nn.Module
+) -> dict[str, Any]:
+    """Warm-up steps, then measured steps of ``model`` (which the run trains: pass a copy)."""
     import roundpipe
     from roundpipe.sched.breakdown import breakdown
 
     indices = cuda_indices(args.devices)
-    dtype = model_dtype(args.model_dtype, args.devices.strip().lower().startswith("cuda"))
     config = make_config(workload, mode, args)
-    model = build_model(workload, dtype)
     data = make_batch(workload)
     optimizers: list[str] = []
     reset_peaks(indices)
@@ -204,23 +211,8 @@ def run_roundpipe(workload: Workload, mode: str, args: argparse.Namespace) -> di
         "host_rss_gib": rss.report(),
         "optimizer": sorted(set(optimizers)),
         "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
-        "model_dtype": str(dtype).removeprefix("torch."),
+        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
-
-
-def cuda_indices(devices: str) -> tuple[int, ...]:
-    """The CUDA devices a ``--devices`` value names (none for CPU workers)."""
-    from roundpipe.config import parse_devices
-
-    spec = parse_devices(devices)
-    return spec.indices if spec.kind == "cuda" else ()
-
-
-def model_dtype(choice: str, cuda: bool) -> torch.dtype:
-    """bf16 on CUDA (no fp32 host copy of a large base), fp32 elsewhere, unless told."""
-    if choice == "auto":
-        return torch.bfloat16 if cuda else torch.float32
-    return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
 # --------------------------------------------------------------------- plain side (own process)
@@ -232,11 +224,16 @@ def plain_in_subprocess(workload: Workload, args: argparse.Namespace) -> dict[st
         return reason
     job = {"workload": asdict(workload), "devices": args.devices, "warmup": args.warmup, "steps": args.steps}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--plain-child", json.dumps(job)]
+    started = time.perf_counter()
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    elapsed = {"elapsed_s": round(time.perf_counter() - started, 1)}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if lines:
-        return dict(json.loads(lines[-1]))
-    return {"error": f"the plain loop's process exited with status {done.returncode} and no result"}
+        return {**json.loads(lines[-1]), **elapsed}
+    return {
+        "error": f"the plain loop's process exited with status {done.returncode} and no result",
+        **elapsed,
+    }
 
 
 def plain_child(job_text: str) -> None:
@@ -254,9 +251,12 @@ def plain_child(job_text: str) -> None:
 def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
     plain = plain_in_subprocess(workload, args) if args.plain else None
     lines = []
-    for mode in args.modes:
+    for mode, model, build_s in _models(workload, args):
+        started = time.perf_counter()
         try:
-            ours = run_roundpipe(workload, mode, args)
+            if model is None:
+                raise RuntimeError(f"building the {workload.name} model failed (traceback above)")
+            ours = run_roundpipe(workload, mode, args, model)
         except Exception as exc:  # one failed configuration must not lose the others' figures
             traceback.print_exc()
             ours = {
@@ -264,31 +264,60 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
                 "peak_gib": device_memory(cuda_indices(args.devices)),
             }
         finally:
+            del model
             _release_memory()
-        ratio = None
-        if isinstance(plain, dict) and "tokens_per_s" in plain and "tokens_per_s" in ours:
-            ratio = round(ours["tokens_per_s"] / plain["tokens_per_s"], 3)
-        lines.append(
-            {
-                "bench": "gpu_throughput",
-                "workload": workload.name,
-                "mode": mode,
-                "devices": args.devices,
-                "device_names": _device_names(args.devices),
-                "shape": asdict(workload.shape),
-                "params_m": round(workload.shape.param_count() / 1e6, 1),
-                **{k: v for k, v in asdict(workload).items() if k not in ("name", "shape")},
-                "tokens_per_step": workload.tokens,
-                **budget_route(workload),
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "roundpipe": ours,
-                "plain": plain,
-                "ratio": ratio,
-                "versions": _versions(),
-            }
-        )
+        ours["elapsed_s"] = round(time.perf_counter() - started, 1)
+        ours["build_s"] = build_s
+        lines.append(_line(workload, mode, args, ours, plain))
     return lines
+
+
+def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str, Any, float]]:
+    """Per mode, a fresh model: built once (a 14B random init takes minutes on the host), then
+    a copy for every mode but the last, which trains the original."""
+    started = time.perf_counter()
+    try:
+        original: Any = build_model(workload, model_dtype(args.model_dtype, bool(cuda_indices(args.devices))))
+    except Exception:
+        traceback.print_exc()
+        original = None
+    build_s = round(time.perf_counter() - started, 1)
+    for k, mode in enumerate(args.modes):
+        last = k == len(args.modes) - 1
+        if last or original is None:
+            yield mode, original, build_s
+        else:
+            started = time.perf_counter()
+            model = copy.deepcopy(original)
+            yield mode, model, round(time.perf_counter() - started, 1)
+            del model
+    del original
+
+
+def _line(
+    workload: Workload, mode: str, args: argparse.Namespace, ours: dict[str, Any], plain: Any
+) -> dict[str, Any]:
+    ratio = None
+    if isinstance(plain, dict) and "tokens_per_s" in plain and "tokens_per_s" in ours:
+        ratio = round(ours["tokens_per_s"] / plain["tokens_per_s"], 3)
+    return {
+        "bench": "gpu_throughput",
+        "workload": workload.name,
+        "mode": mode,
+        "devices": args.devices,
+        "device_names": device_names(args.devices),
+        "shape": asdict(workload.shape),
+        "params_m": round(workload.shape.param_count() / 1e6, 1),
+        **{k: v for k, v in asdict(workload).items() if k not in ("name", "shape")},
+        "tokens_per_step": workload.tokens,
+        **budget_route(workload),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "roundpipe": ours,
+        "plain": plain,
+        "ratio": ratio,
+        "versions": versions(),
+    }
 
 
 def _release_memory() -> None:
@@ -297,20 +326,6 @@ def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _device_names(devices: str) -> list[str]:
-    if not devices.startswith("cuda") or not torch.cuda.is_available():
-        return [devices]
-    from roundpipe.config import parse_devices
-
-    return [torch.cuda.get_device_name(i) for i in parse_devices(devices).indices]
-
-
-def _versions() -> dict[str, str]:
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def table(lines: list[dict[str, Any]]) -> str:

@@ -122,6 +122,35 @@ def _from_config(auto: Any, config: Any, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def cuda_indices(devices: str) -> tuple[int, ...]:
+    """The CUDA devices a ``--devices`` value names (none for CPU workers)."""
+    from roundpipe.config import parse_devices
+
+    spec = parse_devices(devices)
+    return spec.indices if spec.kind == "cuda" else ()
+
+
+def model_dtype(choice: str, cuda: bool) -> torch.dtype:
+    """bf16 on CUDA (no fp32 host copy of a large base), fp32 elsewhere, unless told."""
+    if choice == "auto":
+        return torch.bfloat16 if cuda else torch.float32
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def device_names(devices: str) -> list[str]:
+    if not devices.startswith("cuda") or not torch.cuda.is_available():
+        return [devices]
+    from roundpipe.config import parse_devices
+
+    return [torch.cuda.get_device_name(i) for i in parse_devices(devices).indices]
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def make_batch(workload: Workload) -> dict[str, torch.Tensor]:
     """Seeded random token ids; the labels are the inputs (the model shifts them)."""
     generator = torch.Generator().manual_seed(1)

@@ -62,6 +62,9 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
         assert plain["device"] == "cpu" and plain["tokens_per_s"] > 0, plain
         assert line["ratio"] == pytest.approx(ours["tokens_per_s"] / plain["tokens_per_s"], rel=1e-2)
         assert line["tokens_per_step"] == 4 * 16 and line["budget_field"] is None
+        assert ours["model_dtype"] == "float32" and ours["build_s"] >= 0 and ours["elapsed_s"] > 0
+    # The model is built once: sync trains a copy, async the original, from the same weights.
+    assert lines[0]["roundpipe"]["loss_first_last"][0] == lines[1]["roundpipe"]["loss_first_last"][0]
     assert "ours tok/s" in stdout  # the table at the end
 
 
@@ -77,8 +80,9 @@ def test_lora_under_a_tiny_budget_reports_both_verdicts(capsys: pytest.CaptureFi
 
 def test_lora_roundpipe_side_trains_adapters_in_bf16() -> None:
     args = bench.parse_args(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4"])
-    args.steps, args.warmup, args.model_dtype = 1, 1, "bf16"
-    result = bench.run_roundpipe(args.workloads[0], "async", args)
+    args.steps, args.warmup = 1, 1
+    model = pieces.build_model(args.workloads[0], torch.bfloat16)
+    result = bench.run_roundpipe(args.workloads[0], "async", args, model)
     assert result["tokens_per_s"] > 0 and result["model_dtype"] == "bfloat16"
     assert result["breakdown"]["iterations"] == [1]
 
@@ -138,10 +142,10 @@ def test_plain_verdict_for_the_14b_shape() -> None:
 
 
 def test_model_dtype_and_cuda_indices() -> None:
-    assert bench.model_dtype("auto", True) == torch.bfloat16
-    assert bench.model_dtype("auto", False) == torch.float32
-    assert bench.model_dtype("bf16", False) == torch.bfloat16
-    assert bench.cuda_indices("cpu:2") == ()
+    assert pieces.model_dtype("auto", True) == torch.bfloat16
+    assert pieces.model_dtype("auto", False) == torch.float32
+    assert pieces.model_dtype("bf16", False) == torch.bfloat16
+    assert pieces.cuda_indices("cpu:2") == ()
 
 
 def test_predicted_memory_is_read_where_the_pipe_has_it() -> None:
@@ -176,3 +180,14 @@ def test_table_shows_errors_and_verdicts() -> None:
     }
     text = bench.table([line])
     assert "error" in text and "cannot hold the base in 24GiB" in text and "23.5" in text
+
+
+def test_cuda_probes_ask_each_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda i: calls.append(("reset", i)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda i: calls.append(("sync", i)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i: (i + 1) << 30)
+    pieces.reset_peaks((0, 1))
+    pieces.sync_devices((0, 1))
+    assert calls == [("reset", 0), ("reset", 1), ("sync", 0), ("sync", 1)]
+    assert pieces.device_memory((0, 1)) == {"cuda:0": 1.0, "cuda:1": 2.0}
