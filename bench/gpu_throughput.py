@@ -184,9 +184,10 @@ def run_roundpipe(
                 first, measured_start = pipe.iteration_count, time.perf_counter()
             start = time.perf_counter()
             losses.append(pipe.forward_backward(data))
+            # No synchronize per step, in either mode: it also writes the weights back into the
+            # module (seconds for a large model in bf16). In sync mode the next iteration's
+            # uploads wait for this step's P-copy, so the step still counts in the step time.
             pipe.step()
-            if mode == "sync":  # the step is on the critical path: count it in this step's time
-                pipe.synchronize()
             times.append(time.perf_counter() - start)
         pipe.synchronize()
         wall = time.perf_counter() - measured_start
@@ -197,7 +198,7 @@ def run_roundpipe(
     step_s = sorted(times[args.warmup :])[len(times[args.warmup :]) // 2]
     return {
         "tokens_per_s": round(workload.tokens / step_s, 1),
-        "tokens_per_s_wall": round(workload.tokens * args.steps / wall, 1),
+        "tokens_per_s_wall": round(workload.tokens * args.steps / wall, 1),  # + one final synchronize
         "step_s_median": round(step_s, 4),
         "peak_gib": peaks,
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
