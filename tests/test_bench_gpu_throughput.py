@@ -191,3 +191,37 @@ def test_cuda_probes_ask_each_device(monkeypatch: pytest.MonkeyPatch) -> None:
     pieces.sync_devices((0, 1))
     assert calls == [("reset", 0), ("reset", 1), ("sync", 0), ("sync", 1)]
     assert pieces.device_memory((0, 1)) == {"cuda:0": 1.0, "cuda:1": 2.0}
+
+
+def test_from_config_takes_whichever_dtype_keyword_the_release_knows() -> None:
+    seen: list[str] = []
+
+    class OlderAuto:
+        @staticmethod
+        def from_config(config: object, attn_implementation: str, **kwargs: Any) -> torch.nn.Module:
+            seen.append(next(iter(kwargs)))
+            if "dtype" in kwargs:
+                raise TypeError("__init__() got an unexpected keyword argument 'dtype'")
+            return torch.nn.Linear(2, 2)  # ignores torch_dtype: built in fp32
+
+    model = pieces._from_config(OlderAuto, object(), torch.bfloat16)
+    assert seen == ["dtype", "torch_dtype"]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("field_type", [str, int])
+def test_budget_reaches_memory_budget_where_run_config_has_it(
+    monkeypatch: pytest.MonkeyPatch, field_type: type
+) -> None:
+    import roundpipe
+
+    class BudgetConfig(roundpipe.RunConfig):
+        memory_budget: field_type | None = None  # type: ignore[valid-type]
+
+    monkeypatch.setattr(roundpipe, "RunConfig", BudgetConfig)
+    args = bench.parse_args(["--devices", "cpu:2", "--workload", "C"])
+    (workload,) = args.workloads
+    assert bench.budget_route(workload) == {"budget_field": "memory_budget"}
+    config = bench.make_config(workload, "async", args)
+    assert config.memory_budget == ("24GiB" if field_type is str else 24 << 30)
+    assert config.mem_limit_bytes is None and config.recompute_grain == "stage"
