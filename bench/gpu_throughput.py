@@ -30,7 +30,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The sibling module, also when this file is imported (tests): appended, so nothing in bench/
+# shadows an installed module of the same name.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
 
 from gpu_throughput_run import (
     RssSampler,
