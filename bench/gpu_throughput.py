@@ -1,0 +1,393 @@
+"""GPU throughput: roundpipe against the plain GPU-resident loop, per workload, in one run.
+
+Why one script for every workload of the GPU targets: device time is short, so one call must
+give every figure the targets are judged by (tokens/s, peak GPU memory per device, the planner's
+prediction, bubble and exposed transfer from the trace) for roundpipe in sync and async mode and,
+in a separate process so its memory does not mix, for the plain loop (the whole model on one
+device in bf16 with gradient checkpointing and fused AdamW). One JSON line per (workload, mode),
+also appended to ``--out``; a short table at the end.
+
+    python bench/gpu_throughput.py --workload A,B --devices cuda:0 --out runs.jsonl
+    python bench/gpu_throughput.py --workload tiny --devices cpu:2 --steps 2   # smoke run, no GPU
+
+A configuration that fails (out of memory, a plan that cannot fit) prints its line with the
+error and the run goes on: this script must never lose the figures of the other workloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The sibling module, also when this file is imported (tests): appended, so nothing in bench/
+# shadows an installed module of the same name.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+
+from gpu_throughput_run import (
+    RssSampler,
+    Shape,
+    Workload,
+    adamw,
+    build_model,
+    cuda_indices,
+    device_memory,
+    device_names,
+    make_batch,
+    model_dtype,
+    parse_size,
+    predicted_memory,
+    reset_peaks,
+    run_plain,
+    versions,
+)
+
+QWEN3_1_7B = Shape(28, 2048, 6144, 16, 8, 128, 151936, True)
+QWEN3_14B = Shape(40, 5120, 17408, 40, 8, 128, 151936, False)
+TINY = Shape(4, 64, 128, 4, 2, 16, 256, True)
+WORKLOADS = {
+    "A": Workload("A", QWEN3_1_7B, 8, 4096, 8),
+    "B": Workload("B", QWEN3_1_7B, 32, 2048, 4),
+    "C": Workload("C", QWEN3_14B, 4, 4096, 4, lora_r=16, budget="24GiB"),
+    "long": Workload("long", QWEN3_1_7B, 1, 131072, 1, budget="24GiB", recompute_grain="layer"),
+    "tiny": Workload("tiny", TINY, 4, 32, 2),
+}
+SHAPE_FLAGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab")
+
+
+def plain_cannot_hold(workload: Workload) -> str | None:
+    """Why the plain loop cannot run under the budget (its bf16 base weights, plus the LoRA
+    parameters with their gradients and two AdamW states, do not fit), or None."""
+    if workload.budget is None:
+        return None
+    base = 2 * workload.shape.param_count() + 8 * workload.lora_param_count()
+    return None if base <= parse_size(workload.budget) else f"cannot hold the base in {workload.budget}"
+
+
+# --------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--workload", action="append", help="A, B, C, long, tiny (repeatable, or a comma list)")
+    for name in SHAPE_FLAGS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embeddings")
+    p.add_argument("--lora-r", type=int, help="peft LoRA rank on q/k/v/o (0: full fine-tuning)")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--microbatches", type=int)
+    p.add_argument("--budget", help='per-device memory budget, e.g. "24GiB" ("none" lifts a default)')
+    p.add_argument("--recompute-grain", choices=("stage", "layer"))
+    p.add_argument("--devices", default="cuda", help='"cuda", "cuda:0,1" or "cpu:2"')
+    p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
+    p.add_argument("--async", action="store_true", dest="run_async", help="run async mode")
+    p.add_argument("--steps", type=int, default=5, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the re-plan is in them)")
+    p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--model-dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    p.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    p.add_argument("--plain-child", help=argparse.SUPPRESS)  # the plain loop's own process
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"need --steps >= 1 and --warmup >= 0 (got {args.steps}, {args.warmup})")
+    names = [n.strip() for item in args.workload or ["A"] for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}")
+    args.workloads = [apply_overrides(WORKLOADS[n], args) for n in dict.fromkeys(names)]
+    args.modes = [m for m, on in (("sync", args.sync), ("async", args.run_async)) if on] or ["sync", "async"]
+    return args
+
+
+def apply_overrides(workload: Workload, args: argparse.Namespace) -> Workload:
+    shape = {n: getattr(args, n) for n in SHAPE_FLAGS if getattr(args, n) is not None}
+    if args.tied is not None:
+        shape["tied"] = args.tied
+    run = {n: getattr(args, n) for n in ("batch", "seq", "microbatches", "lora_r", "recompute_grain")}
+    run = {n: v for n, v in run.items() if v is not None}
+    if args.budget is not None:
+        run["budget"] = None if args.budget.lower() == "none" else args.budget
+        if run["budget"] is not None:
+            parse_size(run["budget"])  # fail now, not after the first workload ran
+    return replace(workload, shape=replace(workload.shape, **shape), **run)
+
+
+# --------------------------------------------------------------------- roundpipe side
+
+
+def budget_route(workload: Workload) -> dict[str, Any]:
+    """Which RunConfig field carries the budget: ``memory_budget`` where RunConfig has it, else
+    ``mem_limit_bytes`` (which bounds parameter bytes per stage pair only: the line says so)."""
+    import roundpipe
+
+    if workload.budget is None:
+        return {"budget_field": None}
+    if "memory_budget" in roundpipe.RunConfig.model_fields:
+        return {"budget_field": "memory_budget"}
+    note = "RunConfig has no memory_budget field: the budget was passed as mem_limit_bytes"
+    return {"budget_field": "mem_limit_bytes", "budget_note": note}
+
+
+def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
+    import roundpipe
+
+    fields: dict[str, Any] = dict(
+        devices=args.devices,
+        num_microbatches=workload.microbatches,
+        precision="bf16",
+        async_optimizer=mode == "async",
+        recompute_grain=workload.recompute_grain,
+        trace_iterations=args.warmup + args.steps + 1,
+    )
+    route = budget_route(workload)["budget_field"]
+    if route is None:
+        return roundpipe.RunConfig(**fields)
+    if route == "mem_limit_bytes":
+        return roundpipe.RunConfig(**fields, mem_limit_bytes=parse_size(workload.budget or ""))
+    try:
+        return roundpipe.RunConfig(**fields, memory_budget=workload.budget)
+    except roundpipe.ConfigError:  # a budget field that takes a number of bytes only
+        return roundpipe.RunConfig(**fields, memory_budget=parse_size(workload.budget or ""))
+
+
+def run_roundpipe(
+    workload: Workload, mode: str, args: argparse.Namespace, model: torch.nn.Module
+) -> dict[str, Any]:
+    """Warm-up steps, then measured steps of ``model`` (which the run trains: pass a copy)."""
+    import roundpipe
+    from roundpipe.sched.breakdown import breakdown
+
+    indices = cuda_indices(args.devices)
+    config = make_config(workload, mode, args)
+    data = make_batch(workload)
+    optimizers: list[str] = []
+    reset_peaks(indices)
+    times: list[float] = []
+    losses: list[float] = []
+    with RssSampler() as rss, roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe:
+        warm_peaks: dict[str, float] = {}
+        first, measured_start = 0, time.perf_counter()
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                pipe.synchronize()
+                warm_peaks = device_memory(indices)
+                reset_peaks(indices)
+                first, measured_start = pipe.iteration_count, time.perf_counter()
+            start = time.perf_counter()
+            losses.append(pipe.forward_backward(data))
+            # No synchronize per step, in either mode: it also writes the weights back into the
+            # module (seconds for a large model in bf16). In sync mode the next iteration's
+            # uploads wait for this step's P-copy, so the step still counts in the step time.
+            pipe.step()
+            times.append(time.perf_counter() - start)
+        pipe.synchronize()
+        wall = time.perf_counter() - measured_start
+        report = breakdown(pipe.trace(), range(first, pipe.iteration_count))
+        predicted = predicted_memory(pipe)
+        plan = pipe.plan
+    peaks = device_memory(indices)
+    step_s = sorted(times[args.warmup :])[len(times[args.warmup :]) // 2]
+    return {
+        "tokens_per_s": round(workload.tokens / step_s, 1),
+        "tokens_per_s_wall": round(workload.tokens * args.steps / wall, 1),  # + one final synchronize
+        "step_s_median": round(step_s, 4),
+        "peak_gib": peaks,
+        "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
+        **predicted,
+        "slots": plan.num_slots,
+        "plan": str(plan).splitlines()[0],
+        "bubble": round(report.bubble, 5),
+        "exposed_transfer": round(report.exposed_transfer, 5),
+        "busy_ms_per_step": {k: round(v, 2) for k, v in sorted(report.busy_ms_per_iteration.items())},
+        "breakdown": report.to_dict(),
+        "host_rss_gib": rss.report(),
+        "optimizer": sorted(set(optimizers)),
+        "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
+        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+
+
+# --------------------------------------------------------------------- plain side (own process)
+
+
+def plain_in_subprocess(workload: Workload, args: argparse.Namespace) -> dict[str, Any] | str:
+    reason = plain_cannot_hold(workload)
+    if reason is not None:
+        return reason
+    job = {"workload": asdict(workload), "devices": args.devices, "warmup": args.warmup, "steps": args.steps}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--plain-child", json.dumps(job)]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    elapsed = {"elapsed_s": round(time.perf_counter() - started, 1)}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if lines:
+        return {**json.loads(lines[-1]), **elapsed}
+    return {
+        "error": f"the plain loop's process exited with status {done.returncode} and no result",
+        **elapsed,
+    }
+
+
+def plain_child(job_text: str) -> None:
+    job = json.loads(job_text)
+    spec = job["workload"]
+    workload = Workload(**{**spec, "shape": Shape(**spec["shape"])})
+    print(
+        json.dumps(run_plain(workload, job["devices"], job["warmup"], job["steps"]), default=str), flush=True
+    )
+
+
+# --------------------------------------------------------------------- output
+
+
+def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
+    plain = plain_in_subprocess(workload, args) if args.plain else None
+    lines = []
+    for mode, model, build_s in _models(workload, args):
+        started = time.perf_counter()
+        try:
+            if model is None:
+                raise RuntimeError(f"building the {workload.name} model failed (traceback above)")
+            ours = run_roundpipe(workload, mode, args, model)
+        except Exception as exc:  # one failed configuration must not lose the others' figures
+            traceback.print_exc()
+            ours = {
+                "error": f"{type(exc).__name__}: {str(exc)[:800]}",
+                "peak_gib": device_memory(cuda_indices(args.devices)),
+            }
+        finally:
+            del model
+            _release_memory()
+        ours["elapsed_s"] = round(time.perf_counter() - started, 1)
+        ours["build_s"] = build_s
+        lines.append(_line(workload, mode, args, ours, plain))
+    return lines
+
+
+def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str, Any, float]]:
+    """Per mode, a fresh model: built once (a 14B random init takes minutes on the host), then
+    a copy for every mode but the last, which trains the original."""
+    started = time.perf_counter()
+    try:
+        original: Any = build_model(workload, model_dtype(args.model_dtype, bool(cuda_indices(args.devices))))
+    except Exception:
+        traceback.print_exc()
+        original = None
+    build_s = round(time.perf_counter() - started, 1)
+    for k, mode in enumerate(args.modes):
+        last = k == len(args.modes) - 1
+        if last or original is None:
+            yield mode, original, build_s
+        else:
+            started = time.perf_counter()
+            model = copy.deepcopy(original)
+            yield mode, model, round(time.perf_counter() - started, 1)
+            del model
+    del original
+
+
+def _line(
+    workload: Workload, mode: str, args: argparse.Namespace, ours: dict[str, Any], plain: Any
+) -> dict[str, Any]:
+    ratio = None
+    if isinstance(plain, dict) and "tokens_per_s" in plain and "tokens_per_s" in ours:
+        ratio = round(ours["tokens_per_s"] / plain["tokens_per_s"], 3)
+    return {
+        "bench": "gpu_throughput",
+        "workload": workload.name,
+        "mode": mode,
+        "devices": args.devices,
+        "device_names": device_names(args.devices),
+        "shape": asdict(workload.shape),
+        "params_m": round(workload.shape.param_count() / 1e6, 1),
+        **{k: v for k, v in asdict(workload).items() if k not in ("name", "shape")},
+        "tokens_per_step": workload.tokens,
+        **budget_route(workload),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "roundpipe": ours,
+        "plain": plain,
+        "ratio": ratio,
+        "versions": versions(),
+    }
+
+
+def _release_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def table(lines: list[dict[str, Any]]) -> str:
+    def peak(side: Any) -> str:
+        values = side.get("peak_gib", {}) if isinstance(side, dict) else {}
+        return "/".join(f"{v:.1f}" for v in values.values()) or "-"
+
+    def num(side: Any, key: str, fmt: str) -> str:
+        return format(side[key], fmt) if isinstance(side, dict) and key in side else "-"
+
+    rows = [
+        (
+            "workload",
+            "mode",
+            "ours tok/s",
+            "ours GiB",
+            "plain tok/s",
+            "plain GiB",
+            "ratio",
+            "bubble",
+            "exposed",
+        )
+    ]
+    for line in lines:
+        ours, plain = line["roundpipe"], line["plain"]
+        rows.append(
+            (
+                line["workload"],
+                line["mode"],
+                num(ours, "tokens_per_s", ".0f") if "error" not in ours else "error",
+                peak(ours),
+                num(plain, "tokens_per_s", ".0f") if isinstance(plain, dict) else str(plain or "-")[:40],
+                peak(plain),
+                "-" if line["ratio"] is None else f"{line['ratio']:.2f}",
+                num(ours, "bubble", ".1%"),
+                num(ours, "exposed_transfer", ".1%"),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.plain_child is not None:
+        plain_child(args.plain_child)
+        return
+    lines: list[dict[str, Any]] = []
+    for workload in args.workloads:
+        for line in run_workload(workload, args):
+            text = json.dumps(line, default=str)
+            print(text, flush=True)
+            if args.out is not None:
+                with args.out.open("a") as f:
+                    f.write(text + "\n")
+            lines.append(line)
+    print(table(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Where a run's time went, per device, from its trace: busy, bubble and exposed transfer.
+
+The bubble says how long a GPU sat idle; it does not say why. The one cause a schedule is built
+to hide is transfer time, so this module separates it out: the share of the time a device's
+compute lane sat idle while a transfer its next compute task was waiting for was still running.
+A benchmark reads these numbers after its measured iterations; a test reads them on simulated
+traces, where the link speed is known.
+
+It reads tasks only through their public fields (kind, lane, device, iteration, step, deps,
+key, start_t, end_t) and must never import torch or know how a task ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, G_COPY, GRAD_DOWN, PARAM_UP, Key, Task
+
+TRANSFER_KINDS = frozenset({ACT_UP, ACT_DOWN, PARAM_UP, GRAD_DOWN})
+
+Interval = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class DeviceBreakdown:
+    """One device over the window. Times in ms; fractions are of the window's length."""
+
+    device: int
+    busy_ms: float
+    bubble: float
+    exposed_transfer_ms: float
+    exposed_transfer: float
+    exposed_ms_by_kind: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "busy_ms": round(self.busy_ms, 3),
+            "bubble": round(self.bubble, 5),
+            "exposed_transfer_ms": round(self.exposed_transfer_ms, 3),
+            "exposed_transfer": round(self.exposed_transfer, 5),
+            "exposed_ms_by_kind": {k: round(v, 3) for k, v in sorted(self.exposed_ms_by_kind.items())},
+        }
+
+
+@dataclass(frozen=True)
+class TraceBreakdown:
+    """The measured iterations of a trace, broken down (see `breakdown` for the definitions)."""
+
+    iterations: tuple[int, ...]
+    window_ms: Interval
+    devices: dict[int, DeviceBreakdown]
+    bubble: float
+    exposed_transfer: float
+    busy_ms_per_iteration: dict[str, float]
+
+    @property
+    def span_ms(self) -> float:
+        return self.window_ms[1] - self.window_ms[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "iterations": list(self.iterations),
+            "window_ms": round(self.span_ms, 3),
+            "bubble": round(self.bubble, 5),
+            "exposed_transfer": round(self.exposed_transfer, 5),
+            "devices": {str(d): b.to_dict() for d, b in sorted(self.devices.items())},
+            "busy_ms_per_iteration": {k: round(v, 3) for k, v in sorted(self.busy_ms_per_iteration.items())},
+        }
+
+
+def breakdown(trace: Iterable[Task], iterations: Iterable[int] | None = None) -> TraceBreakdown:
+    """Break down the iterations ``iterations`` (default: every iteration in the trace) of a trace.
+
+    Window W: from the earliest start to the latest end of the compute tasks of those iterations;
+    the same window for every device, so pipeline fill and drain count against each device.
+
+    Per device d (every device with a compute task in the window):
+      - busy_ms: the length of the union of d's compute intervals (any iteration) inside W;
+      - bubble: 1 - busy_ms / |W|;
+      - exposed transfer: each idle gap of d's compute lane ends where a compute task C starts
+        (the gap before d's first compute begins at -inf; a gap after d's last compute in the
+        trace has no C and counts as not exposed). A transfer task (act_up, act_down, param_up,
+        grad_down) *feeds* C when it is in C.deps, or in the deps of a transfer that feeds C
+        (an act_down on the upstream device -> the act_up on d -> C). The exposed time of the
+        gap is the length of the union of the feeding transfers' [start_t, end_t) intervals
+        clipped to the gap and to W: time in which d had nothing to run and the next thing it
+        ran was waiting for bytes still moving. exposed_transfer = exposed ms / |W|, at most
+        the bubble. Transfers feeding later computes (prefetch) never count: the gap did not
+        wait for them. ``exposed_ms_by_kind`` is the same per transfer kind (kinds that ran
+        at the same moment each count it, so these may sum to more than the total).
+    Overall bubble and exposed_transfer: the mean over devices.
+
+    busy_ms_per_iteration, per task kind: the summed durations of the tasks of those iterations,
+    plus the optimizer-lane tasks without an iteration (step, p_copy, grad_norm) of the optimizer
+    steps the iterations' G-copies feed, divided by the number of iterations.
+    """
+    tasks = list(trace)
+    wanted = _iterations(tasks, iterations)
+    measured = [t for t in tasks if t.kind == COMPUTE and t.iteration in wanted]
+    if not measured:
+        return TraceBreakdown(tuple(sorted(wanted)), (0.0, 0.0), {}, 0.0, 0.0, {})
+    window = (min(t.start_t for t in measured), max(t.end_t for t in measured))
+    by_key = {t.key: t for t in tasks}
+    devices = sorted({t.device for t in measured})
+    per_device = {
+        d: _device(d, [t for t in tasks if t.kind == COMPUTE and t.device == d], by_key, window)
+        for d in devices
+    }
+    return TraceBreakdown(
+        iterations=tuple(sorted(wanted)),
+        window_ms=window,
+        devices=per_device,
+        bubble=sum(b.bubble for b in per_device.values()) / len(per_device),
+        exposed_transfer=sum(b.exposed_transfer for b in per_device.values()) / len(per_device),
+        busy_ms_per_iteration=_busy_per_kind(tasks, wanted),
+    )
+
+
+def _iterations(tasks: list[Task], iterations: Iterable[int] | None) -> set[int]:
+    if iterations is None:
+        return {t.iteration for t in tasks if t.iteration >= 0}
+    return set(iterations)
+
+
+def _device(device: int, computes: list[Task], by_key: dict[Key, Task], window: Interval) -> DeviceBreakdown:
+    lo, hi = window
+    span = max(hi - lo, 1e-12)
+    computes.sort(key=lambda t: (t.start_t, t.end_t))
+    busy = _measure(_clip(_union((t.start_t, t.end_t) for t in computes), window))
+    exposed: list[Interval] = []
+    by_kind: dict[str, list[Interval]] = {}
+    covered = float("-inf")  # end of the compute intervals seen so far (they may overlap)
+    for task in computes:
+        gap = (max(covered, lo), min(task.start_t, hi))
+        covered = max(covered, task.end_t)
+        if gap[1] <= gap[0]:
+            continue
+        for feeder in _feeders(task, by_key):
+            piece = (max(feeder.start_t, gap[0]), min(feeder.end_t, gap[1]))
+            if piece[1] > piece[0]:
+                exposed.append(piece)
+                by_kind.setdefault(feeder.kind, []).append(piece)
+    exposed_ms = _measure(_union(exposed))
+    busy = min(busy, span)
+    return DeviceBreakdown(
+        device=device,
+        busy_ms=busy,
+        bubble=min(1.0, max(0.0, 1.0 - busy / span)),
+        exposed_transfer_ms=exposed_ms,
+        exposed_transfer=min(1.0, exposed_ms / span),
+        exposed_ms_by_kind={k: _measure(_union(v)) for k, v in by_kind.items()},
+    )
+
+
+def _feeders(compute: Task, by_key: dict[Key, Task]) -> list[Task]:
+    """Transfers in ``compute``'s deps, and transfers those transfers depend on, transitively."""
+    found: dict[Key, Task] = {}
+    stack = list(compute.deps)
+    while stack:
+        dep = by_key.get(stack.pop())  # missing: trimmed from the trace, or never recorded
+        if dep is None or dep.kind not in TRANSFER_KINDS or dep.key in found:
+            continue
+        found[dep.key] = dep
+        stack.extend(dep.deps)
+    return list(found.values())
+
+
+def _busy_per_kind(tasks: list[Task], wanted: set[int]) -> dict[str, float]:
+    steps = {t.step for t in tasks if t.kind == G_COPY and t.iteration in wanted and t.step >= 0}
+    totals: dict[str, float] = {}
+    for task in tasks:
+        belongs = task.iteration in wanted if task.iteration >= 0 else task.step in steps
+        if belongs and task.end_t >= task.start_t >= 0:
+            totals[task.kind] = totals.get(task.kind, 0.0) + task.duration
+    return {k: v / max(len(wanted), 1) for k, v in totals.items()}
+
+
+def _union(intervals: Iterable[Interval]) -> list[Interval]:
+    merged: list[Interval] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _clip(intervals: list[Interval], window: Interval) -> list[Interval]:
+    lo, hi = window
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)]
+
+
+def _measure(intervals: list[Interval]) -> float:
+    return sum((b - a for a, b in intervals), 0.0)

@@ -1,0 +1,227 @@
+"""bench/gpu_throughput.py on CPU workers: every path it takes on a GPU except the CUDA calls.
+
+The GPU run gets little device time, so the script's command line, both sides, the plain loop's
+own process, the JSON lines, the budget's route into RunConfig and the "cannot hold" verdict are
+all exercised here with ``--devices cpu:2`` and the tiny shape.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_throughput.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_throughput", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_throughput"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+pieces = sys.modules["gpu_throughput_run"]
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_smoke_run_gives_both_modes_both_sides_and_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In this process (one interpreter start saved); the plain loop runs the script as a program."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    out = tmp_path / "runs.jsonl"
+    argv = ["--devices", "cpu:2", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    bench.main([*argv, "--out", str(out)])
+    stdout = capsys.readouterr().out
+    lines = _json_lines(stdout)
+    assert [(line["workload"], line["mode"]) for line in lines] == [("tiny", "sync"), ("tiny", "async")]
+    assert _json_lines(out.read_text()) == lines
+    for line in lines:
+        ours, plain = line["roundpipe"], line["plain"]
+        assert "error" not in ours, ours
+        assert ours["tokens_per_s"] > 0 and ours["slots"] >= 1
+        assert 0.0 <= ours["exposed_transfer"] <= ours["bubble"] <= 1.0
+        assert ours["breakdown"]["iterations"] == [1]
+        assert ours["busy_ms_per_step"]["compute"] > 0
+        assert ours["peak_gib"] == {} and ours["host_rss_gib"]["peak"] > 0
+        assert ours["optimizer"] and ours["predicted_peak_gib"] is None
+        assert plain["device"] == "cpu" and plain["tokens_per_s"] > 0, plain
+        assert line["ratio"] == pytest.approx(ours["tokens_per_s"] / plain["tokens_per_s"], rel=1e-2)
+        assert line["tokens_per_step"] == 4 * 16 and line["budget_field"] is None
+        assert ours["model_dtype"] == "float32" and ours["build_s"] >= 0 and ours["elapsed_s"] > 0
+    # The model is built once: sync trains a copy, async the original, from the same weights.
+    assert lines[0]["roundpipe"]["loss_first_last"][0] == lines[1]["roundpipe"]["loss_first_last"][0]
+    assert "ours tok/s" in stdout  # the table at the end
+
+
+def test_lora_under_a_tiny_budget_reports_both_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
+    """The plain loop cannot hold the base; the roundpipe side's failure is its line, not a crash."""
+    bench.main(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4", "--budget", "100KiB", "--sync"])
+    (line,) = _json_lines(capsys.readouterr().out)
+    assert line["plain"] == "cannot hold the base in 100KiB"
+    assert line["lora_r"] == 4 and line["budget"] == "100KiB" and line["ratio"] is None
+    assert line["budget_field"] in ("memory_budget", "mem_limit_bytes")
+    assert "tokens_per_s" in line["roundpipe"] or "error" in line["roundpipe"]
+
+
+def test_lora_roundpipe_side_trains_adapters_in_bf16() -> None:
+    args = bench.parse_args(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4"])
+    args.steps, args.warmup = 1, 1
+    model = pieces.build_model(args.workloads[0], torch.bfloat16)
+    result = bench.run_roundpipe(args.workloads[0], "async", args, model)
+    assert result["tokens_per_s"] > 0 and result["model_dtype"] == "bfloat16"
+    assert result["breakdown"]["iterations"] == [1]
+
+
+def test_workloads_flags_and_overrides() -> None:
+    args = bench.parse_args(["--workload", "A,B", "--workload", "long", "--workload", "A", "--async"])
+    assert [w.name for w in args.workloads] == ["A", "B", "long"] and args.modes == ["async"]
+    a, b, long = args.workloads
+    assert (a.batch, a.seq, a.microbatches, a.shape.layers, a.shape.tied) == (8, 4096, 8, 28, True)
+    assert (b.batch, b.seq, b.microbatches) == (32, 2048, 4)
+    assert (long.seq, long.budget, long.recompute_grain) == (131072, "24GiB", "layer")
+    c = bench.WORKLOADS["C"]
+    assert (c.shape.hidden, c.shape.intermediate, c.shape.heads, c.shape.tied, c.lora_r) == (
+        5120,
+        17408,
+        40,
+        False,
+        16,
+    )
+    custom = bench.parse_args(
+        ["--workload", "C", "--layers", "2", "--no-tied", "--budget", "none", "--seq", "64"]
+    )
+    (w,) = custom.workloads
+    assert (w.shape.layers, w.shape.tied, w.budget, w.seq, w.lora_r) == (2, False, None, 64, 16)
+    assert custom.modes == ["sync", "async"] and custom.devices == "cuda"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workload", "D"])
+    with pytest.raises(ValueError, match="not understood"):
+        bench.parse_args(["--budget", "lots"])
+
+
+def test_parse_size() -> None:
+    assert bench.parse_size("24GiB") == 24 << 30
+    assert bench.parse_size("1.5 GB") == 1_500_000_000
+    assert bench.parse_size("512mib") == 512 << 20
+    assert bench.parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="24GiB"):
+        bench.parse_size("24 parsecs")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_counts_match_the_built_model(tied: bool) -> None:
+    workload = bench.Workload("t", bench.replace(bench.TINY, tied=tied), 1, 8, 1, lora_r=2)
+    model = pieces.build_model(bench.replace(workload, lora_r=0), torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == workload.shape.param_count()
+    lora = pieces.build_model(workload, torch.float32)
+    assert sum(p.numel() for p in lora.parameters() if p.requires_grad) == workload.lora_param_count()
+
+
+def test_plain_verdict_for_the_14b_shape() -> None:
+    c = bench.WORKLOADS["C"]
+    assert 14.0e9 < c.shape.param_count() < 15.5e9
+    assert bench.plain_cannot_hold(c) == "cannot hold the base in 24GiB"
+    assert bench.plain_cannot_hold(bench.replace(c, budget="64GiB")) is None
+    assert bench.plain_cannot_hold(bench.replace(c, budget=None)) is None
+    assert bench.plain_cannot_hold(bench.WORKLOADS["long"]) is None  # 3.4 GB of weights fit
+
+
+def test_model_dtype_and_cuda_indices() -> None:
+    assert pieces.model_dtype("auto", True) == torch.bfloat16
+    assert pieces.model_dtype("auto", False) == torch.float32
+    assert pieces.model_dtype("bf16", False) == torch.bfloat16
+    assert pieces.cuda_indices("cpu:2") == ()
+
+
+def test_predicted_memory_is_read_where_the_pipe_has_it() -> None:
+    assert pieces.predicted_memory(SimpleNamespace(plan=None)) == {
+        "predicted_memory": None,
+        "predicted_peak_gib": None,
+    }
+    assert pieces.predicted_memory(SimpleNamespace(plan_memory=3 << 30))["predicted_peak_gib"] == 3.0
+    method = SimpleNamespace(memory_prediction=lambda: {"peak_bytes": 1 << 29, "stages": [1, 2]})
+    assert pieces.predicted_memory(method) == {
+        "predicted_memory": {"peak_bytes": 1 << 29, "stages": [1, 2]},
+        "predicted_peak_gib": 0.5,
+    }
+    on_plan = SimpleNamespace(plan=SimpleNamespace(memory_prediction=SimpleNamespace(total_bytes=1 << 30)))
+    assert pieces.predicted_memory(on_plan)["predicted_peak_gib"] == 1.0
+
+
+def test_rss_sampler_sees_this_process() -> None:
+    with pieces.RssSampler(interval_s=0.01) as rss:
+        pass
+    report = rss.report()
+    assert report["peak"] >= report["end"] > 0
+
+
+def test_table_shows_errors_and_verdicts() -> None:
+    line = {
+        "workload": "C",
+        "mode": "async",
+        "roundpipe": {"error": "out of memory", "peak_gib": {"cuda:0": 23.5}},
+        "plain": "cannot hold the base in 24GiB",
+        "ratio": None,
+    }
+    text = bench.table([line])
+    assert "error" in text and "cannot hold the base in 24GiB" in text and "23.5" in text
+
+
+def test_cuda_probes_ask_each_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda i: calls.append(("reset", i)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda i: calls.append(("sync", i)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i: (i + 1) << 30)
+    pieces.reset_peaks((0, 1))
+    pieces.sync_devices((0, 1))
+    assert calls == [("reset", 0), ("reset", 1), ("sync", 0), ("sync", 1)]
+    assert pieces.device_memory((0, 1)) == {"cuda:0": 1.0, "cuda:1": 2.0}
+
+
+def test_from_config_takes_whichever_dtype_keyword_the_release_knows() -> None:
+    seen: list[str] = []
+
+    class OlderAuto:
+        @staticmethod
+        def from_config(config: object, attn_implementation: str, **kwargs: Any) -> torch.nn.Module:
+            seen.append(next(iter(kwargs)))
+            if "dtype" in kwargs:
+                raise TypeError("__init__() got an unexpected keyword argument 'dtype'")
+            return torch.nn.Linear(2, 2)  # ignores torch_dtype: built in fp32
+
+    model = pieces._from_config(OlderAuto, object(), torch.bfloat16)
+    assert seen == ["dtype", "torch_dtype"]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("field_type", [str, int])
+def test_budget_reaches_memory_budget_where_run_config_has_it(
+    monkeypatch: pytest.MonkeyPatch, field_type: type
+) -> None:
+    import roundpipe
+
+    class BudgetConfig(roundpipe.RunConfig):
+        memory_budget: field_type | None = None  # type: ignore[valid-type]
+
+    monkeypatch.setattr(roundpipe, "RunConfig", BudgetConfig)
+    args = bench.parse_args(["--devices", "cpu:2", "--workload", "C"])
+    (workload,) = args.workloads
+    assert bench.budget_route(workload) == {"budget_field": "memory_budget"}
+    config = bench.make_config(workload, "async", args)
+    assert config.memory_budget == ("24GiB" if field_type is str else 24 << 30)
+    assert config.mem_limit_bytes is None and config.recompute_grain == "stage"
