@@ -113,7 +113,8 @@ def test_layer_memory_defaults_and_validation() -> None:
     mem = LayerMemory((1, 2), (1, 0), (3, 4), (0, 0), (5, 6))
     assert mem.bwd_work_bytes == (0, 0) and mem.carried_bytes == (0, 0)
     assert mem.output_bytes(0) == 6 and mem.output_bytes(1) == 0
-    json.dumps(mem.to_dict())
+    assert LayerMemory(**json.loads(json.dumps(mem.to_dict()))) == mem
+    assert LayerMemory(**MEM.to_dict()) == MEM
     with pytest.raises(PlanError, match=r"saved_bytes has 1 entries for 2 layers"):
         LayerMemory((1, 2), (1, 0), (3,), (0, 0), (5, 6))
     with pytest.raises(PlanError, match=r"work_bytes\[1\] is -1"):
@@ -270,3 +271,20 @@ def test_plan_within_budget_names_the_stage_when_nothing_fits() -> None:
         plan_within_budget(lambda limit: whole, MEM, 1200)
     with pytest.raises(PlanError, match="does not even hold the activations in flight"):
         partition_limit_bytes(MEM, 100)
+    with pytest.raises(PlanError, match=r"memory budget 1.00 KiB \(\d+ B for stage pairs\): no split"):
+        plan_within_budget(refuse, MEM, 1024)
+    shrinking: list[int] = []
+
+    def big_then_refuse(limit: int) -> Plan:
+        shrinking.append(limit)
+        if len(shrinking) > 1:
+            raise PlanError("no split")
+        return whole
+
+    with pytest.raises(PlanError, match=r"no plan fits the memory budget .*slot 0 \(fused"):
+        plan_within_budget(big_then_refuse, MEM, 1200)
+    assert len(shrinking) == 2
+
+
+def refuse(limit: int) -> Plan:
+    raise PlanError("no split")

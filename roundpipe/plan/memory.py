@@ -6,16 +6,14 @@ per layer (bytes for ONE microbatch); `stage_bytes` turns them into a stage's pe
 (see docs/memory.md and DESIGN.md "Memory is part of the plan"); `predict_peak` adds the
 prefetched stage and boundary activations and reports the per-slot breakdown of a whole plan.
 
-Two models, one conservative, one exact. The partitioner's search only sums one number per layer
-and checks every stage against one cap (``stage sum <= mem_limit_bytes // 2``: a stage and the
-stage prefetched behind it). `layer_plan_bytes` gives it per-layer numbers whose sum over any
-stage bounds that stage's exact bytes for every kind (each max in the exact model is bounded by
-the sum of its non-negative terms, and a layer also counts its input, which a forward stage may
-hold for a backward stage). `partition_limit_bytes` is the ``mem_limit_bytes`` that, halved,
-leaves room for the in-flight boundary activations within the budget. Because the sums
-overestimate, the exact model is computed after planning (`predict_peak`), reported, and is the
-judge: `plan_within_budget` lowers the limit and re-plans until the exact prediction fits, and
-fails with the stage that does not fit when no plan does.
+Two models, one conservative, one exact. The partitioner's search sums one number per layer and
+checks every stage against one cap (``mem_limit_bytes // 2``: a stage and the one prefetched
+behind it). `layer_plan_bytes` gives it per-layer numbers whose sum over any stage bounds the
+stage's exact bytes for every kind (each max of the exact model is at most the sum of its
+non-negative terms), and `partition_limit_bytes` the limit that leaves room for activations in
+flight. The sums overestimate, so the exact prediction (`predict_peak`) is computed after
+planning, reported, and judges: `plan_within_budget` lowers the limit and re-plans until it fits,
+and otherwise fails naming the slot that does not fit.
 
 Pure arithmetic over integers: never import torch, measure, or touch a device.
 """
@@ -259,12 +257,8 @@ class MemoryPrediction:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "peak_bytes": self.peak_bytes,
-            "peak_slot": self.peak_slot.index,
-            "grain": self.grain,
-            "slots": [s.to_dict() for s in self.slots],
-        }
+        head = {"peak_bytes": self.peak_bytes, "peak_slot": self.peak_slot.index, "grain": self.grain}
+        return head | {"slots": [s.to_dict() for s in self.slots]}
 
 
 def _in_flight(mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight: int) -> int:
@@ -383,9 +377,15 @@ def plan_within_budget(
     ``make_plan(limit)`` returns a plan (anything with ``slots``) for ``mem_limit_bytes=limit`` and
     raises `PlanError` when none fits. Returns the plan and its prediction.
     """
-    limit = partition_limit_bytes(mem, budget_bytes, act_in_flight)
+    first = limit = partition_limit_bytes(mem, budget_bytes, act_in_flight)
     for _ in range(attempts):
-        plan = make_plan(limit)
+        try:
+            plan = make_plan(limit)
+        except PlanError as exc:
+            if limit != first:
+                break  # smaller limits cannot split the layers further: report the last plan
+            budget = format_bytes(budget_bytes)
+            raise PlanError(f"memory budget {budget} ({format_bytes(limit)} for stage pairs): {exc}") from exc
         prediction = predict_peak(plan, mem, grain, act_in_flight=act_in_flight, num_devices=num_devices)
         if prediction.fits(budget_bytes):
             return plan, prediction
