@@ -60,6 +60,16 @@ def test_frozen_parameters_have_no_gradient_bytes_and_user_weights_stay_untouche
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_profiling_leaves_the_random_stream_alone(one_torch_thread: None) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    sample = torch.randn(BATCH, 8)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    profile_layers(list(model), sample, CPU, computes_loss=False)
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_loss_fn_runs_on_the_last_layer(one_torch_thread: None) -> None:
     model = linears()
     target = torch.randn(BATCH, 4)

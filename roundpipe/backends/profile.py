@@ -246,6 +246,15 @@ def _measure_layer(
 # --------------------------------------------------------------------- all layers
 
 
+def _own_rng(device: torch.device) -> Any:
+    """Restore the CPU (and this CUDA device's) random state afterwards."""
+    if device.type != "cuda":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(
+        devices=[torch.cuda.current_device() if device.index is None else device.index]
+    )
+
+
 def measure_layers(
     layers: Sequence[nn.Module],
     sample: Any,
@@ -277,7 +286,8 @@ def measure_layers(
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
         try:
-            measurement, x = _measure_layer(i, labels[i], layer, x, meter, dtype, tail if last else None)
+            with _own_rng(device):  # dropout here must not shift the user's random stream
+                measurement, x = _measure_layer(i, labels[i], layer, x, meter, dtype, tail if last else None)
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(
                 f"out of memory profiling layer {i} ({labels[i]!r}) on {device} for one microbatch "
