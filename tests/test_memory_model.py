@@ -181,6 +181,9 @@ def test_predict_peak_one_device() -> None:
     assert prediction.peak_bytes == 814 + 30 + 140 and prediction.peak_slot.index == 1
     assert not prediction.fits(983) and prediction.fits(984) and prediction.fits(None)
     assert "slot 1 (fused, layers [2, 4))" in prediction.describe()
+    assert prediction.describe(2) == (
+        "predicted peak 632 B in slot 2 (bwd, layers [0, 2)): stage 362 B + prefetch 30 B + activations in flight 240 B"
+    )
     d = json.loads(json.dumps(prediction.to_dict()))
     assert (
         d["peak_bytes"] == 984 and d["slots"][1]["total_bytes"] == 984 and d["slots"][1]["layers"] == [2, 4]

@@ -14,8 +14,9 @@ What is measured and how:
   with grad, less the new output, plus saved inputs) is a cross-check that also sees tensors a
   custom autograd function keeps outside ``save_for_backward``; the larger of the two is used;
 - working sets, on CUDA only: ``max_memory_allocated`` above what was allocated before the forward
-  without grad (less the new output), and above what was allocated before the backward (less the
-  parameter gradients). On CPU there is no allocator to ask: the working sets are reported as 0;
+  without grad (less the new output) or, when larger, above what the forward with grad leaves
+  allocated (this sees a ``loss_fn``'s transients); and above what was allocated before the
+  backward (less the parameter gradients). On CPU there is no allocator to ask: the working sets are reported as 0;
 - times: wall clock around each phase (CUDA synchronised), the forward without grad and the
   backward without recompute, as `roundpipe.plan.LayerCosts` expects. One untimed forward per layer
   (and one tiny backward) runs first, so one-time initialisation (cuBLAS handles, workspaces,
@@ -221,6 +222,7 @@ def _measure_layer(
         unsaved_new = sum(b for k, b in grad_outputs.items() if k not in inputs and k not in saved)
         saved_inputs = sum(b for k, b in saved.items() if k in inputs)
         alloc = int(grad_fwd["after"] - grad_fwd["before"]) - unsaved_new + saved_inputs
+        work = max(work, int(grad_fwd["peak"] - grad_fwd["after"]))  # e.g. a user loss_fn's transients
     grad_bytes = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
     bwd = _backward(meter, out)
     bwd_work = max(0, int(bwd["peak"] - bwd["before"]) - grad_bytes) if meter.cuda else 0

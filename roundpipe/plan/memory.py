@@ -86,7 +86,7 @@ class LayerMemory:
     - ``param_bytes``: the layer's parameters in the compute precision;
     - ``grad_bytes``: gradients of its trainable parameters on the device (compute precision);
     - ``saved_bytes``: what autograd saves for backward in the layer's forward with grad;
-    - ``work_bytes``: peak transient memory of its forward without grad, above input and output;
+    - ``work_bytes``: peak transient of its forward, above input and output (or what it saves);
     - ``boundary_bytes``: the layer's input activation (all its tensors);
     - ``bwd_work_bytes``: peak transient of its backward above its saved activations, the output
       gradient and its parameter gradients (zeros when unknown);
@@ -248,10 +248,10 @@ class MemoryPrediction:
     def fits(self, budget_bytes: int | None) -> bool:
         return budget_bytes is None or self.peak_bytes <= budget_bytes
 
-    def describe(self) -> str:
-        s = self.peak_slot
+    def describe(self, slot: int | None = None) -> str:  # the peak slot, or slot ``slot`` (an OOM's)
+        s = self.peak_slot if slot is None else self.slots[slot]
         return (
-            f"predicted peak {format_bytes(self.peak_bytes)} in slot {s.index} ({s.kind}, layers "
+            f"predicted peak {format_bytes(s.total_bytes)} in slot {s.index} ({s.kind}, layers "
             f"[{s.layers.start}, {s.layers.stop})): stage {format_bytes(s.stage_bytes)} + prefetch "
             f"{format_bytes(s.prefetch_bytes)} + activations in flight {format_bytes(s.in_flight_bytes)}"
         )
