@@ -166,6 +166,22 @@ def test_profiled_facts_feed_the_plan_prediction(one_torch_thread: None) -> None
     assert prediction.peak_bytes > sum(memory.param_bytes[2:]) + sum(memory.saved_bytes[2:])
 
 
+def test_allocator_branch_runs_with_a_stubbed_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA arithmetic on the CPU: an allocator that reports 1000 bytes more after each
+    query and a peak 500 above that; every figure comes out as a whole number of bytes >= 0."""
+    counter = iter(range(0, 10**6, 1000))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(counter))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**6 + 500)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    meter = profile._Meter(CPU)
+    meter.cuda = True
+    found, _ = profile._measure_layer(1, "l", nn.Linear(8, 4), torch.randn(BATCH, 8), meter, None, None)
+    assert found.saved_alloc_bytes is not None and found.saved_hook_bytes == BATCH * 8 * FP32
+    assert found.saved_bytes == max(found.saved_hook_bytes, found.saved_alloc_bytes)
+    assert found.work_bytes > 0 and found.bwd_work_bytes > 0
+
+
 # ---------------------------------------------------------------------- budget helpers
 
 
