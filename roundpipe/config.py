@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from roundpipe.errors import ConfigError
+from roundpipe.plan.memory import parse_bytes
 
 Precision = Literal["fp32", "bf16", "fp16"]
 _DEVICES_HELP = '"auto", "cpu:N", "fake:N", "cuda" or "cuda:0,1"'
@@ -88,7 +89,19 @@ class RunConfig(BaseModel):
     round_size: int | None = Field(None, ge=1, description="microbatches per round (>= number of devices)")
     chunk_bytes: int | None = Field(64 << 20, ge=1, description="split parameter uploads larger than this")
     recompute_grain: Literal["stage", "layer"] = Field("stage", description="backward recompute granularity")
-    mem_limit_bytes: int | None = Field(None, ge=1, description="device memory a stage pair may use")
+    mem_limit_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="old per-stage-pair cap: the bytes of a stage and its prefetched successor, summed "
+        "per layer by the partitioner; memory_budget is the device's whole budget and supersedes it",
+    )
+    memory_budget: int | str | None = Field(
+        None,
+        description='per-device memory budget, bytes or a size such as "24GiB" or "512MiB": the plan '
+        "keeps each device's predicted peak (parameters, gradients, activations, prefetch) under it, "
+        "and on CUDA a budget below the card's memory is enforced, so a big card can stand in for a "
+        "small one. None: on CUDA the free memory at start less a reserve; unlimited on cpu and fake",
+    )
     seed: int = Field(0, description="seeds dropout; the same seed gives the same run on any device count")
     trace_iterations: int = Field(8, ge=0, description="how many recent iterations the trace keeps")
     stall_timeout_s: float | None = Field(
@@ -115,6 +128,13 @@ class RunConfig(BaseModel):
             return text
         raise ValueError(f"{value!r} is not understood; use {_DEVICES_HELP}")
 
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _check_memory_budget(cls, value: Any) -> Any:
+        if value is not None:
+            parse_bytes(value)  # raises with the accepted spellings; the value is kept as given
+        return value
+
     @field_validator("loss_scale")
     @classmethod
     def _check_loss_scale(cls, value: Any) -> Any:
@@ -133,6 +153,10 @@ class RunConfig(BaseModel):
 
     def device_spec(self) -> DeviceSpec:
         return parse_devices(self.devices)
+
+    def memory_budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (``"24GiB"`` -> 25769803776); None when not set."""
+        return None if self.memory_budget is None else parse_bytes(self.memory_budget)
 
 
 def config_error(exc: ValidationError) -> ConfigError:

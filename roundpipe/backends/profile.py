@@ -1,0 +1,382 @@
+"""Measure what each layer costs on the device, and set a device's memory budget.
+
+The planner needs per-layer facts it cannot guess: forward and backward times and, for one
+microbatch, the bytes autograd saves, the transient working set and the activations crossing each
+layer boundary (`roundpipe.plan.memory.LayerMemory`). `profile_layers` runs every layer once, in
+order, on one real microbatch, on the device that will run it, with a device copy of that layer's
+parameters only (so a model that does not fit the device can still be profiled), and frees each
+copy before the next layer.
+
+What is measured and how:
+- saved bytes, on any device: `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd
+  saves; the distinct storages (a view keeps its whole storage) that are not the layer's parameters
+  or buffers are summed. On CUDA the allocator's view (bytes still allocated after the forward
+  with grad, less the new output, plus saved inputs) is a cross-check that also sees tensors a
+  custom autograd function keeps outside ``save_for_backward``; the larger of the two is used;
+- working sets, on CUDA only: ``max_memory_allocated`` above what was allocated before the forward
+  without grad (less the new output) or, when larger, above what the forward with grad leaves
+  allocated (this sees a ``loss_fn``'s transients); and above what was allocated before the
+  backward (less the parameter gradients). On CPU there is no allocator to ask: the working sets are reported as 0;
+- times: wall clock around each phase (CUDA synchronised), the forward without grad and the
+  backward without recompute, as `roundpipe.plan.LayerCosts` expects. One untimed forward per layer
+  (and one tiny backward) runs first, so one-time initialisation (cuBLAS handles, workspaces,
+  autograd's threads) is neither timed nor counted.
+
+It must never keep a device copy after it returns, change the user's parameters, or schedule work.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from roundpipe.backends.tensors import cast_floating, differentiable_leaves, to_device, with_leaves
+from roundpipe.errors import ConfigError, DeviceOutOfMemoryError, StageError
+from roundpipe.plan.memory import LayerMemory, format_bytes
+
+GiB = 2**30
+
+
+# --------------------------------------------------------------------- storages
+
+
+def _storages(obj: Any, out: dict[int, int], constant: bool = False, only_constants: bool = False) -> None:
+    """Distinct storages of an activation (data pointer -> bytes); with ``only_constants`` only
+    those under dict keys starting with "_" (carried constants)."""
+    if isinstance(obj, torch.Tensor):
+        if constant or not only_constants:
+            out[_storage_key(obj)] = _storage_bytes(obj)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            is_const = constant or (isinstance(key, str) and key.startswith("_"))
+            _storages(value, out, is_const, only_constants)
+    elif isinstance(obj, tuple | list):
+        for value in obj:
+            _storages(value, out, constant, only_constants)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. wrapped subclasses)
+        return id(t)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def activation_bytes(obj: Any) -> tuple[int, int]:
+    """(all bytes, carried-constant bytes) of an activation's distinct storages."""
+    every: dict[int, int] = {}
+    constants: dict[int, int] = {}
+    _storages(obj, every)
+    _storages(obj, constants, only_constants=True)
+    return sum(every.values()), sum(constants.values())
+
+
+@contextmanager
+def _recording_saved(exclude: set[int]) -> Iterator[dict[int, int]]:
+    """Every storage autograd saves inside the block (data pointer -> bytes), minus ``exclude``."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in exclude:
+            saved[key] = _storage_bytes(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+# --------------------------------------------------------------------- one layer
+
+
+@dataclass(frozen=True)
+class LayerMeasurement:
+    """Everything measured for one layer on one microbatch (bytes; milliseconds)."""
+
+    index: int
+    name: str
+    fwd_ms: float
+    fwd_grad_ms: float
+    bwd_ms: float
+    param_bytes: int
+    grad_bytes: int
+    saved_bytes: int
+    saved_hook_bytes: int
+    saved_alloc_bytes: int | None
+    work_bytes: int
+    bwd_work_bytes: int
+    boundary_bytes: int
+    carried_bytes: int
+
+
+class _Meter:
+    """Allocated bytes and elapsed time around a phase; CUDA-only numbers are 0 elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device)) if self.cuda else 0
+
+    @contextmanager
+    def phase(self) -> Iterator[dict[str, float]]:
+        result: dict[str, float] = {}
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        result["before"] = self.allocated()
+        started = time.perf_counter()
+        yield result
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        result["ms"] = (time.perf_counter() - started) * 1e3
+        result["after"] = self.allocated()
+        result["peak"] = float(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0.0
+
+
+def _device_copy(
+    layer: nn.Module, device: torch.device, dtype: torch.dtype | None
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A structural copy of ``layer`` on ``device`` (buffers moved, parameters left as empty
+    placeholders) and device copies of its parameters in the compute precision."""
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+        for p in layer.parameters()
+    }
+    replica = copy.deepcopy(layer, memo).to(device)
+    params = {}
+    for name, p in layer.named_parameters():
+        target = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        params[name] = p.detach().to(device, target).requires_grad_(p.requires_grad)
+    return replica, params
+
+
+def _scalar_loss(out: Any) -> torch.Tensor | None:
+    return out if isinstance(out, torch.Tensor) and out.numel() == 1 and out.requires_grad else None
+
+
+def _backward(meter: _Meter, out: Any) -> dict[str, float]:
+    """Backpropagate a loss, or ones into every differentiable output; measure it."""
+    loss = _scalar_loss(out)
+    outputs = [] if loss is not None else [o for o in differentiable_leaves(out) if o is not None]
+    outputs = [o for o in outputs if o.requires_grad]
+    grads = [torch.ones_like(o) for o in outputs]
+    with meter.phase() as phase:
+        if loss is not None:
+            loss.backward()
+        elif outputs:
+            torch.autograd.backward(outputs, grads)
+    return phase
+
+
+def _measure_layer(
+    index: int,
+    name: str,
+    layer: nn.Module,
+    x: Any,
+    meter: _Meter,
+    dtype: torch.dtype | None,
+    loss: Callable[[Any], Any] | None,
+) -> tuple[LayerMeasurement, Any]:
+    """Measure one layer on input ``x``; returns the measurement and the layer's output (no grad)."""
+    replica, params = _device_copy(layer, meter.device, dtype)
+    own = {_storage_key(t) for t in [*params.values(), *replica.buffers()]}
+    call = lambda inp: functional_call(replica, params, (inp,), strict=False)  # noqa: E731
+    boundary, carried = activation_bytes(x)
+    inputs: dict[int, int] = {}
+    _storages(x, inputs)
+    with torch.no_grad():
+        call(x)  # untimed: one-time initialisation is neither timed nor counted
+        with meter.phase() as fwd:
+            y = call(x)
+    outputs: dict[int, int] = {}
+    _storages(y, outputs)
+    new_out = sum(b for k, b in outputs.items() if k not in inputs)
+    work = max(0, int(fwd["peak"] - fwd["before"]) - new_out) if meter.cuda else 0
+
+    leaf_x, _ = with_leaves(x) if index > 0 else (x, [])
+    with _recording_saved(own) as saved, torch.enable_grad(), meter.phase() as grad_fwd:
+        out = call(leaf_x)
+        out = loss(out) if loss is not None else out
+    hooks = sum(saved.values())
+    alloc: int | None = None
+    if meter.cuda:
+        grad_outputs: dict[int, int] = {}
+        _storages(out, grad_outputs)
+        unsaved_new = sum(b for k, b in grad_outputs.items() if k not in inputs and k not in saved)
+        saved_inputs = sum(b for k, b in saved.items() if k in inputs)
+        alloc = int(grad_fwd["after"] - grad_fwd["before"]) - unsaved_new + saved_inputs
+        work = max(work, int(grad_fwd["peak"] - grad_fwd["after"]))  # e.g. a user loss_fn's transients
+    grad_bytes = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
+    bwd = _backward(meter, out)
+    bwd_work = max(0, int(bwd["peak"] - bwd["before"]) - grad_bytes) if meter.cuda else 0
+    measurement = LayerMeasurement(
+        index=index,
+        name=name,
+        fwd_ms=fwd["ms"],
+        fwd_grad_ms=grad_fwd["ms"],
+        bwd_ms=bwd["ms"],
+        param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+        grad_bytes=grad_bytes,
+        saved_bytes=max(hooks, alloc or 0),
+        saved_hook_bytes=hooks,
+        saved_alloc_bytes=alloc,
+        work_bytes=work,
+        bwd_work_bytes=bwd_work,
+        boundary_bytes=boundary,
+        carried_bytes=carried,
+    )
+    return measurement, y
+
+
+# --------------------------------------------------------------------- all layers
+
+
+def _own_rng(device: torch.device) -> Any:
+    """Restore the CPU (and this CUDA device's) random state afterwards."""
+    if device.type != "cuda":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(
+        devices=[torch.cuda.current_device() if device.index is None else device.index]
+    )
+
+
+def measure_layers(
+    layers: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    computes_loss: bool,
+    dtype: torch.dtype | None = None,
+    names: Sequence[str] | None = None,
+) -> list[LayerMeasurement]:
+    """Run each layer once, in order, on ``sample`` (one microbatch: layer 0's input) and measure it.
+
+    ``dtype`` is the compute precision (floating parameters and inputs are cast to it; None keeps
+    theirs). The last layer's backward starts from its loss: its own (``computes_loss``) or
+    ``loss_fn(output in fp32, target)``; without either, from ones for each floating output.
+    """
+    device = torch.device(device)
+    meter = _Meter(device)
+    labels = list(names) if names is not None else [str(i) for i in range(len(layers))]
+    x = to_device(cast_floating(sample, dtype) if dtype is not None else sample, device)
+    tail: Callable[[Any], Any] | None = None
+    if loss_fn is not None and not computes_loss:
+        target_on_device = to_device(target, device)
+        tail = lambda out: loss_fn(cast_floating(out, torch.float32), target_on_device)  # noqa: E731
+    # The first backward starts autograd's device threads (a second on CPU): not a layer's cost.
+    torch.ones(1, device=device, requires_grad=True).sum().backward()
+    out: list[LayerMeasurement] = []
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        try:
+            with _own_rng(device):  # dropout here must not shift the user's random stream
+                measurement, x = _measure_layer(i, labels[i], layer, x, meter, dtype, tail if last else None)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemoryError(
+                f"out of memory profiling layer {i} ({labels[i]!r}) on {device} for one microbatch "
+                f"({format_bytes(activation_bytes(x)[0])} of input): the layer alone does not fit; use "
+                "more microbatches (fewer tokens each) or a shorter sequence",
+                f"profile layer {i}",
+            ) from exc
+        except Exception as exc:
+            raise StageError(
+                f"layer {i} ({labels[i]!r}) raised {type(exc).__name__} while being profiled on {device}: {exc}",
+                f"profile layer {i}",
+            ) from exc
+        out.append(measurement)
+    return out
+
+
+def profile_layers(
+    layers: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    computes_loss: bool,
+    dtype: torch.dtype | None = None,
+    names: Sequence[str] | None = None,
+) -> tuple[LayerMemory, tuple[float, ...], tuple[float, ...]]:
+    """The planner's inputs from `measure_layers`: memory facts, forward ms, backward ms per layer."""
+    ms = measure_layers(
+        layers,
+        sample,
+        device,
+        loss_fn=loss_fn,
+        target=target,
+        computes_loss=computes_loss,
+        dtype=dtype,
+        names=names,
+    )
+    memory = LayerMemory(
+        param_bytes=tuple(m.param_bytes for m in ms),
+        grad_bytes=tuple(m.grad_bytes for m in ms),
+        saved_bytes=tuple(m.saved_bytes for m in ms),
+        work_bytes=tuple(m.work_bytes for m in ms),
+        boundary_bytes=tuple(m.boundary_bytes for m in ms),
+        bwd_work_bytes=tuple(m.bwd_work_bytes for m in ms),
+        carried_bytes=tuple(m.carried_bytes for m in ms),
+        names=tuple(m.name for m in ms),
+    )
+    return memory, tuple(m.fwd_ms for m in ms), tuple(m.bwd_ms for m in ms)
+
+
+# --------------------------------------------------------------------- the budget
+
+
+def default_reserve_bytes(total_bytes: int) -> int:
+    """What the default budget leaves free: max(1 GiB, 5% of the card).
+
+    The CUDA context is already outside the free memory when it is read; the reserve covers what
+    comes after: cuBLAS/cuDNN workspaces (tens of MiB per stream, five streams per device), NCCL
+    buffers with several GPUs, and the caching allocator's rounding and fragmentation, which grow
+    with the card (a few percent of what it hands out).
+    """
+    return max(GiB, total_bytes // 20)
+
+
+def default_budget(device_index: int, reserve_bytes: int | None = None) -> int:
+    """The free memory of ``cuda:device_index`` now, less ``reserve_bytes`` (default
+    `default_reserve_bytes`): the budget when the user sets none."""
+    free, total = torch.cuda.mem_get_info(device_index)
+    reserve = default_reserve_bytes(int(total)) if reserve_bytes is None else reserve_bytes
+    budget = int(free) - reserve
+    if budget <= 0:
+        raise ConfigError(
+            f"cuda:{device_index} has only {format_bytes(free)} free of {format_bytes(total)}, less than the "
+            f"{format_bytes(reserve)} reserve; free the device (another process holds it) or set "
+            "RunConfig.memory_budget explicitly"
+        )
+    return budget
+
+
+def enforce_budget(device_index: int, budget_bytes: int) -> float:
+    """Cap this process's allocations on ``cuda:device_index`` at ``budget_bytes`` (the caching
+    allocator raises out-of-memory beyond it), so a large card behaves like a smaller one.
+    Returns the fraction of the card set; a budget at or above the card sets no cap (1.0)."""
+    total = int(torch.cuda.get_device_properties(device_index).total_memory)
+    if budget_bytes <= 0:
+        raise ConfigError(f"memory budget {budget_bytes} for cuda:{device_index} must be positive")
+    fraction = min(1.0, budget_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device_index)
+    return fraction

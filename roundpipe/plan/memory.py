@@ -1,0 +1,400 @@
+"""Device memory per stage kind: what a plan will hold on a device, from per-layer facts.
+
+A stage needs far more than its parameters: gradients, the activations autograd saves, working
+memory, the prefetched next stage and activations in flight. `LayerMemory` holds the measured facts
+per layer (bytes for ONE microbatch); `stage_bytes` turns them into a stage's peak for each kind
+(see docs/memory.md and DESIGN.md "Memory is part of the plan"); `predict_peak` adds the
+prefetched stage and boundary activations and reports the per-slot breakdown of a whole plan.
+
+Two models, one conservative, one exact. The partitioner's search sums one number per layer and
+checks every stage against one cap (``mem_limit_bytes // 2``: a stage and the one prefetched
+behind it). `layer_plan_bytes` gives it per-layer numbers whose sum over any stage bounds the
+stage's exact bytes for every kind (each max of the exact model is at most the sum of its
+non-negative terms), and `partition_limit_bytes` the limit that leaves room for activations in
+flight. The sums overestimate, so the exact prediction (`predict_peak`) is computed after
+planning, reported, and judges: `plan_within_budget` lowers the limit and re-plans until it fits,
+and otherwise fails naming the slot that does not fit.
+
+Pure arithmetic over integers: never import torch, measure, or touch a device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from roundpipe.errors import ConfigError, PlanError
+
+StageKind = Literal["fwd", "fused", "bwd"]
+Grain = Literal["stage", "layer"]
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"kB": 10**3, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_bytes(value: int | str, what: str = "memory budget") -> int:
+    """``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1000"`` or an int -> bytes (> 0).
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of
+    1000; the unit is case-sensitive so that ``Gb`` (gigabits) is never read as gigabytes.
+    """
+    hint = "use e.g. '24GiB', '512MiB' or a number of bytes"
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{what} {value!r} is not understood; {hint}")
+    if isinstance(value, int):
+        number: float = value
+    else:
+        match = _SIZE.fullmatch(value)
+        if match is None or match.group(2) not in _UNITS:
+            raise ConfigError(f"{what} {value!r} is not understood; {hint}")
+        number = float(match.group(1)) * _UNITS[match.group(2)]
+    if not math.isfinite(number) or number < 1:
+        raise ConfigError(f"{what} {value!r} must be at least one byte; {hint}")
+    return int(number)
+
+
+def format_bytes(n: int | float) -> str:
+    """``25769803776`` -> ``"24.00 GiB"``; below 1 KiB the plain count (``"17 B"``)."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def _column(name: str, values: Sequence[int], count: int | None) -> tuple[int, ...]:
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise PlanError(f"LayerMemory.{name} must be a list of byte counts, one per layer, got {values!r}")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise PlanError(f"LayerMemory.{name}[{i}] is {v!r}; give a whole number of bytes >= 0")
+        out.append(v)
+    if count is not None and len(out) != count:
+        raise PlanError(f"LayerMemory.{name} has {len(out)} entries for {count} layers; give one per layer")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Device bytes per layer, activations for ONE microbatch.
+
+    - ``param_bytes``: the layer's parameters in the compute precision;
+    - ``grad_bytes``: gradients of its trainable parameters on the device (compute precision);
+    - ``saved_bytes``: what autograd saves for backward in the layer's forward with grad;
+    - ``work_bytes``: peak transient of its forward, above input and output (or what it saves);
+    - ``boundary_bytes``: the layer's input activation (all its tensors);
+    - ``bwd_work_bytes``: peak transient of its backward above its saved activations, the output
+      gradient and its parameter gradients (zeros when unknown);
+    - ``carried_bytes``: the part of ``boundary_bytes`` that is constants carried unchanged from
+      layer to layer (``"_"`` keys: rotary tables, masks, labels), one storage however many
+      activations refer to it (zeros when unknown).
+    """
+
+    param_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...]
+    work_bytes: tuple[int, ...]
+    boundary_bytes: tuple[int, ...]
+    bwd_work_bytes: tuple[int, ...] = ()
+    carried_bytes: tuple[int, ...] = ()
+    names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        params = _column("param_bytes", self.param_bytes, None)
+        n = len(params)
+        if n == 0:
+            raise PlanError("LayerMemory is empty; a model needs at least 1 layer")
+        object.__setattr__(self, "param_bytes", params)
+        for name in ("grad_bytes", "saved_bytes", "work_bytes", "boundary_bytes"):
+            object.__setattr__(self, name, _column(name, getattr(self, name), n))
+        for name in ("bwd_work_bytes", "carried_bytes"):
+            values = getattr(self, name) or (0,) * n
+            object.__setattr__(self, name, _column(name, values, n))
+        for i, (c, b) in enumerate(zip(self.carried_bytes, self.boundary_bytes, strict=True)):
+            if c > b:
+                raise PlanError(
+                    f"{self.label(i)}: carried_bytes {c} > boundary_bytes {b}, of which they are part"
+                )
+        if self.names is not None:
+            object.__setattr__(self, "names", tuple(str(x) for x in self.names))
+            if len(self.names) != n:
+                raise PlanError(f"LayerMemory.names has {len(self.names)} entries for {n} layers")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.param_bytes)
+
+    def label(self, index: int) -> str:
+        if self.names is not None and 0 <= index < len(self.names):
+            return f"layer {index} ({self.names[index]!r})"
+        return f"layer {index}"
+
+    def output_bytes(self, layer: int) -> int:
+        """The layer's output: the next layer's input (the last layer returns a scalar loss)."""
+        return self.boundary_bytes[layer + 1] if layer + 1 < self.num_layers else 0
+
+    def scaled(self, factor: float) -> LayerMemory:
+        """The same layers at ``factor`` x the tokens per microbatch: activation bytes scale,
+        parameters and gradients do not (attention through sdpa/flash is linear in tokens)."""
+
+        def s(column: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(math.ceil(x * factor) for x in column)
+
+        boundary = s(self.boundary_bytes)
+        carried = tuple(min(c, b) for c, b in zip(s(self.carried_bytes), boundary, strict=True))
+        activations = (s(self.saved_bytes), s(self.work_bytes), boundary, s(self.bwd_work_bytes), carried)
+        return LayerMemory(self.param_bytes, self.grad_bytes, *activations, names=self.names)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: v if v is None else list(v) for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+def _check_stage(mem: LayerMemory, layers: range) -> None:
+    if not isinstance(layers, range) or layers.step != 1 or len(layers) == 0:
+        raise PlanError(f"a stage is a non-empty range of consecutive layers, got {layers!r}")
+    if not 0 <= layers.start < layers.stop <= mem.num_layers:
+        raise PlanError(f"stage {layers!r} is outside the {mem.num_layers} layers of this memory table")
+
+
+def _held_inputs(mem: LayerMemory, layers: range) -> int:
+    """Every layer input of a stage kept at once (layer-grain recompute keeps them all); the
+    carried constants are one storage, counted once."""
+    own = sum(mem.boundary_bytes[i] - mem.carried_bytes[i] for i in layers)
+    return own + max(mem.carried_bytes[i] for i in layers)
+
+
+def _io(mem: LayerMemory, layer: int) -> int:
+    """A layer's input and output alive together (their carried constants are shared)."""
+    shared = min(mem.carried_bytes[layer], mem.carried_bytes[layer + 1]) if layer + 1 < mem.num_layers else 0
+    return mem.boundary_bytes[layer] + mem.output_bytes(layer) - shared
+
+
+def _backprop_peak(mem: LayerMemory, layers: range) -> int:
+    """Forward with grad then backward over ``layers``: the most saved + transient at any point.
+
+    Recompute forward at layer j holds the saved bytes of the layers before it plus its working
+    set; backward at layer j still holds the saved bytes up to j (deeper ones were freed).
+    """
+    peak, before = 0, 0
+    for j in layers:
+        peak = max(peak, before + mem.work_bytes[j])
+        before += mem.saved_bytes[j]
+        peak = max(peak, before + mem.bwd_work_bytes[j])
+    return peak
+
+
+def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain = "stage") -> int:
+    """Peak device bytes of one stage for one microbatch, without prefetch or activations in flight.
+
+    - ``fwd``: parameters + the largest (input + output + working set) of one layer;
+    - ``fused``: parameters + gradients + every layer's saved activations (no recompute) + the
+      working set (the LM head's loss is the last layer's);
+    - ``bwd``: parameters + gradients + the recompute of the whole stage (``grain="stage"``), or
+      of one layer at a time plus every layer's input kept for it (``grain="layer"``).
+    """
+    _check_stage(mem, layers)
+    params = sum(mem.param_bytes[i] for i in layers)
+    if kind == "fwd":
+        return params + max(_io(mem, i) + mem.work_bytes[i] for i in layers)
+    grads = sum(mem.grad_bytes[i] for i in layers)
+    if kind == "fused" or (kind == "bwd" and grain == "stage"):
+        return params + grads + _backprop_peak(mem, layers)
+    if kind == "bwd" and grain == "layer":
+        one = max(_backprop_peak(mem, range(i, i + 1)) for i in layers)
+        return params + grads + _held_inputs(mem, layers) + one
+    raise PlanError(f"unknown stage kind {kind!r} or recompute grain {grain!r}")
+
+
+@dataclass(frozen=True)
+class SlotMemory:
+    """One slot's predicted peak: its stage, the prefetched stages' parameters, and activations in flight."""
+
+    index: int
+    kind: str
+    layers: range
+    stage_bytes: int
+    prefetch_bytes: int
+    in_flight_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.stage_bytes + self.prefetch_bytes + self.in_flight_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return d | {"layers": [self.layers.start, self.layers.stop], "total_bytes": self.total_bytes}
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """The predicted peak device memory of a plan: the largest slot total, and every slot's parts."""
+
+    slots: tuple[SlotMemory, ...]
+    grain: str
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.total_bytes for s in self.slots)
+
+    @property
+    def peak_slot(self) -> SlotMemory:
+        return max(self.slots, key=lambda s: s.total_bytes)
+
+    def fits(self, budget_bytes: int | None) -> bool:
+        return budget_bytes is None or self.peak_bytes <= budget_bytes
+
+    def describe(self, slot: int | None = None) -> str:  # the peak slot, or slot ``slot`` (an OOM's)
+        s = self.peak_slot if slot is None else self.slots[slot]
+        return (
+            f"predicted peak {format_bytes(s.total_bytes)} in slot {s.index} ({s.kind}, layers "
+            f"[{s.layers.start}, {s.layers.stop})): stage {format_bytes(s.stage_bytes)} + prefetch "
+            f"{format_bytes(s.prefetch_bytes)} + activations in flight {format_bytes(s.in_flight_bytes)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        head = {"peak_bytes": self.peak_bytes, "peak_slot": self.peak_slot.index, "grain": self.grain}
+        return head | {"slots": [s.to_dict() for s in self.slots]}
+
+
+def _in_flight(mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight: int) -> int:
+    """Boundary activations besides the computing microbatch's: ``act_in_flight`` microbatches'
+    stage inputs and outputs (for a backward stage the output is the gradient from above, at most
+    the activation's size); a forward stage also holds, per microbatch, the activations it saves
+    for backward stages starting inside it."""
+    r = slot.layers
+    edge = mem.boundary_bytes[r.start] + (mem.boundary_bytes[r.stop] if r.stop < mem.num_layers else 0)
+    if slot.kind == "fwd":
+        inner = sum(mem.boundary_bytes[b] - mem.carried_bytes[b] for b in held if r.start < b < r.stop)
+        return act_in_flight * edge + (act_in_flight + 1) * inner
+    return act_in_flight * edge
+
+
+def predict_peak(
+    plan: Sequence[Any] | Any,
+    mem: LayerMemory,
+    grain: Grain = "stage",
+    prefetch: int = 1,
+    act_in_flight: int = 2,
+    num_devices: int = 1,
+) -> MemoryPrediction:
+    """The peak device bytes of ``plan`` (a `Plan` or its ``slots``) on the device running each slot.
+
+    Per slot: `stage_bytes` + the parameters of the ``prefetch`` stages that device runs next
+    (round-robin: slot ``i + k * num_devices``, cyclically, since the next round and the next
+    iteration continue the same sequence) + boundary activations in flight (`_in_flight`).
+    """
+    slots: Sequence[Any] = tuple(getattr(plan, "slots", plan))
+    if not slots:
+        raise PlanError("a plan needs at least one slot")
+    covered = max(s.layers.stop for s in slots)
+    if covered != mem.num_layers:
+        raise PlanError(f"the plan covers {covered} layers but the memory table {mem.num_layers}")
+    held = frozenset(s.layers.start for s in slots if s.kind != "fwd")
+    params = [sum(mem.param_bytes[i] for i in s.layers) for s in slots]
+    out = []
+    for i, slot in enumerate(slots):
+        # The same slot may come back (one slot, or as many devices as slots): another run, another copy.
+        ahead = [(i + k * num_devices) % len(slots) for k in range(1, prefetch + 1)]
+        out.append(
+            SlotMemory(
+                i,
+                slot.kind,
+                slot.layers,
+                stage_bytes(mem, slot.layers, slot.kind, grain),  # type: ignore[arg-type]
+                sum(params[j] for j in ahead),
+                _in_flight(mem, slot, held, act_in_flight),
+            )
+        )
+    return MemoryPrediction(tuple(out), grain)
+
+
+# ---------------------------------------------------------------------- the partitioner's view
+
+
+def layer_plan_bytes(mem: LayerMemory, grain: Grain = "stage", act_in_flight: int = 2) -> tuple[int, ...]:
+    """One number per layer whose sum over any stage, plus the carried constants once, bounds
+    `stage_bytes` of every kind and grain and a forward stage's held activations.
+
+    Per layer: parameters + gradients + saved + the larger working set + its own input (without
+    the carried constants) ``act_in_flight + 1`` times (a forward stage holds it for a backward
+    stage starting there, for the computing microbatch and those in flight; layer-grain recompute
+    keeps it). The constants are one storage: `partition_limit_bytes` sets them aside once.
+    """
+    del grain  # both grains are bounded by the same sum; kept so callers state what they plan
+    out = []
+    for i in range(mem.num_layers):
+        work = max(mem.work_bytes[i] + mem.output_bytes(i), mem.bwd_work_bytes[i])
+        own_input = (mem.boundary_bytes[i] - mem.carried_bytes[i]) * (act_in_flight + 1)
+        out.append(mem.param_bytes[i] + mem.grad_bytes[i] + mem.saved_bytes[i] + work + own_input)
+    return tuple(out)
+
+
+def in_flight_reserve(mem: LayerMemory, act_in_flight: int = 2) -> int:
+    """An upper bound of the stage inputs and outputs of ``act_in_flight`` microbatches on any
+    slot, set aside before the partitioner sees the budget."""
+    return act_in_flight * 2 * max(mem.boundary_bytes)
+
+
+def partition_limit_bytes(mem: LayerMemory, budget_bytes: int, act_in_flight: int = 2) -> int:
+    """The ``mem_limit_bytes`` to give the partitioner, with costs' ``mem_bytes`` set to
+    `layer_plan_bytes`: the budget less `in_flight_reserve` and the carried constants of both
+    halves. The partitioner halves it (a stage and the stage prefetched behind it), so every
+    stage's per-layer sum stays under `per_layer_cap`, and its exact bytes under half the rest."""
+    reserve = in_flight_reserve(mem, act_in_flight) + 2 * max(mem.carried_bytes)
+    limit = budget_bytes - reserve
+    if limit < 2:
+        raise PlanError(
+            f"the memory budget {format_bytes(budget_bytes)} does not even hold the activations in flight "
+            f"({format_bytes(reserve)}: {act_in_flight} microbatches' stage inputs and outputs and the "
+            "carried constants); use more microbatches (fewer tokens each) or a larger budget"
+        )
+    return limit
+
+
+def per_layer_cap(mem: LayerMemory, budget_bytes: int, act_in_flight: int = 2) -> int:
+    """The cap each stage's sum of `layer_plan_bytes` must stay under for ``budget_bytes``."""
+    return partition_limit_bytes(mem, budget_bytes, act_in_flight) // 2
+
+
+def plan_within_budget(
+    make_plan: Callable[[int], Any],
+    mem: LayerMemory,
+    budget_bytes: int,
+    grain: Grain = "stage",
+    *,
+    num_devices: int = 1,
+    act_in_flight: int = 2,
+    attempts: int = 8,
+) -> tuple[Any, MemoryPrediction]:
+    """Plan with `partition_limit_bytes`, then let the exact model judge: while the predicted peak
+    exceeds the budget, lower the limit by the overshoot and plan again.
+
+    ``make_plan(limit)`` returns a plan (anything with ``slots``) for ``mem_limit_bytes=limit`` and
+    raises `PlanError` when none fits. Returns the plan and its prediction.
+    """
+    first = limit = partition_limit_bytes(mem, budget_bytes, act_in_flight)
+    for _ in range(attempts):
+        try:
+            plan = make_plan(limit)
+        except PlanError as exc:
+            if limit != first:
+                break  # smaller limits cannot split the layers further: report the last plan
+            budget = format_bytes(budget_bytes)
+            raise PlanError(f"memory budget {budget} ({format_bytes(limit)} for stage pairs): {exc}") from exc
+        prediction = predict_peak(plan, mem, grain, act_in_flight=act_in_flight, num_devices=num_devices)
+        if prediction.fits(budget_bytes):
+            return plan, prediction
+        over = prediction.peak_bytes - budget_bytes
+        limit = min(limit - 2 * over, limit * 7 // 8)  # the overshoot, counted in both halves
+        if limit < 2:
+            break
+    raise PlanError(
+        f"no plan fits the memory budget {format_bytes(budget_bytes)}: the best one has a "
+        f"{prediction.describe()}. Use more microbatches (fewer tokens each), recompute_grain='layer', "
+        "a shorter sequence, or a larger memory_budget"
+    )

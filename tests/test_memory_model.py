@@ -1,0 +1,293 @@
+"""The memory model's arithmetic: sizes, stage kinds, the plan's peak and the partitioner's bound."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from roundpipe import RunConfig
+from roundpipe.errors import ConfigError, PlanError
+from roundpipe.plan import LayerCosts, Plan, partition
+from roundpipe.plan.memory import (
+    LayerMemory,
+    format_bytes,
+    in_flight_reserve,
+    layer_plan_bytes,
+    parse_bytes,
+    partition_limit_bytes,
+    per_layer_cap,
+    plan_within_budget,
+    predict_peak,
+    stage_bytes,
+)
+
+# Four layers with distinct numbers, so every term of every formula shows in the results.
+MEM = LayerMemory(
+    param_bytes=(10, 20, 30, 40),
+    grad_bytes=(10, 20, 0, 40),
+    saved_bytes=(100, 200, 300, 400),
+    work_bytes=(5, 6, 7, 8),
+    boundary_bytes=(50, 60, 70, 80),
+    bwd_work_bytes=(1, 2, 3, 4),
+    carried_bytes=(0, 10, 10, 10),
+)
+
+
+def simple_plan(fwd: tuple[range, ...], fused: range, bwd: tuple[range, ...], devices: int = 1) -> Plan:
+    return Plan(fwd, fused, bwd, t_max=1.0, num_devices=devices, num_microbatches=4)
+
+
+# ---------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("24GiB", 24 * 2**30),
+        ("24 GiB", 24 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("2KiB", 2048),
+        ("3kB", 3000),
+        ("1000", 1000),
+        ("64B", 64),
+        (4096, 4096),
+        ("0.5TiB", 2**39),
+    ],
+)
+def test_parse_bytes_accepts_human_sizes(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["24 Gb", "24gib", "lots", "", "1e9", "-1GiB", "GiB"])
+def test_parse_bytes_rejects_with_the_accepted_spellings(bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"use e\.g\. '24GiB', '512MiB' or a number of bytes"):
+        parse_bytes(bad)
+
+
+def test_parse_bytes_message_quotes_the_value() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_bytes("24 Gb")
+    assert str(info.value) == (
+        "memory budget '24 Gb' is not understood; use e.g. '24GiB', '512MiB' or a number of bytes"
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -5, True, 2.5, None])
+def test_parse_bytes_rejects_non_sizes(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_bytes(bad)  # type: ignore[arg-type]
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(24 * 2**30) == "24.00 GiB"
+    assert format_bytes(1536 * 2**20) == "1.50 GiB"
+    assert format_bytes(17) == "17 B"
+    assert format_bytes(2**41) == "2.00 TiB"
+
+
+# ---------------------------------------------------------------------- config
+
+
+def test_run_config_memory_budget() -> None:
+    assert RunConfig(memory_budget="24GiB").memory_budget_bytes() == 24 * 2**30
+    assert RunConfig(memory_budget="24GiB").memory_budget == "24GiB"  # kept as the user wrote it
+    assert RunConfig(memory_budget=10**9).memory_budget_bytes() == 10**9
+    assert RunConfig().memory_budget is None and RunConfig().memory_budget_bytes() is None
+    again = RunConfig(**RunConfig(memory_budget="512MiB", mem_limit_bytes=10**6).model_dump())
+    assert again.memory_budget_bytes() == 512 * 2**20 and again.mem_limit_bytes == 10**6
+
+
+@pytest.mark.parametrize("bad", ["24 Gb", 0, True, 1.5])
+def test_run_config_rejects_bad_budget(bad: object) -> None:
+    with pytest.raises(ConfigError, match="memory_budget: memory budget"):
+        RunConfig(memory_budget=bad)
+
+
+# ---------------------------------------------------------------------- facts
+
+
+def test_layer_memory_defaults_and_validation() -> None:
+    mem = LayerMemory((1, 2), (1, 0), (3, 4), (0, 0), (5, 6))
+    assert mem.bwd_work_bytes == (0, 0) and mem.carried_bytes == (0, 0)
+    assert mem.output_bytes(0) == 6 and mem.output_bytes(1) == 0
+    assert LayerMemory(**json.loads(json.dumps(mem.to_dict()))) == mem
+    assert LayerMemory(**MEM.to_dict()) == MEM
+    with pytest.raises(PlanError, match=r"saved_bytes has 1 entries for 2 layers"):
+        LayerMemory((1, 2), (1, 0), (3,), (0, 0), (5, 6))
+    with pytest.raises(PlanError, match=r"work_bytes\[1\] is -1"):
+        LayerMemory((1, 2), (1, 0), (3, 4), (0, -1), (5, 6))
+    with pytest.raises(PlanError, match=r"layer 1 \('b'\): carried_bytes 7 > boundary_bytes 6"):
+        LayerMemory((1, 2), (1, 0), (3, 4), (0, 0), (5, 6), carried_bytes=(0, 7), names=("a", "b"))
+    with pytest.raises(PlanError, match="empty"):
+        LayerMemory((), (), (), (), ())
+
+
+def test_scaled_scales_activations_only() -> None:
+    double = MEM.scaled(2.0)
+    assert double.param_bytes == MEM.param_bytes and double.grad_bytes == MEM.grad_bytes
+    assert double.saved_bytes == (200, 400, 600, 800)
+    assert double.boundary_bytes == (100, 120, 140, 160) and double.carried_bytes == (0, 20, 20, 20)
+
+
+# ---------------------------------------------------------------------- stage kinds
+
+
+def test_forward_stage_is_params_plus_largest_layer_io_and_work() -> None:
+    # layer 1: 60 in + 70 out - 10 shared constants + 6 work; layer 2: 70 + 80 - 10 + 7
+    assert stage_bytes(MEM, range(1, 3), "fwd") == 50 + 147
+    assert stage_bytes(MEM, range(3, 4), "fwd") == 40 + 80 + 8  # the head's output is a scalar
+
+
+def test_fused_stage_holds_every_saved_activation() -> None:
+    # params 70 + grads 40 + saved 300 + 400 + the head's backward working set 4
+    assert stage_bytes(MEM, range(2, 4), "fused") == 70 + 40 + 704
+    assert stage_bytes(MEM, range(2, 4), "fused", "layer") == 70 + 40 + 704  # it never recomputes
+
+
+def test_backward_stage_grains() -> None:
+    # stage grain: params 30 + grads 30 + saved 100 + 200 + backward working set 2
+    assert stage_bytes(MEM, range(0, 2), "bwd", "stage") == 30 + 30 + 302
+    # layer grain: both layer inputs (50 + 50 own + 10 constants once) + one layer (200 + 2)
+    assert stage_bytes(MEM, range(0, 2), "bwd", "layer") == 30 + 30 + 110 + 202
+
+
+def test_layer_grain_pays_off_on_deep_stages() -> None:
+    deep = LayerMemory((1,) * 8, (1,) * 8, (1000,) * 8, (10,) * 8, (100,) * 8)
+    assert stage_bytes(deep, range(8), "bwd", "layer") < stage_bytes(deep, range(8), "bwd", "stage") / 4
+
+
+def test_stage_checks_its_range() -> None:
+    with pytest.raises(PlanError, match="outside the 4 layers"):
+        stage_bytes(MEM, range(2, 5), "fwd")
+    with pytest.raises(PlanError, match="non-empty"):
+        stage_bytes(MEM, range(2, 2), "fwd")
+    with pytest.raises(PlanError, match="unknown stage kind"):
+        stage_bytes(MEM, range(0, 1), "both")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- the plan's peak
+
+
+def test_predict_peak_one_device() -> None:
+    plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),))
+    prediction = predict_peak(plan, MEM, "stage")
+    totals = [(s.stage_bytes, s.prefetch_bytes, s.in_flight_bytes) for s in prediction.slots]
+    # F1 prefetches FB's params, FB prefetches B1's, B1 the next iteration's F1; two microbatches
+    # of stage inputs and outputs are in flight besides the computing one.
+    assert totals == [(156, 70, 2 * 120), (814, 30, 2 * 70), (362, 30, 2 * 120)]
+    assert prediction.peak_bytes == 814 + 30 + 140 and prediction.peak_slot.index == 1
+    assert not prediction.fits(983) and prediction.fits(984) and prediction.fits(None)
+    assert "slot 1 (fused, layers [2, 4))" in prediction.describe()
+    assert prediction.describe(2) == (
+        "predicted peak 632 B in slot 2 (bwd, layers [0, 2)): stage 362 B + prefetch 30 B + activations in flight 240 B"
+    )
+    d = json.loads(json.dumps(prediction.to_dict()))
+    assert (
+        d["peak_bytes"] == 984 and d["slots"][1]["total_bytes"] == 984 and d["slots"][1]["layers"] == [2, 4]
+    )
+    assert predict_peak(plan.slots, MEM).peak_bytes == 984  # the slots alone work too
+
+
+def test_predict_peak_prefetches_what_the_same_device_runs_next() -> None:
+    plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),), devices=2)
+    prediction = predict_peak(plan, MEM, num_devices=2)
+    assert [s.prefetch_bytes for s in prediction.slots] == [30, 30, 70]  # slots 2, 0, 1
+    assert [s.prefetch_bytes for s in predict_peak(plan, MEM, prefetch=0).slots] == [0, 0, 0]
+    single = simple_plan((), range(0, 4), ())
+    assert predict_peak(single, MEM).slots[0].prefetch_bytes == 100  # the next run's own copy
+
+
+def test_forward_stage_holds_activations_saved_for_backward_stages_inside_it() -> None:
+    plan = simple_plan((range(0, 3),), range(3, 4), (range(1, 3), range(0, 1)))
+    first = predict_peak(plan, MEM, act_in_flight=2).slots[0]
+    # edges 50 + 80 for two microbatches; layer 1's own input (60 - 10) for three
+    assert first.in_flight_bytes == 2 * 130 + 3 * 50
+
+
+def test_predict_peak_rejects_a_plan_for_other_layers() -> None:
+    with pytest.raises(PlanError, match="covers 3 layers but the memory table 4"):
+        predict_peak(simple_plan((), range(0, 3), ()), MEM)
+
+
+# ---------------------------------------------------------------------- the partitioner's bound
+
+
+def random_memory(rng: random.Random, n: int) -> LayerMemory:
+    def col(lo: int, hi: int) -> tuple[int, ...]:
+        return tuple(rng.randint(lo, hi) for _ in range(n))
+
+    boundary = col(10, 500)
+    carried = tuple(rng.randint(0, b // 2) for b in boundary)
+    return LayerMemory(col(0, 5000), col(0, 5000), col(0, 3000), col(0, 800), boundary, col(0, 800), carried)
+
+
+def test_per_layer_sums_bound_every_stage_kind() -> None:
+    rng = random.Random(7)
+    for _ in range(30):
+        mem = random_memory(rng, rng.randint(1, 9))
+        per_layer = layer_plan_bytes(mem)
+        for start in range(mem.num_layers):
+            for stop in range(start + 1, mem.num_layers + 1):
+                bound = sum(per_layer[start:stop]) + max(mem.carried_bytes)
+                for kind, grain in [("fwd", "stage"), ("fused", "stage"), ("bwd", "stage"), ("bwd", "layer")]:
+                    assert stage_bytes(mem, range(start, stop), kind, grain) <= bound  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_partitioned_plans_fit_the_budget_exactly_predicted(grain: str) -> None:
+    rng = random.Random(11)
+    for trial in range(20):
+        n = rng.randint(3, 24)
+        mem = random_memory(rng, n)
+        costs = LayerCosts((1.0,) * n, (2.0,) * n, layer_plan_bytes(mem, grain))  # type: ignore[arg-type]
+        budget = 2 * max(costs.mem_bytes) + in_flight_reserve(mem) + 2 * max(mem.carried_bytes) + trial * 997
+        devices = rng.randint(1, 4)
+        plan = partition(costs, devices, 8, partition_limit_bytes(mem, budget))
+        prediction = predict_peak(plan, mem, grain, num_devices=devices)  # type: ignore[arg-type]
+        assert prediction.peak_bytes <= budget, (trial, prediction.describe())
+        cap = per_layer_cap(mem, budget)
+        assert all(costs.stage_mem(s.layers) <= cap for s in plan.slots)
+
+
+def test_plan_within_budget_shrinks_until_the_exact_prediction_fits() -> None:
+    big = simple_plan((), range(0, 4), ())
+    split = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),))
+    limits: list[int] = []
+
+    def make_plan(limit: int) -> Plan:
+        limits.append(limit)
+        return big if len(limits) == 1 else split  # the per-layer sums let the first one through
+
+    budget = 1100
+    assert predict_peak(big, MEM).peak_bytes > budget >= predict_peak(split, MEM).peak_bytes
+    plan, prediction = plan_within_budget(make_plan, MEM, budget)
+    assert plan is split and prediction.peak_bytes <= budget
+    assert limits[0] == partition_limit_bytes(MEM, budget) and limits[1] < limits[0]
+
+
+def test_plan_within_budget_names_the_stage_when_nothing_fits() -> None:
+    whole = simple_plan((), range(0, 4), ())
+    with pytest.raises(PlanError, match=r"no plan fits the memory budget .*slot 0 \(fused"):
+        plan_within_budget(lambda limit: whole, MEM, 1200)
+    with pytest.raises(PlanError, match="does not even hold the activations in flight"):
+        partition_limit_bytes(MEM, 100)
+    with pytest.raises(PlanError, match=r"memory budget 1.00 KiB \(\d+ B for stage pairs\): no split"):
+        plan_within_budget(refuse, MEM, 1024)
+    shrinking: list[int] = []
+
+    def big_then_refuse(limit: int) -> Plan:
+        shrinking.append(limit)
+        if len(shrinking) > 1:
+            raise PlanError("no split")
+        return whole
+
+    with pytest.raises(PlanError, match=r"no plan fits the memory budget .*slot 0 \(fused"):
+        plan_within_budget(big_then_refuse, MEM, 1200)
+    assert len(shrinking) == 2
+
+
+def refuse(limit: int) -> Plan:
+    raise PlanError("no split")
