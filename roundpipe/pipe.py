@@ -10,6 +10,7 @@ It must never do tensor math itself (that is the runtime's) nor decide ordering 
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,14 @@ from roundpipe.assembly import (
 )
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
+from roundpipe.device_plan import (
+    DevicePlan,
+    plan_from,
+    planning_config,
+    profile_and_plan,
+    refined_costs,
+    resolve_budget,
+)
 from roundpipe.errors import (
     ConfigError,
     InputError,
@@ -38,6 +47,7 @@ from roundpipe.looprunner import LoopRunner
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
 from roundpipe.plan import Plan
+from roundpipe.plan.memory import MemoryPrediction
 from roundpipe.retention import Retention
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
@@ -69,6 +79,11 @@ class RoundPipe:
         self.config = config
         device_spec = config.device_spec()
         self.num_devices = device_spec.count
+        # Before anything is allocated on a device: the budget, enforced where it is below the card.
+        self._budget = resolve_budget(config, device_spec.kind, device_spec.indices)
+        self._plan_config = planning_config(config, device_spec.kind)
+        self._profile_pending = device_spec.kind == "cuda" or config.memory_budget is not None
+        self._device_plan: DevicePlan | None = None
         self._sequence = to_layer_sequence(model)
         self._model = model
         self._scaler = make_scaler(config)
@@ -76,10 +91,10 @@ class RoundPipe:
         self.runtime = make_runtime(self.host, self._sequence, config, self._scaler)
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
         self.costs = estimated_costs(self.host, self._sequence.names)
-        self.plan: Plan = plan_for(self.costs, config, self.num_devices)
+        self.plan: Plan = plan_for(self.costs, self._plan_config, self.num_devices)
         self._options = ScheduleOptions(
             async_optimizer=config.async_optimizer,
-            round_size=config.round_size,
+            round_size=self._plan_config.round_size,
             chunk_bytes=config.chunk_bytes,
             grad_norm_barrier=config.max_grad_norm is not None or self._scaler is not None,
         )
@@ -203,6 +218,11 @@ class RoundPipe:
                 "pass forward_backward(inputs, targets, loss_fn) with loss_fn(output, target) -> scalar"
             )
         input_parts, target_parts, weights = microbatches(inputs, targets, self.config.num_microbatches)
+        if self._profile_pending:
+            self._profile_pending = False
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._plan_on_device, input_parts[0], target_parts[0], loss_fn
+            )
         iteration = self._iteration
         scale = self._scaler.scale if self._scaler is not None else 1.0
         self.runtime.begin_iteration(
@@ -243,13 +263,58 @@ class RoundPipe:
         if self.config.replan and not self._replanned and self._iteration >= 1:
             self._maybe_replan()
 
+    @property
+    def memory_prediction(self) -> MemoryPrediction | None:
+        """The planner's predicted peak device memory of the current plan (None until the layers
+        were measured: on CUDA, or with a `RunConfig.memory_budget`, at the first iteration)."""
+        return None if self._device_plan is None else self._device_plan.prediction
+
+    def _plan_on_device(self, sample: Any, target: Any, loss_fn: Any) -> None:
+        """Measure the layers on the first device with one microbatch; plan within the budget."""
+        device = self.runtime.device(0)
+        plan = profile_and_plan(
+            self._plan_config,
+            self._sequence,
+            self.host.dtype,
+            device,
+            self.num_devices,
+            sample,
+            target,
+            loss_fn,
+            self._budget,
+        )
+        self._use_device_plan(plan)
+
+    def _use_device_plan(self, device_plan: DevicePlan) -> None:
+        self._device_plan = device_plan
+        self.costs = device_plan.costs
+        self.runtime.memory_prediction = device_plan.prediction
+        self._trace.meta["memory_prediction"] = device_plan.prediction.to_dict()
+        self._trace.meta["memory_budget_bytes"] = device_plan.budget_bytes
+        if device_plan.plan != self.plan:
+            self.plan = device_plan.plan
+            self._builder.set_plan(device_plan.plan)
+            self._trace.meta["plan"] = device_plan.plan.to_dict()
+
     def _maybe_replan(self) -> None:
+        if self._device_plan is not None:  # measured on the device: refine from its timings
+            refined = refined_costs(self._trace, self.costs)
+            if refined is None:
+                return
+            self._replanned = True
+            previous = self._device_plan
+            self._use_device_plan(
+                plan_from(
+                    self._plan_config, refined, previous.memory, self.num_devices, previous.budget_bytes
+                )
+            )
+            return
         costs = measured_costs(self.runtime.times.fwd_ms, self.costs)
         if costs is None:
             return
         self._replanned = True
         self.costs = costs
-        plan = plan_for(costs, self.config, self.num_devices)
+        plan = plan_for(costs, self._plan_config, self.num_devices)
         if plan != self.plan:
             self.plan = plan
             self._builder.set_plan(plan)

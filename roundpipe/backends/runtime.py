@@ -132,6 +132,7 @@ class Runtime:
         # Backends that issue device work ahead of its completion set this: what a task's work
         # reads on another stream is then kept alive until the task has run (`hold`, `finish`).
         self.defer_release = False
+        self.memory_prediction: Any = None  # the plan's, when the layers were measured (OOM messages)
         self._holds: dict[Any, list[Any]] = {}
         self._holds_lock = threading.Lock()
 
@@ -188,7 +189,28 @@ class Runtime:
 
     def run(self, task: Task) -> None:
         handler = _HANDLERS[task.kind]
-        handler(self, task)
+        try:
+            handler(self, task)
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(task, "") from exc
+
+    def _out_of_memory(self, task: Task, where: str) -> DeviceOutOfMemoryError:
+        """Running out of memory on a plan that was predicted to fit is a bug in the prediction:
+        the error says what was predicted and what the device measured."""
+        device = self.device(task.device)
+        note = ""
+        if self.memory_prediction is not None:
+            note = f"; the plan's {self.memory_prediction.describe()}"
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            note += f"; measured peak on {device}: {peak / 2**30:.2f} GiB"
+        return DeviceOutOfMemoryError(
+            f"out of memory in {where}{task.kind} of stage {task.stage} on device {task.device}, "
+            f"microbatch {task.microbatch}{note}. Use more microbatches (smaller ones), "
+            'recompute_grain="layer", a shorter sequence, or a smaller RunConfig.memory_budget so the plan '
+            "makes smaller stages",
+            task.describe(),
+        )
 
     def hold(self, task: Task, *items: Any) -> None:
         """Keep ``items`` alive until ``task`` has run; a callable among them runs then (host work
@@ -440,13 +462,7 @@ class Runtime:
                 finally:
                     binder.unbind()  # the replica must not keep a finished run's weights alive
         except torch.OutOfMemoryError as exc:
-            raise DeviceOutOfMemoryError(
-                f"out of memory in layer {layer} ({self.names[layer]}), stage {task.stage} on device "
-                f"{task.device}, microbatch {task.microbatch}: use more microbatches (smaller ones), "
-                'recompute_grain="layer", a shorter sequence, or set mem_limit_bytes so the plan makes '
-                "smaller stages",
-                task.describe(),
-            ) from exc
+            raise self._out_of_memory(task, f"layer {layer} ({self.names[layer]}), ") from exc
         except StageError:
             raise
         except Exception as exc:

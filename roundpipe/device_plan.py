@@ -1,0 +1,157 @@
+"""Plans from what the device measured: per-layer times and memory, and the memory budget.
+
+Why a step before the first iteration: a plan made from parameter counts alone puts a whole
+model in one fused stage on one GPU, which runs out of memory on a small card (the activations
+of every layer for a microbatch, the LM head's logits) and is slower than a split plan. So on
+the first `forward_backward` the layers are run once, one at a time, on the first device with
+the first microbatch (`roundpipe.backends.profile`), which gives each layer's forward and
+backward time and its memory facts at the run's real tokens per microbatch; the plan is then
+the best one whose *predicted* device peak (`roundpipe.plan.memory`) stays under the budget.
+After the first iteration the times are refined from the device's own timing of every compute
+task, and the run is re-planned once.
+
+The budget: `RunConfig.memory_budget`, or on CUDA the free memory at start less a reserve. A
+budget below the card's memory is enforced on the device (the caching allocator refuses to go
+past it), so a large card can stand in for a 24 GB one.
+
+This module decides nothing about ordering and runs no training step itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from roundpipe.config import RunConfig
+from roundpipe.plan import LayerCosts, Plan, choose_plan
+from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
+from roundpipe.sched.trace import Trace
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """A plan with the measurements it was made from."""
+
+    plan: Plan
+    costs: LayerCosts
+    memory: LayerMemory
+    prediction: MemoryPrediction
+    budget_bytes: int | None
+
+
+def planning_config(config: RunConfig, kind: str) -> RunConfig:
+    """The config the planner and graph use. On CUDA, unless the user chose a round size, one
+    round per iteration: every round uploads every stage's weights and downloads its gradients
+    over the host link, so more rounds multiply that traffic, while the only cost of a longer
+    round is host memory for the boundary activations of its microbatches."""
+    if kind == "cuda" and config.round_size is None:
+        return config.model_copy(update={"round_size": config.num_microbatches})
+    return config
+
+
+def resolve_budget(config: RunConfig, kind: str, indices: tuple[int, ...]) -> int | None:
+    """The per-device budget in bytes (None: unlimited), enforced on CUDA devices when it is
+    below what the card has. Called before anything is allocated on the devices."""
+    budget = config.memory_budget_bytes()
+    if kind != "cuda":
+        return budget
+    from roundpipe.backends.profile import default_budget, enforce_budget
+
+    if budget is None:
+        budget = min(default_budget(index) for index in indices)
+    for index in indices:
+        if budget < torch.cuda.get_device_properties(index).total_memory:
+            enforce_budget(index, budget)
+    return budget
+
+
+def profile_and_plan(
+    config: RunConfig,
+    sequence: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_devices: int,
+    sample: Any,
+    target: Any,
+    loss_fn: Any,
+    budget_bytes: int | None,
+) -> DevicePlan:
+    """Measure every layer on ``device`` with one microbatch and plan within the budget."""
+    from roundpipe.backends.profile import profile_layers
+
+    memory, fwd_ms, bwd_ms = profile_layers(
+        sequence.layers,
+        sample,
+        device,
+        loss_fn=loss_fn,
+        target=target,
+        computes_loss=sequence.computes_loss,
+        dtype=dtype,
+        names=sequence.names,
+    )
+    costs = LayerCosts(
+        tuple(max(ms, 1e-3) for ms in fwd_ms),
+        tuple(max(ms, 1e-3) for ms in bwd_ms),
+        layer_plan_bytes(memory, config.recompute_grain),
+        tuple(sequence.names),
+    )
+    return plan_from(config, costs, memory, num_devices, budget_bytes)
+
+
+def plan_from(
+    config: RunConfig, costs: LayerCosts, memory: LayerMemory, num_devices: int, budget_bytes: int | None
+) -> DevicePlan:
+    """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
+    from roundpipe.plan.memory import predict_peak
+
+    def make_plan(limit: int | None) -> Plan:
+        return choose_plan(
+            costs,
+            num_devices,
+            config.num_microbatches,
+            limit,
+            async_optimizer=config.async_optimizer,
+            round_size=config.round_size,
+        )
+
+    grain = config.recompute_grain
+    if budget_bytes is None:
+        plan = make_plan(None)
+        prediction = predict_peak(plan, memory, grain, num_devices=num_devices)
+    else:
+        plan, prediction = plan_within_budget(make_plan, memory, budget_bytes, grain, num_devices=num_devices)
+    return DevicePlan(plan, costs, memory, prediction, budget_bytes)
+
+
+def refined_costs(trace: Trace, costs: LayerCosts) -> LayerCosts | None:
+    """Costs scaled so that each stage kind's compute tasks, as the device timed them in
+    ``trace``, match what the costs predict for them; None when nothing was timed."""
+    measured: dict[str, float] = {}
+    predicted: dict[str, float] = {}
+    for task in trace:
+        if task.kind != "compute" or task.end_t < task.start_t or not len(task.layers):
+            continue
+        kind = str(task.stage_kind)
+        if kind == "fwd":
+            model = costs.fwd_stage_ms(task.layers)
+        elif kind == "fused":
+            model = costs.fused_stage_ms(task.layers)
+        else:
+            model = costs.bwd_stage_ms(task.layers)
+        measured[kind] = measured.get(kind, 0.0) + task.end_t - task.start_t
+        predicted[kind] = predicted.get(kind, 0.0) + model
+    if not measured:
+        return None
+    total = sum(measured.values()) / max(sum(predicted.values()), 1e-9)
+    fwd_scale = measured["fwd"] / predicted["fwd"] if predicted.get("fwd") else total
+    rest_measured = sum(v for k, v in measured.items() if k != "fwd")
+    rest_predicted = sum(v for k, v in predicted.items() if k != "fwd")
+    bwd_scale = rest_measured / rest_predicted if rest_predicted else total
+    return LayerCosts(
+        tuple(ms * fwd_scale for ms in costs.fwd_ms),
+        tuple(ms * bwd_scale for ms in costs.bwd_ms),
+        costs.mem_bytes,
+        costs.names,
+    )
