@@ -36,12 +36,11 @@ from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, Schedu
 from roundpipe.plan import LayerCosts, Plan, choose_plan
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.keys import ITERATION_KEYS, STEP_KEYS
 from roundpipe.sched.loop import new_event_loop
-from roundpipe.sched.task import GRAD_NORM, P_COPY, STEP
 from roundpipe.sched.trace import Trace
 
 T = TypeVar("T")
-_STEP_KEYED = frozenset({STEP, P_COPY, GRAD_NORM})  # task kinds whose key names a step, not an iteration
 STATE_FORMAT = "roundpipe.state/1"
 
 
@@ -323,13 +322,16 @@ class RoundPipe:
                 for t in records
                 if t.iteration >= oldest or (t.iteration < 0 and t.step >= self._step - keep)
             ]
-        # Forget finished tasks a few iterations and steps back. Keys name their iteration (device
-        # tasks, G-copies) or their step (optimizer tasks) second; later tasks may still depend on
+        # Forget finished tasks a few iterations and steps back. A key belongs to an iteration
+        # (device tasks, G-copies) or to a step (optimizer tasks); later tasks may still depend on
         # forgotten ones, which then count as done.
         iteration_horizon = oldest - 2
         step_horizon = self._step - 3
         self._engine.forget(
-            lambda key: key[1] < (step_horizon if key[0] in _STEP_KEYED else iteration_horizon)
+            lambda key: (
+                (isinstance(key, STEP_KEYS) and key.step < step_horizon)
+                or (isinstance(key, ITERATION_KEYS) and key.iteration < iteration_horizon)
+            )
         )
         if self.config.replan and not self._replanned and self._iteration >= 1:
             self._maybe_replan()

@@ -26,8 +26,18 @@ from dataclasses import dataclass
 
 from roundpipe.errors import ScheduleError, TaskFailedError
 from roundpipe.sched.backend import Backend
+from roundpipe.sched.kinds import TaskState
 from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import Trace
+
+# States under short names: the hot paths read module globals, not enum class attributes.
+_WAITING = TaskState.WAITING
+_READY = TaskState.READY
+_RUNNING = TaskState.RUNNING
+_DONE = TaskState.DONE
+_FAILED = TaskState.FAILED
+_CANCELLED = TaskState.CANCELLED
+_FINISHED = (_CANCELLED, _FAILED, _DONE)
 
 _YIELD_EVERY = 4096  # virtual events between yields to the loop, so other coroutines keep ticking
 # What one stretch of virtual events ended with (see `Engine._advance_virtual`).
@@ -119,13 +129,13 @@ class Engine:
                     else:
                         waiting.append(task)
                     unmet += 1
-                elif dep.state != "done":
+                elif dep.state != _DONE:
                     dep.dependents.append(task)
                     unmet += 1
                     if dep.seq >= task.seq:
                         backward = True
             task.unmet = unmet
-            task.state = "waiting"
+            task.state = _WAITING
             task.submit_t = now
         if missing:
             for task in new:
@@ -170,12 +180,12 @@ class Engine:
         # Leave the engine usable: forget the whole malformed batch.
         for task in new:
             self._tasks.pop(task.key, None)
-            task.state = "cancelled"
+            task.state = _CANCELLED
         self._pending -= len(new)
         for task in self._tasks.values():
-            task.dependents = [d for d in task.dependents if d.state != "cancelled"]
+            task.dependents = [d for d in task.dependents if d.state != _CANCELLED]
         for key in list(self._missing):
-            self._missing[key] = [d for d in self._missing[key] if d.state != "cancelled"]
+            self._missing[key] = [d for d in self._missing[key] if d.state != _CANCELLED]
             if not self._missing[key]:
                 del self._missing[key]
         path = " -> ".join(t.describe() for t in cycle)
@@ -204,7 +214,7 @@ class Engine:
         return res
 
     def _push_ready(self, task: Task, now: float) -> _Resource:
-        task.state = "ready"
+        task.state = _READY
         task.ready_t = now
         res = self._resource_of_lane.get(task.lane) or self._resource(task.lane)
         heapq.heappush(res.heap, (-task.priority, task.seq, task))
@@ -220,13 +230,13 @@ class Engine:
     def _start_next(self, res: _Resource) -> None:
         heap = res.heap
         task = heapq.heappop(heap)[2]
-        while task.state == "cancelled":
+        while task.state == _CANCELLED:
             if not heap:
                 return
             task = heapq.heappop(heap)[2]
         self._ready -= 1
         res.busy = True
-        task.state = "running"
+        task.state = _RUNNING
         task.start_t = self.backend.now()
         self._running += 1
         self.backend.start(task)
@@ -241,7 +251,7 @@ class Engine:
         res = self._resource_of_lane[task.lane]
         res.busy = False
         if error is not None:
-            task.state = "failed"
+            task.state = _FAILED
             task.error = error
             self._failed.append(task)
             self._pending -= 1
@@ -249,7 +259,7 @@ class Engine:
             self._start_free([*self._held, res])
             self._held = []
         else:
-            task.state = "done"
+            task.state = _DONE
             self._pending -= 1
             self._done += 1
             self.trace.records.append(task)
@@ -264,7 +274,7 @@ class Engine:
                     dep.unmet = unmet
                     if unmet:
                         continue
-                    dep.state = "ready"
+                    dep.state = _READY
                     dep.ready_t = now
                     target = resource_of_lane.get(dep.lane) or self._resource(dep.lane)
                     heappush(target.heap, (-dep.priority, dep.seq, dep))
@@ -305,11 +315,11 @@ class Engine:
         failed.dependents = []
         while stack:
             task = stack.pop()
-            if task.state in ("cancelled", "failed", "done"):
+            if task.state in _FINISHED:
                 continue
-            if task.state == "ready":
+            if task.state == _READY:
                 self._ready -= 1  # its heap entry is skipped when popped
-            task.state = "cancelled"
+            task.state = _CANCELLED
             self._pending -= 1
             stack.extend(task.dependents)
             task.dependents = []
@@ -341,7 +351,7 @@ class Engine:
                 if self._pending == 0:
                     return
             else:
-                while index < len(targets) and targets[index].state == "done":
+                while index < len(targets) and targets[index].state == _DONE:
                     index += 1
                 if index == len(targets):
                     return
@@ -372,7 +382,7 @@ class Engine:
             if target is None:
                 if self._pending == 0:
                     return _PROGRESS
-            elif target.state == "done":
+            elif target.state == _DONE:
                 return _PROGRESS
         return _BUDGET_SPENT
 
@@ -386,7 +396,7 @@ class Engine:
                 try:
                     await asyncio.wait_for(asyncio.shield(self._wakeup), self.stall_timeout_s)
                 except asyncio.TimeoutError:
-                    running = [t for t in self._tasks.values() if t.state == "running"]
+                    running = [t for t in self._tasks.values() if t.state == _RUNNING]
                     names = "; ".join(t.describe() for t in running[:8])
                     raise ScheduleError(
                         f"watchdog: no task finished for {self.stall_timeout_s:.1f} s; still running: {names}"
@@ -404,10 +414,10 @@ class Engine:
         ) from error
 
     def _raise_stall(self, targets: list[Task] | None) -> None:
-        stuck = [t for t in self._tasks.values() if t.state == "waiting"]
+        stuck = [t for t in self._tasks.values() if t.state == _WAITING]
         lines = []
         for task in stuck[:10]:
-            unmet = [k for k in task.deps if k not in self._tasks or self._tasks[k].state != "done"]
+            unmet = [k for k in task.deps if k not in self._tasks or self._tasks[k].state != _DONE]
             shown = ", ".join(_describe_key(k, self._tasks) for k in unmet[:4])
             lines.append(f"  {task.describe()} waits for: {shown}")
         more = f"\n  ... and {len(stuck) - 10} more" if len(stuck) > 10 else ""
@@ -427,8 +437,8 @@ class Engine:
             raise ScheduleError(f"cancel_pending() with {self._running} task(s) still running")
         dropped = 0
         for key, task in list(self._tasks.items()):
-            if task.state != "done":
-                task.state = "cancelled"
+            if task.state != _DONE:
+                task.state = _CANCELLED
                 task.dependents = []
                 del self._tasks[key]
                 dropped += 1
@@ -447,12 +457,12 @@ class Engine:
         (each call's predicate accepts every key the previous one did)."""
         self._forgotten = older
         for key, task in list(self._tasks.items()):
-            if task.state == "done" and older(key):
+            if task.state == _DONE and older(key):
                 del self._tasks[key]
 
     def is_done(self, key: Key) -> bool:
         task = self._tasks.get(key)
-        return task is not None and task.state == "done"
+        return task is not None and task.state == _DONE
 
     def statistics(self) -> EngineStatistics:
         waiting = self._pending - self._ready - self._running

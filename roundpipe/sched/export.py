@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
@@ -50,7 +51,7 @@ HOST_DEVICE = -1
 _HOST_LANE_ORDER = ("optimizer",)
 
 # Kind colours (colour-blind friendly-ish, Okabe-Ito based); compute is shaded by stage kind.
-_KIND_COLOURS = {
+_KIND_COLOURS: dict[str, str] = {
     ACT_UP: "#E69F00",
     ACT_DOWN: "#D55E00",
     PARAM_UP: "#009E73",
@@ -60,13 +61,17 @@ _KIND_COLOURS = {
     STEP: "#0072B2",
     P_COPY: "#F0E442",
 }
-_STAGE_KIND_COLOURS = {
-    "fwd": "#9ecae1",
-    "fused": "#4292c6",
-    "bwd": "#08306b",
+_STAGE_KIND_COLOURS: dict[str, str] = {
+    SlotKind.FWD: "#9ecae1",
+    SlotKind.FUSED: "#4292c6",
+    SlotKind.BWD: "#08306b",
     "": "#6baed6",
 }
-_STAGE_KIND_NAMES = {"fwd": "compute: forward", "fused": "compute: fused", "bwd": "compute: backward"}
+_STAGE_KIND_NAMES = {
+    SlotKind.FWD: "compute: forward",
+    SlotKind.FUSED: "compute: fused",
+    SlotKind.BWD: "compute: backward",
+}
 _OTHER_COLOUR = "#444444"
 
 
@@ -326,7 +331,7 @@ def write_png(
                     ha="center",
                     va="center",
                     fontsize=6,
-                    color="white" if task.stage_kind in ("fused", "bwd") else "black",
+                    color="white" if task.stage_kind in (SlotKind.FUSED, SlotKind.BWD) else "black",
                     clip_on=True,
                 )
 
@@ -388,7 +393,15 @@ def _as_key(task_or_key: Task | Key | Sequence[Any]) -> Key:
 def _cell_text(task: Task) -> str:
     if task.kind == COMPUTE:
         return task.stage or "C"
-    short = {ACT_UP: "a", ACT_DOWN: "d", PARAM_UP: "p", GRAD_DOWN: "g", G_COPY: "G", STEP: "S", P_COPY: "P"}
+    short: dict[str, str] = {
+        ACT_UP: "a",
+        ACT_DOWN: "d",
+        PARAM_UP: "p",
+        GRAD_DOWN: "g",
+        G_COPY: "G",
+        STEP: "S",
+        P_COPY: "P",
+    }
     return short.get(task.kind, task.kind[:1])
 
 

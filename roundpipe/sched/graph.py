@@ -26,8 +26,20 @@ from dataclasses import dataclass, field
 
 from roundpipe.errors import ScheduleError
 from roundpipe.plan.dispatch import SlotRun, dispatch
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
 from roundpipe.sched import rules
+from roundpipe.sched.keys import (
+    ActDownKey,
+    ActUpKey,
+    ComputeKey,
+    GCopyKey,
+    GradDownKey,
+    GradNormKey,
+    ParamUpKey,
+    PCopyKey,
+    StepKey,
+)
 from roundpipe.sched.rules import UnitLedger
 from roundpipe.sched.task import (
     ACT_DOWN,
@@ -217,7 +229,7 @@ class GraphBuilder:
                 for unit in spec.owners[layer]:
                     deps += rules.no_torn_weights(ledgers[unit], version, self.base_version)
                 for part in range(parts):
-                    key: Key = (PARAM_UP, t, r, si, layer, part)
+                    key: Key = ParamUpKey(t, r, si, layer, part)
                     tasks.append(
                         Task(
                             key,
@@ -244,12 +256,12 @@ class GraphBuilder:
             # Per microbatch: activation up, compute, activation down.
             last_compute: Key | None = None
             for j, mb in enumerate(mbs):
-                up_key = (ACT_UP, t, si, mb)
+                up_key = ActUpKey(t, si, mb)
                 up_deps: list[Key] = []
                 if si > 0:
-                    up_deps.append((ACT_DOWN, t, si - 1, mb))
+                    up_deps.append(ActDownKey(t, si - 1, mb))
                 if j >= 2:
-                    up_deps.append((COMPUTE, t, si, mbs[j - 2]))
+                    up_deps.append(ComputeKey(t, si, mbs[j - 2]))
                 tasks.append(
                     Task(
                         up_key,
@@ -265,10 +277,10 @@ class GraphBuilder:
                         iteration=t,
                         round=r,
                         step=step,
-                        nbytes=act_bytes * (2 if kind == "bwd" else 1),
+                        nbytes=act_bytes * (2 if kind == SlotKind.BWD else 1),
                     )
                 )
-                compute_key = (COMPUTE, t, si, mb)
+                compute_key = ComputeKey(t, si, mb)
                 compute_deps = [up_key, *param_keys]
                 if last_compute is not None:
                     compute_deps.append(last_compute)
@@ -291,11 +303,11 @@ class GraphBuilder:
                         num_parts=len(mbs),
                     )
                 )
-                if kind == "fused":
+                if kind == SlotKind.FUSED:
                     loss_keys.append(compute_key)
                 tasks.append(
                     Task(
-                        (ACT_DOWN, t, si, mb),
+                        ActDownKey(t, si, mb),
                         ACT_DOWN,
                         lane["act_down"],
                         deps=[compute_key],
@@ -318,12 +330,12 @@ class GraphBuilder:
                 del history[0]
 
             # Gradient download: once per fused/backward run that has trainable layers.
-            if kind == "fwd":
+            if kind == SlotKind.FWD:
                 continue
             units = sorted({u for layer in layers for u in spec.owners[layer]})
             if not units:
                 continue
-            down_key = (GRAD_DOWN, t, r, si)
+            down_key = GradDownKey(t, r, si)
             down_deps: list[Key] = [last_compute]
             if si in last_grad_down:
                 down_deps.append(last_grad_down[si])
@@ -357,7 +369,7 @@ class GraphBuilder:
         done_keys: list[Key] = list(last_grad_down.values())
         for unit in sorted(g_copy_needed):
             ledger = ledgers[unit]
-            key = (G_COPY, iteration, unit)
+            key = GCopyKey(iteration, unit)
             deps = rules.complete_gradients(ledger, iteration)
             deps += rules.g_copy_after_step(ledger, step, sync=not self.options.async_optimizer)
             tasks.append(
@@ -388,18 +400,18 @@ class GraphBuilder:
         tasks: list[Task] = []
         norm_key: Key | None = None
         if self.options.grad_norm_barrier:
-            norm_key = (GRAD_NORM, step)
-            deps = [(G_COPY, t, u) for t in iterations for u in self.ledgers]
+            norm_key = GradNormKey(step)
+            deps: list[Key] = [GCopyKey(t, u) for t in iterations for u in self.ledgers]
             tasks.append(Task(norm_key, GRAD_NORM, HOST_OPTIMIZER_LANE, deps=deps, step=step))
         for unit, ledger in self.ledgers.items():
             if self.options.async_optimizer and step > self.base_version:
                 tasks.append(self._p_copy(unit, ledger, step - 1))
             # Every trainable unit lies in a fused or backward stage: each iteration G-copies it.
-            g_copies = [(G_COPY, t, unit) for t in iterations]
+            g_copies: list[Key] = [GCopyKey(t, unit) for t in iterations]
             deps = rules.step_after_copies(ledger, step, g_copies)
             if norm_key is not None:
                 deps.append(norm_key)
-            key = (STEP, step, unit)
+            key = StepKey(step, unit)
             tasks.append(
                 Task(key, STEP, HOST_OPTIMIZER_LANE, deps=deps, layers=range(unit, unit + 1), step=step)
             )
@@ -410,7 +422,7 @@ class GraphBuilder:
         return tasks
 
     def _p_copy(self, unit: int, ledger: UnitLedger, step: int) -> Task:
-        key = (P_COPY, step, unit)
+        key = PCopyKey(step, unit)
         deps = rules.weight_integrity(ledger, step)
         if step in ledger.step:
             deps.append(ledger.step[step])
