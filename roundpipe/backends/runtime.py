@@ -24,13 +24,21 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from roundpipe.backends.host_data import (
+    BoundaryKey,
+    IterationData,
+    LayerTimes,
+    LossFn,
+    ReplicaKey,
+    RunKey,
+    SlotKey,
+)
 from roundpipe.backends.tensors import (
     TransientPool,
     cast_floating,
@@ -53,68 +61,6 @@ from roundpipe.sched.task import (
     STEP,
     Task,
 )
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-class BoundaryKey(NamedTuple):
-    """An activation or gradient waiting on the host at the input of ``layer``."""
-
-    iteration: int
-    layer: int
-    microbatch: int
-
-
-class SlotKey(NamedTuple):
-    """A stage's uploaded input (inbox) or computed output (outbox) for one microbatch."""
-
-    iteration: int
-    slot: int
-    microbatch: int
-
-
-class RunKey(NamedTuple):
-    """One stage run on one device: the transient parameter copy its tasks share."""
-
-    device: int
-    iteration: int
-    round: int
-    slot: int
-
-
-class ReplicaKey(NamedTuple):
-    """A device's structural copy of one layer."""
-
-    device: int
-    layer: int
-
-
-# --------------------------------------------------------------------- per-iteration data
-
-
-@dataclass
-class IterationData:
-    """What the host holds for one forward_backward call."""
-
-    inputs: list[Any]
-    targets: list[Any]
-    weights: list[float]
-    loss_fn: LossFn | None
-    loss_scale: float
-    boundaries: frozenset[int]  # layers whose input a forward stage must save for a backward stage
-    losses: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class LayerTimes:
-    """Measured forward milliseconds per layer (exponential moving average)."""
-
-    fwd_ms: list[float | None]
-    alpha: float = 0.5
-
-    def add(self, layer: int, ms: float) -> None:
-        old = self.fwd_ms[layer]
-        self.fwd_ms[layer] = ms if old is None else (1 - self.alpha) * old + self.alpha * ms
 
 
 class Runtime:
@@ -183,27 +129,21 @@ class Runtime:
     def begin_iteration(self, iteration: int, data: IterationData) -> None:
         self.iterations[iteration] = data
 
+    def _stores(self) -> tuple[dict[Any, Any], ...]:
+        """The per-iteration tensor stores; every key of them has an ``iteration``."""
+        return (self.activations, self.gradients, self.inbox, self.outbox, self.transient)
+
     def end_iteration(self, iteration: int) -> None:
         self.iterations.pop(iteration, None)
-        stores: tuple[dict[Any, Any], ...] = (
-            self.activations,
-            self.gradients,
-            self.inbox,
-            self.outbox,
-            self.transient,
-        )
-        for store in stores:
+        for store in self._stores():
             for key in [k for k in store if k.iteration == iteration]:
                 del store[key]
 
     def reset(self) -> None:
         """Drop everything in flight (after a failure)."""
         self.iterations.clear()
-        self.activations.clear()
-        self.gradients.clear()
-        self.inbox.clear()
-        self.outbox.clear()
-        self.transient.clear()
+        for store in self._stores():
+            store.clear()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -452,3 +392,6 @@ _HANDLERS: dict[str, Callable[[Runtime, Task], None]] = {
     STEP: Runtime.step,
     P_COPY: Runtime.p_copy,
 }
+
+
+__all__ = ["IterationData", "LossFn", "Runtime"]
