@@ -11,10 +11,7 @@ from hypothesis import strategies as st
 
 from roundpipe.backends.fake import Perturbation
 from roundpipe.plan import LayerCosts, Plan, partition
-from roundpipe.plan.kinds import SlotKind
 from roundpipe.sched import replay, simulate
-from roundpipe.sched.keys import ComputeKey, GCopyKey, GradDownKey, StepKey
-from roundpipe.sched.kinds import TaskKind, TaskState
 from roundpipe.sched.task import ACT_UP, COMPUTE, PARAM_UP, STEP, Task
 from roundpipe.sched.trace import TRACE_FORMAT, Trace
 
@@ -122,59 +119,6 @@ def test_save_load_round_trip_keeps_every_field(fake_trace: Trace, tmp_path: Pat
     assert loaded.bubble_ratio() == fake_trace.bubble_ratio()
     assert loaded.makespan_ms() == fake_trace.makespan_ms()
     loaded.check_rules()
-
-
-def test_loaded_keys_kinds_and_states_are_the_named_types(fake_trace: Trace, tmp_path: Path) -> None:
-    loaded = Trace.load(fake_trace.save(tmp_path / "run.json"))
-    for a, b in zip(fake_trace, loaded, strict=True):
-        assert type(b.key) is type(a.key) and b.key == a.key
-        assert [type(d) for d in b.deps] == [type(d) for d in a.deps]
-        assert isinstance(b.kind, TaskKind) and isinstance(b.state, TaskState)
-        assert b.stage_kind == "" or isinstance(b.stage_kind, SlotKind)
-    # A key is named, belongs to an iteration or a step, and still equals the tuple it spells.
-    compute = next(t for t in loaded if t.kind == COMPUTE)
-    assert isinstance(compute.key, ComputeKey) and compute.key.iteration == compute.iteration
-    assert compute.key == ("compute", compute.iteration, compute.slot, compute.microbatch)
-    step = next(t for t in loaded if t.kind == STEP)
-    assert isinstance(step.key, StepKey) and step.key.step == step.step and step.key.unit == step.layers.start
-    # Kinds, states and stage kinds are written as plain strings.
-    raw = json.loads(json.dumps(loaded.to_dict()))
-    assert {d["state"] for d in raw["tasks"]} == {"done"}
-    assert raw["tasks"][0]["key"][0] in {k.value for k in TaskKind}
-
-
-def test_a_trace_of_positional_keys_loads_with_named_keys() -> None:
-    """Traces written before keys had names store the same lists: they load unchanged."""
-    record = {
-        "key": ["grad_down", 2, 1, 4],
-        "kind": "grad_down",
-        "lane": "d1.grad_down",
-        "priority": 10,
-        "deps": [["compute", 2, 4, 7], ["g_copy", 1, 3], ["custom", 1]],
-        "device": 1,
-        "layers": [3, 5],
-        "stage": "B2",
-        "stage_kind": "bwd",
-        "slot": 4,
-        "microbatch": -1,
-        "iteration": 2,
-        "round": 1,
-        "step": 2,
-        "part": 0,
-        "num_parts": 1,
-        "nbytes": 10,
-        "seq": 5,
-        "submit": 0.0,
-        "ready": 1.0,
-        "start": 1.0,
-        "end": 2.0,
-        "state": "done",
-    }
-    task = Trace.from_dict({"format": TRACE_FORMAT, "tasks": [record]})[0]
-    assert task.key == GradDownKey(2, 1, 4) and type(task.key) is GradDownKey
-    assert task.deps == (ComputeKey(2, 4, 7), GCopyKey(1, 3), ("custom", 1))
-    assert task.stage_kind == SlotKind.BWD and task.state == TaskState.DONE
-    assert task.to_dict() == record
 
 
 def test_round_trip_of_a_hand_made_task_with_no_default_fields(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ The life of a task, in order (threads in brackets):
      ``backend.advance()``, which moves the virtual clock and calls `_task_done` directly.
   5. [loop] `_task_done`: DONE and appended to the trace (or FAILED, and `_poison` cancels its
      dependents transitively); `_release_dependents` counts each dependent down and pushes those
-     at zero (READY); `_start_after` starts the freed resource and theirs (held while another
+     at zero (READY); `_task_done` then starts the freed resource and theirs (held while another
      virtual task ends at the same instant, so the most urgent of all goes first); the wakeup
      future of a sleeping `wait` is resolved.
   6. [loop] `wait_until_done` sees the awaited keys (the loss computes) DONE and returns;
@@ -141,7 +141,7 @@ class Engine:
                     else:
                         waiting.append(task)
                     unmet += 1
-                elif dep.state != _DONE:
+                elif dep.state is not _DONE:
                     dep.dependents.append(task)
                     unmet += 1
                     if dep.seq >= task.seq:
@@ -224,7 +224,7 @@ class Engine:
     def _start_next(self, res: _Resource) -> None:
         heap = res.heap
         task = heapq.heappop(heap)[2]
-        while task.state == _CANCELLED:
+        while task.state is _CANCELLED:
             if not heap:
                 return
             task = heapq.heappop(heap)[2]
@@ -238,7 +238,8 @@ class Engine:
     def _task_done(self, task: Task, error: BaseException | None = None) -> None:
         """The completion callback (the hot path: one call per finished task): record the end,
         free the task's resource, release or cancel its dependents, start what may start, and
-        wake `wait`."""
+        wake `wait`. Starting is inlined `_start_free`, in its order: the held resources, the
+        freed one, then those of the newly ready tasks."""
         now = self.backend.now()
         task.end_t = now
         self._running -= 1
@@ -252,7 +253,20 @@ class Engine:
             self._done += 1
             self.trace.records.append(task)
             others = self._release_dependents(task, res, now) if task.dependents else None
-            self._start_after(res, others, now)
+            if self._virtual and self.backend.next_time() == now:
+                # Another task finishes at this same instant: start nothing until its dependents
+                # are ready too, so the most urgent of them all goes first, not the first popped.
+                self._held.append(res)
+                if others is not None:
+                    self._held.extend(others)
+            else:
+                if self._held:
+                    held, self._held = self._held, []
+                    self._start_free(held)
+                if res.heap and not res.busy:
+                    self._start_next(res)
+                if others is not None:
+                    self._start_free(others)
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
@@ -293,24 +307,6 @@ class Engine:
         self._ready += pushed
         task.dependents = []
         return others
-
-    def _start_after(self, res: _Resource, others: list[_Resource] | None, now: float) -> None:
-        """Start the next tasks on the freed resource ``res`` and on ``others``, unless another
-        virtual task finishes at this same instant: then hold them until its dependents are ready
-        too, so the most urgent of them all goes first, not the first popped."""
-        if self._virtual and self.backend.next_time() == now:
-            self._held.append(res)
-            if others is not None:
-                self._held.extend(others)
-            return
-        if self._held:
-            freed, self._held = self._held, []
-            freed.append(res)
-        else:
-            freed = [res]
-        if others is not None:
-            freed += others
-        self._start_free(freed)
 
     def _poison(self, failed: Task) -> None:
         """Cancel everything that depends on a failed task, transitively; unrelated work goes on,

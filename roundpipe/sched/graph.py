@@ -216,6 +216,7 @@ class GraphBuilder:
         act_bytes = self.spec.act_bytes
         up_bytes = act_bytes * (2 if run.kind == SlotKind.BWD else 1)
         down_bytes = act_bytes if run.slot < self.plan.num_slots - 1 else 0
+        fused = run.kind == SlotKind.FUSED
         last_down = built.last_act_down
         computes: list[Key] = []
         for position, mb in enumerate(run.microbatches):
@@ -242,7 +243,7 @@ class GraphBuilder:
                 ),
                 run.task(down_key, ACT_DOWN, [compute_key], microbatch=mb, nbytes=down_bytes),
             )
-            if run.kind == SlotKind.FUSED:
+            if fused:
                 built.loss_keys.append(compute_key)
             last_down[mb] = down_key
             computes.append(compute_key)

@@ -46,6 +46,7 @@ PRIORITY: dict[str, int] = {
     STEP: 10,
     P_COPY: 10,
 }
+_NEW = TaskState.NEW  # a module global: enum class attributes are slow to read per task
 _KIND_BY_NAME: dict[str, str] = {kind.value: kind for kind in TaskKind}
 _STAGE_KIND_BY_NAME: dict[str, str] = {kind.value: kind for kind in SlotKind}
 
@@ -147,7 +148,7 @@ class Task:
         self.ready_t = -1.0
         self.start_t = -1.0
         self.end_t = -1.0
-        self.state: TaskState = TaskState.NEW
+        self.state: TaskState = _NEW
         self.error: BaseException | None = None
 
     @property

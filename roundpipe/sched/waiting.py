@@ -56,7 +56,7 @@ async def wait_until_done(engine: Engine, targets: list[Task] | None) -> None:
             if engine._pending == 0:
                 return
         else:
-            while index < len(targets) and targets[index].state == _DONE:
+            while index < len(targets) and targets[index].state is _DONE:
                 index += 1
             if index == len(targets):
                 return
@@ -84,7 +84,7 @@ def _advance_virtual(engine: Engine, target: Task | None) -> str:
         if target is None:
             if engine._pending == 0:
                 return _PROGRESS
-        elif target.state == _DONE:
+        elif target.state is _DONE:
             return _PROGRESS
     return _BUDGET_SPENT
 
