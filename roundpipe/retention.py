@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from roundpipe.sched.task import GRAD_NORM, P_COPY, STEP, Key
+from roundpipe.sched.keys import ITERATION_KEYS, STEP_KEYS
+from roundpipe.sched.task import Key
 from roundpipe.sched.trace import Trace
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from roundpipe.sched.engine import Engine
 
 # Task kinds whose key names a step (the optimizer's count), not an iteration.
-_STEP_KEYED = frozenset({STEP, P_COPY, GRAD_NORM})
 # How far behind the trace's window the engine still indexes finished tasks. A margin, not a
 # bound anything depends on exactly: forgetting only saves memory, so erring long costs little.
 ITERATION_MARGIN = 2
@@ -37,13 +37,15 @@ STEP_MARGIN = 3
 
 def forget_horizon(oldest_iteration: int, next_step: int) -> Callable[[Key], bool]:
     """Which finished task keys the engine may forget, given the oldest iteration the trace
-    keeps and the number of steps requested so far. Keys name their iteration (device tasks,
-    G-copies) or their step (optimizer tasks) in their second field."""
+    keeps and the number of steps requested so far. A key belongs to an iteration (device
+    tasks, G-copies) or to a step (optimizer tasks)."""
     iteration_horizon = oldest_iteration - ITERATION_MARGIN
     step_horizon = next_step - STEP_MARGIN
 
     def is_old(key: Key) -> bool:
-        return bool(key[1] < (step_horizon if key[0] in _STEP_KEYED else iteration_horizon))
+        if isinstance(key, STEP_KEYS):
+            return key.step < step_horizon
+        return isinstance(key, ITERATION_KEYS) and key.iteration < iteration_horizon
 
     return is_old
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.sched.backend import DoneCallback, IssuedCallback
 from roundpipe.sched.task import (
     ACT_DOWN,
@@ -78,14 +79,14 @@ class FakeCostModel:
             ms = self._optimizer_ms(task)
         elif kind in (G_COPY, P_COPY):
             ms = self._optimizer_ms(task) * self.copy_fraction
-        else:  # the gradient norm (a reduction over a few numbers), or a kind no cost is known for
+        else:  # the grad-norm barrier, and kinds the model does not know
             ms = 0.0
         return ms + self.latency_ms
 
     def _compute_ms(self, stage_kind: str, layers: range) -> float:
-        if stage_kind == "fwd":
+        if stage_kind == SlotKind.FWD:
             return self.costs.fwd_stage_ms(layers)
-        if stage_kind == "fused":
+        if stage_kind == SlotKind.FUSED:
             return self.costs.fused_stage_ms(layers)
         return self.costs.bwd_stage_ms(layers)
 

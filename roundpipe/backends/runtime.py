@@ -6,7 +6,7 @@ activations, the fused stage, recompute + backward, gradient download, the optim
 operations) is written once against a `torch.device`; backends only decide which thread or
 stream runs it and how completion is reported.
 
-Data flow of one microbatch through a plan, all keyed by (iteration, boundary layer, microbatch):
+Data flow of one microbatch through a plan, all keyed by `BoundaryKey` (iteration, layer, microbatch):
   host inputs -> F1 -> ... -> Fk -> FB (loss, backward) -> Bk -> ... -> B1
   forward stages save the activation entering every layer where a backward stage starts
   (`boundaries`), backward stages fetch it, recompute, and send the input gradient down.
@@ -24,12 +24,20 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from roundpipe.backends.host_data import (
+    BoundaryKey,
+    IterationData,
+    LayerTimes,
+    LossFn,
+    ReplicaKey,
+    RunKey,
+    SlotKey,
+)
 from roundpipe.backends.tensors import (
     TransientPool,
     cast_floating,
@@ -43,6 +51,7 @@ from roundpipe.backends.tensors import (
 )
 from roundpipe.errors import DeviceOutOfMemoryError, StageError
 from roundpipe.optim.host import HostModel
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
@@ -55,37 +64,6 @@ from roundpipe.sched.task import (
     STEP,
     Task,
 )
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-RunKey = tuple[int, int, int]  # iteration, round, slot
-
-
-# --------------------------------------------------------------------- per-iteration data
-
-
-@dataclass
-class IterationData:
-    """What the host holds for one forward_backward call."""
-
-    inputs: list[Any]
-    targets: list[Any]
-    weights: list[float]
-    loss_fn: LossFn | None
-    loss_scale: float
-    boundaries: frozenset[int]  # layers whose input a forward stage must save for a backward stage
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once the fused stage is done
-
-
-@dataclass
-class LayerTimes:
-    """Measured forward milliseconds per layer (exponential moving average)."""
-
-    fwd_ms: list[float | None]
-    alpha: float = 0.5
-
-    def add(self, layer: int, ms: float) -> None:
-        old = self.fwd_ms[layer]
-        self.fwd_ms[layer] = ms if old is None else (1 - self.alpha) * old + self.alpha * ms
 
 
 class Runtime:
@@ -113,13 +91,13 @@ class Runtime:
         self.scaler = scaler
         self.chunk_elements = max(1, (chunk_bytes or 64 << 20) // 4)  # fp32 elements per gradient chunk
         self.iterations: dict[int, IterationData] = {}
-        self.activations: dict[tuple[int, int, int], Any] = {}  # (iteration, layer, mb) -> activation
-        self.gradients: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
-        self.inbox: dict[tuple[int, int, int], Any] = {}  # (iteration, slot, mb) -> uploaded input
-        self.outbox: dict[tuple[int, int, int], Any] = {}  # (iteration, slot, mb) -> output to download
-        self.transient: dict[tuple[int, RunKey], dict[int, dict[str, torch.Tensor]]] = {}
-        self._replicas: dict[tuple[int, int], nn.Module] = {}
-        self._binders: dict[tuple[int, int], _Binder] = {}
+        self.activations: dict[BoundaryKey, Any] = {}
+        self.gradients: dict[BoundaryKey, list[torch.Tensor | None]] = {}
+        self.inbox: dict[SlotKey, Any] = {}  # uploaded stage inputs
+        self.outbox: dict[SlotKey, Any] = {}  # stage outputs to download
+        self.transient: dict[RunKey, dict[int, dict[str, torch.Tensor]]] = {}  # run -> layer -> params
+        self._replicas: dict[ReplicaKey, nn.Module] = {}
+        self._binders: dict[ReplicaKey, _Binder] = {}
         self._replica_lock = threading.Lock()
         self._rng_lock = threading.Lock()
         self.uses_rng = any(
@@ -128,7 +106,6 @@ class Runtime:
         self.times = LayerTimes([None] * len(self.layers))
         self.pool = TransientPool()
         self.devices: dict[int, torch.device] = {}
-        self.iteration_scales: dict[int, float] = {}
         # Backends that issue device work ahead of its completion set this: what a task's work
         # reads on another stream is then kept alive until the task has run (`hold`, `finish`).
         self.defer_release = False
@@ -144,7 +121,7 @@ class Runtime:
     def replica(self, device: int, layer: int) -> nn.Module:
         """A per-device structural copy of a layer whose parameters are empty placeholders
         (the transient copy is passed in at call time), with its own buffers."""
-        key = (device, layer)
+        key = ReplicaKey(device, layer)
         module = self._replicas.get(key)
         if module is not None:
             return module
@@ -164,26 +141,22 @@ class Runtime:
 
     def begin_iteration(self, iteration: int, data: IterationData) -> None:
         self.iterations[iteration] = data
-        self.iteration_scales[iteration] = data.loss_scale
+
+    def _stores(self) -> tuple[dict[Any, Any], ...]:
+        """The per-iteration tensor stores; every key of them has an ``iteration``."""
+        return (self.activations, self.gradients, self.inbox, self.outbox, self.transient)
 
     def end_iteration(self, iteration: int) -> None:
         self.iterations.pop(iteration, None)
-        self.iteration_scales.pop(iteration, None)
-        for store in (self.activations, self.gradients, self.inbox, self.outbox):
-            for key in [k for k in store if k[0] == iteration]:
+        for store in self._stores():
+            for key in [k for k in store if k.iteration == iteration]:
                 del store[key]
-        for run_key in [k for k in self.transient if k[1][0] == iteration]:
-            del self.transient[run_key]
 
     def reset(self) -> None:
         """Drop everything in flight (after a failure)."""
         self.iterations.clear()
-        self.iteration_scales.clear()
-        self.activations.clear()
-        self.gradients.clear()
-        self.inbox.clear()
-        self.outbox.clear()
-        self.transient.clear()
+        for store in self._stores():
+            store.clear()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -235,10 +208,10 @@ class Runtime:
     def param_up(self, task: Task) -> None:
         layer = task.layers.start
         device = self.device(task.device)
-        run = (task.iteration, task.round, task.slot)
-        params = self.transient.setdefault((task.device, run), {}).setdefault(layer, {})
+        run = RunKey(task.device, task.iteration, task.round, task.slot)
+        params = self.transient.setdefault(run, {}).setdefault(layer, {})
         named = self.host.layer_params[layer]
-        needs_grad = task.stage_kind != "fwd"
+        needs_grad = task.stage_kind != SlotKind.FWD
         if task.num_parts == 1:
             for name, param in named:
                 source = self.host.compute[id(param)]
@@ -266,28 +239,24 @@ class Runtime:
         t, mb, start = task.iteration, task.microbatch, task.layers.start
         data = self.iterations[t]
         device = self.device(task.device)
-        if start == 0 and task.stage_kind != "bwd":
+        entry, exit_ = BoundaryKey(t, start, mb), BoundaryKey(t, task.layers.stop, mb)
+        if start == 0 and task.stage_kind != SlotKind.BWD:
             value: Any = cast_floating(data.inputs[mb], self.host.dtype)
         elif start == 0:
-            value = (
-                cast_floating(data.inputs[mb], self.host.dtype),
-                self.gradients.pop((t, task.layers.stop, mb)),
-            )
-        elif task.stage_kind == "fwd":
-            key = (t, start, mb)
-            value = self.activations[key] if start in data.boundaries else self.activations.pop(key)
-        elif task.stage_kind == "fused":
-            value = self.activations.pop((t, start, mb))
+            value = (cast_floating(data.inputs[mb], self.host.dtype), self.gradients.pop(exit_))
+        elif task.stage_kind == SlotKind.FWD:
+            value = self.activations[entry] if start in data.boundaries else self.activations.pop(entry)
+        elif task.stage_kind == SlotKind.FUSED:
+            value = self.activations.pop(entry)
         else:
-            value = (self.activations.pop((t, start, mb)), self.gradients.pop((t, task.layers.stop, mb)))
-        uploaded = to_device(value, device, device.type == "cuda")
-        self.inbox[(t, task.slot, mb)] = uploaded
+            value = (self.activations.pop(entry), self.gradients.pop(exit_))
+        self.inbox[SlotKey(t, task.slot, mb)] = to_device(value, device, device.type == "cuda")
         if self.defer_release:
             self.hold(task, value)  # the host tensors the copy reads
 
     def act_down(self, task: Task) -> None:
         t, mb = task.iteration, task.microbatch
-        produced = self.outbox.pop((t, task.slot, mb), None)
+        produced = self.outbox.pop(SlotKey(t, task.slot, mb), None)
         if produced is None:
             return
         kind, payload = produced
@@ -296,13 +265,12 @@ class Runtime:
         for layer, value in payload.items():
             host_value = download(value)
             if kind == "act":
-                self.activations[(t, layer, mb)] = host_value
+                self.activations[BoundaryKey(t, layer, mb)] = host_value
             else:
-                self.gradients[(t, layer, mb)] = host_value
+                self.gradients[BoundaryKey(t, layer, mb)] = host_value
 
     def grad_down(self, task: Task) -> None:
-        run = (task.iteration, task.round, task.slot)
-        params = self.transient.pop((task.device, run), {})
+        params = self.transient.pop(RunKey(task.device, task.iteration, task.round, task.slot), {})
         landings: list[tuple[int, str, torch.Tensor]] = []
         for layer, named in params.items():
             buffers = self.host.grad_buffers[layer]
@@ -338,17 +306,17 @@ class Runtime:
 
     def compute(self, task: Task) -> None:
         t, mb = task.iteration, task.microbatch
-        key = (t, task.slot, mb)
+        key = SlotKey(t, task.slot, mb)
         value = self.inbox.pop(key)
         if self.defer_release:
             self.hold(task, value)  # uploaded on another stream
-        run = (t, task.round, task.slot)
-        params = self.transient.get((task.device, run), {})
-        if task.stage_kind == "fwd":
+        run = RunKey(task.device, t, task.round, task.slot)
+        params = self.transient.get(run, {})
+        if task.stage_kind == SlotKind.FWD:
             self.outbox[key] = ("act", self._forward_stage(task, params, value))
             if task.part == task.num_parts - 1:  # last microbatch of the run: free the transient copy
-                self._release(task, self.transient.pop((task.device, run), {}))
-        elif task.stage_kind == "fused":
+                self._release(task, self.transient.pop(run, {}))
+        elif task.stage_kind == SlotKind.FUSED:
             self.outbox[key] = ("grad", self._fused_stage(task, params, value))
         else:
             act, grad = value
@@ -453,7 +421,7 @@ class Runtime:
 
     def _call(self, task: Task, layer: int, params: dict[int, dict[str, torch.Tensor]], x: Any) -> Any:
         replica = self.replica(task.device, layer)
-        binder = self._binders[(task.device, layer)]
+        binder = self._binders[ReplicaKey(task.device, layer)]
         try:
             with self._rng(task.iteration, layer, task.microbatch):
                 binder.bind(params.get(layer, {}))
@@ -484,7 +452,8 @@ class Runtime:
     # ------------------------------------------------------------------ optimizer lane
 
     def g_copy(self, task: Task) -> None:
-        self.host.g_copy(task.layers.start, self.iteration_scales.get(task.iteration, 1.0))
+        data = self.iterations.get(task.iteration)
+        self.host.g_copy(task.layers.start, data.loss_scale if data is not None else 1.0)
 
     def grad_norm(self, task: Task) -> None:
         check = self.scaler is not None
@@ -548,3 +517,6 @@ _HANDLERS: dict[str, Callable[[Runtime, Task], None]] = {
     STEP: Runtime.step,
     P_COPY: Runtime.p_copy,
 }
+
+
+__all__ = ["IterationData", "LossFn", "Runtime"]

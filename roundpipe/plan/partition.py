@@ -15,15 +15,15 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from roundpipe.errors import PlanError
 from roundpipe.plan import _search
 from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.rounds import as_count, round_sizes
 
-SlotKind = Literal["fwd", "fused", "bwd"]
-_KINDS = ("fwd", "fused", "bwd")
+_KINDS = tuple(SlotKind)
 _PLAN_KEYS = ("fwd_stages", "fused", "bwd_stages", "t_max", "num_devices", "num_microbatches", "slot_ms")
 
 
@@ -42,7 +42,10 @@ class Slot:
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
-            raise PlanError(f"slot {self.index} has kind {self.kind!r}; a slot kind is one of {list(_KINDS)}")
+            raise PlanError(
+                f"slot {self.index} has kind {self.kind!r}; a slot kind is one of {[str(k) for k in _KINDS]}"
+            )
+        object.__setattr__(self, "kind", SlotKind(self.kind))
         if not isinstance(self.layers, range) or self.layers.step != 1 or len(self.layers) == 0:
             raise PlanError(
                 f"slot {self.index} needs a non-empty range of consecutive layers, got {self.layers!r}"
@@ -50,9 +53,9 @@ class Slot:
 
     @property
     def name(self) -> str:
-        if self.kind == "fused":
+        if self.kind == SlotKind.FUSED:
             return "FB"
-        if self.kind == "fwd":
+        if self.kind == SlotKind.FWD:
             return f"F{self.number or self.index + 1}"
         return f"B{self.number}" if self.number else f"B(slot {self.index})"
 
@@ -153,10 +156,10 @@ class Plan:
     def slots(self) -> tuple[Slot, ...]:
         """Dispatch order: F1..Fk, FB, Bk..B1."""
         k = len(self.fwd_stages)
-        out = [Slot(i, "fwd", r, i + 1) for i, r in enumerate(self.fwd_stages)]
-        out.append(Slot(k, "fused", self.fused))
+        out = [Slot(i, SlotKind.FWD, r, i + 1) for i, r in enumerate(self.fwd_stages)]
+        out.append(Slot(k, SlotKind.FUSED, self.fused))
         nb = len(self.bwd_stages)
-        out += [Slot(k + 1 + j, "bwd", r, nb - j) for j, r in enumerate(self.bwd_stages)]
+        out += [Slot(k + 1 + j, SlotKind.BWD, r, nb - j) for j, r in enumerate(self.bwd_stages)]
         return tuple(out)
 
     @property
@@ -172,7 +175,11 @@ class Plan:
                 f"the plan covers {self.num_layers} layers but the costs describe {costs.num_layers}; "
                 "re-plan with partition() for these costs"
             )
-        timer = {"fwd": costs.fwd_stage_ms, "fused": costs.fused_stage_ms, "bwd": costs.bwd_stage_ms}
+        timer = {
+            SlotKind.FWD: costs.fwd_stage_ms,
+            SlotKind.FUSED: costs.fused_stage_ms,
+            SlotKind.BWD: costs.bwd_stage_ms,
+        }
         return tuple(timer[s.kind](s.layers) for s in self.slots)
 
     @classmethod

@@ -3,18 +3,34 @@
 Why an engine and not hand-written waits: every ordering constraint in roundpipe (the five rules,
 one-stage prefetch, activation flow, one task at a time per lane) is a declared dependency or a
 lane, so a schedule can be printed, checked, simulated and replayed, and a stuck task can name
-what it waits for. The engine itself is small and cheap:
+what it waits for. The engine never runs tensor math, never blocks and never imports torch.
 
-- a task keeps a count of unmet dependencies and a list of dependents; completing a task
-  decrements its dependents and pushes those that reach zero onto their resource's ready heap,
-  keyed by (-priority, sequence) so the most urgent, then the oldest, starts first;
-- the engine never runs tensor math and never blocks: virtual backends are advanced in a tight
-  loop, real backends report completions through ``call_soon_threadsafe``;
-- on a failure the engine cancels everything that depends on the failed task, lets unrelated
-  work finish (so host state ends consistent), then raises `TaskFailedError` in whoever waits,
-  naming the task; `cancel_pending()` then drops the rest so the owner can continue or close.
-
-The engine must never import torch or know what a task does.
+The life of a task, in order (threads in brackets):
+  1. [caller] `RoundPipe.forward_backward` hands the work to the loop thread
+     (``run_coroutine_threadsafe``); [loop] `RoundPipe._forward_backward` stores the iteration's
+     inputs (`Runtime.begin_iteration`) and asks `GraphBuilder.forward_backward` for the tasks
+     (state NEW: key, kind, lane, priority, deps declared by key).
+  2. [loop] `Engine.submit` indexes them by key, links each to its dependencies' ``dependents``
+     (or parks it under a key not yet submitted), counts ``unmet`` (WAITING), checks a batch with
+     backward edges for cycles; tasks with nothing unmet go to `_push_ready`: READY, on their
+     resource's heap, keyed (-priority, seq) so the most urgent, then the oldest, comes first.
+  3. [loop] `_start_free` / `_start_next` pop the heap of every idle resource: RUNNING, then
+     ``backend.start(task)``.
+  4. Real backends (`LaneThreadBackend.start`): [lane thread, one per lane] `_run` ->
+     `execute` -> `Runtime.run` -> the kind's handler (`Runtime.param_up`, `compute`, ...; on CUDA
+     inside the lane's stream) -> `CompletionPipe.put`, which batches completions and schedules
+     one ``call_soon_threadsafe(_drain)``; [loop] `_drain` calls `Engine._task_done` per task.
+     The fake backend instead pushes the task's end time on a heap; `wait` (`waiting.py`) calls
+     ``backend.advance()``, which moves the virtual clock and calls `_task_done` directly.
+  5. [loop] `_task_done`: DONE and appended to the trace (or FAILED, and `_poison` cancels its
+     dependents transitively); `_release_dependents` counts each dependent down and pushes those
+     at zero (READY); `_task_done` then starts the freed resource and theirs (held while another
+     virtual task ends at the same instant, so the most urgent of all goes first); the wakeup
+     future of a sleeping `wait` is resolved.
+  6. [loop] `wait_until_done` sees the awaited keys (the loss computes) DONE and returns;
+     `RoundPipe` reads the losses, later frees finished iterations and `forget`s old keys.
+On a failure the engine lets unrelated work finish, then `wait` raises `TaskFailedError` naming
+the task; `cancel_pending()` drops the rest so the owner can continue or close.
 """
 
 from __future__ import annotations
@@ -24,16 +40,23 @@ import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from roundpipe.errors import ScheduleError, TaskFailedError
+from roundpipe.errors import ScheduleError
 from roundpipe.sched.backend import Backend
+from roundpipe.sched.diagnostics import cycle_message, find_cycle, released_by
+from roundpipe.sched.kinds import TaskState
 from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import Trace
+from roundpipe.sched.waiting import wait_until_done
 
-_YIELD_EVERY = 4096  # virtual events between yields to the loop, so other coroutines keep ticking
-# What one stretch of virtual events ended with (see `Engine._advance_virtual`).
-_STUCK = "stuck"  # nothing was running
-_PROGRESS = "progress"  # the awaited tasks are done, or a task failed
-_BUDGET_SPENT = "budget spent"  # _YIELD_EVERY events ran: yield to the loop, then go on
+# States under short names: the hot paths read module globals, not enum class attributes.
+_WAITING = TaskState.WAITING
+_READY = TaskState.READY
+_RUNNING = TaskState.RUNNING
+_ISSUED = TaskState.ISSUED
+_DONE = TaskState.DONE
+_FAILED = TaskState.FAILED
+_CANCELLED = TaskState.CANCELLED
+_FINISHED = (_CANCELLED, _FAILED, _DONE)
 
 
 @dataclass(frozen=True)
@@ -130,18 +153,18 @@ class Engine:
                     # Same device: ordered on the device, so issued is enough. Across devices (and
                     # for host work) completion: a stream that waits on another device's far-off
                     # event would hold back everything issued behind it.
-                    if dep.state != "done" and dep.state != "issued":
+                    if dep.state is not _DONE and dep.state is not _ISSUED:
                         dep.issue_dependents.append(task)
                         unmet += 1
                         if dep.seq >= task.seq:
                             backward = True
-                elif dep.state != "done":
+                elif dep.state is not _DONE:
                     dep.dependents.append(task)
                     unmet += 1
                     if dep.seq >= task.seq:
                         backward = True
             task.unmet = unmet
-            task.state = "waiting"
+            task.state = _WAITING
             task.submit_t = now
         if missing:
             for task in new:
@@ -163,40 +186,22 @@ class Engine:
             task.seq = -1
 
     def _check_acyclic(self, new: list[Task]) -> None:
-        """Kahn's algorithm over the edges inside this batch; a leftover means a cycle."""
-        in_batch = {id(t) for t in new}
-        indegree: dict[int, int] = {}
-        for task in new:
-            for dep in _released_by(task):
-                if id(dep) in in_batch:
-                    indegree[id(dep)] = indegree.get(id(dep), 0) + 1
-        stack = [t for t in new if id(t) not in indegree]
-        visited = 0
-        while stack:
-            task = stack.pop()
-            visited += 1
-            for dep in _released_by(task):
-                if id(dep) in in_batch:
-                    indegree[id(dep)] -= 1
-                    if indegree[id(dep)] == 0:
-                        stack.append(dep)
-        if visited == len(new):
+        cycle = find_cycle(new)
+        if cycle is None:
             return
-        cycle = _find_cycle([t for t in new if indegree.get(id(t), 0) > 0], in_batch)
         # Leave the engine usable: forget the whole malformed batch.
         for task in new:
             self._tasks.pop(task.key, None)
-            task.state = "cancelled"
+            task.state = _CANCELLED
         self._pending -= len(new)
         for task in self._tasks.values():
-            task.dependents = [d for d in task.dependents if d.state != "cancelled"]
-            task.issue_dependents = [d for d in task.issue_dependents if d.state != "cancelled"]
+            task.dependents = [d for d in task.dependents if d.state != _CANCELLED]
+            task.issue_dependents = [d for d in task.issue_dependents if d.state != _CANCELLED]
         for key in list(self._missing):
-            self._missing[key] = [d for d in self._missing[key] if d.state != "cancelled"]
+            self._missing[key] = [d for d in self._missing[key] if d.state != _CANCELLED]
             if not self._missing[key]:
                 del self._missing[key]
-        path = " -> ".join(t.describe() for t in cycle)
-        raise ScheduleError(f"dependency cycle: {path} -> {cycle[0].describe()}")
+        raise ScheduleError(cycle_message(cycle))
 
     # ------------------------------------------------------------------ running
 
@@ -224,7 +229,7 @@ class Engine:
         return res
 
     def _push_ready(self, task: Task, now: float) -> _Resource:
-        task.state = "ready"
+        task.state = _READY
         task.ready_t = now
         res = self._resource_of_lane.get(task.lane) or self._resource(task.lane)
         heapq.heappush(res.heap, (-task.priority, task.seq, task))
@@ -240,13 +245,13 @@ class Engine:
     def _start_next(self, res: _Resource) -> None:
         heap = res.heap
         task = heapq.heappop(heap)[2]
-        while task.state == "cancelled":
+        while task.state is _CANCELLED:
             if not heap:
                 return
             task = heapq.heappop(heap)[2]
         self._ready -= 1
         res.busy = True
-        task.state = "running"
+        task.state = _RUNNING
         task.start_t = self.backend.now()
         self._running += 1
         self.backend.start(task)
@@ -255,10 +260,10 @@ class Engine:
         """A device task's work is queued on its device: its lane may issue the next task, and
         the device tasks that depend on it (and on nothing unissued) may be issued too. It still
         counts as running until `_task_done`."""
-        if task.state != "running":
+        if task.state is not _RUNNING:
             return  # failed or cancelled meanwhile
         now = self.backend.now()
-        task.state = "issued"
+        task.state = _ISSUED
         task.issue_t = now
         res = self._resource_of_lane[task.lane]
         res.busy = False
@@ -266,7 +271,7 @@ class Engine:
         dependents, task.issue_dependents = task.issue_dependents, []
         for dep in dependents:
             dep.unmet -= 1
-            if dep.unmet == 0 and dep.state == "waiting":
+            if dep.unmet == 0 and dep.state is _WAITING:
                 touched.append(self._push_ready(dep, now))
         self._start_free(touched)
         wakeup = self._wakeup
@@ -274,15 +279,16 @@ class Engine:
             wakeup.set_result(None)
 
     def _task_done(self, task: Task, error: BaseException | None = None) -> None:
-        # The hot path: one call per finished task. It does the work of `_push_ready` and
-        # `_start_free` inline (same order: the freed resource first, then the resources of the
-        # newly ready tasks in dependents order) because method calls dominate its cost.
+        """The completion callback (the hot path: one call per finished task): record the end,
+        free the task's resource, release or cancel its dependents, start what may start, and
+        wake `wait`. Starting is inlined `_start_free`, in its order: the held resources, the
+        freed one, then those of the newly ready tasks."""
         now = self.backend.now()
         if task.end_t < 0.0:  # a backend that times tasks on the device has set it already
             task.end_t = now
         self._running -= 1
         res = self._resource_of_lane[task.lane]
-        if task.state == "issued":
+        if task.state is _ISSUED:
             # Its lane was freed at issue and its device dependents released then: start nothing
             # on the lane here.
             res = _FREED_AT_ISSUE
@@ -292,41 +298,13 @@ class Engine:
                 task.dependents = task.issue_dependents + task.dependents
                 task.issue_dependents = []
         if error is not None:
-            task.state = "failed"
-            task.error = error
-            self._failed.append(task)
-            self._pending -= 1
-            self._poison(task)
-            self._start_free([*self._held, res])
-            self._held = []
+            self._task_failed(task, error, res)
         else:
-            task.state = "done"
+            task.state = _DONE
             self._pending -= 1
             self._done += 1
             self.trace.records.append(task)
-            dependents = task.dependents
-            others: list[_Resource] | None = None
-            if dependents:
-                resource_of_lane = self._resource_of_lane
-                heappush = heapq.heappush
-                pushed = 0
-                for dep in dependents:
-                    unmet = dep.unmet - 1
-                    dep.unmet = unmet
-                    if unmet:
-                        continue
-                    dep.state = "ready"
-                    dep.ready_t = now
-                    target = resource_of_lane.get(dep.lane) or self._resource(dep.lane)
-                    heappush(target.heap, (-dep.priority, dep.seq, dep))
-                    pushed += 1
-                    if target is not res and not target.busy:
-                        if others is None:
-                            others = [target]
-                        else:
-                            others.append(target)
-                self._ready += pushed
-                task.dependents = []
+            others = self._release_dependents(task, res, now) if task.dependents else None
             if self._virtual and self.backend.next_time() == now:
                 # Another task finishes at this same instant: start nothing until its dependents
                 # are ready too, so the most urgent of them all goes first, not the first popped.
@@ -336,34 +314,67 @@ class Engine:
             else:
                 if self._held:
                     held, self._held = self._held, []
-                    for target in held:
-                        if not target.busy and target.heap:
-                            self._start_next(target)
+                    self._start_free(held)
                 if res.heap and not res.busy:
                     self._start_next(res)
                 if others is not None:
-                    for target in others:
-                        if not target.busy and target.heap:
-                            self._start_next(target)
+                    self._start_free(others)
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
 
+    def _task_failed(self, task: Task, error: BaseException, res: _Resource) -> None:
+        task.state = _FAILED
+        task.error = error
+        self._failed.append(task)
+        self._pending -= 1
+        self._poison(task)
+        self._start_free([*self._held, res])
+        self._held = []
+
+    def _release_dependents(self, task: Task, res: _Resource, now: float) -> list[_Resource] | None:
+        """Count down the dependents of a finished task and push those left with no unmet
+        dependency onto their resource's heap (`_push_ready` for a whole list at once: this runs
+        for every task, and a call per dependent would cost more than the push). Returns the idle
+        resources, other than ``res``, that got ready work, in dependents order."""
+        others: list[_Resource] | None = None
+        resource_of_lane = self._resource_of_lane
+        heappush = heapq.heappush
+        pushed = 0
+        for dep in task.dependents:
+            unmet = dep.unmet - 1
+            dep.unmet = unmet
+            if unmet:
+                continue
+            dep.state = _READY
+            dep.ready_t = now
+            target = resource_of_lane.get(dep.lane) or self._resource(dep.lane)
+            heappush(target.heap, (-dep.priority, dep.seq, dep))
+            pushed += 1
+            if target is not res and not target.busy:
+                if others is None:
+                    others = [target]
+                else:
+                    others.append(target)
+        self._ready += pushed
+        task.dependents = []
+        return others
+
     def _poison(self, failed: Task) -> None:
         """Cancel everything that depends on a failed task, transitively; unrelated work goes on,
         so the host state ends consistent (every step either fully applied or not at all)."""
-        stack = _released_by(failed)
+        stack = released_by(failed)
         failed.dependents = []
         failed.issue_dependents = []
         while stack:
             task = stack.pop()
-            if task.state in ("cancelled", "failed", "done", "running", "issued"):
+            if task.state in _FINISHED or task.state is _RUNNING or task.state is _ISSUED:
                 continue  # running and issued work completes (or fails) on its own
-            if task.state == "ready":
+            if task.state == _READY:
                 self._ready -= 1  # its heap entry is skipped when popped
-            task.state = "cancelled"
+            task.state = _CANCELLED
             self._pending -= 1
-            stack.extend(_released_by(task))
+            stack.extend(released_by(task))
             task.dependents = []
             task.issue_dependents = []
 
@@ -382,92 +393,7 @@ class Engine:
         and `ScheduleError` when nothing can make progress any more.
         """
         self._bind()
-        targets = None if keys is None else [self.task(k) for k in keys]
-        index = 0
-        backend = self.backend
-        while True:
-            if self._failed and self._running == 0 and self._ready == 0:
-                self._raise_failure()
-            if self._failed:
-                pass  # keep running unrelated work until the failure is isolated
-            elif targets is None:
-                if self._pending == 0:
-                    return
-            else:
-                while index < len(targets) and targets[index].state == "done":
-                    index += 1
-                if index == len(targets):
-                    return
-            if backend.virtual:
-                outcome = self._advance_virtual(targets[index] if targets is not None else None)
-                if outcome is _STUCK:
-                    if self._failed:
-                        self._raise_failure()
-                    self._raise_stall(targets[index:] if targets is not None else None)
-                if outcome is _BUDGET_SPENT:
-                    await asyncio.sleep(0)  # let other coroutines on the loop tick
-            else:
-                if self._running == 0:
-                    if self._failed:
-                        self._raise_failure()
-                    self._raise_stall(targets[index:] if targets is not None else None)
-                await self._sleep_until_progress()
-
-    def _advance_virtual(self, target: Task | None) -> str:
-        """Complete up to `_YIELD_EVERY` virtual events; stop early when ``target`` (None: every
-        submitted task) is done or a task failed, so `wait` can re-check its exit conditions."""
-        advance = self.backend.advance
-        for _ in range(_YIELD_EVERY):
-            if not advance():
-                return _STUCK
-            if self._failed:
-                return _PROGRESS
-            if target is None:
-                if self._pending == 0:
-                    return _PROGRESS
-            elif target.state == "done":
-                return _PROGRESS
-        return _BUDGET_SPENT
-
-    async def _sleep_until_progress(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._wakeup = loop.create_future()
-        try:
-            if self.stall_timeout_s is None:
-                await self._wakeup
-            else:
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._wakeup), self.stall_timeout_s)
-                except asyncio.TimeoutError:
-                    running = [t for t in self._tasks.values() if t.state == "running"]
-                    names = "; ".join(t.describe() for t in running[:8])
-                    raise ScheduleError(
-                        f"watchdog: no task finished for {self.stall_timeout_s:.1f} s; still running: {names}"
-                    ) from None
-        finally:
-            self._wakeup = None
-
-    def _raise_failure(self) -> None:
-        task = self._failed[0]
-        error = task.error
-        if isinstance(error, TaskFailedError):
-            raise error
-        raise TaskFailedError(
-            f"task failed: {task.describe()}: {type(error).__name__}: {error}", task.describe()
-        ) from error
-
-    def _raise_stall(self, targets: list[Task] | None) -> None:
-        stuck = [t for t in self._tasks.values() if t.state == "waiting"]
-        lines = []
-        for task in stuck[:10]:
-            unmet = [k for k in task.deps if k not in self._tasks or self._tasks[k].state != "done"]
-            shown = ", ".join(_describe_key(k, self._tasks) for k in unmet[:4])
-            lines.append(f"  {task.describe()} waits for: {shown}")
-        more = f"\n  ... and {len(stuck) - 10} more" if len(stuck) > 10 else ""
-        what = f"{len(targets)} awaited task(s)" if targets is not None else f"{self._pending} task(s)"
-        raise ScheduleError(
-            f"stalled: {what} can never run; nothing is running or ready.\n" + "\n".join(lines) + more
-        )
+        await wait_until_done(self, None if keys is None else [self.task(k) for k in keys])
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -480,8 +406,8 @@ class Engine:
             raise ScheduleError(f"cancel_pending() with {self._running} task(s) still running")
         dropped = 0
         for key, task in list(self._tasks.items()):
-            if task.state != "done":
-                task.state = "cancelled"
+            if task.state != _DONE:
+                task.state = _CANCELLED
                 task.dependents = []
                 del self._tasks[key]
                 dropped += 1
@@ -500,12 +426,12 @@ class Engine:
         (each call's predicate accepts every key the previous one did)."""
         self._forgotten = older
         for key, task in list(self._tasks.items()):
-            if task.state == "done" and older(key):
+            if task.state == _DONE and older(key):
                 del self._tasks[key]
 
     def is_done(self, key: Key) -> bool:
         task = self._tasks.get(key)
-        return task is not None and task.state == "done"
+        return task is not None and task.state == _DONE
 
     def statistics(self) -> EngineStatistics:
         waiting = self._pending - self._ready - self._running
@@ -518,31 +444,3 @@ class Engine:
             failed=len(self._failed),
             now_ms=self.backend.now(),
         )
-
-
-def _released_by(task: Task) -> list[Task]:
-    """Every task waiting on ``task`` (for its issue or for its completion)."""
-    return task.issue_dependents + task.dependents if task.issue_dependents else task.dependents
-
-
-def _describe_key(key: Key, tasks: dict[Key, Task]) -> str:
-    task = tasks.get(key)
-    if task is None:
-        return f"{key!r} (never submitted)"
-    return f"{task.describe()} ({task.state})"
-
-
-def _find_cycle(candidates: list[Task], in_batch: set[int]) -> list[Task]:
-    """A concrete cycle among tasks that Kahn's algorithm could not order."""
-    cand = {id(t) for t in candidates}
-    for start in candidates:
-        path: list[Task] = []
-        on_path: dict[int, int] = {}
-        node: Task | None = start
-        while node is not None and id(node) not in on_path:
-            on_path[id(node)] = len(path)
-            path.append(node)
-            node = next((d for d in _released_by(node) if id(d) in cand and id(d) in in_batch), None)
-        if node is not None:
-            return path[on_path[id(node)] :]
-    return candidates[:1]

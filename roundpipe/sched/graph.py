@@ -28,9 +28,23 @@ from dataclasses import dataclass, field
 
 from roundpipe.errors import ScheduleError
 from roundpipe.plan.dispatch import SlotRun, dispatch
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
 from roundpipe.sched import rules
+from roundpipe.sched.keys import (
+    ActDownKey,
+    ActUpKey,
+    ComputeKey,
+    GCopyKey,
+    GradDownKey,
+    GradNormKey,
+    ParamUpKey,
+    PCopyKey,
+    StepKey,
+)
 from roundpipe.sched.rules import UnitLedger
+from roundpipe.sched.spec import ModelSpec, ScheduleOptions
+from roundpipe.sched.stage_run import IterationInProgress, StageRun, previous_act_down
 from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
@@ -49,50 +63,6 @@ from roundpipe.sched.task import (
 )
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the scheduler needs to know about the model's parameters, per layer.
-
-    ``param_bytes``: bytes a stage must upload for the layer (0: nothing to upload).
-    ``owners``: the trainable units whose parameters the layer reads (its own index when it has
-    trainable parameters, plus the owner of any parameter it shares with a shallower layer).
-    Layers with frozen parameters only have no owners: they are uploaded but never copied back.
-    ``act_bytes``: bytes of one stage-boundary activation of one microbatch (for cost models).
-    """
-
-    param_bytes: tuple[int, ...]
-    owners: tuple[tuple[int, ...], ...]
-    act_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if len(self.param_bytes) != len(self.owners):
-            raise ValueError(
-                f"ModelSpec: {len(self.param_bytes)} param_bytes entries but {len(self.owners)} owners entries"
-            )
-        for layer, owners in enumerate(self.owners):
-            for unit in owners:
-                if not 0 <= unit < len(self.owners):
-                    raise ValueError(f"ModelSpec: layer {layer} names unit {unit}, which is not a layer")
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.owners)
-
-    @property
-    def units(self) -> tuple[int, ...]:
-        """Trainable units, shallow first."""
-        return tuple(sorted({u for owners in self.owners for u in owners}))
-
-    @classmethod
-    def uniform(cls, num_layers: int, *, param_bytes: int = 0, act_bytes: int = 0) -> ModelSpec:
-        """Every layer trainable and owning its parameters (nothing shared)."""
-        return cls(
-            param_bytes=(param_bytes,) * num_layers,
-            owners=tuple((layer,) for layer in range(num_layers)),
-            act_bytes=act_bytes,
-        )
-
-
 @dataclass
 class IterationGraph:
     """The tasks of one forward_backward call and the keys a caller waits on."""
@@ -100,19 +70,8 @@ class IterationGraph:
     iteration: int
     step: int
     tasks: list[Task]
-    runs: list[SlotRun]
     loss_keys: list[Key]  # the fused stage's compute per microbatch, in microbatch order
     done_keys: list[Key] = field(default_factory=list)  # everything that ends the iteration
-
-
-@dataclass(frozen=True)
-class ScheduleOptions:
-    """Knobs of the task graph that do not change the plan."""
-
-    async_optimizer: bool = True
-    round_size: int | None = None
-    chunk_bytes: int | None = None  # split a layer's upload into parts of at most this size
-    grad_norm_barrier: bool = False  # a global pass over all gradients before any step (clipping)
 
 
 class GraphBuilder:
@@ -167,13 +126,10 @@ class GraphBuilder:
     # ------------------------------------------------------------------ one iteration
 
     def forward_backward(self, iteration: int, step: int, num_microbatches: int) -> IterationGraph:
-        if iteration <= self._last_iteration:
-            raise ScheduleError(f"iteration {iteration} was already built")
-        if step <= self._last_step:
-            raise ScheduleError(f"iteration {iteration} belongs to step {step}, which was already stepped")
-        self._last_iteration = iteration
-        self._iterations_of_step.setdefault(step, []).append(iteration)
-        version = rules.weight_version(step, self.options.async_optimizer)
+        """The tasks of one forward_backward call, in dependency order: per stage run its
+        parameter uploads, then per microbatch act_up, compute, act_down, then its gradient
+        download; after all runs the G-copies."""
+        self._start_iteration(iteration, step)
         runs, self._first_device = dispatch(
             self.plan,
             num_microbatches,
@@ -182,204 +138,176 @@ class GraphBuilder:
             first_device=self._first_device,
             round_size=self.options.round_size,
         )
-        spec, ledgers = self.spec, self.ledgers
-        tasks: list[Task] = []
-        loss_keys: list[Key] = []
-        num_slots = self.plan.num_slots
-        last_grad_down: dict[int, Key] = {}  # slot -> grad_down of the previous round
-        g_copy_needed: set[int] = set()
-        act_bytes = spec.act_bytes
+        built = IterationInProgress(iteration, step, rules.weight_version(step, self.options.async_optimizer))
+        for slot_run in runs:
+            run = self._stage_run(slot_run, built)
+            param_keys = self._param_uploads(run, built)
+            last_compute = self._microbatch_chains(run, param_keys, built)
+            self._remember_on_device(run.device, last_compute)
+            self._grad_download(run, last_compute, built)
+        done_keys: list[Key] = list(built.last_grad_down.values())
+        done_keys += self._g_copies(built)
+        return IterationGraph(iteration, step, built.tasks, built.loss_keys, done_keys)
 
-        lanes = self._lanes
-        for run in runs:
-            slot = run.slot
-            d = run.device
-            t = iteration
-            r = run.round
-            si = slot.index
-            layers = slot.layers
-            mbs = run.microbatches
-            # Hoisted out of the per-task loops below: they are the same for every task of the run.
-            name, kind = slot.name, slot.kind
-            lane = lanes.get(d)
-            if lane is None:
-                lane = lanes[d] = {x: device_lane(d, x) for x in DEVICE_LANES}
-            history = self._device_runs.setdefault(d, [])
-            prefetch_dep = [history[-2]] if len(history) >= 2 else []
+    def _start_iteration(self, iteration: int, step: int) -> None:
+        if iteration <= self._last_iteration:
+            raise ScheduleError(f"iteration {iteration} was already built")
+        if step <= self._last_step:
+            raise ScheduleError(f"iteration {iteration} belongs to step {step}, which was already stepped")
+        self._last_iteration = iteration
+        self._iterations_of_step.setdefault(step, []).append(iteration)
 
-            # Parameter uploads: one task per layer (or per chunk of a large layer).
-            param_keys: list[Key] = []
-            for layer in layers:
-                nbytes = spec.param_bytes[layer]
-                if nbytes <= 0 and not spec.owners[layer]:
-                    continue  # nothing to upload and no weight version to wait for
-                chunk = self.options.chunk_bytes
-                parts = 1 if not chunk else max(1, -(-nbytes // chunk))
-                deps: list[Key] = list(prefetch_dep)
-                for unit in spec.owners[layer]:
-                    deps += rules.no_torn_weights(ledgers[unit], version, self.base_version)
-                for part in range(parts):
-                    key: Key = (PARAM_UP, t, r, si, layer, part)
-                    tasks.append(
-                        Task(
-                            key,
-                            PARAM_UP,
-                            lane["param_up"],
-                            deps=deps,
-                            sync_deps=prefetch_dep,
-                            device=d,
-                            layers=range(layer, layer + 1),
-                            stage=name,
-                            stage_kind=kind,
-                            slot=si,
-                            iteration=t,
-                            round=r,
-                            step=version,
-                            part=part,
-                            num_parts=parts,
-                            nbytes=nbytes // parts + (1 if part < nbytes % parts else 0),
-                        )
-                    )
-                    param_keys.append(key)
-                    for unit in spec.owners[layer]:
-                        ledgers[unit].readers.setdefault(version, []).append(key)
+    def _stage_run(self, slot_run: SlotRun, built: IterationInProgress) -> StageRun:
+        device, slot = slot_run.device, slot_run.slot
+        lanes = self._lanes.get(device)
+        if lanes is None:
+            lanes = self._lanes[device] = {kind: device_lane(device, kind) for kind in DEVICE_LANES}
+        return StageRun(
+            built.iteration,
+            built.step,
+            slot_run.round,
+            slot.index,
+            slot.name,
+            slot.kind,
+            slot.layers,
+            device,
+            lanes,
+            slot_run.microbatches,
+        )
 
-            # Per microbatch: activation up, compute, activation down.
-            last_compute: Key | None = None
-            for j, mb in enumerate(mbs):
-                up_key = (ACT_UP, t, si, mb)
-                up_deps: list[Key] = []
-                up_sync: list[Key] = []
-                if si > 0:
-                    up_deps.append((ACT_DOWN, t, si - 1, mb))
-                if j >= 2:  # one microbatch ahead: flow control, so it waits for completion
-                    up_sync.append((COMPUTE, t, si, mbs[j - 2]))
-                    up_deps.append(up_sync[0])
-                tasks.append(
-                    Task(
-                        up_key,
-                        ACT_UP,
-                        lane["act_up"],
-                        deps=up_deps,
-                        sync_deps=up_sync,
-                        device=d,
-                        layers=layers,
-                        stage=name,
-                        stage_kind=kind,
-                        slot=si,
-                        microbatch=mb,
-                        iteration=t,
-                        round=r,
-                        step=step,
-                        nbytes=act_bytes * (2 if kind == "bwd" else 1),
+    def _param_uploads(self, run: StageRun, built: IterationInProgress) -> list[Key]:
+        """One upload per layer (per chunk of a large layer), each after the run two before on the
+        device (one stage of prefetch) and the P-copy that wrote the version it reads (rule 2)."""
+        spec, ledgers, version = self.spec, self.ledgers, built.version
+        history = self._device_runs.get(run.device, ())
+        prefetch_dep = [history[-2]] if len(history) >= 2 else []
+        chunk = self.options.chunk_bytes
+        param_keys: list[Key] = []
+        for layer in run.layers:
+            nbytes, owners = spec.param_bytes[layer], spec.owners[layer]
+            if nbytes <= 0 and not owners:
+                continue  # nothing to upload and no weight version to wait for
+            parts = 1 if not chunk else max(1, -(-nbytes // chunk))
+            deps: list[Key] = list(prefetch_dep)
+            for unit in owners:
+                deps += rules.no_torn_weights(ledgers[unit], version, self.base_version)
+            for part in range(parts):
+                key = ParamUpKey(run.iteration, run.round, run.slot, layer, part)
+                part_bytes = nbytes // parts + (1 if part < nbytes % parts else 0)
+                built.tasks.append(
+                    run.task(
+                        key,
+                        PARAM_UP,
+                        deps,
+                        layers=range(layer, layer + 1),
+                        step=version,
+                        part=part,
+                        num_parts=parts,
+                        nbytes=part_bytes,
+                        sync_deps=prefetch_dep,
                     )
                 )
-                compute_key = (COMPUTE, t, si, mb)
-                compute_deps = [up_key, *param_keys]
-                if last_compute is not None:
-                    compute_deps.append(last_compute)
-                tasks.append(
-                    Task(
-                        compute_key,
-                        COMPUTE,
-                        lane["compute"],
-                        deps=compute_deps,
-                        device=d,
-                        layers=layers,
-                        stage=name,
-                        stage_kind=kind,
-                        slot=si,
-                        microbatch=mb,
-                        iteration=t,
-                        round=r,
-                        step=step,
-                        part=j,
-                        num_parts=len(mbs),
-                    )
-                )
-                if kind == "fused":
-                    loss_keys.append(compute_key)
-                tasks.append(
-                    Task(
-                        (ACT_DOWN, t, si, mb),
-                        ACT_DOWN,
-                        lane["act_down"],
-                        deps=[compute_key],
-                        device=d,
-                        layers=layers,
-                        stage=name,
-                        stage_kind=kind,
-                        slot=si,
-                        microbatch=mb,
-                        iteration=t,
-                        round=r,
-                        step=step,
-                        nbytes=act_bytes if si < num_slots - 1 else 0,
-                    )
-                )
-                last_compute = compute_key
-            assert last_compute is not None
-            history.append(last_compute)
-            if len(history) > 2:
-                del history[0]
+                param_keys.append(key)
+                for unit in owners:
+                    ledgers[unit].readers.setdefault(version, []).append(key)
+        return param_keys
 
-            # Gradient download: once per fused/backward run that has trainable layers.
-            if kind == "fwd":
-                continue
-            units = sorted({u for layer in layers for u in spec.owners[layer]})
-            if not units:
-                continue
-            down_key = (GRAD_DOWN, t, r, si)
-            down_deps: list[Key] = [last_compute]
-            if si in last_grad_down:
-                down_deps.append(last_grad_down[si])
-            else:
-                for unit in units:
-                    down_deps += rules.gradient_write_order(ledgers[unit])
-            trainable_bytes = sum(spec.param_bytes[layer] for layer in layers if spec.owners[layer])
-            tasks.append(
-                Task(
-                    down_key,
-                    GRAD_DOWN,
-                    lane["grad_down"],
-                    deps=down_deps,
-                    device=d,
-                    layers=layers,
-                    stage=name,
-                    stage_kind=kind,
-                    slot=si,
-                    iteration=t,
-                    round=r,
-                    step=step,
-                    nbytes=trainable_bytes,
-                )
+    def _microbatch_chains(self, run: StageRun, param_keys: list[Key], built: IterationInProgress) -> Key:
+        """Per microbatch of the run: act_up (after the previous slot's act_down, and at most one
+        microbatch ahead of compute), compute (after its input, every parameter upload and the
+        previous microbatch), act_down. Returns the run's last compute."""
+        act_bytes = self.spec.act_bytes
+        up_bytes = act_bytes * (2 if run.kind == SlotKind.BWD else 1)
+        down_bytes = act_bytes if run.slot < self.plan.num_slots - 1 else 0
+        fused = run.kind == SlotKind.FUSED
+        last_down = built.last_act_down
+        computes: list[Key] = []
+        for position, mb in enumerate(run.microbatches):
+            up_key = ActUpKey(run.iteration, run.slot, mb)
+            up_deps: list[Key] = []
+            up_sync: list[Key] = []
+            if run.slot > 0:
+                up_deps.append(previous_act_down(last_down, run, mb))
+            if position >= 2:  # one microbatch ahead: flow control, so it waits for completion
+                up_sync.append(computes[position - 2])
+                up_deps.append(up_sync[0])
+            compute_key = ComputeKey(run.iteration, run.slot, mb)
+            compute_deps = [up_key, *param_keys]
+            if computes:
+                compute_deps.append(computes[-1])
+            down_key = ActDownKey(run.iteration, run.slot, mb)
+            built.tasks += (
+                run.task(up_key, ACT_UP, up_deps, microbatch=mb, nbytes=up_bytes, sync_deps=up_sync),
+                run.task(
+                    compute_key,
+                    COMPUTE,
+                    compute_deps,
+                    microbatch=mb,
+                    part=position,
+                    num_parts=len(run.microbatches),
+                ),
+                run.task(down_key, ACT_DOWN, [compute_key], microbatch=mb, nbytes=down_bytes),
             )
-            last_grad_down[si] = down_key
-            for unit in units:
-                ledgers[unit].grad_downloads.setdefault(t, []).append(down_key)
-                g_copy_needed.add(unit)
+            if fused:
+                built.loss_keys.append(compute_key)
+            last_down[mb] = down_key
+            computes.append(compute_key)
+        return computes[-1]
 
-        # G-copies, shallow units first.
-        done_keys: list[Key] = list(last_grad_down.values())
-        for unit in sorted(g_copy_needed):
-            ledger = ledgers[unit]
-            key = (G_COPY, iteration, unit)
-            deps = rules.complete_gradients(ledger, iteration)
-            deps += rules.g_copy_after_step(ledger, step, sync=not self.options.async_optimizer)
-            tasks.append(
+    def _remember_on_device(self, device: int, last_compute: Key) -> None:
+        """Keep a device's two latest runs: a run's uploads wait for the one two before."""
+        history = self._device_runs.setdefault(device, [])
+        history.append(last_compute)
+        if len(history) > 2:
+            del history[0]
+
+    def _grad_download(self, run: StageRun, last_compute: Key, built: IterationInProgress) -> None:
+        """Once per fused or backward run with trainable layers: after its last compute, the
+        previous round's download of the same slot, or (first of the iteration) rule 4."""
+        if run.kind == SlotKind.FWD:
+            return
+        spec, ledgers = self.spec, self.ledgers
+        units = sorted({unit for layer in run.layers for unit in spec.owners[layer]})
+        if not units:
+            return
+        key = GradDownKey(run.iteration, run.round, run.slot)
+        deps: list[Key] = [last_compute]
+        previous = built.last_grad_down.get(run.slot)
+        if previous is not None:
+            deps.append(previous)
+        else:
+            for unit in units:
+                deps += rules.gradient_write_order(ledgers[unit])
+        trainable_bytes = sum(spec.param_bytes[layer] for layer in run.layers if spec.owners[layer])
+        built.tasks.append(run.task(key, GRAD_DOWN, deps, nbytes=trainable_bytes))
+        built.last_grad_down[run.slot] = key
+        for unit in units:
+            ledgers[unit].grad_downloads.setdefault(run.iteration, []).append(key)
+            built.g_copy_units.add(unit)
+
+    def _g_copies(self, built: IterationInProgress) -> list[Key]:
+        """Per unit with gradients, shallow first: G-copy after every download of the iteration
+        (rule 3) and the previous step (rule 5)."""
+        keys: list[Key] = []
+        for unit in sorted(built.g_copy_units):
+            ledger = self.ledgers[unit]
+            key = GCopyKey(built.iteration, unit)
+            deps = rules.complete_gradients(ledger, built.iteration)
+            deps += rules.g_copy_after_step(ledger, built.step, sync=not self.options.async_optimizer)
+            built.tasks.append(
                 Task(
                     key,
                     G_COPY,
                     HOST_OPTIMIZER_LANE,
                     deps=deps,
                     layers=range(unit, unit + 1),
-                    iteration=iteration,
-                    step=step,
+                    iteration=built.iteration,
+                    step=built.step,
                 )
             )
             ledger.last_g_copy = key
-            done_keys.append(key)
-        return IterationGraph(iteration, step, tasks, runs, loss_keys, done_keys)
+            keys.append(key)
+        return keys
 
     # ------------------------------------------------------------------ one optimizer step
 
@@ -394,18 +322,18 @@ class GraphBuilder:
         tasks: list[Task] = []
         norm_key: Key | None = None
         if self.options.grad_norm_barrier:
-            norm_key = (GRAD_NORM, step)
-            deps = [(G_COPY, t, u) for t in iterations for u in self.ledgers]
+            norm_key = GradNormKey(step)
+            deps: list[Key] = [GCopyKey(t, u) for t in iterations for u in self.ledgers]
             tasks.append(Task(norm_key, GRAD_NORM, HOST_OPTIMIZER_LANE, deps=deps, step=step))
         for unit, ledger in self.ledgers.items():
             if self.options.async_optimizer and step > self.base_version:
                 tasks.append(self._p_copy(unit, ledger, step - 1))
             # Every trainable unit lies in a fused or backward stage: each iteration G-copies it.
-            g_copies = [(G_COPY, t, unit) for t in iterations]
+            g_copies: list[Key] = [GCopyKey(t, unit) for t in iterations]
             deps = rules.step_after_copies(ledger, step, g_copies)
             if norm_key is not None:
                 deps.append(norm_key)
-            key = (STEP, step, unit)
+            key = StepKey(step, unit)
             tasks.append(
                 Task(key, STEP, HOST_OPTIMIZER_LANE, deps=deps, layers=range(unit, unit + 1), step=step)
             )
@@ -416,10 +344,13 @@ class GraphBuilder:
         return tasks
 
     def _p_copy(self, unit: int, ledger: UnitLedger, step: int) -> Task:
-        key = (P_COPY, step, unit)
+        key = PCopyKey(step, unit)
         deps = rules.weight_integrity(ledger, step)
         if step in ledger.step:
             deps.append(ledger.step[step])
         ledger.p_copy[step + 1] = key
         ledger.p_copy.pop(step - 1, None)
         return Task(key, P_COPY, HOST_OPTIMIZER_LANE, deps=deps, layers=range(unit, unit + 1), step=step)
+
+
+__all__ = ["GraphBuilder", "IterationGraph", "ModelSpec", "ScheduleOptions"]

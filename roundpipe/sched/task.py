@@ -15,35 +15,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-Key = tuple[Any, ...]
-"""A task's identity, e.g. ``("compute", 3, 0, 5, 2)``: kind, iteration, round, slot, microbatch."""
+from roundpipe.sched.keys import Key, key_from_json
+from roundpipe.sched.kinds import SlotKind, TaskKind, TaskState
 
-# Kinds. Strings, not an Enum: they are compared in hot loops and written to JSON as they are.
-PARAM_UP = "param_up"
-ACT_UP = "act_up"
-COMPUTE = "compute"
-ACT_DOWN = "act_down"
-GRAD_DOWN = "grad_down"
-G_COPY = "g_copy"
-GRAD_NORM = "grad_norm"
-STEP = "step"
-P_COPY = "p_copy"
+# The kinds under their short names, as the graph builder, backends and views spell them.
+PARAM_UP = TaskKind.PARAM_UP
+ACT_UP = TaskKind.ACT_UP
+COMPUTE = TaskKind.COMPUTE
+ACT_DOWN = TaskKind.ACT_DOWN
+GRAD_DOWN = TaskKind.GRAD_DOWN
+G_COPY = TaskKind.G_COPY
+GRAD_NORM = TaskKind.GRAD_NORM
+STEP = TaskKind.STEP
+P_COPY = TaskKind.P_COPY
 
-DEVICE_LANES = ("compute", "act_up", "act_down", "param_up", "grad_down")
+DEVICE_LANES = (COMPUTE, ACT_UP, ACT_DOWN, PARAM_UP, GRAD_DOWN)
+"""The lanes of every device, named after the kind of task they run, in display order."""
 HOST_OPTIMIZER_LANE = "host.optimizer"
-
-KIND_TO_LANE = {
-    PARAM_UP: "param_up",
-    ACT_UP: "act_up",
-    COMPUTE: "compute",
-    ACT_DOWN: "act_down",
-    GRAD_DOWN: "grad_down",
-}
-OPTIMIZER_KINDS = frozenset({G_COPY, GRAD_NORM, STEP, P_COPY})
 
 # Higher runs first among ready tasks that share a resource: activations are on the critical path,
 # parameters are needed one stage ahead, gradients can wait until a link is idle.
-PRIORITY = {
+PRIORITY: dict[str, int] = {
     ACT_UP: 30,
     ACT_DOWN: 30,
     COMPUTE: 20,
@@ -54,6 +46,9 @@ PRIORITY = {
     STEP: 10,
     P_COPY: 10,
 }
+_NEW = TaskState.NEW  # a module global: enum class attributes are slow to read per task
+_KIND_BY_NAME: dict[str, str] = {kind.value: kind for kind in TaskKind}
+_STAGE_KIND_BY_NAME: dict[str, str] = {kind.value: kind for kind in SlotKind}
 
 
 def device_lane(device: int, lane: str) -> str:
@@ -65,15 +60,18 @@ class Task:
     """One unit of work on one lane.
 
     Declared fields (set by whoever builds the graph):
-      key, kind, lane, priority, deps (keys), device (int, or -1 for the host), layers (range),
-      stage (slot name such as ``"F1"``, ``"FB"``, ``"B3"``, or ``""``), stage_kind
-      (``"fwd"``/``"fused"``/``"bwd"``/``""``), slot (index in the dispatch sequence), microbatch (-1 when not per microbatch),
-      iteration (forward_backward call), round (of the iteration's dispatch), step (for parameter uploads: the weight version read;
-      for step/P-copy/G-copy/grad-norm: the optimizer step), part/num_parts (a chunk of a large
-      upload, or for compute tasks a microbatch's position within its stage run), nbytes (bytes moved, when known), payload (backend-specific, optional).
+      key (a key type of `roundpipe.sched.keys`, e.g. ``ComputeKey(iteration, slot, microbatch)``,
+      or any hashable tuple), kind (`TaskKind`), lane, priority, deps (keys), device (int, or -1
+      for the host), layers (range), stage (slot name such as ``"F1"``, ``"FB"``, ``"B3"``, or
+      ``""``), stage_kind (`SlotKind`, or ``""`` outside a stage), slot (index in the dispatch
+      sequence), microbatch (-1 when not per microbatch), iteration (forward_backward call),
+      round (of the iteration's dispatch), step (for parameter uploads: the weight version read;
+      for step/P-copy/G-copy/grad-norm: the optimizer step; for other device tasks: the step the
+      iteration belongs to), part/num_parts (a chunk of a large upload, or for compute tasks a
+      microbatch's position within its stage run), nbytes (bytes moved, when known).
 
     Run-time fields (set by the engine): seq, unmet, dependents, submit/ready/start/end times (ms),
-    state, error.
+    state (`TaskState`), error.
     """
 
     __slots__ = (
@@ -93,7 +91,6 @@ class Task:
         "nbytes",
         "num_parts",
         "part",
-        "payload",
         "priority",
         "ready_t",
         "round",
@@ -129,7 +126,6 @@ class Task:
         part: int = 0,
         num_parts: int = 1,
         nbytes: int = 0,
-        payload: Any = None,
         sync_deps: Iterable[Key] = (),
     ) -> None:
         self.key = key
@@ -152,7 +148,6 @@ class Task:
         self.part = part
         self.num_parts = num_parts
         self.nbytes = nbytes
-        self.payload = payload
         self.seq = -1
         self.unmet = 0
         self.dependents: list[Task] = []  # released when this task is done
@@ -162,7 +157,7 @@ class Task:
         self.ready_t = -1.0
         self.start_t = -1.0
         self.end_t = -1.0
-        self.state = "new"
+        self.state: TaskState = _NEW
         self.error: BaseException | None = None
 
     @property
@@ -194,7 +189,7 @@ class Task:
         return f"Task({self.key!r}, {self.describe()!r}, state={self.state})"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready record (no payload, no run-time links)."""
+        """JSON-ready record (no run-time links); kinds and states are written as their strings."""
         return {
             "key": list(self.key),
             "kind": self.kind,
@@ -225,16 +220,17 @@ class Task:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Task:
+        stage_kind = d["stage_kind"]
         task = cls(
-            tuple(d["key"]),
-            d["kind"],
+            key_from_json(d["key"]),
+            _KIND_BY_NAME.get(d["kind"], d["kind"]),
             d["lane"],
-            deps=[tuple(k) for k in d["deps"]],
+            deps=[key_from_json(k) for k in d["deps"]],
             priority=d["priority"],
             device=d["device"],
             layers=range(*d["layers"]),
             stage=d["stage"],
-            stage_kind=d["stage_kind"],
+            stage_kind=_STAGE_KIND_BY_NAME.get(stage_kind, stage_kind),
             slot=d.get("slot", -1),
             microbatch=d["microbatch"],
             iteration=d["iteration"],
@@ -251,13 +247,12 @@ class Task:
         task.ready_t = d["ready"]
         task.start_t = d["start"]
         task.end_t = d["end"]
-        task.state = d["state"]
+        task.state = TaskState(d["state"])
         return task
 
     def clone(self) -> Task:
         """A fresh, not-yet-run copy with the same declared fields (used by replay)."""
         task = Task.from_dict(self.to_dict())
-        task.seq, task.state = -1, "new"
+        task.seq, task.state = -1, TaskState.NEW
         task.submit_t = task.ready_t = task.start_t = task.end_t = task.issue_t = -1.0
-        task.payload = self.payload
         return task

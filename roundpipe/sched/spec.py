@@ -1,0 +1,65 @@
+"""What the task graph is told about the model and the run, apart from the plan.
+
+Why a module of its own: callers (the facade, the simulator, the benchmarks, the CLI) describe a
+model once, as bytes per layer and the units that own its parameters, and choose the graph's knobs;
+the graph builder only reads these values. They are frozen and validate on construction, and
+they must never refer to tensors or modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the scheduler needs to know about the model's parameters, per layer.
+
+    ``param_bytes``: bytes a stage must upload for the layer (0: nothing to upload).
+    ``owners``: the trainable units whose parameters the layer reads (its own index when it has
+    trainable parameters, plus the owner of any parameter it shares with a shallower layer).
+    Layers with frozen parameters only have no owners: they are uploaded but never copied back.
+    ``act_bytes``: bytes of one stage-boundary activation of one microbatch (for cost models).
+    """
+
+    param_bytes: tuple[int, ...]
+    owners: tuple[tuple[int, ...], ...]
+    act_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.param_bytes) != len(self.owners):
+            raise ValueError(
+                f"ModelSpec: {len(self.param_bytes)} param_bytes entries but {len(self.owners)} owners entries"
+            )
+        for layer, owners in enumerate(self.owners):
+            for unit in owners:
+                if not 0 <= unit < len(self.owners):
+                    raise ValueError(f"ModelSpec: layer {layer} names unit {unit}, which is not a layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.owners)
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """Trainable units, shallow first."""
+        return tuple(sorted({u for owners in self.owners for u in owners}))
+
+    @classmethod
+    def uniform(cls, num_layers: int, *, param_bytes: int = 0, act_bytes: int = 0) -> ModelSpec:
+        """Every layer trainable and owning its parameters (nothing shared)."""
+        return cls(
+            param_bytes=(param_bytes,) * num_layers,
+            owners=tuple((layer,) for layer in range(num_layers)),
+            act_bytes=act_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """Knobs of the task graph that do not change the plan."""
+
+    async_optimizer: bool = True
+    round_size: int | None = None
+    chunk_bytes: int | None = None  # split a layer's upload into parts of at most this size
+    grad_norm_barrier: bool = False  # a global pass over all gradients before any step (clipping)
