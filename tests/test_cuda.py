@@ -72,3 +72,68 @@ def test_cuda_transformers_bf16_learns() -> None:
         pipe.synchronize()
         pipe.trace().check_rules()
     assert losses[-1] < 0.5 * losses[0]
+
+
+def _qwen3(layers: int = 4, hidden: int = 512, vocab: int = 8192) -> nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _peak_run(budget: str | None, batch: dict, *, async_optimizer: bool = True) -> tuple[int, int, int]:
+    """Train two steps; return (predicted peak, measured peak, slots)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    config = roundpipe.RunConfig(
+        devices="cuda:0",
+        num_microbatches=4,
+        precision="bf16",
+        memory_budget=budget,
+        async_optimizer=async_optimizer,
+    )
+    with roundpipe.RoundPipe(_qwen3(), optimizer=sgd, config=config) as pipe:
+        for _ in range(3):
+            pipe.forward_backward(batch)
+            pipe.step()
+        pipe.synchronize()
+        pipe.trace().check_rules()
+        prediction = pipe.memory_prediction
+        assert prediction is not None
+        return prediction.peak_bytes, torch.cuda.max_memory_allocated(0), pipe.plan.num_slots
+
+
+def test_cuda_memory_prediction_and_budget() -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8192, (8, 2048), generator=g)
+    batch = {"input_ids": ids, "labels": ids}
+    predicted, measured, slots = _peak_run(None, batch)
+    assert measured <= 1.3 * predicted and predicted <= 1.6 * measured, (predicted, measured)
+    budget = int(0.6 * predicted)
+    small_predicted, small_measured, small_slots = _peak_run(str(budget), batch)
+    assert small_predicted <= budget
+    assert small_measured <= budget, "the budget was not honoured"
+    assert small_slots >= slots
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_cuda_two_gpus_match_plain_loop(async_optimizer: bool) -> None:
+    data = batches(4)
+    reference = async_reference if async_optimizer else sync_reference
+    ref_losses, ref_weights = reference(mlp(), sgd, data, mse)
+    losses, weights = run(mlp(), data, devices="cuda:0,1", async_optimizer=async_optimizer)
+    for got, want in zip(weights, ref_weights, strict=True):
+        assert_weights_equal(got, want, rtol=1e-4, atol=1e-5)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)

@@ -1,0 +1,96 @@
+"""Plans from what the device measured (roundpipe.device_plan), through the facade, on CPU workers.
+
+With a `RunConfig.memory_budget` the layers are measured before the first iteration and the
+plan is the best one whose predicted peak fits; the numerics stay exactly those of the plain
+loop whatever plan that is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe.device_plan import planning_config, refined_costs
+from roundpipe.errors import PlanError
+from roundpipe.plan import LayerCosts
+from roundpipe.sched.task import Task
+from roundpipe.sched.trace import Trace
+from tests.helpers import assert_weights_equal, batches, mlp, sync_reference
+
+mse = nn.functional.mse_loss
+
+
+def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _wide_mlp(seed: int = 0) -> nn.Sequential:
+    return mlp(seed, width=256, depth=6)
+
+
+def _train(budget: str | None, data, *, devices: str = "cpu:2"):
+    config = roundpipe.RunConfig(
+        devices=devices, num_microbatches=4, async_optimizer=False, memory_budget=budget, replan=False
+    )
+    with roundpipe.RoundPipe(_wide_mlp(), optimizer=sgd, config=config) as pipe:
+        weights = []
+        for x, y in data:
+            pipe.forward_backward(x, y, mse)
+            pipe.step()
+            pipe.synchronize()
+            weights.append({k: v.clone() for k, v in pipe.module.state_dict().items()})
+        pipe.trace().check_rules()
+        return pipe.plan, pipe.memory_prediction, pipe.trace().meta, weights
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_small_budget_splits_the_plan_and_keeps_the_numerics() -> None:
+    data = batches(3, batch=16)
+    _, ref_weights = sync_reference(_wide_mlp(), sgd, data, mse)
+    roomy_plan, roomy, _, _ = _train("64MiB", data)
+    assert roomy is not None and roomy.fits(64 << 20)
+    budget = roomy.peak_bytes * 3 // 4  # the roomy plan no longer fits
+    plan, prediction, meta, weights = _train(str(budget), data)
+    assert prediction is not None and prediction.peak_bytes <= budget < roomy.peak_bytes
+    assert plan.num_slots > roomy_plan.num_slots
+    assert meta["memory_prediction"]["peak_bytes"] == prediction.peak_bytes
+    assert meta["plan"] == plan.to_dict()
+    for got, want in zip(weights, ref_weights, strict=True):
+        assert_weights_equal(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_budget_nothing_fits_in_is_refused_before_training() -> None:
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=2, memory_budget="1KiB")
+    (x, y) = batches(1, batch=8)[0]
+    with roundpipe.RoundPipe(_wide_mlp(), optimizer=sgd, config=config) as pipe:
+        with pytest.raises(PlanError, match="memory budget 1.00 KiB"):
+            pipe.forward_backward(x, y, mse)
+        assert pipe.iteration_count == 0
+
+
+def test_gpus_default_to_one_round_per_iteration() -> None:
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=8)
+    assert planning_config(config, "cuda").round_size == 8
+    assert planning_config(config, "cpu").round_size is None
+    chosen = roundpipe.RunConfig(devices="cpu:2", num_microbatches=8, round_size=4)
+    assert planning_config(chosen, "cuda").round_size == 4
+
+
+def _timed(kind: str, layers: range, start: float, end: float) -> Task:
+    task = Task(("compute", 0, 0, 0), "compute", "d0.compute", device=0, layers=layers, stage_kind=kind)
+    task.start_t, task.end_t = start, end
+    return task
+
+
+def test_refined_costs_match_the_device_timings() -> None:
+    costs = LayerCosts((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (0, 0, 0))
+    # The device ran the forward stage twice as slowly and the fused stage as predicted.
+    trace = Trace([_timed("fwd", range(0, 2), 0.0, 4.0), _timed("fused", range(2, 3), 4.0, 7.0)])
+    refined = refined_costs(trace, costs)
+    assert refined is not None
+    assert refined.fwd_ms == pytest.approx((2.0, 2.0, 2.0))
+    assert refined.fwd_stage_ms(range(0, 2)) == pytest.approx(4.0)
+    assert refined_costs(Trace([]), costs) is None
