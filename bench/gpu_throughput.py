@@ -223,6 +223,10 @@ def run_roundpipe(
 
 
 def plain_in_subprocess(workload: Workload, args: argparse.Namespace) -> dict[str, Any] | str:
+    # The plain loop is the whole model on the card as it is: a budget that is part of the workload
+    # (C, long: "under 24 GiB") caps it too, a --budget given for roundpipe's plan does not.
+    defined = WORKLOADS.get(workload.name)
+    workload = replace(workload, budget=defined.budget if defined is not None else workload.budget)
     reason = plain_cannot_hold(workload)
     if reason is not None:
         return reason

@@ -177,6 +177,7 @@ def adamw(used: list[str]) -> Callable[[Sequence[torch.Tensor]], torch.optim.Opt
 
 def reset_peaks(indices: Sequence[int]) -> None:
     for index in indices:
+        torch.cuda.synchronize(index)  # initialises the device: resetting an unused one is an error
         torch.cuda.reset_peak_memory_stats(index)
 
 

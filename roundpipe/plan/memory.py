@@ -371,13 +371,20 @@ def plan_within_budget(
     act_in_flight: int = 2,
     attempts: int = 8,
 ) -> tuple[Any, MemoryPrediction]:
-    """Plan with `partition_limit_bytes`, then let the exact model judge: while the predicted peak
+    """Plan with an optimistic limit, then let the exact model judge: while the predicted peak
     exceeds the budget, lower the limit by the overshoot and plan again.
+
+    The first limit assumes the stage prefetched behind a stage is no larger than the largest
+    layer's parameters (the partitioner's own rule, half the limit each, would refuse an LM head
+    whose gradients and logits take more than half a 4 GiB budget although it fits beside the
+    small stage that follows it); it is never below `partition_limit_bytes`.
 
     ``make_plan(limit)`` returns a plan (anything with ``slots``) for ``mem_limit_bytes=limit`` and
     raises `PlanError` when none fits. Returns the plan and its prediction.
     """
-    first = limit = partition_limit_bytes(mem, budget_bytes, act_in_flight)
+    halved = partition_limit_bytes(mem, budget_bytes, act_in_flight)
+    reserve = in_flight_reserve(mem, act_in_flight) + 2 * max(mem.carried_bytes) + max(mem.param_bytes)
+    first = limit = max(halved, 2 * (budget_bytes - reserve))
     for _ in range(attempts):
         try:
             plan = make_plan(limit)
@@ -385,7 +392,9 @@ def plan_within_budget(
             if limit != first:
                 break  # smaller limits cannot split the layers further: report the last plan
             budget = format_bytes(budget_bytes)
-            raise PlanError(f"memory budget {budget} ({format_bytes(limit)} for stage pairs): {exc}") from exc
+            raise PlanError(
+                f"memory budget {budget} (at most {format_bytes(limit // 2)} per stage): {exc}"
+            ) from exc
         prediction = predict_peak(plan, mem, grain, act_in_flight=act_in_flight, num_devices=num_devices)
         if prediction.fits(budget_bytes):
             return plan, prediction
