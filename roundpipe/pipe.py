@@ -34,6 +34,7 @@ from roundpipe.errors import (
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.plan import LayerCosts, Plan, choose_plan
+from roundpipe.plan_eval import engine_evaluator
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import new_event_loop
@@ -160,6 +161,13 @@ class RoundPipe:
                 self.config.mem_limit_bytes,
                 async_optimizer=self.config.async_optimizer,
                 round_size=self.config.round_size,
+                evaluate=engine_evaluator(
+                    costs,
+                    self.num_devices,
+                    self.config.num_microbatches,
+                    async_optimizer=self.config.async_optimizer,
+                    round_size=self.config.round_size,
+                ),
             )
         except PlanError as exc:
             raise PlanError(
