@@ -18,10 +18,10 @@ from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 from roundpipe.sched.simulate import SimulationResult, simulate
 
-STEADY_WINDOW = (1, 3)
-"""Async evaluation: time per iteration between the first computes of iterations 1 and 3 (0-based)
-of a chained run of 4; iteration 0 fills the pipeline. Longer windows agree within a fraction of a
-percent on the profile grid (bench/schedule.py --grid) and cost proportionally more."""
+STEADY_WINDOW = (1, 5)
+"""Async evaluation: time per iteration between the first computes of iterations 1 and 5 (0-based)
+of a chained run of 6 (the window of the schedule targets); iteration 0 fills the pipeline. A
+shorter window (1, 3) is a third cheaper but ranks some plans of the profile grid differently."""
 
 
 def iteration_starts(result: SimulationResult, iterations: int) -> list[float]:

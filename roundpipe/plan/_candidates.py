@@ -163,6 +163,20 @@ def neighbourhood(
             yield from chains.plans(s, q)
 
 
+def balanced_fused(chains: EvenChains, slot_counts: Iterable[int]) -> Iterable[EvenPlan]:
+    """For each slot count S, even plans whose fused stage is about the mean slot: the fused
+    starts around the last p at which the fused stage is still no slower than the work / S.
+    Few slots and a long fused stage recompute little; with S <= N whole rounds run side by side."""
+    ticks = chains.ticks
+    n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
+    for s_count in slot_counts:
+        p = n - 1
+        while p > ticks.p_mem and s_count * (fb[n] - fb[p - 1]) <= fwd[p - 1] + fb[n]:
+            p -= 1  # a longer fused stage is still no slower than the mean slot
+        for q in range(max(ticks.p_mem, p - 1), min(n - 1, p + 1) + 1):
+            yield from chains.plans(s_count, q)
+
+
 def steady_search(ticks: Ticks, num_devices: int, rounds: Sequence[int]) -> Stages | None:
     """The plan with the shortest modelled async iteration (`steady_period`), or None.
 

@@ -38,6 +38,9 @@ FUSED_REACH layers of its fused stage."""
 MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
 """Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run."""
 
+ASYNC_EVALUATED_ITERATIONS = 6
+"""What one async evaluation runs (`roundpipe.plan_eval`: a chained run of 6); sizes the budget."""
+
 Evaluate = Callable[[Plan], float]
 
 
@@ -56,10 +59,9 @@ def choose_plan(
 
     Without ``evaluate``: `partition`'s objective optimum, or for an async run the better of it and
     the steady-state plan by `steady_iteration_ms` (ties keep the objective optimum). With
-    ``evaluate`` (ms per iteration of a plan): the candidate with the least evaluated time among
-    the proxies' plans and the ``evaluations`` best-modelled candidates around them (default: by
-    size, see `default_evaluations`); up to EVALUATE_MAX_LAYERS layers, beyond which the proxies
-    decide.
+    ``evaluate`` (ms per iteration of a plan): the least evaluated time among the proxies' choice
+    and the best-modelled candidates, ``evaluations`` plans in all (at least 2; default by size,
+    see `default_evaluations`); up to EVALUATE_MAX_LAYERS layers, beyond which the proxies decide.
     """
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
@@ -79,22 +81,29 @@ def choose_plan(
             proxies = [steady, base] if steady_period < period else [base, steady]
     if evaluate is None or costs.num_layers > EVALUATE_MAX_LAYERS:
         return proxies[0]
-    count = default_evaluations(proxies[0], num_microbatches) if evaluations is None else evaluations
+    iterations = ASYNC_EVALUATED_ITERATIONS if async_optimizer else 1
+    count = (
+        default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
+    )
     rounds = round_sizes(num_microbatches, num_devices, round_size)
     ranked = _ranked_candidates(costs, proxies, mem_limit_bytes, rounds, async_optimizer)
-    # The proxies' plans always run in the comparison: evaluation never does worse than them.
-    chosen = {_stages(p): p for p in [*proxies[: 2 if async_optimizer else 1], *ranked[:count]]}
+    # The proxies' choice always runs in the comparison: evaluation never does worse than it.
+    chosen = {_stages(proxies[0]): proxies[0]}
+    for plan in ranked:
+        if len(chosen) >= max(count, 2):
+            break
+        chosen.setdefault(_stages(plan), plan)
     timed = [(evaluate(p), p) for p in chosen.values()]
     best_ms = min(ms for ms, _ in timed)
     ties = [p for ms, p in timed if ms <= best_ms * (1 + 1e-9)]
     return min(ties, key=lambda p: (spread(p), p.num_slots, -len(p.fused)))
 
 
-def default_evaluations(plan: Plan, num_microbatches: int) -> int:
-    """How many modelled candidates the engine times: fewer as their graphs grow (a plan of S slots
-    runs S*M computes per iteration), so that choosing stays within tens of milliseconds."""
-    computes = plan.num_slots * num_microbatches
-    return max(1, min(4, 1200 // max(computes, 1)))
+def default_evaluations(plan: Plan, num_microbatches: int, iterations: int) -> int:
+    """How many plans the engine times (the proxies' choice and the best-modelled candidates):
+    fewer as their runs grow (S*M computes per iteration), so that choosing stays short."""
+    computes = plan.num_slots * num_microbatches * iterations
+    return max(2, min(4, 1200 // max(computes, 1)))
 
 
 def spread(plan: Plan) -> float:
@@ -120,10 +129,13 @@ def _ranked_candidates(
     cap = None if mem_limit_bytes is None else mem_limit_bytes // 2
     chains = _candidates.EvenChains(_search.Ticks(fwd, fb, costs.mem_bytes, cap))
     plans = {_stages(p): p for p in proxies}
-    for proxy in proxies:
-        for _, stages in _candidates.neighbourhood(
-            chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH
-        ):
+    around = (
+        _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
+        for proxy in proxies
+    )
+    few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
+    for family in (*around, few_slots):
+        for _, stages in family:
             key = (tuple(stages[0]), stages[1], tuple(stages[2]))
             if key not in plans:
                 plans[key] = Plan.from_stages(*stages, costs, n, m)
