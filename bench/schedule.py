@@ -37,6 +37,7 @@ import argparse
 import itertools
 import json
 import time
+from typing import Any
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.dispatch import steady_iteration_ms
@@ -178,6 +179,27 @@ def tables(path: str) -> None:
             f"| {100 * sum(gains) / len(gains):.1f}% / {100 * max(gains):.1f}% "
             f"| {plan_ms[len(plan_ms) // 2]:.0f} / {plan_ms[-1]:.0f} |"
         )
+    layer_table(rows)
+
+
+def layer_table(rows: list[dict[str, Any]]) -> None:
+    """At (8, 16): per layer count and mode, shapes on target and the largest excess over it."""
+    print(
+        "\n| layers | sync on target | sync worst excess (points) | async on target (< 3%) | async worst bubble |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for layers in GRID_LAYERS:
+        at = [r for r in rows if r["layers"] == layers and (r["devices"], r["microbatches"]) == (8, 16)]
+        sync = [r for r in at if r["mode"] == "sync"]
+        late = [r for r in at if r["mode"] == "async"]
+        if not sync and not late:
+            continue
+        excess = max((float(r["bubble"]) - float(r["analytic"]) - SYNC_SLACK for r in sync), default=0.0)
+        worst = max((float(r["bubble"]) for r in late), default=0.0)
+        print(
+            f"| {layers} | {sum(bool(r['ok']) for r in sync)}/{len(sync)} | {100 * max(excess, 0.0):.1f} "
+            f"| {sum(bool(r['ok']) for r in late)}/{len(late)} | {100 * worst:.1f}% |"
+        )
 
 
 def main() -> None:
@@ -196,8 +218,13 @@ def main() -> None:
     if args.grid:
         grid(args)
         return
+    llm_profiles(args.all)
+
+
+def llm_profiles(everything: bool) -> None:
+    """The default run: the uniform-decoder profiles, sync and the three async planners."""
     profiles = [(d, 3.5) for d in (28, 32, 64)]
-    if args.all:
+    if everything:
         profiles = [(d, h) for h in (3.0, 3.5, 4.0) for d in (24, 28, 32, 48, 64, 93)]
     for decoders, head in profiles:
         costs = llm(decoders, head)
