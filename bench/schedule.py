@@ -20,16 +20,28 @@ Prints one JSON line per profile and mode:
 
     python bench/schedule.py            # 28, 32 and 64 decoder layers, head 3.5x
     python bench/schedule.py --all      # also heads 3x and 4x, and 24/48/93 layers
+
+  --grid: the profile grid of the schedule-quality targets, one JSON line per shape and mode:
+      layers {24,28,32,48,64,94} x backward/forward {1.3,2,2.5,3.8} x head/layer {1,2,3,4} (head
+      backward 2x its forward, embedding 1% of a layer) x (N, M) {(8,16),(4,8),(2,4)}; the plan is
+      choose_plan with the engine evaluator (what RoundPipe runs). Per line: slots, bubble (sync:
+      one iteration; async: iterations 2-6 of a chained run of 6), analytic N(N-1)/(M*S+N(N-1)) of
+      the chosen S (sync), ok (sync: bubble <= analytic + 1.5 points; async: < 3% at (8, 16)),
+      iteration_ms, proxy_ms (the plan chosen without evaluation), planning_ms.
+    python bench/schedule.py --grid [--layers 24 28] [--modes sync]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
+from typing import Any
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.dispatch import steady_iteration_ms
+from roundpipe.plan_eval import engine_evaluator, iteration_starts
 from roundpipe.simulate import simulate
 
 N, M = 8, 16
@@ -68,12 +80,151 @@ def shape(plan: Plan) -> dict[str, object]:
     }
 
 
+GRID_LAYERS = (24, 28, 32, 48, 64, 94)
+GRID_BWD_RATIOS = (1.3, 2.0, 2.5, 3.8)
+GRID_HEADS = (1.0, 2.0, 3.0, 4.0)
+GRID_DEVICES = ((8, 16), (4, 8), (2, 4))
+SYNC_SLACK = 0.015  # sync target: bubble <= analytic + 1.5 points
+ASYNC_GRID_TARGET = 0.03  # async target at (8, 16): steady bubble < 3%
+
+
+def grid_costs(layers: int, bwd_ratio: float, head: float) -> LayerCosts:
+    """Embedding (1% of a layer), ``layers`` decoder layers of 1 ms forward, and the head."""
+    fwd = [0.01, *[1.0] * layers, head]
+    bwd = [0.01 * bwd_ratio, *[bwd_ratio] * layers, 2.0 * head]
+    return LayerCosts(tuple(fwd), tuple(bwd), (0,) * len(fwd))
+
+
+def measure(plan: Plan, costs: LayerCosts, n: int, m: int, async_optimizer: bool) -> tuple[float, float]:
+    """(bubble, ms per iteration): one sync iteration, or iterations 2-6 of a chained async run."""
+    if not async_optimizer:
+        run = simulate(plan, costs, n, m, iterations=1, async_optimizer=False)
+        return run.bubble_ratio, run.makespan_ms
+    run = simulate(plan, costs, n, m, iterations=STEADY_ITERATIONS, async_optimizer=True)
+    starts = iteration_starts(run, STEADY_ITERATIONS)
+    assert run.steady_bubble_ratio is not None
+    return run.steady_bubble_ratio, (starts[-1] - starts[1]) / (STEADY_ITERATIONS - 2)
+
+
+def grid_row(
+    layers: int, ratio: float, head: float, n: int, m: int, async_optimizer: bool
+) -> dict[str, object]:
+    """One shape and mode of the grid, planned as RoundPipe plans it."""
+    costs = grid_costs(layers, ratio, head)
+    evaluate = engine_evaluator(costs, n, m, async_optimizer=async_optimizer)
+    start = time.perf_counter()
+    plan = choose_plan(costs, n, m, async_optimizer=async_optimizer, evaluate=evaluate)
+    planning_ms = (time.perf_counter() - start) * 1e3
+    proxy = choose_plan(costs, n, m, async_optimizer=async_optimizer)
+    bubble, iteration_ms = measure(plan, costs, n, m, async_optimizer)
+    analytic = analytic_bubble(n, m, plan.num_slots)
+    if async_optimizer:
+        ok: bool | None = bubble < ASYNC_GRID_TARGET if (n, m) == (8, 16) else None
+    else:
+        ok = bubble <= analytic + SYNC_SLACK
+    return {
+        "bench": "schedule-grid",
+        "layers": layers,
+        "bwd_ratio": ratio,
+        "head": head,
+        "devices": n,
+        "microbatches": m,
+        "mode": "async" if async_optimizer else "sync",
+        "slots": plan.num_slots,
+        "fwd_stages": len(plan.fwd_stages),
+        "bwd_stages": len(plan.bwd_stages),
+        "fused_layers": len(plan.fused),
+        "bubble": round(bubble, 4),
+        "analytic": round(analytic, 4),
+        "ok": ok,
+        "iteration_ms": round(iteration_ms, 2),
+        "proxy_ms": round(measure(proxy, costs, n, m, async_optimizer)[1], 2),
+        "planning_ms": round(planning_ms, 1),
+    }
+
+
+def grid(args: argparse.Namespace) -> None:
+    for layers, ratio, head, (n, m), mode in itertools.product(
+        args.layers, GRID_BWD_RATIOS, GRID_HEADS, GRID_DEVICES, args.modes
+    ):
+        print(json.dumps(grid_row(layers, ratio, head, n, m, mode == "async")), flush=True)
+
+
+def tables(path: str) -> None:
+    """Markdown tables of a --grid output: per (N, M) and mode, the shapes that meet the target,
+    the worst miss, how much evaluation gained over the proxies' plan, and planning time."""
+    with open(path, encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    print(
+        "| mode | N, M | shapes | on target | worst (shape: bubble vs target) | gain over proxy: mean / max | planning ms: median / max |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for mode, (n, m) in itertools.product(("sync", "async"), GRID_DEVICES):
+        group = [r for r in rows if r["mode"] == mode and (r["devices"], r["microbatches"]) == (n, m)]
+        if not group:
+            continue
+        gains = [1 - r["iteration_ms"] / r["proxy_ms"] for r in group]
+        plan_ms = sorted(r["planning_ms"] for r in group)
+        if mode == "sync":
+            worst = max(group, key=lambda r: r["bubble"] - r["analytic"])
+            target = f"{100 * (worst['analytic'] + SYNC_SLACK):.1f}%"
+            met = sum(bool(r["ok"]) for r in group)
+        else:
+            worst = max(group, key=lambda r: r["bubble"])
+            target = f"{100 * ASYNC_GRID_TARGET:.0f}%" if (n, m) == (8, 16) else "-"
+            met = sum(r["bubble"] < ASYNC_GRID_TARGET for r in group)
+        shape = f"{worst['layers']}L r{worst['bwd_ratio']} h{worst['head']:g}, S={worst['slots']}"
+        print(
+            f"| {mode} | {n}, {m} | {len(group)} | {met} | {shape}: {100 * worst['bubble']:.1f}% vs {target} "
+            f"| {100 * sum(gains) / len(gains):.1f}% / {100 * max(gains):.1f}% "
+            f"| {plan_ms[len(plan_ms) // 2]:.0f} / {plan_ms[-1]:.0f} |"
+        )
+    layer_table(rows)
+
+
+def layer_table(rows: list[dict[str, Any]]) -> None:
+    """At (8, 16): per layer count and mode, shapes on target and the largest excess over it."""
+    print(
+        "\n| layers | sync on target | sync worst excess (points) | async on target (< 3%) | async worst bubble |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for layers in GRID_LAYERS:
+        at = [r for r in rows if r["layers"] == layers and (r["devices"], r["microbatches"]) == (8, 16)]
+        sync = [r for r in at if r["mode"] == "sync"]
+        late = [r for r in at if r["mode"] == "async"]
+        if not sync and not late:
+            continue
+        excess = max((float(r["bubble"]) - float(r["analytic"]) - SYNC_SLACK for r in sync), default=0.0)
+        worst = max((float(r["bubble"]) for r in late), default=0.0)
+        print(
+            f"| {layers} | {sum(bool(r['ok']) for r in sync)}/{len(sync)} | {100 * max(excess, 0.0):.1f} "
+            f"| {sum(bool(r['ok']) for r in late)}/{len(late)} | {100 * worst:.1f}% |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="more layer counts and head sizes")
+    parser.add_argument(
+        "--grid", action="store_true", help="the profile grid of the schedule-quality targets"
+    )
+    parser.add_argument("--layers", type=int, nargs="+", default=list(GRID_LAYERS), help="grid layer counts")
+    parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    parser.add_argument("--tables", metavar="GRID_JSONL", help="print the docs tables of a --grid output")
     args = parser.parse_args()
+    if args.tables:
+        tables(args.tables)
+        return
+    if args.grid:
+        grid(args)
+        return
+    llm_profiles(args.all)
+
+
+def llm_profiles(everything: bool) -> None:
+    """The default run: the uniform-decoder profiles, sync and the three async planners."""
     profiles = [(d, 3.5) for d in (28, 32, 64)]
-    if args.all:
+    if everything:
         profiles = [(d, h) for h in (3.0, 3.5, 4.0) for d in (24, 28, 32, 48, 64, 93)]
     for decoders, head in profiles:
         costs = llm(decoders, head)

@@ -21,6 +21,7 @@ from roundpipe.errors import PlanError
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.plan import LayerCosts, Plan, choose_plan
+from roundpipe.plan_eval import engine_evaluator
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -110,6 +111,13 @@ def plan_for(costs: LayerCosts, config: RunConfig, num_devices: int) -> Plan:
             config.mem_limit_bytes,
             async_optimizer=config.async_optimizer,
             round_size=config.round_size,
+            evaluate=engine_evaluator(
+                costs,
+                num_devices,
+                config.num_microbatches,
+                async_optimizer=config.async_optimizer,
+                round_size=config.round_size,
+            ),
         )
     except PlanError as exc:
         raise PlanError(

@@ -27,6 +27,7 @@ import torch
 from roundpipe.config import RunConfig
 from roundpipe.plan import LayerCosts, Plan, choose_plan
 from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
+from roundpipe.plan_eval import engine_evaluator
 from roundpipe.sched.trace import Trace
 
 
@@ -106,6 +107,14 @@ def plan_from(
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
     from roundpipe.plan.memory import predict_peak
 
+    evaluate = engine_evaluator(
+        costs,
+        num_devices,
+        config.num_microbatches,
+        async_optimizer=config.async_optimizer,
+        round_size=config.round_size,
+    )
+
     def make_plan(limit: int | None) -> Plan:
         return choose_plan(
             costs,
@@ -114,6 +123,7 @@ def plan_from(
             limit,
             async_optimizer=config.async_optimizer,
             round_size=config.round_size,
+            evaluate=evaluate,
         )
 
     grain = config.recompute_grain

@@ -240,7 +240,7 @@ class RoundPipe:
             raise
         losses = self.runtime.iterations[iteration].losses
         loss = sum(weights[mb] * float(losses[mb]) for mb in range(len(weights)))
-        self._housekeeping()
+        await self._housekeeping()
         return float(loss)
 
     async def _optimizer_step(self) -> None:
@@ -254,14 +254,15 @@ class RoundPipe:
         except (TaskFailedError, ScheduleError) as exc:
             self._recover(exc)
             raise
-        self._housekeeping()
+        await self._housekeeping()
         self.host.sync_module()
 
-    def _housekeeping(self) -> None:
-        """Let go of what the retention policy no longer keeps; re-plan once from measured times."""
+    async def _housekeeping(self) -> None:
+        """Let go of what the retention policy no longer keeps; re-plan once from measured times
+        (off the loop thread: planning times candidate plans on the fake engine)."""
         self._retention.tidy(self._engine, self.runtime, self._trace, self._iteration, self._step)
         if self.config.replan and not self._replanned and self._iteration >= 1:
-            self._maybe_replan()
+            await asyncio.get_running_loop().run_in_executor(None, self._maybe_replan)
 
     @property
     def memory_prediction(self) -> MemoryPrediction | None:

@@ -69,10 +69,13 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
 
 
 def test_lora_under_a_tiny_budget_reports_both_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
-    """The plain loop cannot hold the base; the roundpipe side's failure is its line, not a crash."""
+    """A --budget caps roundpipe's plan, not the plain loop (the whole model on the card as it is);
+    a budget that is part of a workload's definition (C) caps both. The roundpipe side's failure
+    is its line, not a crash."""
     bench.main(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4", "--budget", "100KiB", "--sync"])
     (line,) = _json_lines(capsys.readouterr().out)
-    assert line["plain"] == "cannot hold the base in 100KiB"
+    assert isinstance(line["plain"], dict) and line["plain"]["tokens_per_s"] > 0
+    assert bench.plain_cannot_hold(bench.WORKLOADS["C"]) == "cannot hold the base in 24GiB"
     assert line["lora_r"] == 4 and line["budget"] == "100KiB" and line["ratio"] is None
     assert line["budget_field"] in ("memory_budget", "mem_limit_bytes")
     assert "tokens_per_s" in line["roundpipe"] or "error" in line["roundpipe"]
@@ -189,7 +192,8 @@ def test_cuda_probes_ask_each_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i: (i + 1) << 30)
     pieces.reset_peaks((0, 1))
     pieces.sync_devices((0, 1))
-    assert calls == [("reset", 0), ("reset", 1), ("sync", 0), ("sync", 1)]
+    # A device is initialised (synchronized) before its peak is reset: resetting an unused one fails.
+    assert calls == [("sync", 0), ("reset", 0), ("sync", 1), ("reset", 1), ("sync", 0), ("sync", 1)]
     assert pieces.device_memory((0, 1)) == {"cuda:0": 1.0, "cuda:1": 2.0}
 
 

@@ -15,12 +15,31 @@ from tests.helpers import assert_weights_equal, batches, mlp
 mse = nn.functional.mse_loss
 
 
+class Switch:
+    """One flag shared by a module and its per-device replicas (a deep copy keeps the same switch),
+    so arming it reaches every device whichever plan placed the layer."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Switch:
+        return self
+
+
 class Flaky(nn.Module):
-    """Raises on inputs whose first value is negative after a marker, else the identity."""
+    """Raises once armed, else the identity."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.armed = False
+        self.switch = Switch()
+
+    @property
+    def armed(self) -> bool:
+        return self.switch.on
+
+    @armed.setter
+    def armed(self, value: bool) -> None:
+        self.switch.on = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed:

@@ -14,7 +14,8 @@ import random
 import pytest
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
-from roundpipe.plan._search import balanced_split, steady_bound, steady_period
+from roundpipe.plan._candidates import balanced_split
+from roundpipe.plan._steady import steady_bound, steady_period
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
 from roundpipe.simulate import simulate
 

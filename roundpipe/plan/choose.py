@@ -2,22 +2,46 @@
 
 `partition` answers two precise questions: the exact optimum of the t_max objective (fast, any
 size), and with ``steady=True`` the best plan under the steady-state model of async round-robin
-dispatch (slower: tens of milliseconds at 100 layers, seconds at 1000). For an asynchronous run
-the steady state is what matters, but neither answer wins everywhere, so `choose_plan` builds both
-(the steady one only where it stays cheap) and keeps the one whose modelled steady iteration is
-shorter. A synchronous run fills and drains every step, which the t_max objective already counts.
+dispatch. Both are proxies: several plans share a t_max optimum and round-robin stalls on uneven
+ones, and the steady model can be wrong on shapes it was not checked on. So when the caller gives
+an ``evaluate`` function (ms per iteration of a plan, e.g. `roundpipe.plan_eval.engine_evaluator`:
+the real engine on the fake backend), `choose_plan` generates candidates around the proxies' plans
+(slot counts and fused stages nearby, chains cut evenly), ranks them with a fast model of the
+stream (`_stream.stream_ms`), evaluates the best few exactly and runs the fastest; equal times go
+to the more even plan. Without ``evaluate`` it keeps the proxies' choice.
 
-Pure: no torch, no devices.
+Pure: no torch, no devices, no scheduler (the evaluator is passed in).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
+from roundpipe.plan import _candidates, _search
+from roundpipe.plan._stream import stream_ms, weight_waits
 from roundpipe.plan.costs import LayerCosts
-from roundpipe.plan.dispatch import steady_iteration_ms
+from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
 from roundpipe.plan.partition import Plan, partition
 
 STEADY_SEARCH_MAX_LAYERS = 256
 """Above this the steady-state search costs more than a second; the t_max objective decides."""
+
+EVALUATE_MAX_LAYERS = 256
+"""Above this `choose_plan` does not evaluate (each evaluation runs thousands of tasks); the
+proxies decide."""
+
+SLOT_REACH, FUSED_REACH = 2, 3
+"""Candidates: slot counts within SLOT_REACH of a proxy's plan, fused stages starting within
+FUSED_REACH layers of its fused stage."""
+
+MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
+"""Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run."""
+
+ASYNC_EVALUATED_ITERATIONS = 6
+"""What one async evaluation runs (`roundpipe.plan_eval`: a chained run of 6); sizes the budget."""
+
+Evaluate = Callable[[Plan], float]
 
 
 def choose_plan(
@@ -28,23 +52,122 @@ def choose_plan(
     *,
     async_optimizer: bool = False,
     round_size: int | None = None,
+    evaluate: Evaluate | None = None,
+    evaluations: int | None = None,
 ) -> Plan:
-    """The plan to run: `partition`'s objective optimum, or for an async run the better of it and
-    the steady-state plan by `steady_iteration_ms` (ties keep the objective optimum)."""
-    plan = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
-    if not async_optimizer or costs.num_layers > STEADY_SEARCH_MAX_LAYERS:
-        return plan
-    steady = partition(
-        costs,
-        num_devices,
-        num_microbatches,
-        mem_limit_bytes,
-        async_optimizer=True,
-        steady=True,
-        round_size=round_size,
+    """The plan to run.
+
+    Without ``evaluate``: `partition`'s objective optimum, or for an async run the better of it and
+    the steady-state plan by `steady_iteration_ms` (ties keep the objective optimum). With
+    ``evaluate`` (ms per iteration of a plan): the least evaluated time among the proxies' choice
+    and the best-modelled candidates, ``evaluations`` plans in all (at least 2; default by size,
+    see `default_evaluations`); up to EVALUATE_MAX_LAYERS layers, beyond which the proxies decide.
+    """
+    base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
+    proxies = [base]
+    if async_optimizer and costs.num_layers <= STEADY_SEARCH_MAX_LAYERS:
+        steady = partition(
+            costs,
+            num_devices,
+            num_microbatches,
+            mem_limit_bytes,
+            async_optimizer=True,
+            steady=True,
+            round_size=round_size,
+        )
+        if steady != base:
+            period = steady_iteration_ms(base, num_microbatches, num_devices, round_size=round_size)
+            steady_period = steady_iteration_ms(steady, num_microbatches, num_devices, round_size=round_size)
+            proxies = [steady, base] if steady_period < period else [base, steady]
+    if evaluate is None or costs.num_layers > EVALUATE_MAX_LAYERS:
+        return proxies[0]
+    iterations = ASYNC_EVALUATED_ITERATIONS if async_optimizer else 1
+    count = (
+        default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
     )
-    if steady == plan:
-        return plan
-    period = steady_iteration_ms(plan, num_microbatches, num_devices, round_size=round_size)
-    steady_period = steady_iteration_ms(steady, num_microbatches, num_devices, round_size=round_size)
-    return steady if steady_period < period else plan
+    rounds = round_sizes(num_microbatches, num_devices, round_size)
+    ranked = _ranked_candidates(costs, proxies, mem_limit_bytes, rounds, async_optimizer)
+    # The proxies' choice always runs in the comparison: evaluation never does worse than it.
+    chosen = {_stages(proxies[0]): proxies[0]}
+    for plan in ranked:
+        if len(chosen) >= max(count, 2):
+            break
+        chosen.setdefault(_stages(plan), plan)
+    timed = [(evaluate(p), p) for p in chosen.values()]
+    best_ms = min(ms for ms, _ in timed)
+    ties = [p for ms, p in timed if ms <= best_ms * (1 + 1e-9)]
+    return min(ties, key=lambda p: (spread(p), p.num_slots, -len(p.fused)))
+
+
+def default_evaluations(plan: Plan, num_microbatches: int, iterations: int) -> int:
+    """How many plans the engine times (the proxies' choice and the best-modelled candidates):
+    fewer as their runs grow (S*M computes per iteration), so that choosing stays short."""
+    computes = plan.num_slots * num_microbatches * iterations
+    return max(2, min(4, 1200 // max(computes, 1)))
+
+
+def spread(plan: Plan) -> float:
+    """How uneven a plan is: its slowest slot over its mean slot (1 is perfectly even)."""
+    mean = math.fsum(plan.slot_ms) / plan.num_slots
+    return plan.t_max / mean if mean > 0 else 1.0
+
+
+def _stages(plan: Plan) -> tuple[tuple[range, ...], range, tuple[range, ...]]:
+    return plan.fwd_stages, plan.fused, plan.bwd_stages
+
+
+def _ranked_candidates(
+    costs: LayerCosts,
+    proxies: list[Plan],
+    mem_limit_bytes: int | None,
+    rounds: tuple[int, ...],
+    async_optimizer: bool,
+) -> list[Plan]:
+    """Even plans around each proxy plan (and the proxies), best modelled first."""
+    n, m = proxies[0].num_devices, proxies[0].num_microbatches
+    fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
+    cap = None if mem_limit_bytes is None else mem_limit_bytes // 2
+    chains = _candidates.EvenChains(_search.Ticks(fwd, fb, costs.mem_bytes, cap))
+    plans = {_stages(p): p for p in proxies}
+    around = (
+        _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
+        for proxy in proxies
+    )
+    few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
+    for family in (*around, few_slots):
+        for _, stages in family:
+            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
+            if key not in plans:
+                plans[key] = Plan.from_stages(*stages, costs, n, m)
+    return _rank(list(plans.values()), n, rounds, async_optimizer)
+
+
+def _rank(plans: list[Plan], num_devices: int, rounds: tuple[int, ...], async_optimizer: bool) -> list[Plan]:
+    """``plans`` by modelled time, in order of a lower bound: a plan whose bound is past the k-th
+    best modelled time so far is not modelled (k = 4, as many as may be evaluated)."""
+    keep = 4
+    n = num_devices
+    m = sum(rounds)
+
+    def bound(p: Plan) -> float:
+        work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
+        if async_optimizer:
+            return work
+        s = p.slot_ms
+        fill = sum(math.fsum(s[:d]) + math.fsum(s[len(s) - d :]) for d in range(min(n, len(s))))
+        return work + fill / n  # device d starts after d slots and stops d slots before the end
+
+    modelled: list[tuple[float, float, int, Plan]] = []
+    for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
+        if len(modelled) >= keep and lower > sorted(x[0] for x in modelled)[keep - 1] * (1 + 1e-9):
+            break
+        if async_optimizer:
+            waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages)
+            ms = stream_ms(
+                p.slot_ms, n, rounds, iterations=MODEL_ITERATIONS, window=MODEL_WINDOW, weight_waits=waits
+            )
+        else:
+            ms = stream_ms(p.slot_ms, n, rounds)
+        modelled.append((ms, spread(p), i, p))
+    modelled.sort(key=lambda x: x[:3])
+    return [x[3] for x in modelled]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roundpipe.errors import PlanError
-from roundpipe.plan import _search
+from roundpipe.plan import _candidates, _search
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.rounds import as_count, round_sizes
@@ -355,7 +355,7 @@ def partition(
     visits every slot count that could still win, at its least possible t_max.
 
     ``steady=True`` (async only) chooses by the steady-state model of round-robin dispatch instead
-    (``_search.steady_period``, rounds as `roundpipe.plan.round_sizes` makes them with
+    (``_steady.steady_period``, rounds as `roundpipe.plan.round_sizes` makes them with
     ``round_size``): the plan with the shortest modelled iteration of an endless async run, its
     chains cut evenly with the larger stages first in dispatch order. The t_max objective counts
     every slot at t_max; in the steady state what costs time is how the stream of runs paces
@@ -380,7 +380,7 @@ def partition(
         rounds = round_sizes(m, n, round_size)
         if len(set(rounds)) == 1:
             rounds = rounds[:1]  # rounds alike: one round is already the period of the stream
-        found = _search.steady_search(ticks, n, rounds)
+        found = _candidates.steady_search(ticks, n, rounds)
         if found is not None:
             return Plan.from_stages(*found, costs, n, m)
         # No candidate lies where the model can be trusted: the t_max objective decides.

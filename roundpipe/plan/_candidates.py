@@ -1,0 +1,228 @@
+"""Candidate plans made of even chains, and the steady-state search over them.
+
+`partition`'s t_max search gives the optimum of a proxy; several plans can share that optimum and
+round-robin stalls on uneven ones (a 1-layer stage behind 9-layer stages). This module makes the
+plans worth comparing: for a slot count and a fused stage, each chain (forward, backward) is cut
+into the stage count nearest the even split of the work, with its largest stage as small as
+possible and its stages as even as possible (`balanced_split`). `steady_search` picks among them
+by the steady-state model (``_steady``); `neighbourhood` lists them around a given plan for
+`choose_plan` to order and evaluate. Plain integers (ticks) only: it must never build `Plan`
+objects, raise on user input (partition validates first), or import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from roundpipe.plan._steady import steady_bound, steady_period
+
+if TYPE_CHECKING:
+    from roundpipe.plan._search import Ticks
+
+Stages = tuple[list[range], range, list[range]]
+"""Forward stages (shallow first), the fused stage, backward stages (deepest first)."""
+
+EvenPlan = tuple[list[int], Stages]
+"""Slot times in ticks (dispatch order) and the stages."""
+
+
+def balanced_split(
+    pre: Sequence[int], stop: int, parts: int, reach: Sequence[int], *, larger_last: bool = False
+) -> list[range] | None:
+    """Items [0, stop) (prefix sums ``pre``, memory ``reach``) in exactly ``parts`` consecutive
+    parts whose largest is as small as possible, then as even as possible (each part the length
+    closest to an equal share of what is left, among those that let the rest fit), then ordered:
+    cut again aiming at the same part sizes, largest first (or last with ``larger_last``).
+    None when there are fewer items than parts, or memory needs more parts."""
+    if not 1 <= parts <= stop:
+        return None
+
+    def nxt(i: int, t: int) -> int:
+        return min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i])
+
+    def count(t: int) -> int:
+        i = used = 0
+        while i < stop:
+            i, used = nxt(i, t), used + 1
+        return used
+
+    lo = max(max(pre[i + 1] - pre[i] for i in range(stop)), -(-(pre[stop] - pre[0]) // parts))
+    hi = pre[stop] - pre[0]
+    while lo < hi:  # the least largest part, on integers
+        mid = (lo + hi) // 2
+        if count(mid) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    t = lo
+    if count(t) > parts:
+        return None  # memory cuts the chain into more parts than asked for
+    cover = [0] * (stop + 1)  # cover[i]: parts the rest [i, stop) needs at t (greedy is least)
+    for i in range(stop - 1, -1, -1):
+        cover[i] = 1 + cover[nxt(i, t)]
+
+    def cut(targets: Sequence[float] | None) -> list[range]:
+        """Left to right, each part as close as it can be to its target (default: an equal share
+        of what is left) while the rest still fits in the parts left."""
+        remaining = list(targets) if targets is not None else []
+        out: list[range] = []
+        i = 0
+        for left in range(parts, 1, -1):
+            j_max = min(nxt(i, t), stop - (left - 1))
+            j_min = i + 1
+            while cover[j_min] > left - 1:
+                j_min += 1  # a shorter part would leave the rest more than left-1 parts
+            goal = remaining[0] if remaining else (pre[stop] - pre[i]) / left
+            j = min(range(j_max, j_min - 1, -1), key=lambda k: abs(pre[k] - pre[i] - goal))
+            if remaining:  # this part used up the target nearest to what it got
+                got = pre[j] - pre[i]
+                remaining.remove(min(remaining, key=lambda w: abs(w - got)))
+            out.append(range(i, j))
+            i = j
+        out.append(range(i, stop))
+        return out
+
+    # Even parts first; then the same sizes again, in order (largest first, or last).
+    even = cut(None)
+    sizes = sorted((pre[r.stop] - pre[r.start] for r in even), reverse=not larger_last)
+    return cut(sizes)
+
+
+STEADY_MAX_SPREAD = 1.5
+"""The steady-state model is trusted for plans whose slowest stage is at most this many times the
+mean stage: a much slower stage (typically one forward stage holding every layer) feeds the runs
+after it slower than they compute, and they then hold their devices longer than the model counts
+(measured: 15-20% bubble where it predicts 3%). Such plans are not candidates."""
+
+
+class EvenChains:
+    """Plans of even chains over one cost table, with the balanced splits cached."""
+
+    def __init__(self, ticks: Ticks) -> None:
+        self.ticks = ticks
+        self._splits: dict[tuple[int, int, int], list[range] | None] = {}
+        self._memory_parts: dict[int, int] = {}
+
+    def split(self, chain: int, p: int, parts: int) -> list[range] | None:
+        key = (chain, p, parts)
+        if key not in self._splits:
+            # Larger stages first in dispatch order (backward stages run deepest first): a heavy
+            # run early in a round delays only that round's wave, a heavy run late in it holds up
+            # the device that the next round needs (measured: 284.7 vs 308.4 ms per iteration).
+            pre = self.ticks.fb if chain else self.ticks.fwd
+            self._splits[key] = balanced_split(pre, p, parts, self.ticks.reach, larger_last=bool(chain))
+        return self._splits[key]
+
+    def memory_parts(self, p: int) -> int:
+        """The fewest stages memory allows over layers [0, p) (both chains hold the same layers)."""
+        if p not in self._memory_parts:
+            i = parts = 0
+            while i < p:
+                i, parts = min(self.ticks.reach[i], p), parts + 1
+            self._memory_parts[p] = parts
+        return self._memory_parts[p]
+
+    def plans(self, s_count: int, p: int) -> list[EvenPlan]:
+        """Plans of ``s_count`` slots whose fused stage starts at layer ``p``: the forward/backward
+        stage counts nearest the even split of the work (and at least what memory needs)."""
+        ticks, n = self.ticks, self.ticks.n
+        fwd, fb = ticks.fwd, ticks.fb
+        fused_t = fb[n] - fb[p]
+        if p == 0:
+            return [([fused_t], ([], range(0, n), []))] if s_count == 1 else []
+        work_f, work_b = fwd[p], fb[p]
+        even = (s_count - 1) * work_f / (work_f + work_b) if work_f + work_b else 1
+        need = self.memory_parts(p)
+        counts = {math.floor(even), math.ceil(even), round(even) + 1}
+        out: list[EvenPlan] = []
+        for kf in sorted({min(max(k, need), s_count - 1 - need) for k in counts}):
+            kb = s_count - 1 - kf
+            if not (1 <= kf <= p and 1 <= kb <= p):
+                continue
+            f_parts, b_parts = self.split(0, p, kf), self.split(1, p, kb)
+            if f_parts is None or b_parts is None:
+                continue
+            slots = [fwd[r.stop] - fwd[r.start] for r in f_parts]
+            slots.append(fused_t)
+            slots += [fb[r.stop] - fb[r.start] for r in reversed(b_parts)]  # deepest first: larger there
+            out.append((slots, (f_parts, range(p, n), b_parts[::-1])))
+        return out
+
+
+def neighbourhood(
+    chains: EvenChains, s_count: int, p: int, slot_reach: int, fused_reach: int
+) -> Iterable[EvenPlan]:
+    """Even plans with a slot count within ``slot_reach`` of ``s_count`` and a fused stage starting
+    within ``fused_reach`` layers of ``p`` (inside what memory allows)."""
+    ticks = chains.ticks
+    for s in range(max(1, s_count - slot_reach), s_count + slot_reach + 1):
+        for q in range(max(ticks.p_mem, p - fused_reach), min(ticks.n - 1, p + fused_reach) + 1):
+            yield from chains.plans(s, q)
+
+
+def balanced_fused(chains: EvenChains, slot_counts: Iterable[int]) -> Iterable[EvenPlan]:
+    """For each slot count S, even plans whose fused stage is about the mean slot: the fused
+    starts around the last p at which the fused stage is still no slower than the work / S.
+    Few slots and a long fused stage recompute little; with S <= N whole rounds run side by side."""
+    ticks = chains.ticks
+    n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
+    for s_count in slot_counts:
+        p = n - 1
+        while p > ticks.p_mem and s_count * (fb[n] - fb[p - 1]) <= fwd[p - 1] + fb[n]:
+            p -= 1  # a longer fused stage is still no slower than the mean slot
+        for q in range(max(ticks.p_mem, p - 1), min(n - 1, p + 1) + 1):
+            yield from chains.plans(s_count, q)
+
+
+def steady_search(ticks: Ticks, num_devices: int, rounds: Sequence[int]) -> Stages | None:
+    """The plan with the shortest modelled async iteration (`steady_period`), or None.
+
+    Candidates: every fused suffix that fits memory and is not slower than the spread allows; every
+    slot count S from N (fewer slots leave devices idle in every round; more if memory needs them)
+    up to 2N more; even chains (`EvenChains.plans`); and no fused stage slower than all the others.
+    Ties go to fewer slots, then to a longer fused stage. `steady_bound` orders the candidates, so
+    most are never timed exactly.
+    """
+    n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
+    total = fwd[n] + fb[n]  # an upper bound of any plan's work (everything recomputed)
+    chains = EvenChains(ticks)
+    # From N (or the fewest slots memory allows) up to 2N more: beyond, stages only get smaller
+    # while the transfers per slot (not in the model) grow.
+    lowest = max(num_devices, ticks.probe(ticks.t_top)[0])
+    candidates = []
+    for s_count in range(lowest, max(3 * num_devices, lowest + 2 * num_devices) + 1):
+        for p in range(n - 1, ticks.p_mem - 1, -1):
+            fused_t = fb[n] - fb[p]
+            if fused_t > STEADY_MAX_SPREAD * total / s_count:
+                break  # longer suffixes are slower still
+            for slots, stages in chains.plans(s_count, p):
+                others = slots[: len(stages[0])] + slots[len(stages[0]) + 1 :]
+                if p and fused_t > max(others):
+                    continue  # a fused stage slower than all others starves the backward stages behind it
+                if max(slots) * len(slots) > STEADY_MAX_SPREAD * sum(slots):
+                    continue
+                candidates.append((steady_bound(slots, num_devices, rounds), len(slots), p, slots, stages))
+    return _least_period(candidates, num_devices, rounds)
+
+
+def _least_period(
+    candidates: list[tuple[float, int, int, list[int], Stages]], num_devices: int, rounds: Sequence[int]
+) -> Stages | None:
+    """Exact periods in order of the lower bounds, until no bound can beat (or tie) the best.
+    Periods within float noise of each other tie: then fewer slots, then a longer fused stage."""
+    candidates.sort(key=lambda c: c[:3])
+    best_period = math.inf
+    best_tie = (0, 0)
+    best_plan: Stages | None = None
+    for bound, s_count, p, slots, plan in candidates:
+        if bound > best_period * (1 + 1e-9):
+            break
+        period = steady_period(slots, num_devices, rounds)
+        if period < best_period * (1 - 1e-9) or (
+            period <= best_period * (1 + 1e-9) and (s_count, p) < best_tie
+        ):
+            best_period, best_tie, best_plan = period, (s_count, p), plan
+    return best_plan

@@ -1,0 +1,58 @@
+"""Plan evaluation by the real engine: iteration time of a plan on the fake backend, same costs.
+
+The planner's objectives (t_max, the steady-state model) are proxies; where they disagree with
+what the engine does, the engine is right. `engine_evaluator` gives `choose_plan` an exact
+evaluation: it builds the graphs the training path builds, for whatever plan it is given, runs
+them through the engine under a virtual clock and returns the iteration time in milliseconds.
+Synchronous runs: the makespan of one iteration (fill and drain included). Asynchronous runs: the
+steady time per iteration of a chained run (between the first computes of two later iterations).
+It lives outside ``plan`` because it runs the scheduler; ``plan`` must stay pure. It must never
+touch a device or sleep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.partition import Plan
+from roundpipe.simulate import SimulationResult, simulate
+
+STEADY_WINDOW = (1, 5)
+"""Async evaluation: time per iteration between the first computes of iterations 1 and 5 (0-based)
+of a chained run of 6 (the window of the schedule targets); iteration 0 fills the pipeline. A
+shorter window (1, 3) is a third cheaper but ranks some plans of the profile grid differently."""
+
+
+def iteration_starts(result: SimulationResult, iterations: int) -> list[float]:
+    """The start of each iteration's first compute task, in ms."""
+    starts = [float("inf")] * iterations
+    for task in result.trace:
+        if task.kind == "compute" and task.start_t < starts[task.iteration]:
+            starts[task.iteration] = task.start_t
+    return starts
+
+
+def engine_evaluator(
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool,
+    round_size: int | None = None,
+    window: tuple[int, int] = STEADY_WINDOW,
+) -> Callable[[Plan], float]:
+    """``evaluate(plan) -> ms per iteration`` for `choose_plan`, by the engine on the fake backend."""
+    first, last = window
+    if not 0 <= first < last:
+        raise ValueError(f"the steady window {window} must be two iterations, first < last")
+
+    def evaluate(plan: Plan) -> float:
+        if not async_optimizer:
+            run = simulate(plan, costs, num_devices, num_microbatches, 1, False, round_size=round_size)
+            return run.makespan_ms
+        run = simulate(plan, costs, num_devices, num_microbatches, last + 1, True, round_size=round_size)
+        starts = iteration_starts(run, last + 1)
+        return (starts[last] - starts[first]) / (last - first)
+
+    return evaluate
