@@ -19,6 +19,7 @@ This module decides nothing about ordering and runs no training step itself.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ class DevicePlan:
     memory: LayerMemory
     prediction: MemoryPrediction
     budget_bytes: int | None
+    kind: str  # the devices' kind ("cuda", "cpu", "fake")
 
 
 def planning_config(config: RunConfig, kind: str) -> RunConfig:
@@ -60,12 +62,32 @@ def resolve_budget(config: RunConfig, kind: str, indices: tuple[int, ...]) -> in
         return budget
     from roundpipe.backends.profile import default_budget, enforce_budget
 
+    _limit_fragmentation()
     if budget is None:
         budget = min(default_budget(index) for index in indices)
     for index in indices:
         if budget < torch.cuda.get_device_properties(index).total_memory:
             enforce_budget(index, budget)
     return budget
+
+
+def _limit_fragmentation() -> None:
+    """Expandable segments, unless the user configured the allocator: the budget caps what the
+    caching allocator *reserves*, and with fixed segments a few differently sized large blocks
+    (an LM head's logits chunks, gradients) strand far more than the plan's allocated bytes."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is not None:
+        setter("expandable_segments:True")
+
+
+def planning_budget(budget_bytes: int, kind: str) -> int:
+    """The part of a device budget the plan's predicted peak may use. On CUDA the rest absorbs
+    what the prediction does not count (the allocator's rounding, library workspaces)."""
+    if kind != "cuda":
+        return budget_bytes
+    return budget_bytes - max(64 << 20, budget_bytes // 16)
 
 
 def profile_and_plan(
@@ -98,11 +120,16 @@ def profile_and_plan(
         layer_plan_bytes(memory, config.recompute_grain),
         tuple(sequence.names),
     )
-    return plan_from(config, costs, memory, num_devices, budget_bytes)
+    return plan_from(config, costs, memory, num_devices, budget_bytes, device.type)
 
 
 def plan_from(
-    config: RunConfig, costs: LayerCosts, memory: LayerMemory, num_devices: int, budget_bytes: int | None
+    config: RunConfig,
+    costs: LayerCosts,
+    memory: LayerMemory,
+    num_devices: int,
+    budget_bytes: int | None,
+    kind: str = "cpu",
 ) -> DevicePlan:
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
     from roundpipe.plan.memory import predict_peak
@@ -131,8 +158,10 @@ def plan_from(
         plan = make_plan(None)
         prediction = predict_peak(plan, memory, grain, num_devices=num_devices)
     else:
-        plan, prediction = plan_within_budget(make_plan, memory, budget_bytes, grain, num_devices=num_devices)
-    return DevicePlan(plan, costs, memory, prediction, budget_bytes)
+        plan, prediction = plan_within_budget(
+            make_plan, memory, planning_budget(budget_bytes, kind), grain, num_devices=num_devices
+        )
+    return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
 
 
 def refined_costs(trace: Trace, costs: LayerCosts) -> LayerCosts | None:

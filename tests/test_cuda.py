@@ -123,7 +123,7 @@ def test_cuda_memory_prediction_and_budget() -> None:
     # A small model: fixed costs (workspaces, the allocator's rounding) weigh more than on the
     # benchmarks, where the 15% target is checked; here only gross errors fail.
     assert 0.5 * measured <= predicted <= 1.6 * measured, (predicted, measured)
-    budget = int(0.6 * predicted)
+    budget = int(0.8 * predicted)
     small_predicted, small_measured, small_slots = _peak_run(str(budget), batch)
     print(f"budget {budget}: predicted {small_predicted} measured {small_measured} slots {small_slots}")
     assert small_predicted <= budget
