@@ -174,15 +174,20 @@ def test_stage_checks_its_range() -> None:
 def test_predict_peak_one_device() -> None:
     plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),))
     prediction = predict_peak(plan, MEM, "stage")
-    totals = [(s.stage_bytes, s.prefetch_bytes, s.in_flight_bytes) for s in prediction.slots]
+    totals = [
+        (s.stage_bytes, s.prefetch_bytes, s.in_flight_bytes, s.draining_bytes) for s in prediction.slots
+    ]
     # F1 prefetches FB's params, FB prefetches B1's, B1 the next iteration's F1; two microbatches
-    # of stage inputs and outputs are in flight besides the computing one.
-    assert totals == [(156, 70, 2 * 120), (814, 30, 2 * 70), (362, 30, 2 * 120)]
+    # of stage inputs and outputs are in flight besides the computing one; the device's previous
+    # fused or backward stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20;
+    # FB before B1: 30 + 40 + 0 + 40; F1 before FB has no gradients).
+    assert totals == [(156, 70, 2 * 120, 60), (814, 30, 2 * 70, 0), (362, 30, 2 * 120, 110)]
     assert prediction.peak_bytes == 814 + 30 + 140 and prediction.peak_slot.index == 1
     assert not prediction.fits(983) and prediction.fits(984) and prediction.fits(None)
     assert "slot 1 (fused, layers [2, 4))" in prediction.describe()
     assert prediction.describe(2) == (
-        "predicted peak 632 B in slot 2 (bwd, layers [0, 2)): stage 362 B + prefetch 30 B + activations in flight 240 B"
+        "predicted peak 742 B in slot 2 (bwd, layers [0, 2)): stage 362 B + prefetch 30 B + activations in flight 240 B"
+        " + previous stage draining 110 B"
     )
     d = json.loads(json.dumps(prediction.to_dict()))
     assert (

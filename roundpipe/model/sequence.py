@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from torch import nn
 
 from roundpipe.errors import ModelError
-from roundpipe.model.loss import DEFAULT_CHUNK_TOKENS
 
 
 @dataclass
@@ -81,11 +80,12 @@ def _unsupported(model: nn.Module) -> ModelError:
 
 
 def to_layer_sequence(
-    model: nn.Module | LayerSequence, *, loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    model: nn.Module | LayerSequence, *, loss_chunk_tokens: int | None = None
 ) -> LayerSequence:
     """Split ``model`` into its layer sequence (see the module docstring for what is supported).
 
-    ``loss_chunk_tokens`` is how many tokens the transformers head turns into logits at once.
+    ``loss_chunk_tokens`` is how many tokens the transformers head turns into logits at once
+    (None: as many as keep a chunk of logits at 32M values, at most 1024).
     A ``LayerSequence`` is returned unchanged.
     """
     if isinstance(model, LayerSequence):

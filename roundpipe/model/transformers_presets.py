@@ -222,11 +222,22 @@ class CausalLMBlock(nn.Module):
         return result
 
 
+def auto_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per loss chunk when none is given: at most 32M logits at once (128 MiB in fp32, and
+    as much again for their gradient), so a 152K vocabulary takes 220 tokens a chunk instead of the
+    1024 a 32K one takes; never more than `DEFAULT_CHUNK_TOKENS`."""
+    if vocab_size <= 0:
+        return DEFAULT_CHUNK_TOKENS
+    return max(64, min(DEFAULT_CHUNK_TOKENS, (1 << 25) // vocab_size))
+
+
 class CausalLMHead(nn.Module):
     """Layer ``head``: final norm + LM head + chunked cross-entropy -> scalar mean loss."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, chunk_tokens: int | None = None) -> None:
         super().__init__()
+        if chunk_tokens is None:
+            chunk_tokens = auto_chunk_tokens(getattr(lm_head, "out_features", 0))
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ModelError(f"loss_chunk_tokens must be a positive int, got {chunk_tokens!r}")
         self.norm = norm
@@ -261,9 +272,7 @@ def _require(obj: Any, path: str, class_name: str) -> Any:
     return obj
 
 
-def causal_lm_layers(
-    model: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-) -> tuple[list[nn.Module], list[str]]:
+def causal_lm_layers(model: nn.Module, chunk_tokens: int | None = None) -> tuple[list[nn.Module], list[str]]:
     """Cut a supported ``*ForCausalLM`` into ``embed``, ``block.0..n-1`` and ``head`` layers."""
     class_name = type(model).__name__
     config = _require(model, "config", class_name)

@@ -212,7 +212,9 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
 
 @dataclass(frozen=True)
 class SlotMemory:
-    """One slot's predicted peak: its stage, the prefetched stages' parameters, and activations in flight."""
+    """One slot's predicted peak: its stage, the prefetched stages' parameters, activations in flight,
+    and the device's previous fused or backward stage, whose weights and gradients stay until the
+    gradients' download completes (while this stage's first microbatch already runs)."""
 
     index: int
     kind: str
@@ -220,10 +222,11 @@ class SlotMemory:
     stage_bytes: int
     prefetch_bytes: int
     in_flight_bytes: int
+    draining_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.stage_bytes + self.prefetch_bytes + self.in_flight_bytes
+        return self.stage_bytes + self.prefetch_bytes + self.in_flight_bytes + self.draining_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -254,6 +257,7 @@ class MemoryPrediction:
             f"predicted peak {format_bytes(s.total_bytes)} in slot {s.index} ({s.kind}, layers "
             f"[{s.layers.start}, {s.layers.stop})): stage {format_bytes(s.stage_bytes)} + prefetch "
             f"{format_bytes(s.prefetch_bytes)} + activations in flight {format_bytes(s.in_flight_bytes)}"
+            f" + previous stage draining {format_bytes(s.draining_bytes)}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -300,6 +304,10 @@ def predict_peak(
     for i, slot in enumerate(slots):
         # The same slot may come back (one slot, or as many devices as slots): another run, another copy.
         ahead = [(i + k * num_devices) % len(slots) for k in range(1, prefetch + 1)]
+        before = slots[(i - num_devices) % len(slots)]
+        draining = 0
+        if before.kind != "fwd":
+            draining = sum(mem.param_bytes[j] + mem.grad_bytes[j] for j in before.layers)
         out.append(
             SlotMemory(
                 i,
@@ -308,6 +316,7 @@ def predict_peak(
                 stage_bytes(mem, slot.layers, slot.kind, grain),  # type: ignore[arg-type]
                 sum(params[j] for j in ahead),
                 _in_flight(mem, slot, held, act_in_flight),
+                draining,
             )
         )
     return MemoryPrediction(tuple(out), grain)

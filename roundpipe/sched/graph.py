@@ -213,24 +213,31 @@ class GraphBuilder:
         return param_keys
 
     def _microbatch_chains(self, run: StageRun, param_keys: list[Key], built: IterationInProgress) -> Key:
-        """Per microbatch of the run: act_up (after the previous slot's act_down, and at most one
-        microbatch ahead of compute), compute (after its input, every parameter upload and the
-        previous microbatch), act_down. Returns the run's last compute."""
+        """Per microbatch of the run: act_up (after the previous slot's act_down; at most one
+        microbatch ahead of the run's compute; and a run's first inputs only once the run two
+        before on the device has completed, as its weights: without that, every run whose input
+        was ready would upload it, and a device would hold many runs' activations), compute (after
+        its input, every parameter upload and the previous microbatch), act_down. Returns the
+        run's last compute."""
         act_bytes = self.spec.act_bytes
         up_bytes = act_bytes * (2 if run.kind == SlotKind.BWD else 1)
         down_bytes = act_bytes if run.slot < self.plan.num_slots - 1 else 0
         fused = run.kind == SlotKind.FUSED
         last_down = built.last_act_down
         computes: list[Key] = []
+        history = self._device_runs.get(run.device, ())
+        two_runs_back = history[-2] if len(history) >= 2 else None
         for position, mb in enumerate(run.microbatches):
             up_key = ActUpKey(run.iteration, run.slot, mb)
             up_deps: list[Key] = []
             up_sync: list[Key] = []
             if run.slot > 0:
                 up_deps.append(previous_act_down(last_down, run, mb))
-            if position >= 2:  # one microbatch ahead: flow control, so it waits for completion
-                up_sync.append(computes[position - 2])
-                up_deps.append(up_sync[0])
+            # Flow control, so it waits for completion.
+            ahead = computes[position - 2] if position >= 2 else two_runs_back
+            if ahead is not None:
+                up_sync.append(ahead)
+                up_deps.append(ahead)
             compute_key = ComputeKey(run.iteration, run.slot, mb)
             compute_deps = [up_key, *param_keys]
             if computes:
