@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from roundpipe.errors import ConfigError
+from roundpipe.plan import sizes
 from roundpipe.plan.examples import EXAMPLES
 
 if TYPE_CHECKING:
@@ -34,32 +35,15 @@ DEFAULT_ITERATIONS = 4
 
 # --------------------------------------------------------------------- argument types
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
 
 def parse_bytes(text: str) -> int:
-    """``"24GB"`` -> 24e9, ``"24GiB"`` -> 24 * 2**30, ``"1.5e9"`` -> 1500000000 (bytes)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
+    """The memory limit flag: ``"24GB"`` -> 24e9, ``"24GiB"`` -> 24 * 2**30, ``"1.5e9"`` bytes."""
+    try:
+        return sizes.parse_bytes(text, "memory limit")
+    except ConfigError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; give bytes or a number with a unit: 24GB, 24GiB, 512MiB, 2.5e10"
-        )
-    value = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the memory limit must be > 0 bytes")
-    return int(value)
+        ) from None
 
 
 def _positive_int(text: str) -> int:

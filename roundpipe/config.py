@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from roundpipe.errors import ConfigError
-from roundpipe.plan.memory import parse_bytes
+from roundpipe.plan.sizes import parse_bytes
 
 Precision = Literal["fp32", "bf16", "fp16"]
 _DEVICES_HELP = '"auto", "cpu:N", "fake:N", "cuda" or "cuda:0,1"'

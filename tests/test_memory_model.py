@@ -12,16 +12,15 @@ from roundpipe.errors import ConfigError, PlanError
 from roundpipe.plan import LayerCosts, Plan, partition
 from roundpipe.plan.memory import (
     LayerMemory,
-    format_bytes,
     in_flight_reserve,
     layer_plan_bytes,
-    parse_bytes,
     partition_limit_bytes,
     per_layer_cap,
     plan_within_budget,
     predict_peak,
     stage_bytes,
 )
+from roundpipe.plan.sizes import format_bytes, parse_bytes
 
 # Four layers with distinct numbers, so every term of every formula shows in the results.
 MEM = LayerMemory(
@@ -61,7 +60,11 @@ def test_parse_bytes_accepts_human_sizes(text: str | int, expected: int) -> None
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["24 Gb", "24gib", "lots", "", "1e9", "-1GiB", "GiB"])
+def test_parse_bytes_reads_exponents_as_the_cli_always_has() -> None:
+    assert parse_bytes("1.5e9") == 1_500_000_000 and parse_bytes("2e3KiB") == 2000 * 1024
+
+
+@pytest.mark.parametrize("bad", ["24 Gb", "24gib", "lots", "", "1e", "-1GiB", "GiB"])
 def test_parse_bytes_rejects_with_the_accepted_spellings(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"use e\.g\. '24GiB', '512MiB' or a number of bytes"):
         parse_bytes(bad)

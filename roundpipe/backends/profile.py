@@ -40,7 +40,8 @@ from torch.func import functional_call
 
 from roundpipe.backends.tensors import cast_floating, differentiable_leaves, to_device, with_leaves
 from roundpipe.errors import ConfigError, DeviceOutOfMemoryError, StageError
-from roundpipe.plan.memory import LayerMemory, format_bytes
+from roundpipe.plan.memory import LayerMemory
+from roundpipe.plan.sizes import format_bytes
 
 GiB = 2**30
 
