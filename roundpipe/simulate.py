@@ -22,11 +22,12 @@ from roundpipe.backends.fake import FakeBackend, FakeCostModel, Perturbation
 from roundpipe.errors import PlanError
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
-from roundpipe.sched.engine import Engine, EngineStatistics
+from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import run_sync
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import BubbleReport, Trace
+from roundpipe.sched.upkeep import EngineStatistics
 
 
 @dataclass

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from roundpipe.sched.engine import Engine, EngineStatistics
+from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, IterationGraph, ModelSpec, ScheduleOptions
 from roundpipe.sched.rules import RuleViolation
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import BubbleReport, Trace
+from roundpipe.sched.upkeep import EngineStatistics
 
 _FROM_SIMULATE = frozenset({"SimulationResult", "replay", "simulate"})
 

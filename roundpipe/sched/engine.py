@@ -38,14 +38,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from roundpipe.errors import ScheduleError
 from roundpipe.sched.backend import Backend
-from roundpipe.sched.diagnostics import cycle_message, find_cycle, released_by
+from roundpipe.sched.diagnostics import released_by
 from roundpipe.sched.kinds import TaskState
 from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import Trace
+from roundpipe.sched.upkeep import EngineUpkeep
 from roundpipe.sched.waiting import wait_until_done
 
 # States under short names: the hot paths read module globals, not enum class attributes.
@@ -57,19 +57,6 @@ _DONE = TaskState.DONE
 _FAILED = TaskState.FAILED
 _CANCELLED = TaskState.CANCELLED
 _FINISHED = (_CANCELLED, _FAILED, _DONE)
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    """A snapshot of the engine's state (counts only; no internals)."""
-
-    submitted: int
-    waiting: int
-    ready: int
-    running: int
-    done: int
-    failed: int
-    now_ms: float
 
 
 class _Resource:
@@ -85,7 +72,7 @@ _FREED_AT_ISSUE = _Resource("freed at issue")  # stands in for the lane of an is
 _FREED_AT_ISSUE.busy = True  # never started from
 
 
-class Engine:
+class Engine(EngineUpkeep):
     """Runs task graphs on one backend. Use from one event loop (the loop thread)."""
 
     def __init__(self, backend: Backend, *, trace: Trace | None = None, stall_timeout_s: float | None = None):
@@ -118,6 +105,23 @@ class Engine:
         or later (those keep the task waiting; `wait` reports them if they never come)."""
         self._bind()
         new = list(tasks)
+        self._register(new)
+        now = self.backend.now()
+        backward = self._link(new, now)
+        missing = self._missing
+        if missing:
+            for task in new:
+                waiting = missing.pop(task.key, None)
+                if waiting:  # tasks of earlier batches: they cannot close a cycle in this one
+                    task.dependents.extend(waiting)
+        self._pending += len(new)
+        if backward:
+            self._check_acyclic(new)
+        touched = [self._push_ready(task, now) for task in new if task.unmet == 0]
+        self._start_free(touched)
+
+    def _register(self, new: list[Task]) -> None:
+        """Index a batch by key and number it; a duplicate key refuses the whole batch."""
         by_key = self._tasks
         seq = self._seq
         for task in new:
@@ -129,12 +133,15 @@ class Engine:
             task.seq = seq
             seq += 1
         self._seq = seq
-        now = self.backend.now()
+
+    def _link(self, new: list[Task], now: float) -> bool:
+        """Count each task's unmet dependencies and list it with what it waits for. Returns
+        whether a task depends on a later one of the batch: a batch is acyclic when none does
+        (graph builders emit tasks in dependency order), and only then is the full check skipped."""
+        by_key = self._tasks
         missing = self._missing
         forgotten = self._forgotten
         ahead = self._ahead
-        # A batch is acyclic when no task depends on a task that comes after it in the batch
-        # (graph builders emit tasks in dependency order); only then is the full check skipped.
         backward = False
         for task in new:
             unmet = 0
@@ -156,52 +163,15 @@ class Engine:
                     if dep.state is not _DONE and dep.state is not _ISSUED:
                         dep.issue_dependents.append(task)
                         unmet += 1
-                        if dep.seq >= task.seq:
-                            backward = True
+                        backward = backward or dep.seq >= task.seq
                 elif dep.state is not _DONE:
                     dep.dependents.append(task)
                     unmet += 1
-                    if dep.seq >= task.seq:
-                        backward = True
+                    backward = backward or dep.seq >= task.seq
             task.unmet = unmet
             task.state = _WAITING
             task.submit_t = now
-        if missing:
-            for task in new:
-                waiting = missing.pop(task.key, None)
-                if waiting:  # tasks of earlier batches: they cannot close a cycle in this one
-                    task.dependents.extend(waiting)
-        self._pending += len(new)
-        if backward:
-            self._check_acyclic(new)
-        touched = [self._push_ready(task, now) for task in new if task.unmet == 0]
-        self._start_free(touched)
-
-    def _forget_partial(self, new: list[Task], duplicate: Task) -> None:
-        """Undo the key registrations of a batch refused for a duplicate key (up to ``duplicate``)."""
-        for task in new:
-            if task is duplicate:
-                return
-            self._tasks.pop(task.key, None)
-            task.seq = -1
-
-    def _check_acyclic(self, new: list[Task]) -> None:
-        cycle = find_cycle(new)
-        if cycle is None:
-            return
-        # Leave the engine usable: forget the whole malformed batch.
-        for task in new:
-            self._tasks.pop(task.key, None)
-            task.state = _CANCELLED
-        self._pending -= len(new)
-        for task in self._tasks.values():
-            task.dependents = [d for d in task.dependents if d.state != _CANCELLED]
-            task.issue_dependents = [d for d in task.issue_dependents if d.state != _CANCELLED]
-        for key in list(self._missing):
-            self._missing[key] = [d for d in self._missing[key] if d.state != _CANCELLED]
-            if not self._missing[key]:
-                del self._missing[key]
-        raise ScheduleError(cycle_message(cycle))
+        return backward
 
     # ------------------------------------------------------------------ running
 
@@ -394,53 +364,3 @@ class Engine:
         """
         self._bind()
         await wait_until_done(self, None if keys is None else [self.task(k) for k in keys])
-
-    # ------------------------------------------------------------------ housekeeping
-
-    def cancel_pending(self) -> int:
-        """Drop every task that has not finished (after a failure); returns how many were dropped.
-
-        Must not be called while tasks are running: wait() has drained them when it raised.
-        """
-        if self._running:
-            raise ScheduleError(f"cancel_pending() with {self._running} task(s) still running")
-        dropped = 0
-        for key, task in list(self._tasks.items()):
-            if task.state != _DONE:
-                task.state = _CANCELLED
-                task.dependents = []
-                del self._tasks[key]
-                dropped += 1
-        for res in self._resources.values():
-            res.heap.clear()
-        self._missing.clear()
-        self._failed.clear()
-        self._pending = 0
-        self._ready = 0
-        return dropped
-
-    def forget(self, older: Callable[[Key], bool]) -> None:
-        """Drop finished tasks whose key ``older(key)`` calls old from the key index, to bound
-        memory in long runs. From then on a dependency on a key that is not known and that
-        ``older`` calls old counts as done: it was, and was forgotten. ``older`` must only grow
-        (each call's predicate accepts every key the previous one did)."""
-        self._forgotten = older
-        for key, task in list(self._tasks.items()):
-            if task.state == _DONE and older(key):
-                del self._tasks[key]
-
-    def is_done(self, key: Key) -> bool:
-        task = self._tasks.get(key)
-        return task is not None and task.state == _DONE
-
-    def statistics(self) -> EngineStatistics:
-        waiting = self._pending - self._ready - self._running
-        return EngineStatistics(
-            submitted=self._seq,
-            waiting=waiting,
-            ready=self._ready,
-            running=self._running,
-            done=self._done,
-            failed=len(self._failed),
-            now_ms=self.backend.now(),
-        )
