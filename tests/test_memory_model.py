@@ -145,16 +145,17 @@ def test_forward_stage_is_params_plus_largest_layer_io_and_work() -> None:
 
 
 def test_fused_stage_holds_every_saved_activation() -> None:
-    # params 70 + grads 40 + saved 300 + 400 + the head's backward working set 4
-    assert stage_bytes(MEM, range(2, 4), "fused") == 70 + 40 + 704
-    assert stage_bytes(MEM, range(2, 4), "fused", "layer") == 70 + 40 + 704  # it never recomputes
+    # params 70 + grads 40 + saved 300 + 400 + the head's backward working set 4 + its fresh
+    # gradient 40 while it is added into the accumulated one
+    assert stage_bytes(MEM, range(2, 4), "fused") == 70 + 40 + 744
+    assert stage_bytes(MEM, range(2, 4), "fused", "layer") == 70 + 40 + 744  # it never recomputes
 
 
 def test_backward_stage_grains() -> None:
-    # stage grain: params 30 + grads 30 + saved 100 + 200 + backward working set 2
-    assert stage_bytes(MEM, range(0, 2), "bwd", "stage") == 30 + 30 + 302
-    # layer grain: both layer inputs (50 + 50 own + 10 constants once) + one layer (200 + 2)
-    assert stage_bytes(MEM, range(0, 2), "bwd", "layer") == 30 + 30 + 110 + 202
+    # stage grain: params 30 + grads 30 + saved 100 + 200 + backward working set 2 + fresh grad 20
+    assert stage_bytes(MEM, range(0, 2), "bwd", "stage") == 30 + 30 + 322
+    # layer grain: both layer inputs (50 + 50 own + 10 constants once) + one layer (200 + 2 + 20)
+    assert stage_bytes(MEM, range(0, 2), "bwd", "layer") == 30 + 30 + 110 + 222
 
 
 def test_layer_grain_pays_off_on_deep_stages() -> None:
@@ -184,19 +185,19 @@ def test_predict_peak_one_device() -> None:
     # of stage inputs and outputs are in flight besides the computing one; the device's previous
     # fused or backward stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20;
     # FB before B1: 30 + 40 + 0 + 40; F1 before FB has no gradients).
-    assert totals == [(156, 70, 2 * 120, 60), (814, 30, 2 * 70, 0), (362, 30, 2 * 120, 110)]
-    assert prediction.peak_bytes == 814 + 30 + 140 and prediction.peak_slot.index == 1
-    assert not prediction.fits(983) and prediction.fits(984) and prediction.fits(None)
+    assert totals == [(156, 70, 2 * 120, 60), (854, 30, 2 * 70, 0), (382, 30, 2 * 120, 110)]
+    assert prediction.peak_bytes == 854 + 30 + 140 and prediction.peak_slot.index == 1
+    assert not prediction.fits(1023) and prediction.fits(1024) and prediction.fits(None)
     assert "slot 1 (fused, layers [2, 4))" in prediction.describe()
     assert prediction.describe(2) == (
-        "predicted peak 742 B in slot 2 (bwd, layers [0, 2)): stage 362 B + prefetch 30 B + activations in flight 240 B"
+        "predicted peak 762 B in slot 2 (bwd, layers [0, 2)): stage 382 B + prefetch 30 B + activations in flight 240 B"
         " + previous stage draining 110 B"
     )
     d = json.loads(json.dumps(prediction.to_dict()))
     assert (
-        d["peak_bytes"] == 984 and d["slots"][1]["total_bytes"] == 984 and d["slots"][1]["layers"] == [2, 4]
+        d["peak_bytes"] == 1024 and d["slots"][1]["total_bytes"] == 1024 and d["slots"][1]["layers"] == [2, 4]
     )
-    assert predict_peak(plan.slots, MEM).peak_bytes == 984  # the slots alone work too
+    assert predict_peak(plan.slots, MEM).peak_bytes == 1024  # the slots alone work too
 
 
 def test_predict_peak_prefetches_what_the_same_device_runs_next() -> None:
