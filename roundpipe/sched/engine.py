@@ -20,8 +20,15 @@ The life of a task, in order (threads in brackets):
      `execute` -> `Runtime.run` -> the kind's handler (`Runtime.param_up`, `compute`, ...; on CUDA
      inside the lane's stream) -> `CompletionPipe.put`, which batches completions and schedules
      one ``call_soon_threadsafe(_drain)``; [loop] `_drain` calls `Engine._task_done` per task.
+     On CUDA (``issues_ahead``) `execute` only *issues* the work on the lane's stream, behind
+     ``stream.wait_event`` on its same-device dependencies, and returns a waiter:
+     `CompletionPipe.put_issued` -> [loop] `Engine._task_issued` (ISSUED: the lane is free and
+     the same-device tasks waiting on its issue may start); [waiter thread, one per lane] the
+     blocking end event completes, `Runtime.finish` releases what the work held, and
+     `CompletionPipe.put` reports it done.
      The fake backend instead pushes the task's end time on a heap; `wait` (`waiting.py`) calls
-     ``backend.advance()``, which moves the virtual clock and calls `_task_done` directly.
+     ``backend.advance()``, which moves the virtual clock and calls `_task_done` directly
+     (`FakeStreamBackend` also reports issues, modelling streams).
   5. [loop] `_task_done`: DONE and appended to the trace (or FAILED, and `_poison` cancels its
      dependents transitively); `_release_dependents` counts each dependent down and pushes those
      at zero (READY); `_task_done` then starts the freed resource and theirs (held while another
