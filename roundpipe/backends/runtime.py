@@ -1,15 +1,17 @@
-"""Stage math: what each task kind does to tensors, for any torch device.
+"""What each task kind does to tensors, for any torch device.
 
 Why one runtime for every real backend: the CPU workers and the CUDA streams must give the same
-numbers, so the math (upload into a transient copy, forward stages that save boundary
-activations, the fused stage, recompute + backward, gradient download, the optimizer-lane
-operations) is written once against a `torch.device`; backends only decide which thread or
-stream runs it and how completion is reported.
+numbers, so what every task does (upload into a transient copy, the stage math of
+`roundpipe.backends.stage_math` over the layer calls of `roundpipe.backends.replicas`, gradient
+download, the optimizer-lane operations) is written once against a `torch.device`; backends only
+decide which thread or stream runs it and how completion is reported.
 
 Data flow of one microbatch through a plan, all keyed by `BoundaryKey` (iteration, layer, microbatch):
   host inputs -> F1 -> ... -> Fk -> FB (loss, backward) -> Bk -> ... -> B1
   forward stages save the activation entering every layer where a backward stage starts
-  (`boundaries`), backward stages fetch it, recompute, and send the input gradient down.
+  (`boundaries`); a backward stage fetches it and recomputes (`recompute`, the graph kept in
+  `recomputed` by (iteration, slot, microbatch)), then fetches the gradient (`grad_up`),
+  back-propagates it (`compute`) and sends the input gradient down.
 
 Activation convention (`roundpipe.backends.tensors`, docs/models.md): floating-point tensors are differentiable;
 integer/bool tensors are not; dict entries whose key starts with "_" are constants.
