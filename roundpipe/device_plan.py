@@ -170,15 +170,17 @@ def refined_costs(trace: Trace, costs: LayerCosts) -> LayerCosts | None:
     measured: dict[str, float] = {}
     predicted: dict[str, float] = {}
     for task in trace:
-        if task.kind != "compute" or task.end_t < task.start_t or not len(task.layers):
+        if task.kind not in ("compute", "recompute") or task.end_t < task.start_t or not len(task.layers):
             continue
         kind = str(task.stage_kind)
         if kind == "fwd":
             model = costs.fwd_stage_ms(task.layers)
         elif kind == "fused":
             model = costs.fused_stage_ms(task.layers)
+        elif task.kind == "recompute":  # a backward stage's two tasks share its forward + backward
+            model = costs.fwd_stage_ms(task.layers)
         else:
-            model = costs.bwd_stage_ms(task.layers)
+            model = costs.bwd_stage_ms(task.layers) - costs.fwd_stage_ms(task.layers)
         measured[kind] = measured.get(kind, 0.0) + task.end_t - task.start_t
         predicted[kind] = predicted.get(kind, 0.0) + model
     if not measured:

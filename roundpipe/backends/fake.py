@@ -2,7 +2,7 @@
 
 It exists so that the real engine can be tested, measured and shown without a GPU: a task's
 duration comes from per-layer costs (forward stages run forward, the fused stage forward plus
-backward, backward stages recompute plus backward), transfers from bytes over a link bandwidth,
+backward, a backward stage's recompute its forward and its backward the rest), transfers from bytes over a link bandwidth,
 and optional seeded delays and jitter per task kind. The clock only moves when the engine asks
 it to (`advance`), so 10^5 tasks simulate in about a second and nothing ever sleeps.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,8 +27,10 @@ from roundpipe.sched.task import (
     COMPUTE,
     G_COPY,
     GRAD_DOWN,
+    GRAD_UP,
     P_COPY,
     PARAM_UP,
+    RECOMPUTE,
     STEP,
     Task,
 )
@@ -35,9 +38,10 @@ from roundpipe.sched.task import (
 if TYPE_CHECKING:
     from roundpipe.plan.costs import LayerCosts
 
-_H2D = (ACT_UP, PARAM_UP)
+_H2D = (ACT_UP, PARAM_UP)  # lane names (a gradient upload runs on the act_up lane)
 _D2H = (ACT_DOWN, GRAD_DOWN)
-_TRANSFERS = frozenset((PARAM_UP, ACT_UP, ACT_DOWN, GRAD_DOWN))
+_TRANSFERS = frozenset((PARAM_UP, ACT_UP, GRAD_UP, ACT_DOWN, GRAD_DOWN))
+_COMPUTE_KINDS = frozenset((COMPUTE, RECOMPUTE))
 
 
 @dataclass
@@ -56,23 +60,23 @@ class FakeCostModel:
     optimizer_ms: float | tuple[float, ...] = 0.0
     copy_fraction: float = 0.1
     latency_ms: float = 0.0
-    # Stage times by (stage kind, layers): a simulation asks for the same few stages thousands of
+    # Stage times by (task kind, stage kind, layers): a simulation asks for the same few stages thousands of
     # times, and summing a stage's layers each time was the fake backend's largest cost.
-    _stage_ms: dict[tuple[str, range], float] = field(
+    _stage_ms: dict[tuple[str, str, range], float] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     _stage_costs: LayerCosts | None = field(default=None, init=False, repr=False, compare=False)
 
     def duration(self, task: Task) -> float:
         kind = task.kind
-        if kind == COMPUTE:
+        if kind in _COMPUTE_KINDS:
             if self._stage_costs is not self.costs:  # first use, or the costs were replaced
                 self._stage_ms.clear()
                 self._stage_costs = self.costs
-            key = (task.stage_kind, task.layers)
+            key = (kind, task.stage_kind, task.layers)
             ms = self._stage_ms.get(key)
             if ms is None:
-                ms = self._stage_ms[key] = self._compute_ms(task.stage_kind, task.layers)
+                ms = self._stage_ms[key] = self._compute_ms(kind, task.stage_kind, task.layers)
         elif kind in _TRANSFERS:
             ms = 0.0 if self.link_gbps is None else task.nbytes / (self.link_gbps * 1e6)
         elif kind == STEP:
@@ -83,12 +87,15 @@ class FakeCostModel:
             ms = 0.0
         return ms + self.latency_ms
 
-    def _compute_ms(self, stage_kind: str, layers: range) -> float:
-        if stage_kind == SlotKind.FWD:
+    def _compute_ms(self, kind: str, stage_kind: str, layers: range) -> float:
+        """A backward stage's two tasks split `LayerCosts.bwd_stage_ms` (forward + backward per
+        layer): the recompute is the stage's forward, the backward the rest."""
+        if stage_kind == SlotKind.FWD or kind == RECOMPUTE:
             return self.costs.fwd_stage_ms(layers)
         if stage_kind == SlotKind.FUSED:
             return self.costs.fused_stage_ms(layers)
-        return self.costs.bwd_stage_ms(layers)
+        self.costs.fwd_stage_ms(layers)  # checks the range
+        return math.fsum(self.costs.bwd_ms[layers.start : layers.stop])
 
     def _optimizer_ms(self, task: Task) -> float:
         if isinstance(self.optimizer_ms, tuple):

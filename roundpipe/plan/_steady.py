@@ -20,9 +20,15 @@ from collections.abc import Sequence
 Arcs = list[list[tuple[int, float, int]]]
 
 
-def _steady_graph(slot_ms: Sequence[float], num_devices: int, rounds: Sequence[int]) -> Arcs:
+def _steady_graph(
+    slot_ms: Sequence[float], num_devices: int, rounds: Sequence[int], lead_ms: Sequence[float] | None = None
+) -> Arcs:
     """In-arcs (source, weight ms, transit in iterations) of every node; run n of one iteration has
-    node 2n (its first microbatch starts) and 2n+1 (its last microbatch ends)."""
+    node 2n (its first microbatch starts) and 2n+1 (its last microbatch ends). ``lead_ms[i]`` is
+    the part of slot i's microbatch that runs before its input from slot i-1 has arrived (a
+    backward stage's recompute needs only the saved activation): the arcs from slot i-1 are
+    shorter by it."""
+    lead = lead_ms or [0.0] * len(slot_ms)
     s_count = len(slot_ms)
     period = s_count * len(rounds)
     ins: Arcs = [[] for _ in range(2 * period)]
@@ -36,14 +42,14 @@ def _steady_graph(slot_ms: Sequence[float], num_devices: int, rounds: Sequence[i
         busy = rounds[rnd] * slot_ms[i]
         start, end = 2 * n, 2 * n + 1
         if i:  # microbatch 0 arrives from the previous slot of the round
-            ins[start].append((2 * (n - 1), slot_ms[i - 1], 0))
+            ins[start].append((2 * (n - 1), slot_ms[i - 1] - lead[i], 0))
         src, q = earlier(n, num_devices)  # the device's previous run
         ins[start].append((2 * src, rounds[src // s_count] * slot_ms[src % s_count], q))
         src, q = earlier(n, 2 * num_devices)  # one stage of prefetch: the run before that has ended
         ins[start].append((2 * src + 1, 0.0, q))
         ins[end].append((start, busy, 0))
         if i:  # the last microbatch cannot end before it left the previous slot
-            ins[end].append((2 * (n - 1) + 1, slot_ms[i], 0))
+            ins[end].append((2 * (n - 1) + 1, slot_ms[i] - lead[i], 0))
     return ins
 
 
@@ -102,7 +108,9 @@ def _improve_policy(ins: Arcs, policy: list[int], x: list[float], eta: list[floa
     return changed
 
 
-def steady_period(slot_ms: Sequence[float], num_devices: int, rounds: Sequence[int]) -> float:
+def steady_period(
+    slot_ms: Sequence[float], num_devices: int, rounds: Sequence[int], lead_ms: Sequence[float] | None = None
+) -> float:
     """Milliseconds per iteration of an endless async stream of iterations (the model above).
 
     Every zero-transit arc goes forward within a round, so every cycle has a positive transit and
@@ -110,7 +118,7 @@ def steady_period(slot_ms: Sequence[float], num_devices: int, rounds: Sequence[i
     cycles give each node a ratio (eta) and a bias (x); nodes switch to a better in-arc until
     nothing improves.
     """
-    ins = _steady_graph(slot_ms, num_devices, rounds)
+    ins = _steady_graph(slot_ms, num_devices, rounds, lead_ms)
     count = len(ins)
     # Start from the heaviest arc that crosses the most iterations: close to the final policy.
     policy = [max(range(len(arcs)), key=[(t, w) for _, w, t in arcs].__getitem__) for arcs in ins]

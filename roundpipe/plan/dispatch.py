@@ -10,10 +10,12 @@ only evaluates a model of the stream.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from roundpipe.errors import PlanError
 from roundpipe.plan import _search
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan, Slot
 from roundpipe.plan.rounds import positive_count, round_sizes
 
@@ -75,7 +77,9 @@ def steady_iteration_ms(
     max-plus system: a run's first microbatch follows the previous slot's, its device first
     finishes the run N before, and the run 2N before must have ended (one stage of prefetch).
     Transfers and the optimizer are not in it. ``1 - M * sum(plan.slot_ms) / (N * this)`` is the
-    steady bubble it predicts.
+    steady bubble it predicts. A backward stage recomputes a microbatch before its gradient
+    arrives; the plan does not hold per-layer costs, so that lead is its layers' forward time
+    estimated from the forward slots (each forward slot's time spread evenly over its layers).
     """
     n = positive_count("num_devices", num_devices)
     rounds = round_sizes(num_microbatches, n, round_size)
@@ -83,4 +87,13 @@ def steady_iteration_ms(
         raise PlanError(
             "the plan does not know its slot times; build it with partition() or Plan.from_stages()"
         )
-    return _search.steady_period(plan.slot_ms, n, rounds)
+    return _search.steady_period(plan.slot_ms, n, rounds, _recompute_lead(plan))
+
+
+def _recompute_lead(plan: Plan) -> list[float]:
+    """Per slot, the estimated time of a microbatch's recompute (0 outside backward stages)."""
+    layer_fwd = [0.0] * plan.fused.start
+    for layers, ms in zip(plan.fwd_stages, plan.slot_ms, strict=False):
+        for layer in layers:
+            layer_fwd[layer] = ms / len(layers)
+    return [math.fsum(layer_fwd[i] for i in s.layers) if s.kind == SlotKind.BWD else 0.0 for s in plan.slots]

@@ -16,9 +16,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, G_COPY, GRAD_DOWN, PARAM_UP, Key, Task
+from roundpipe.sched.task import (
+    ACT_DOWN,
+    ACT_UP,
+    COMPUTE_KINDS,
+    G_COPY,
+    GRAD_DOWN,
+    GRAD_UP,
+    PARAM_UP,
+    Key,
+    Task,
+)
 
-TRANSFER_KINDS = frozenset({ACT_UP, ACT_DOWN, PARAM_UP, GRAD_DOWN})
+TRANSFER_KINDS = frozenset({ACT_UP, GRAD_UP, ACT_DOWN, PARAM_UP, GRAD_DOWN})
 
 Interval = tuple[float, float]
 
@@ -98,14 +108,14 @@ def breakdown(trace: Iterable[Task], iterations: Iterable[int] | None = None) ->
     """
     tasks = list(trace)
     wanted = _iterations(tasks, iterations)
-    measured = [t for t in tasks if t.kind == COMPUTE and t.iteration in wanted]
+    measured = [t for t in tasks if t.kind in COMPUTE_KINDS and t.iteration in wanted]
     if not measured:
         return TraceBreakdown(tuple(sorted(wanted)), (0.0, 0.0), {}, 0.0, 0.0, {})
     window = (min(t.start_t for t in measured), max(t.end_t for t in measured))
     by_key = {t.key: t for t in tasks}
     devices = sorted({t.device for t in measured})
     per_device = {
-        d: _device(d, [t for t in tasks if t.kind == COMPUTE and t.device == d], by_key, window)
+        d: _device(d, [t for t in tasks if t.kind in COMPUTE_KINDS and t.device == d], by_key, window)
         for d in devices
     }
     return TraceBreakdown(

@@ -20,11 +20,14 @@ from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
     COMPUTE,
+    COMPUTE_KINDS,
     G_COPY,
     GRAD_DOWN,
     GRAD_NORM,
+    GRAD_UP,
     P_COPY,
     PARAM_UP,
+    RECOMPUTE,
     STEP,
     Task,
 )
@@ -54,6 +57,7 @@ __all__ = [
 # Kind colours (colour-blind friendly-ish, Okabe-Ito based); compute is shaded by stage kind.
 _KIND_COLOURS: dict[str, str] = {
     ACT_UP: "#E69F00",
+    GRAD_UP: "#B07800",
     ACT_DOWN: "#D55E00",
     PARAM_UP: "#009E73",
     GRAD_DOWN: "#CC79A7",
@@ -73,6 +77,7 @@ _STAGE_KIND_NAMES = {
     SlotKind.FUSED: "compute: fused",
     SlotKind.BWD: "compute: backward",
 }
+_RECOMPUTE_COLOUR = "#3f6fa8"  # a backward stage's recompute: between forward and backward
 _OTHER_COLOUR = "#444444"
 
 
@@ -168,6 +173,8 @@ def _task_event(task: Task, pid: int, tid: int) -> dict[str, Any]:
 
 
 def _colour(task: Task) -> str:
+    if task.kind == RECOMPUTE:
+        return _RECOMPUTE_COLOUR
     if task.kind == COMPUTE:
         return _STAGE_KIND_COLOURS.get(task.stage_kind, _STAGE_KIND_COLOURS[""])
     return _KIND_COLOURS.get(task.kind, _OTHER_COLOUR)
@@ -201,7 +208,7 @@ def write_png(
     fig = Figure(figsize=(15, height), dpi=dpi, layout="constrained")
     ax = fig.add_subplot()
 
-    computes = [t for t in tasks if t.kind == COMPUTE]
+    computes = [t for t in tasks if t.kind in COMPUTE_KINDS]
     t0 = min((t.start_t for t in tasks), default=0.0)
     t1 = max((t.end_t for t in tasks), default=1.0)
     span = max(t1 - t0, 1e-9)
@@ -289,6 +296,8 @@ def _draw_legend(fig: Any, tasks: list[Task], computes: list[Task]) -> None:
     ]
     if computes and not handles:
         handles.append(Patch(color=_STAGE_KIND_COLOURS[""], label="compute"))
+    if RECOMPUTE in present_kinds:
+        handles.append(Patch(color=_RECOMPUTE_COLOUR, label="compute: recompute"))
     handles += [Patch(color=c, label=k) for k, c in _KIND_COLOURS.items() if k in present_kinds]
     if handles:
         fig.legend(

@@ -14,6 +14,8 @@ What one iteration contains, per stage run (a slot of a round on a device):
                                                   one microbatch ahead)
                                   compute      <- act_up, all param_up chunks, previous microbatch
                                   act_down     <- compute
+  (a backward run splits compute into recompute and backward, the gradient into its own
+   grad_up: `sched/backward_run.py`)
   once (fused / backward runs)    grad_down    <- last compute, the previous round's grad_down
                                                   of this stage, rule 4
 then per unit a G-copy (rule 3, rule 5). An optimizer step adds per unit, shallow first, step and
@@ -31,6 +33,7 @@ from roundpipe.plan.dispatch import SlotRun, dispatch
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
 from roundpipe.sched import rules
+from roundpipe.sched.backward_run import BackwardRunContext, backward_chains
 from roundpipe.sched.keys import (
     ActDownKey,
     ActUpKey,
@@ -49,11 +52,11 @@ from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
     COMPUTE,
-    DEVICE_LANES,
     G_COPY,
     GRAD_DOWN,
     GRAD_NORM,
     HOST_OPTIMIZER_LANE,
+    LANE_OF_KIND,
     P_COPY,
     PARAM_UP,
     STEP,
@@ -142,7 +145,10 @@ class GraphBuilder:
         for slot_run in runs:
             run = self._stage_run(slot_run, built)
             param_keys = self._param_uploads(run, built)
-            last_compute = self._microbatch_chains(run, param_keys, built)
+            if run.kind == SlotKind.BWD:
+                last_compute = backward_chains(run, param_keys, built, self._backward_context(run))
+            else:
+                last_compute = self._microbatch_chains(run, param_keys, built)
             self._remember_on_device(run.device, last_compute)
             self._grad_download(run, last_compute, built)
         done_keys: list[Key] = list(built.last_grad_down.values())
@@ -161,7 +167,9 @@ class GraphBuilder:
         device, slot = slot_run.device, slot_run.slot
         lanes = self._lanes.get(device)
         if lanes is None:
-            lanes = self._lanes[device] = {kind: device_lane(device, kind) for kind in DEVICE_LANES}
+            lanes = self._lanes[device] = {
+                kind: device_lane(device, lane) for kind, lane in LANE_OF_KIND.items()
+            }
         return StageRun(
             built.iteration,
             built.step,
@@ -212,15 +220,31 @@ class GraphBuilder:
                     ledgers[unit].readers.setdefault(version, []).append(key)
         return param_keys
 
+    def _backward_context(self, run: StageRun) -> BackwardRunContext:
+        """What a backward run's chains wait for outside the run (see `backward_run`)."""
+        start = run.layers.start
+        saved_by = read_by = None
+        if start > 0:  # the forward slot that saved the activation entering the run
+            stages = self.plan.fwd_stages  # forward slot i holds fwd_stages[i]
+            saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
+            read_by = saved_by + 1 if stages[saved_by].stop == start else None
+        history = self._device_runs.get(run.device, ())
+        return BackwardRunContext(
+            act_bytes=self.spec.act_bytes,
+            down_bytes=self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0,
+            saved_by=saved_by,
+            read_by=read_by,
+            two_runs_back=history[-2] if len(history) >= 2 else None,
+        )
+
     def _microbatch_chains(self, run: StageRun, param_keys: list[Key], built: IterationInProgress) -> Key:
-        """Per microbatch of the run: act_up (after the previous slot's act_down; at most one
+        """Per microbatch of a forward or fused run: act_up (after the previous slot's act_down; at most one
         microbatch ahead of the run's compute; and a run's first inputs only once the run two
         before on the device has completed, as its weights: without that, every run whose input
         was ready would upload it, and a device would hold many runs' activations), compute (after
         its input, every parameter upload and the previous microbatch), act_down. Returns the
         run's last compute."""
-        act_bytes = self.spec.act_bytes
-        up_bytes = act_bytes * (2 if run.kind == SlotKind.BWD else 1)
+        up_bytes = act_bytes = self.spec.act_bytes
         down_bytes = act_bytes if run.slot < self.plan.num_slots - 1 else 0
         fused = run.kind == SlotKind.FUSED
         last_down = built.last_act_down

@@ -16,10 +16,13 @@ from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
     COMPUTE,
+    COMPUTE_KINDS,
     G_COPY,
     GRAD_DOWN,
+    GRAD_UP,
     P_COPY,
     PARAM_UP,
+    RECOMPUTE,
     STEP,
     Key,
     Task,
@@ -42,8 +45,11 @@ def _as_key(task_or_key: Task | Key | Sequence[Any]) -> Key:
 def _cell_text(task: Task) -> str:
     if task.kind == COMPUTE:
         return task.stage or "C"
+    if task.kind == RECOMPUTE:
+        return task.stage.lower() or "c"
     short: dict[str, str] = {
         ACT_UP: "a",
+        GRAD_UP: "u",
         ACT_DOWN: "d",
         PARAM_UP: "p",
         GRAD_DOWN: "g",
@@ -91,8 +97,8 @@ def format_grid(
     window: tuple[float, float] | None = None,
 ) -> str:
     """An ASCII timeline: one row per lane (by default each device's compute lane), time cut into
-    ``width`` columns. A task writes its stage name (``F1``, ``FB``, ``B2``; a letter for other
-    kinds: a/d act up/down, p param_up, g grad_down, G/S/P g-copy/step/p-copy) into its first
+    ``width`` columns. A task writes its stage name (``F1``, ``FB``, ``B2``, a backward stage's recompute in lower case, ``b2``; a letter for other
+    kinds: a/d act up/down, u grad_up, p param_up, g grad_down, G/S/P g-copy/step/p-copy) into its first
     cells and ``-`` into the rest; ``.`` is idle.
 
     ``mark`` (a task or a task key) is drawn with ``!`` and named in a caption; ``related`` tasks
@@ -151,7 +157,9 @@ def explain_violation(trace: Trace, violation: RuleViolation, *, width: int = 10
         return header + "\n" + format_grid(trace, width=width)
     lo = min(t.start_t for t in tasks)
     hi = max(t.end_t for t in tasks)
-    computes = sorted(t.end_t - t.start_t for t in trace.records if t.kind == COMPUTE and t.end_t > t.start_t)
+    computes = sorted(
+        t.end_t - t.start_t for t in trace.records if t.kind in COMPUTE_KINDS and t.end_t > t.start_t
+    )
     typical = computes[len(computes) // 2] if computes else max(hi - lo, 1.0)
     # Wide enough to show the involved tasks and ~20 typical compute tasks around them.
     span = max((hi - lo) * 1.5, typical * 20)

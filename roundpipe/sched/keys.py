@@ -26,6 +26,8 @@ Key = tuple[Any, ...]
 _new = tuple.__new__
 _PARAM_UP = TaskKind.PARAM_UP
 _ACT_UP = TaskKind.ACT_UP
+_GRAD_UP = TaskKind.GRAD_UP
+_RECOMPUTE = TaskKind.RECOMPUTE
 _COMPUTE = TaskKind.COMPUTE
 _ACT_DOWN = TaskKind.ACT_DOWN
 _GRAD_DOWN = TaskKind.GRAD_DOWN
@@ -93,8 +95,26 @@ class ActUpKey(_MicrobatchFields):
         return _new(cls, (_ACT_UP, iteration, slot, microbatch))
 
 
+class GradUpKey(_MicrobatchFields):
+    """A backward stage's incoming gradient of one microbatch, host to device."""
+
+    __slots__ = ()
+
+    def __new__(cls, iteration: int, slot: int, microbatch: int) -> GradUpKey:
+        return _new(cls, (_GRAD_UP, iteration, slot, microbatch))
+
+
+class RecomputeKey(_MicrobatchFields):
+    """A backward stage's recompute of one microbatch: its forward again, keeping the graph."""
+
+    __slots__ = ()
+
+    def __new__(cls, iteration: int, slot: int, microbatch: int) -> RecomputeKey:
+        return _new(cls, (_RECOMPUTE, iteration, slot, microbatch))
+
+
 class ComputeKey(_MicrobatchFields):
-    """One stage over one microbatch."""
+    """One stage over one microbatch (of a backward stage: its backward, after the recompute)."""
 
     __slots__ = ()
 
@@ -156,18 +176,31 @@ class GradNormKey(_GradNormFields):
         return _new(cls, (_GRAD_NORM, step))
 
 
-IterationKey = ParamUpKey | ActUpKey | ComputeKey | ActDownKey | GradDownKey | GCopyKey
+IterationKey = (
+    ParamUpKey | ActUpKey | GradUpKey | RecomputeKey | ComputeKey | ActDownKey | GradDownKey | GCopyKey
+)
 """Keys of tasks that belong to one `forward_backward` call: they have ``.iteration``."""
 StepScopedKey = StepKey | PCopyKey | GradNormKey
 """Keys of tasks that belong to one optimizer step: they have ``.step``."""
 TaskKey = IterationKey | StepScopedKey
 
-ITERATION_KEYS = (ParamUpKey, ActUpKey, ComputeKey, ActDownKey, GradDownKey, GCopyKey)
+ITERATION_KEYS = (
+    ParamUpKey,
+    ActUpKey,
+    GradUpKey,
+    RecomputeKey,
+    ComputeKey,
+    ActDownKey,
+    GradDownKey,
+    GCopyKey,
+)
 STEP_KEYS = (StepKey, PCopyKey, GradNormKey)
 
 _KEY_TYPES: dict[str, type[tuple[Any, ...]]] = {
     TaskKind.PARAM_UP: ParamUpKey,
     TaskKind.ACT_UP: ActUpKey,
+    TaskKind.GRAD_UP: GradUpKey,
+    TaskKind.RECOMPUTE: RecomputeKey,
     TaskKind.COMPUTE: ComputeKey,
     TaskKind.ACT_DOWN: ActDownKey,
     TaskKind.GRAD_DOWN: GradDownKey,

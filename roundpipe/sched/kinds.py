@@ -17,6 +17,8 @@ class TaskKind(StrEnum):
 
     PARAM_UP = "param_up"
     ACT_UP = "act_up"
+    GRAD_UP = "grad_up"  # a backward stage's incoming gradient, on the act_up lane
+    RECOMPUTE = "recompute"  # a backward stage's forward again, on the compute lane
     COMPUTE = "compute"
     ACT_DOWN = "act_down"
     GRAD_DOWN = "grad_down"

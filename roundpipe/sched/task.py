@@ -21,6 +21,8 @@ from roundpipe.sched.kinds import SlotKind, TaskKind, TaskState
 # The kinds under their short names, as the graph builder, backends and views spell them.
 PARAM_UP = TaskKind.PARAM_UP
 ACT_UP = TaskKind.ACT_UP
+GRAD_UP = TaskKind.GRAD_UP
+RECOMPUTE = TaskKind.RECOMPUTE
 COMPUTE = TaskKind.COMPUTE
 ACT_DOWN = TaskKind.ACT_DOWN
 GRAD_DOWN = TaskKind.GRAD_DOWN
@@ -31,14 +33,20 @@ P_COPY = TaskKind.P_COPY
 
 DEVICE_LANES = (COMPUTE, ACT_UP, ACT_DOWN, PARAM_UP, GRAD_DOWN)
 """The lanes of every device, named after the kind of task they run, in display order."""
+LANE_OF_KIND: dict[str, str] = {**{kind: kind for kind in DEVICE_LANES}, RECOMPUTE: COMPUTE, GRAD_UP: ACT_UP}
+"""The device lane each device task kind runs on: two kinds share a lane with another."""
+COMPUTE_KINDS = frozenset((COMPUTE, RECOMPUTE))
+"""The kinds that run on a compute lane: what keeps a device busy."""
 HOST_OPTIMIZER_LANE = "host.optimizer"
 
 # Higher runs first among ready tasks that share a resource: activations are on the critical path,
 # parameters are needed one stage ahead, gradients can wait until a link is idle.
 PRIORITY: dict[str, int] = {
     ACT_UP: 30,
+    GRAD_UP: 30,
     ACT_DOWN: 30,
     COMPUTE: 20,
+    RECOMPUTE: 20,
     PARAM_UP: 20,
     GRAD_DOWN: 10,
     G_COPY: 10,
@@ -178,7 +186,7 @@ class Task:
             bits.append(f"microbatch {self.microbatch}")
         if self.iteration >= 0:
             bits.append(f"iteration {self.iteration}")
-        if self.step >= 0 and self.kind not in (COMPUTE, ACT_UP, ACT_DOWN, GRAD_DOWN):
+        if self.step >= 0 and self.kind not in (COMPUTE, RECOMPUTE, ACT_UP, GRAD_UP, ACT_DOWN, GRAD_DOWN):
             bits.append(f"step {self.step}")
         if len(bits) == 1:  # nothing else identifies it: show the key
             bits.append(repr(self.key))

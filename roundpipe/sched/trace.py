@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from roundpipe.sched.task import COMPUTE, Task
+from roundpipe.sched.task import COMPUTE_KINDS, Task
 
 TRACE_FORMAT = "roundpipe.trace/1"
 
@@ -91,7 +91,7 @@ class Trace:
         """Idle fraction of each device's compute lane over the window [start_ms, end_ms]
         (default: from the first to the last compute task of the whole trace, the same window
         for every device, so fill and drain count as bubble)."""
-        computes = [t for t in self.records if t.kind == COMPUTE]
+        computes = [t for t in self.records if t.kind in COMPUTE_KINDS]
         if not computes:
             return BubbleReport({}, 0.0, 0.0, {})
         lo = min(t.start_t for t in computes) if start_ms is None else start_ms

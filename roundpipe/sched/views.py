@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
-    COMPUTE,
+    COMPUTE_KINDS,
     DEVICE_LANES,
     G_COPY,
     GRAD_NORM,
+    GRAD_UP,
     P_COPY,
+    RECOMPUTE,
     STEP,
     Task,
 )
@@ -79,8 +81,10 @@ def task_label(task: Task) -> str:
     layers (``"param_up F1 L4"``), plus the microbatch for activation transfers and the step for
     optimizer-lane work.
     """
-    if task.kind == COMPUTE:
+    if task.kind in COMPUTE_KINDS:
         bits = [task.stage or "compute"]
+        if task.kind == RECOMPUTE:
+            bits.append("recompute")
         if task.microbatch >= 0:
             bits.append(f"mb{task.microbatch}")
         return " ".join(bits)
@@ -92,7 +96,7 @@ def task_label(task: Task) -> str:
         bits.append(layers)
     if task.num_parts > 1:
         bits.append(f"p{task.part + 1}/{task.num_parts}")
-    if task.microbatch >= 0 and task.kind in (ACT_UP, ACT_DOWN):
+    if task.microbatch >= 0 and task.kind in (ACT_UP, GRAD_UP, ACT_DOWN):
         bits.append(f"mb{task.microbatch}")
     if task.step >= 0 and task.kind in (STEP, P_COPY, G_COPY, GRAD_NORM):
         bits.append(f"s{task.step}")

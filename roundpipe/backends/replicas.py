@@ -1,0 +1,143 @@
+"""Per-device replicas of the model's layers, and the one way a stage calls a layer.
+
+Why apart from the runtime: a layer runs on a device through a structural copy whose parameter
+slots are filled, for one call, with the run's transient weights, under a dropout seed that
+depends only on (seed, iteration, layer, microbatch), so the forward and its recompute draw the
+same masks on any number of devices. The replicas, their binders and the seeding live here; the
+runtime's stores and lanes do not. A replica must never keep a finished run's weights alive.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from roundpipe.backends.host_data import ReplicaKey
+from roundpipe.errors import StageError
+from roundpipe.sched.task import Task
+
+OutOfMemory = Callable[[Task, str], Exception]  # the error to raise for an OOM inside a layer
+
+
+class Replicas:
+    """The replicas of every layer on every device, and `call`, which runs one of them."""
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        names: list[str],
+        device: Callable[[int], torch.device],
+        out_of_memory: OutOfMemory,
+        *,
+        seed: int,
+    ) -> None:
+        self.layers = layers
+        self.names = names
+        self.device = device
+        self.out_of_memory = out_of_memory
+        self.seed = seed
+        self._replicas: dict[ReplicaKey, nn.Module] = {}
+        self._binders: dict[ReplicaKey, Binder] = {}
+        self._replica_lock = threading.Lock()
+        self._rng_lock = threading.Lock()
+        self.uses_rng = any(
+            isinstance(m, nn.Dropout) and m.p > 0 for layer in layers for m in layer.modules()
+        ) or any(getattr(getattr(layer, "config", None), "attention_dropout", 0.0) for layer in layers)
+
+    def replica(self, device: int, layer: int) -> nn.Module:
+        """A per-device structural copy of a layer whose parameters are empty placeholders
+        (the transient copy is passed in at call time), with its own buffers."""
+        key = ReplicaKey(device, layer)
+        module = self._replicas.get(key)
+        if module is not None:
+            return module
+        with self._replica_lock:
+            module = self._replicas.get(key)
+            if module is None:
+                original = self.layers[layer]
+                memo: dict[int, Any] = {
+                    id(p): nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+                    for p in original.parameters()
+                }
+                module = copy.deepcopy(original, memo)
+                module.to(self.device(device))
+                self._binders[key] = Binder(module)
+                self._replicas[key] = module
+        return module
+
+    def call(self, task: Task, layer: int, params: dict[int, dict[str, torch.Tensor]], x: Any) -> Any:
+        """Layer ``layer`` of ``task``'s stage on its device, with the run's transient weights."""
+        replica = self.replica(task.device, layer)
+        binder = self._binders[ReplicaKey(task.device, layer)]
+        try:
+            with self._rng(task.iteration, layer, task.microbatch):
+                binder.bind(params.get(layer, {}))
+                try:
+                    return replica(x)
+                finally:
+                    binder.unbind()  # the replica must not keep a finished run's weights alive
+        except torch.OutOfMemoryError as exc:
+            raise self.out_of_memory(task, f"layer {layer} ({self.names[layer]}), ") from exc
+        except StageError:
+            raise
+        except Exception as exc:
+            raise StageError(
+                f"layer {layer} ({self.names[layer]}) raised {type(exc).__name__}: {exc} "
+                f"(stage {task.stage} on device {task.device}, microbatch {task.microbatch}, "
+                f"iteration {task.iteration})",
+                task.describe(),
+            ) from exc
+
+    def _rng(self, iteration: int, layer: int, microbatch: int) -> AbstractContextManager[Any]:
+        """Dropout masks depend only on (seed, iteration, layer, microbatch): the same in the
+        forward and in recompute, and the same on any number of devices. The CPU generator is
+        global, so seeded sections are serialised."""
+        if not self.uses_rng:
+            return nullcontext()
+        return SeededSection(self._rng_lock, hash((self.seed, iteration, layer, microbatch)) & 0x7FFF_FFFF)
+
+
+class Binder:
+    """Puts a run's transient tensors into a replica's parameter slots for one call, and the
+    placeholders back after it. Cheaper than `torch.func.functional_call` (which rebuilds its
+    bookkeeping on every call), and only one compute lane ever calls a given replica."""
+
+    def __init__(self, module: nn.Module) -> None:
+        canonical: dict[int, str] = {}
+        self.slots: list[tuple[dict[str, Any], str, str, nn.Parameter]] = []
+        for name, param in module.named_parameters(remove_duplicate=False):
+            first = canonical.setdefault(id(param), name)  # tied slots take the first name's tensor
+            owner, _, leaf = name.rpartition(".")
+            submodule = module.get_submodule(owner) if owner else module
+            self.slots.append((submodule._parameters, leaf, first, param))
+
+    def bind(self, tensors: dict[str, torch.Tensor]) -> None:
+        for slots, leaf, name, _ in self.slots:
+            tensor = tensors.get(name)
+            if tensor is not None:
+                slots[leaf] = tensor
+
+    def unbind(self) -> None:
+        for slots, leaf, _, placeholder in self.slots:
+            slots[leaf] = placeholder
+
+
+class SeededSection:
+    """Seeds the global generator for one layer call; serialised, as the generator is global."""
+
+    def __init__(self, lock: threading.Lock, seed: int) -> None:
+        self.lock = lock
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()

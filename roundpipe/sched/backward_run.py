@@ -1,0 +1,92 @@
+"""The microbatch chains of a backward stage run: recompute ahead of the gradient.
+
+Why apart from the builder: a backward stage's work per microbatch is two compute tasks, not one.
+The recompute (its forward again, keeping the autograd graph) needs only the saved activation; the
+backward needs the gradient from the slot above, which is the critical path. Split, the device
+recomputes while the gradient is still on its way. Per microbatch:
+
+  act_up     the saved activation   <- the forward slot's act_down that saved it (and, when it
+                                       is that slot's output, the next slot's act_up: this one
+                                       takes it off the host); the backward two microbatches
+                                       back (completed: flow control)
+  recompute  compute lane           <- act_up, every param_up of the run, the run's previous
+                                       backward
+  grad_up    the incoming gradient  <- the previous slot's act_down (critical path); flow
+             (act_up lane)             control as act_up
+  backward   compute lane           <- recompute, grad_up   (a `COMPUTE` task: its key, its
+                                       act_down and the run's grad_down are as for any stage)
+  act_down   the input gradient     <- backward
+
+The recompute waits for the run's previous backward, so at most one recomputed microbatch of a run
+waits for its gradient (its activations stay on the device until the backward runs). A device may
+hold two runs at once (one drains while the next starts, `graph`), so two recomputed microbatches
+can wait on one device. Making the next run's first recompute wait for the previous run's last
+backward would keep it to one, but takes from the next run the gap while the previous run's last
+gradient is on its way: on 28-64-layer LLM profiles (8 devices, 16 microbatches) it raised the
+asynchronous steady bubble from about 2% to 5-10%.
+This module must never hold tensors or decide anything but these tasks and their dependencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roundpipe.sched.keys import ActDownKey, ActUpKey, ComputeKey, GradUpKey, RecomputeKey
+from roundpipe.sched.stage_run import IterationInProgress, StageRun, previous_act_down
+from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, GRAD_UP, RECOMPUTE, Key
+
+
+@dataclass(frozen=True)
+class BackwardRunContext:
+    """What a backward run's chains depend on outside the run itself."""
+
+    act_bytes: int  # one microbatch's boundary activation (and its gradient)
+    down_bytes: int  # the input gradient sent down (0 from the last slot)
+    saved_by: int | None  # the forward slot whose act_down saved the entering activation
+    read_by: int | None  # the forward slot whose act_up reads it too (the act_up here takes it)
+    two_runs_back: Key | None  # the device's run two before: its last compute (flow control)
+
+
+def backward_chains(
+    run: StageRun, param_keys: list[Key], built: IterationInProgress, context: BackwardRunContext
+) -> Key:
+    """Append the run's per-microbatch tasks to ``built``, in dependency order; return its last
+    backward (the run's last compute)."""
+    last_down = built.last_act_down
+    backwards: list[Key] = []
+    t, slot = run.iteration, run.slot
+    for position, mb in enumerate(run.microbatches):
+        flow: list[Key] = []
+        ahead = backwards[position - 2] if position >= 2 else context.two_runs_back
+        if ahead is not None:
+            flow.append(ahead)  # flow control, so it waits for completion
+        up_key, grad_key = ActUpKey(t, slot, mb), GradUpKey(t, slot, mb)
+        up_deps = list(flow)
+        if context.saved_by is not None:
+            up_deps.append(ActDownKey(t, context.saved_by, mb))
+        if context.read_by is not None:
+            up_deps.append(ActUpKey(t, context.read_by, mb))
+        recompute_key, backward_key = RecomputeKey(t, slot, mb), ComputeKey(t, slot, mb)
+        recompute_deps = [up_key, *param_keys]
+        if backwards:
+            recompute_deps.append(backwards[-1])
+        grad_deps = [previous_act_down(last_down, run, mb), *flow]
+        down_key = ActDownKey(t, slot, mb)
+        count = len(run.microbatches)
+        built.tasks += (
+            run.task(up_key, ACT_UP, up_deps, microbatch=mb, nbytes=context.act_bytes, sync_deps=flow),
+            run.task(recompute_key, RECOMPUTE, recompute_deps, microbatch=mb, part=position, num_parts=count),
+            run.task(grad_key, GRAD_UP, grad_deps, microbatch=mb, nbytes=context.act_bytes, sync_deps=flow),
+            run.task(
+                backward_key,
+                COMPUTE,
+                [recompute_key, grad_key],
+                microbatch=mb,
+                part=position,
+                num_parts=count,
+            ),
+            run.task(down_key, ACT_DOWN, [backward_key], microbatch=mb, nbytes=context.down_bytes),
+        )
+        last_down[mb] = down_key
+        backwards.append(backward_key)
+    return backwards[-1]
