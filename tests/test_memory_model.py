@@ -183,9 +183,10 @@ def test_predict_peak_one_device() -> None:
     ]
     # F1 prefetches FB's params, FB prefetches B1's, B1 the next iteration's F1; two microbatches
     # of stage inputs and outputs are in flight besides the computing one; the device's previous
-    # fused or backward stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20;
-    # FB before B1: 30 + 40 + 0 + 40; F1 before FB has no gradients).
-    assert totals == [(156, 70, 2 * 120, 60), (854, 30, 2 * 70, 0), (382, 30, 2 * 120, 110)]
+    # fused or backward stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20,
+    # and its last recompute, saved 100 + 200, may await its gradient; FB before B1: 30 + 40 + 0
+    # + 40; F1 before FB has no gradients).
+    assert totals == [(156, 70, 2 * 120, 60 + 300), (854, 30, 2 * 70, 0), (382, 30, 2 * 120, 110)]
     assert prediction.peak_bytes == 854 + 30 + 140 and prediction.peak_slot.index == 1
     assert not prediction.fits(1023) and prediction.fits(1024) and prediction.fits(None)
     assert "slot 1 (fused, layers [2, 4))" in prediction.describe()

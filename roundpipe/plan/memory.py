@@ -182,7 +182,8 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
 class SlotMemory:
     """One slot's predicted peak: its stage, the prefetched stages' parameters, activations in flight,
     and the device's previous fused or backward stage, whose weights and gradients stay until the
-    gradients' download completes (while this stage's first microbatch already runs)."""
+    gradients' download completes (while this stage's first microbatch already runs), and, for a
+    backward stage, its last recomputed microbatch, which may still await its gradient."""
 
     index: int
     kind: str
@@ -276,6 +277,9 @@ def predict_peak(
         draining = 0
         if before.kind != "fwd":
             draining = sum(mem.param_bytes[j] + mem.grad_bytes[j] for j in before.layers)
+        if before.kind == "bwd":  # its last recompute may still await its gradient
+            recomputed = sum(mem.saved_bytes[j] for j in before.layers)
+            draining += recomputed if grain == "stage" else _held_inputs(mem, before.layers)
         out.append(
             SlotMemory(
                 i,
