@@ -1,0 +1,169 @@
+"""The five-rule checker itself: a valid trace is tampered to break each rule in turn, and the
+checker must name the rule and the tasks (and must not be vacuous)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+
+from roundpipe.plan import LayerCosts, partition
+from roundpipe.sched import rules
+from roundpipe.sched.rules import RuleViolation
+from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, G_COPY, GRAD_DOWN, P_COPY, PARAM_UP, STEP, Task
+from roundpipe.sched.trace import Trace
+from roundpipe.simulate import simulate
+
+KINDS = (PARAM_UP, ACT_UP, COMPUTE, ACT_DOWN, GRAD_DOWN, G_COPY, STEP, P_COPY)
+
+
+@pytest.fixture(scope="module")
+def valid_trace() -> Trace:
+    costs = LayerCosts((1.0, 1.5, 2.0), (2.0, 3.0, 4.0), (1 << 20, 1 << 20, 2 << 20))
+    plan = partition(costs, 2, 4)
+    result = simulate(
+        plan, costs, 2, 4, iterations=3, async_optimizer=False, link_gbps=10.0, optimizer_ms=0.5
+    )
+    result.trace.check_rules()
+    return result.trace
+
+
+def _copy(trace: Trace, *, keep_deps: bool = False) -> Trace:
+    """A deep copy; without declared dependencies, so only the rule checks themselves can object."""
+    out = Trace.from_dict(trace.to_dict())
+    if not keep_deps:
+        for t in out:
+            t.deps = ()
+    return out
+
+
+def _find(trace: Trace, kind: str, **fields: object) -> list[Task]:
+    return [t for t in trace if t.kind == kind and all(getattr(t, k) == v for k, v in fields.items())]
+
+
+def _isolate(task: Task) -> None:
+    """Move a tampered task to a lane of its own, so the lane check cannot be what objects."""
+    task.lane = f"tampered.{task.kind}"
+
+
+def _assert_violation(trace: Trace, rule: int | str, *named: Task) -> RuleViolation:
+    with pytest.raises(RuleViolation) as info:
+        trace.check_rules()
+    violation = info.value
+    assert violation.rule == rule, str(violation)
+    keys = {t.key for t in violation.tasks}
+    for task in named:
+        assert task.key in keys, (task.describe(), str(violation))
+        assert task.describe() in str(violation)
+    if isinstance(rule, int):
+        assert f"rule {rule} ({rules.RULE_NAMES[rule]}) broken" in str(violation)
+    return violation
+
+
+def test_checker_is_not_vacuous(valid_trace: Trace) -> None:
+    units = range(3)
+    kinds = Counter(t.kind for t in valid_trace)
+    assert all(kinds[k] > 0 for k in KINDS)
+    for u in units:
+        for s in range(3):
+            assert _find(valid_trace, P_COPY, step=s, layers=range(u, u + 1))
+            assert _find(valid_trace, STEP, step=s, layers=range(u, u + 1))
+            assert _find(valid_trace, G_COPY, iteration=s, layers=range(u, u + 1))
+            assert [t for t in _find(valid_trace, PARAM_UP, step=s) if u in t.layers]  # readers of version s
+            assert [t for t in _find(valid_trace, GRAD_DOWN, iteration=s) if u in t.layers]
+    # The rule checks hold without the declared dependencies too (they check times, not edges).
+    _copy(valid_trace).check_rules()
+
+
+def test_rule_1_weight_integrity(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace)
+    pc = _find(trace, P_COPY, step=1, layers=range(0, 1))[0]
+    up = next(t for t in _find(trace, PARAM_UP, step=1) if 0 in t.layers)
+    up.end_t = pc.start_t + 0.25  # the upload still reads version 1 while P-copy(1) overwrites it
+    _isolate(up)
+    _assert_violation(trace, 1, pc, up)
+
+
+def test_rule_2_no_torn_weights(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace)
+    pc = _find(trace, P_COPY, step=1, layers=range(1, 2))[0]
+    up = next(t for t in _find(trace, PARAM_UP, step=2) if 1 in t.layers)
+    up.start_t = pc.end_t - 0.01  # reads version 2 before P-copy(1) finished writing it
+    _isolate(up)
+    _assert_violation(trace, 2, pc, up)
+
+
+def test_rule_3_complete_gradients(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace)
+    gc = _find(trace, G_COPY, iteration=1, layers=range(2, 3))[0]
+    down = next(t for t in _find(trace, GRAD_DOWN, iteration=1) if 2 in t.layers)
+    gc.start_t = down.end_t - 0.01
+    _isolate(gc)
+    _assert_violation(trace, 3, gc, down)
+
+
+def test_rule_4_gradient_write_order(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace)
+    gc = _find(trace, G_COPY, iteration=0, layers=range(0, 1))[0]
+    down = min((t for t in _find(trace, GRAD_DOWN, iteration=1) if 0 in t.layers), key=lambda t: t.start_t)
+    down.start_t = gc.end_t - 0.01  # writes iteration 1's gradients before G-copy(0) read them
+    _isolate(down)
+    _assert_violation(trace, 4, down, gc)
+
+
+def test_rule_5_step_after_previous_p_copy(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace)
+    st = _find(trace, STEP, step=2, layers=range(1, 2))[0]
+    pc = _find(trace, P_COPY, step=1, layers=range(1, 2))[0]
+    st.start_t = pc.end_t - 0.01
+    _isolate(st)
+    _assert_violation(trace, 5, st, pc)
+
+
+def test_rule_5_step_after_its_g_copies(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace)
+    gc = _find(trace, G_COPY, iteration=1, layers=range(0, 1))[0]
+    st = _find(trace, STEP, step=1, layers=range(0, 1))[0]
+    gc.end_t = st.start_t + 0.01  # the step read gradients the G-copy had not finished
+    _isolate(gc)
+    _assert_violation(trace, 5, gc, st)
+
+
+def test_rule_5_shallow_units_first() -> None:
+    shallow = Task(("step", 0, 0), STEP, "host.optimizer", layers=range(0, 1), step=0)
+    deep = Task(("step", 0, 1), STEP, "host.optimizer", layers=range(1, 2), step=0)
+    for task, (ready, start, end) in ((shallow, (0.0, 2.0, 3.0)), (deep, (0.0, 0.5, 2.0))):
+        task.ready_t, task.start_t, task.end_t, task.state = ready, start, end, "done"
+    _assert_violation(Trace([deep, shallow]), 5, deep, shallow)
+    shallow.ready_t = 0.5  # not ready before the deep one started: going ahead was right
+    Trace([deep, shallow]).check_rules()
+
+
+def test_broken_dependency_is_named(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace, keep_deps=True)
+    compute = _find(trace, COMPUTE, iteration=1, slot=0, part=0)[0]
+    up = next(t for t in trace if t.key in compute.deps and t.kind == PARAM_UP)
+    assert up.end_t > up.start_t
+    compute.start_t = up.end_t - 0.01
+    _assert_violation(trace, "dependency", compute, up)
+
+
+def test_rules_are_also_declared_dependencies(valid_trace: Trace) -> None:
+    """With the declared edges kept, breaking rule 1 is caught as a broken dependency first."""
+    trace = _copy(valid_trace, keep_deps=True)
+    pc = _find(trace, P_COPY, step=1, layers=range(0, 1))[0]
+    up = next(t for t in _find(trace, PARAM_UP, step=1) if 0 in t.layers)
+    assert up.key in pc.deps
+    up.end_t = pc.start_t + 0.25
+    _assert_violation(trace, "dependency", up)
+
+
+def test_lane_overlap_is_named(valid_trace: Trace) -> None:
+    trace = _copy(valid_trace)
+    on_lane = sorted((t for t in trace if t.lane == "d0.compute"), key=lambda t: t.start_t)
+    a, b = next((a, b) for a, b in itertools.pairwise(on_lane) if a.end_t > a.start_t)
+    b.start_t = (a.start_t + a.end_t) / 2
+    violation = _assert_violation(trace, "lane", a, b)
+    assert "d0.compute" in str(violation)
+    rules.check_dependencies(trace.records)  # only the lane is broken
