@@ -308,9 +308,11 @@ class Runtime:
         params = self.transient.get(run, {})
         if task.stage_kind == SlotKind.BWD:
             grad = self.grad_inbox.pop(key)
-            if self.defer_release:
-                self.hold(task, grad)  # uploaded on another stream
             state = self.recomputed.pop(key)
+            if self.defer_release:
+                # Both were uploaded on another stream: the gradient, and the saved activation the
+                # recompute's graph still reads (its leaves share that storage) during this backward.
+                self.hold(task, grad, state)
             self.outbox[key] = ("grad", backward_stage(self._call, task, params, state, grad))
             return
         value = self.inbox.pop(key)
