@@ -26,6 +26,7 @@ from roundpipe.errors import (
     ScheduleError,
     StageError,
     TaskFailedError,
+    UsageError,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ __all__ = [
     "ScheduleError",
     "StageError",
     "TaskFailedError",
+    "UsageError",
     "__version__",
 ]
 

@@ -50,5 +50,9 @@ class DeviceOutOfMemoryError(StageError):
     """A stage did not fit on its device; the message says what to change."""
 
 
+class UsageError(RoundPipeError, RuntimeError):
+    """The API was called in an order it does not support (e.g. `step()` with no new gradients)."""
+
+
 class PipeClosedError(RoundPipeError, RuntimeError):
     """The pipe was closed (explicitly or after a fatal error) and can no longer run work."""

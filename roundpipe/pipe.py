@@ -42,6 +42,7 @@ from roundpipe.errors import (
     PipeClosedError,
     ScheduleError,
     TaskFailedError,
+    UsageError,
 )
 from roundpipe.looprunner import LoopRunner
 from roundpipe.model.sequence import to_layer_sequence
@@ -99,6 +100,7 @@ class RoundPipe:
             grad_norm_barrier=config.max_grad_norm is not None or self._scaler is not None,
         )
         self._iteration = 0
+        self._stepped_at = 0  # the iteration count at the last step(): a step needs new gradients
         self._step = 0
         self._builder = self._new_builder(base_version=0)
         self._retention = Retention(config.trace_iterations)
@@ -244,6 +246,13 @@ class RoundPipe:
         return float(loss)
 
     async def _optimizer_step(self) -> None:
+        if self._iteration == self._stepped_at:
+            raise UsageError(
+                f"step() with no forward_backward since the last step (step {self._step}): there are "
+                "no new gradients to apply; call forward_backward(...) first (several calls before one "
+                "step() accumulate)"
+            )
+        self._stepped_at = self._iteration
         tasks = self._builder.optimizer_step(self._step)
         self._step += 1
         self._engine.submit(tasks)
@@ -360,6 +369,7 @@ class RoundPipe:
         restore_host(state, self.host, self._scaler, self.config.async_optimizer)
         self._step = int(state["step"])
         self._iteration = int(state["iteration"])
+        self._stepped_at = self._iteration
         self.runtime.reset()
         self._retention.clear()
         self._builder = self._new_builder(

@@ -195,3 +195,53 @@ def test_plan_error_from_the_pipe_says_what_to_change() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     with pytest.raises(roundpipe.PlanError, match=r"(?s)layer 0 \('0'\).*raise RunConfig\.mem_limit_bytes"):
         roundpipe.RoundPipe(model, optimizer=sgd, config=roundpipe.RunConfig(mem_limit_bytes=1000))
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise ValueError("bad gradient")
+
+
+class BackwardFails(nn.Module):
+    """The identity whose backward raises."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailingBackward.apply(x)
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:2"])
+def test_an_error_in_a_backward_is_a_stage_error_naming_the_stage(devices: str) -> None:
+    model = nn.Sequential(*mlp(), BackwardFails(), nn.Linear(4, 4))
+    config = roundpipe.RunConfig(devices=devices, num_microbatches=2, async_optimizer=False)
+    (x, y) = batches(1)[0]
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        with pytest.raises(
+            roundpipe.StageError, match=r"the backward of stage \S+ \(layers .*ValueError: bad gradient"
+        ):
+            pipe.forward_backward(x, y, mse)
+            pipe.synchronize()
+
+
+def test_step_without_new_gradients_is_refused_and_changes_nothing() -> None:
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=2, async_optimizer=False)
+    (x, y) = batches(1)[0]
+    with roundpipe.RoundPipe(mlp(), optimizer=sgd, config=config) as pipe:
+        with pytest.raises(roundpipe.UsageError, match=r"call forward_backward\(\.\.\.\) first"):
+            pipe.step()  # nothing computed yet
+        pipe.forward_backward(x, y, mse)
+        pipe.step()
+        pipe.synchronize()
+        before = copy.deepcopy(pipe.module.state_dict())
+        with pytest.raises(roundpipe.UsageError, match="no forward_backward since the last step"):
+            pipe.step()
+        assert pipe.step_count == 1
+        pipe.synchronize()
+        assert_weights_equal(pipe.module.state_dict(), before, rtol=0, atol=0)
+        pipe.forward_backward(x, y, mse)  # still usable
+        pipe.step()
+        assert pipe.step_count == 2

@@ -86,7 +86,7 @@ def fused_stage(
         loss = out if computes_loss or data.loss_fn is None else _loss(data, task, out, device)
         _check_scalar(task, loss)
         scaled = loss.reshape(()) * (data.weights[task.microbatch] * data.loss_scale)
-        scaled.backward()
+        _backward(task, scaled.backward)
     data.losses[task.microbatch] = loss.detach()  # no host sync here: read once the task is done
     return {start: [leaf.grad if leaf is not None else None for leaf in leaves]}
 
@@ -141,18 +141,18 @@ def backward_stage(
     gradient by layer (stage grain through the kept graph, layer grain deepest layer first)."""
     start = task.layers.start
     if state.inputs is None:
-        return {start: _propagate(state.outputs, state.leaves, grad_out)}
+        return {start: _propagate(task, state.outputs, state.leaves, grad_out)}
     grads: list[Any] = grad_out
     for layer, layer_input in zip(reversed(task.layers), reversed(state.inputs), strict=True):
         x, leaves = with_leaves(layer_input) if layer > 0 else (layer_input, [])
         with torch.enable_grad():
             out = call(task, layer, params, x)
-        grads = _propagate(differentiable_leaves(out), leaves, grads)
+        grads = _propagate(task, differentiable_leaves(out), leaves, grads)
     return {start: grads}
 
 
 def _propagate(
-    outputs: list[torch.Tensor | None], leaves: list[torch.Tensor | None], grad_out: list[Any]
+    task: Task, outputs: list[torch.Tensor | None], leaves: list[torch.Tensor | None], grad_out: list[Any]
 ) -> list[torch.Tensor | None]:
     with torch.enable_grad():
         pairs = [
@@ -161,5 +161,21 @@ def _propagate(
             if o is not None and g is not None and o.requires_grad
         ]
         if pairs:
-            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+            _backward(task, lambda: torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs]))
     return [leaf.grad if leaf is not None else None for leaf in leaves]
+
+
+def _backward(task: Task, run: Callable[[], None]) -> None:
+    """Run a stage's backward; what a layer's backward raises becomes a `StageError` naming the
+    stage (out-of-memory is left to the runtime, which names the prediction)."""
+    try:
+        run()
+    except (StageError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        first, last = task.layers.start, task.layers.stop - 1
+        raise StageError(
+            f"the backward of stage {task.stage} (layers {first}-{last}) raised {type(exc).__name__}: "
+            f"{exc} (device {task.device}, microbatch {task.microbatch}, iteration {task.iteration})",
+            task.describe(),
+        ) from exc
