@@ -134,3 +134,24 @@ def test_errors(tmp_path: Path) -> None:
     blank.write_text("\n\n")
     with pytest.raises(ValueError, match="no records"):
         read_jsonl(blank)
+
+
+def test_a_binary_file_is_refused_naming_it(tmp_path: Path) -> None:
+    from roundpipe.data.text import read_jsonl
+
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"weights\.txt: not UTF-8 text \(byte \d+"):
+        load_text(str(binary))
+    as_jsonl = tmp_path / "data.jsonl"
+    as_jsonl.write_bytes(b'{"text": "ok"}\n\xff\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl: not UTF-8 text"):
+        read_jsonl(as_jsonl)
+
+
+def test_jsonl_keeps_unicode_line_separators_inside_strings(tmp_path: Path) -> None:
+    from roundpipe.data.text import read_jsonl
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "a\u2028b"}\n{"text": "c"}\n', encoding="utf-8")
+    assert read_jsonl(path) == ["a\u2028b", "c"]

@@ -89,21 +89,22 @@ def read_jsonl(path: str | os.PathLike[str], key: str = "text") -> list[str]:
     """The ``key`` field of every line of a jsonl file (blank lines are skipped)."""
     p = _existing_file(path)
     texts: list[str] = []
-    with open(p, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{p}:{number}: not valid JSON ({exc.msg}); each line must be one JSON object"
-                ) from exc
-            if not isinstance(record, dict) or not isinstance(record.get(key), str):
-                raise ValueError(
-                    f'{p}:{number}: expected an object with a string field {key!r}, like {{"{key}": "..."}}'
-                )
-            texts.append(record[key])
+    # Lines end at "\n" only, as reading the file line by line does: JSON strings may hold other
+    # line separators (U+2028) that str.splitlines would cut at.
+    for number, line in enumerate(_read_utf8(p).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{p}:{number}: not valid JSON ({exc.msg}); each line must be one JSON object"
+            ) from exc
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            raise ValueError(
+                f'{p}:{number}: expected an object with a string field {key!r}, like {{"{key}": "..."}}'
+            )
+        texts.append(record[key])
     if not texts:
         raise ValueError(f'{p} contains no records; it needs one {{"{key}": ...}} object per line')
     return texts
@@ -112,6 +113,16 @@ def read_jsonl(path: str | os.PathLike[str], key: str = "text") -> list[str]:
 def load_corpus() -> str:
     """The public-domain English corpus shipped with roundpipe (about 100-300 KB)."""
     return CORPUS_PATH.read_text(encoding="utf-8")
+
+
+def _read_utf8(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason}); pass a UTF-8 .txt file, or a .jsonl "
+            'file with one {"text": ...} object per line'
+        ) from None
 
 
 def _existing_file(path: str | os.PathLike[str]) -> Path:
@@ -146,7 +157,7 @@ def load_text(text_or_path: str | os.PathLike[str]) -> str:
         if p.suffix == ".jsonl":
             text = DOC_SEPARATOR.join(read_jsonl(p))
         else:
-            text = p.read_text(encoding="utf-8")
+            text = _read_utf8(p)
     if not text:
         raise ValueError(f"{text_or_path!r} is empty; training needs text")
     return text

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -90,7 +91,8 @@ class RichReporter:
         )
 
     def note(self, message: str) -> None:
-        self.console.print(f"[yellow]{message}[/]", soft_wrap=True)
+        # Escaped: a message may hold brackets ("pip install roundpipe[plot]") rich would eat as markup.
+        self.console.print(f"[yellow]{escape(message)}[/]", soft_wrap=True)
 
     def finish(self, result: TrainResult) -> None:
         if self._progress is not None:
