@@ -29,7 +29,7 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ),
     ("--data", "data", str, "a .txt or .jsonl file to train on (default: the corpus shipped with roundpipe)"),
     ("--lora-r", "lora_r", int, "train only LoRA adapters of this rank on q/k/v/o (alpha = 2r)"),
-    ("--devices", "devices", str, '"cpu:N" (default cpu:2), "auto", "fake:N"'),
+    ("--devices", "devices", str, '"cpu:N" (default cpu:2), "cuda", "cuda:0,1", "auto", "fake:N"'),
     ("--microbatches", "microbatches", int, "microbatches per step (default 4)"),
     ("--batch-size", "batch_size", int, "sequences per step (default 16)"),
     ("--seq-len", "seq_len", int, "tokens per sequence (default 64)"),
