@@ -20,6 +20,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,7 +95,12 @@ def build_model(config: TrainConfig) -> nn.Module:
         # resumed run rebuilds the same model and the caller's RNG is left as it was.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            model = get_peft_model(model, lora)
+            with warnings.catch_warnings():
+                # peft asks transformers a deprecated question; nothing the user can act on.
+                warnings.filterwarnings(
+                    "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+                )
+                model = get_peft_model(model, lora)
     return model
 
 
