@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from roundpipe.errors import (
+    CheckpointError,
     ConfigError,
     DeviceOutOfMemoryError,
     InputError,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DeviceOutOfMemoryError",
     "InputError",

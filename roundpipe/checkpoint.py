@@ -5,7 +5,8 @@ long run also needs it *on disk* in a form that survives a crash during the writ
 can inspect (weights as safetensors, metadata as JSON) and that refuses clearly to load into the
 wrong model. A checkpoint is a directory built under a temporary name beside the target, flushed
 to disk, and only then renamed to its final name, so the final name never points at a half-written
-checkpoint. `export_pretrained` is the other way out: the user's model saved with its own
+checkpoint; its ``manifest.json`` (size and sha256 of every file, written last) lets loading refuse
+a checkpoint damaged later (`roundpipe.checkpoint_manifest`). `export_pretrained` is the other way out: the user's model saved with its own
 ``save_pretrained``, for loading with transformers or peft without roundpipe.
 
 This module must never reach into the engine: it goes through the public `RoundPipe` API
@@ -23,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.errors import RoundPipeError
+from roundpipe.checkpoint_manifest import ManifestMissingError, verify_checkpoint, write_manifest
+from roundpipe.errors import CheckpointError
 from roundpipe.state import STATE_FORMAT, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -45,10 +48,6 @@ RNG_FILE = "rng_state.pt"
 # Prefixes of the sibling directories a save works in; never a checkpoint themselves.
 TEMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
-
-
-class CheckpointError(RoundPipeError, ValueError):
-    """A checkpoint is missing, incomplete, from another model, or cannot be written there."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +117,7 @@ def _write_checkpoint_files(tmp: Path, state: dict[str, Any], meta: dict[str, An
     _write_torch(tmp / RNG_FILE, rng_state())
     # meta.json last: a directory with it holds every file the meta lists.
     (tmp / META_FILE).write_bytes(json.dumps(meta, indent=2).encode())
+    write_manifest(tmp)  # last of all: it hashes the files as they are on disk
 
 
 def _write_directory(target: Path, fill: Callable[[Path], None]) -> Path:
@@ -286,6 +286,10 @@ def load_checkpoint(
     global torch and Python RNG states unless ``restore_rng`` is False."""
     path = Path(directory)
     meta = read_checkpoint_meta(path)
+    try:
+        verify_checkpoint(path)
+    except ManifestMissingError as exc:
+        warnings.warn(f"{exc}; loading it unverified", UserWarning, stacklevel=2)
     _check_model(meta["model"], _fingerprint(pipe), path)
     from safetensors.torch import load_file
 

@@ -24,7 +24,11 @@ from typing import NoReturn
 from roundpipe.errors import RoundPipeError
 
 # Modules whose subcommands make up `roundpipe`, in the order `roundpipe --help` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("roundpipe.cli_schedule", "roundpipe.train.cli")
+COMMAND_MODULES: tuple[str, ...] = (
+    "roundpipe.cli_schedule",
+    "roundpipe.train.cli",
+    "roundpipe.cli_checkpoint",
+)
 
 # A failed check (exit 1) is a command's own result; the dispatcher only knows these two.
 EXIT_OK, EXIT_USAGE = 0, 2

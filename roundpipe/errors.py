@@ -26,6 +26,10 @@ class ModelError(RoundPipeError, ValueError):
     """The model cannot be turned into a layer sequence."""
 
 
+class CheckpointError(RoundPipeError, ValueError):
+    """A checkpoint is missing, incomplete, damaged, from another model, or cannot be written there."""
+
+
 class InputError(RoundPipeError, ValueError):
     """Inputs or targets cannot be split into the requested microbatches."""
 

@@ -62,6 +62,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert names == sorted(
         [
             "meta.json",
+            "manifest.json",
             "weights.safetensors",
             "in_flight_weights.safetensors",
             "training_state.pt",

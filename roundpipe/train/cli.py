@@ -18,6 +18,7 @@ from typing import Any
 from roundpipe.train.config import make_config, read_config_file
 
 EXIT_INTERRUPTED = 130
+EXIT_NON_FINITE = 3  # the loss became NaN/inf: stopped, last good checkpoint kept, nothing exported
 
 # (flag, field, type, help); booleans are handled separately.
 _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
@@ -42,6 +43,12 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ("--precision", "precision", str, "fp32 (default), bf16 or fp16"),
     ("--seed", "seed", int, "model init, LoRA init, data order (default 0)"),
     ("--save-every", "save_every", int, "also save the checkpoint every N steps"),
+    (
+        "--keep-checkpoints",
+        "keep_checkpoints",
+        int,
+        "keep the newest N checkpoints: checkpoint, then checkpoint-<step> (default 2)",
+    ),
     ("--resume", "resume", str, "continue exactly from this checkpoint directory"),
     ("--export", "export", str, "at the end, save the model with save_pretrained into this directory"),
     ("--out", "out", str, "parent of the run directory (default runs)"),
@@ -129,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if json_output:
         print(json.dumps(result.summary()), flush=True)
+    if result.non_finite:
+        return EXIT_NON_FINITE
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 

@@ -54,6 +54,9 @@ class TrainConfig(BaseModel):
     async_optimizer: bool = Field(default=True, description="staleness-1 optimizer overlapping the next step")
     seed: int = Field(default=0, description="model init, LoRA init, data order and dropout")
     save_every: int | None = Field(default=None, ge=1, description="also save a checkpoint every N steps")
+    keep_checkpoints: int = Field(
+        default=2, ge=1, description="keep the newest N checkpoints (checkpoint, checkpoint-<step>, ...)"
+    )
     resume: str | None = Field(default=None, description="continue from this checkpoint directory")
     export: str | None = Field(default=None, description="export the model (save_pretrained) here at the end")
     out: str = Field(default="runs", description="parent directory of run directories")

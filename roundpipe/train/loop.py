@@ -34,6 +34,7 @@ from roundpipe.data.text import BYTE_VOCAB, CORPUS_PATH, DataFileNotFoundError, 
 from roundpipe.errors import ConfigError, ModelError
 from roundpipe.pipe import RoundPipe
 from roundpipe.train.config import TrainConfig
+from roundpipe.train.keep import non_finite_message, non_finite_weight, preserve_before_save
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
 
 METRICS_FILE = "metrics.jsonl"
@@ -248,6 +249,16 @@ class _Progress:
         self.t0 = time.perf_counter()
         self.last = self.t0
         self.metrics = metrics
+        self.non_finite: str | None = None  # why it stopped, once loss or weights are not finite
+
+    def stop_non_finite(self, what: str) -> None:  # and save nothing: keep the last good checkpoint
+        self.non_finite = non_finite_message(what, self.step, self.config.precision, self.last_good())
+        self.reporter.note(self.non_finite)
+
+    def last_good(self) -> Path | None:  # the newest complete checkpoint to continue from
+        if (self.checkpoint_dir / "meta.json").is_file():
+            return self.checkpoint_dir
+        return Path(self.config.resume) if self.config.resume else None
 
     def log(self, done: int, loss: float) -> None:
         """One line of metrics.jsonl (and one report) for the step ``done`` just completed."""
@@ -265,11 +276,18 @@ class _Progress:
         self.metrics.flush()
         self.reporter.step(record)
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Save into ``checkpoint`` (keeping older ones as configured); None, and nothing
+        written, when a trainable weight is no longer finite (see `non_finite`)."""
+        bad = non_finite_weight(self.pipe)
+        if bad is not None:
+            self.stop_non_finite(f"trainable weight {bad} is not finite")
+            return None
         extra = {
             "train_config": self.config.model_dump(mode="json"),
             "elapsed": self.elapsed_offset + time.perf_counter() - self.t0,
         }
+        preserve_before_save(self.checkpoint_dir, self.config.keep_checkpoints, self.step)
         return save_checkpoint(self.pipe, self.checkpoint_dir, data_step=self.step, extra=extra)
 
 
@@ -292,8 +310,10 @@ def _run(
         pipe.synchronize()
         elapsed = time.perf_counter() - progress.t0
         bubble, notes = _write_trace_files(pipe, out_dir, files)
-        files["checkpoint"] = progress.save()
-        if config.export and not interrupted:
+        last_good = progress.last_good() if progress.non_finite else progress.save() or progress.last_good()
+        if last_good is not None:
+            files["checkpoint"] = last_good
+        if config.export and not interrupted and not progress.non_finite:
             files["export"] = export_pretrained(pipe, config.export)
     step = progress.step
     result = TrainResult(
@@ -304,10 +324,11 @@ def _run(
         tokens_per_s=(step - start) * config.tokens_per_step / elapsed if elapsed > 0 else 0.0,
         bubble_ratio=bubble,
         elapsed_s=elapsed,
-        checkpoint=files["checkpoint"],
+        checkpoint=last_good,
         files=files,
         notes=notes,
         interrupted=interrupted,
+        non_finite=progress.non_finite,
     )
     reporter.finish(result)
     return result
@@ -326,12 +347,11 @@ def _steps(progress: _Progress, batches: Iterator[dict[str, torch.Tensor]], stop
             progress.step += 1
             progress.log(progress.step, loss)
             if not math.isfinite(loss):
-                progress.reporter.note(
-                    f"loss is {loss} at step {progress.step}; stopping (lower --lr or use --precision fp32)"
-                )
+                progress.stop_non_finite(f"loss is {loss}")
                 break
             if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
-                progress.save()
+                if progress.save() is None:
+                    break
     except KeyboardInterrupt:
         # Raised outside our handler (a second Ctrl-C, or another thread's signal set-up):
         # bring the pipe to a step boundary so the checkpoint is still exact.

@@ -31,6 +31,7 @@ class TrainResult:
     files: dict[str, Path] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
+    non_finite: str | None = None  # why the run stopped at a NaN/inf loss (nothing saved then)
 
     @property
     def initial_loss(self) -> float | None:
@@ -51,6 +52,7 @@ class TrainResult:
             "start_step": self.start_step,
             "elapsed_s": self.elapsed_s,
             "interrupted": self.interrupted,
+            "non_finite": self.non_finite,
             "out_dir": str(self.out_dir),
             "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             "files": {k: str(v) for k, v in self.files.items()},
