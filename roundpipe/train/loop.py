@@ -20,21 +20,20 @@ import random
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 import torch
-from torch import nn
 
 from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta, save_checkpoint
-from roundpipe.data.text import BYTE_VOCAB, CORPUS_PATH, DataFileNotFoundError, token_batches
-from roundpipe.errors import ConfigError, ModelError
+from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, token_batches
+from roundpipe.errors import ConfigError
 from roundpipe.pipe import RoundPipe
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.keep import non_finite_message, non_finite_weight, preserve_before_save
+from roundpipe.train.model import build_model
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
 
 METRICS_FILE = "metrics.jsonl"
@@ -42,7 +41,6 @@ TRACE_FILE = "trace.json"
 SCHEDULE_FILE = "schedule.json"  # the same trace in roundpipe's format: `roundpipe trace check|replay`
 TIMELINE_FILE = "timeline.png"
 CHECKPOINT_DIR = "checkpoint"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 # --------------------------------------------------------------------- pieces
@@ -69,40 +67,6 @@ def data_path(config: TrainConfig) -> Path:
     if not path.is_file():
         raise ConfigError(f"--data {config.data!r} is not a file (give a .txt or .jsonl file)")
     return path
-
-
-def build_model(config: TrainConfig) -> nn.Module:
-    """The model ``config`` names (random init seeded by ``config.seed`` unless it is a directory
-    with weights), wrapped in LoRA adapters on q/k/v/o (alpha = 2r) when ``lora_r`` is set."""
-    from roundpipe.model import build_model as build
-
-    model = build(config.model, seed=config.seed)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int) and vocab < BYTE_VOCAB:
-        raise ModelError(
-            f"model {config.model!r} has a vocabulary of {vocab} tokens but the byte tokenizer needs {BYTE_VOCAB}"
-        )
-    if config.lora_r is not None:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=2 * config.lora_r,
-            lora_dropout=0.0,
-            target_modules=list(LORA_TARGETS),
-            task_type="CAUSAL_LM",
-        )
-        # peft draws the adapters' initial values from the global RNG: pin it to the seed so a
-        # resumed run rebuilds the same model and the caller's RNG is left as it was.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            with warnings.catch_warnings():
-                # peft asks transformers a deprecated question; nothing the user can act on.
-                warnings.filterwarnings(
-                    "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-                )
-                model = get_peft_model(model, lora)
-    return model
 
 
 def _make_optimizer(config: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
