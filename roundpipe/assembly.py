@@ -20,8 +20,8 @@ from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
-from roundpipe.plan import LayerCosts, Plan, choose_plan
-from roundpipe.plan_eval import engine_evaluator
+from roundpipe.plan import LayerCosts, Plan
+from roundpipe.plan_eval import choose_evaluated_plan
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -104,20 +104,13 @@ def measured_costs(fwd_ms: list[float | None], previous: LayerCosts) -> LayerCos
 def plan_for(costs: LayerCosts, config: RunConfig, num_devices: int) -> Plan:
     """The plan for ``costs``; a planning failure says what to change in the `RunConfig`."""
     try:
-        return choose_plan(
+        return choose_evaluated_plan(
             costs,
             num_devices,
             config.num_microbatches,
             config.mem_limit_bytes,
             async_optimizer=config.async_optimizer,
             round_size=config.round_size,
-            evaluate=engine_evaluator(
-                costs,
-                num_devices,
-                config.num_microbatches,
-                async_optimizer=config.async_optimizer,
-                round_size=config.round_size,
-            ),
         )
     except PlanError as exc:
         raise PlanError(

@@ -199,17 +199,10 @@ def _load_costs(args: argparse.Namespace) -> tuple[str, LayerCosts]:
 
 
 def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
-    from roundpipe.plan.choose import choose_plan
-    from roundpipe.plan_eval import engine_evaluator
+    from roundpipe.plan_eval import choose_evaluated_plan
 
-    evaluate = engine_evaluator(costs, args.devices, args.microbatches, async_optimizer=args.async_optimizer)
-    return choose_plan(
-        costs,
-        args.devices,
-        args.microbatches,
-        args.mem_limit,
-        async_optimizer=args.async_optimizer,
-        evaluate=evaluate,
+    return choose_evaluated_plan(
+        costs, args.devices, args.microbatches, args.mem_limit, async_optimizer=args.async_optimizer
     )
 
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from roundpipe.config import RunConfig
-from roundpipe.plan import LayerCosts, Plan, choose_plan
+from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
-from roundpipe.plan_eval import engine_evaluator
+from roundpipe.plan_eval import choose_evaluated_plan
 from roundpipe.sched.trace import Trace
 
 
@@ -134,23 +134,14 @@ def plan_from(
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
     from roundpipe.plan.memory import predict_peak
 
-    evaluate = engine_evaluator(
-        costs,
-        num_devices,
-        config.num_microbatches,
-        async_optimizer=config.async_optimizer,
-        round_size=config.round_size,
-    )
-
     def make_plan(limit: int | None) -> Plan:
-        return choose_plan(
+        return choose_evaluated_plan(
             costs,
             num_devices,
             config.num_microbatches,
             limit,
             async_optimizer=config.async_optimizer,
             round_size=config.round_size,
-            evaluate=evaluate,
         )
 
     grain = config.recompute_grain

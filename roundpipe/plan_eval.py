@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 from roundpipe.simulate import SimulationResult, simulate
@@ -56,3 +57,26 @@ def engine_evaluator(
         return (starts[last] - starts[first]) / (last - first)
 
     return evaluate
+
+
+def choose_evaluated_plan(
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    mem_limit_bytes: int | None,
+    *,
+    async_optimizer: bool,
+    round_size: int | None = None,
+) -> Plan:
+    """`choose_plan` with the engine as its judge: the plan every caller of roundpipe runs."""
+    return choose_plan(
+        costs,
+        num_devices,
+        num_microbatches,
+        mem_limit_bytes,
+        async_optimizer=async_optimizer,
+        round_size=round_size,
+        evaluate=engine_evaluator(
+            costs, num_devices, num_microbatches, async_optimizer=async_optimizer, round_size=round_size
+        ),
+    )
