@@ -79,6 +79,20 @@ def async_reference(
     return losses, weights
 
 
+def train_steps(
+    pipe: Any, data: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn
+) -> list[dict[str, torch.Tensor]]:
+    """One forward_backward and step per batch on a RoundPipe, synchronised after each; the
+    module's weights after every step (to compare with a reference loop's)."""
+    weights = []
+    for x, y in data:
+        pipe.forward_backward(x, y, loss_fn)
+        pipe.step()
+        pipe.synchronize()
+        weights.append({k: v.clone() for k, v in pipe.module.state_dict().items()})
+    return weights
+
+
 def assert_weights_equal(
     actual: dict[str, torch.Tensor],
     expected: dict[str, torch.Tensor],

@@ -17,7 +17,7 @@ from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import Trace
-from tests.helpers import assert_weights_equal, batches, mlp, sync_reference
+from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
 
 mse = nn.functional.mse_loss
 
@@ -35,12 +35,7 @@ def _train(budget: str | None, data, *, devices: str = "cpu:2"):
         devices=devices, num_microbatches=4, async_optimizer=False, memory_budget=budget, replan=False
     )
     with roundpipe.RoundPipe(_wide_mlp(), optimizer=sgd, config=config) as pipe:
-        weights = []
-        for x, y in data:
-            pipe.forward_backward(x, y, mse)
-            pipe.step()
-            pipe.synchronize()
-            weights.append({k: v.clone() for k, v in pipe.module.state_dict().items()})
+        weights = train_steps(pipe, data, mse)
         pipe.trace().check_rules()
         return pipe.plan, pipe.memory_prediction, pipe.trace().meta, weights
 

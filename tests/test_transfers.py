@@ -9,7 +9,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe.backends.tensors import download_fp32, element_span, part_range
-from tests.helpers import assert_weights_equal, batches, mlp, sync_reference
+from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
 
 mse = nn.functional.mse_loss
 
@@ -49,12 +49,7 @@ def test_training_with_tiny_chunks_matches_the_plain_loop() -> None:
     _, ref_weights = sync_reference(mlp(), sgd, data, mse)
     config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=4, async_optimizer=False, chunk_bytes=100)
     with roundpipe.RoundPipe(mlp(), optimizer=sgd, config=config) as pipe:
-        weights = []
-        for x, y in data:
-            pipe.forward_backward(x, y, mse)
-            pipe.step()
-            pipe.synchronize()
-            weights.append({k: v.clone() for k, v in pipe.module.state_dict().items()})
+        weights = train_steps(pipe, data, mse)
         uploads = [t for t in pipe.trace() if t.kind == "param_up"]
     assert max(t.num_parts for t in uploads) > 1  # the weights really travelled in pieces
     for got, want in zip(weights, ref_weights, strict=True):

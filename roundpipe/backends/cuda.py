@@ -87,10 +87,6 @@ class CudaBackend(LaneThreadBackend):
             self._streams[task.lane] = stream
         return stream
 
-    def stream_of(self, lane: str) -> Any:
-        """The stream of a lane (None before its first task)."""
-        return self._streams.get(lane)
-
     def execute(self, task: Task) -> Waiter | None:
         if task.device < 0:  # host lane (the optimizer): plain CPU work, complete on return
             self.runtime.run(task)

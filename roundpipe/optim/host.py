@@ -224,7 +224,7 @@ class HostModel:
             # Convert on the device, then copy into a recycled pinned fp32 buffer: a fresh pageable
             # buffer page-faults its way through the copy, and converting on the host is slower
             # than the download itself (docs/performance.md).
-            buf = self._take_pinned(grad.shape)
+            buf = self.take_pinned(grad.shape)
             buf.copy_(grad.to(torch.float32))
             if current is None:
                 buffers[name] = buf  # recycled once the optimizer step has used it
@@ -243,9 +243,6 @@ class HostModel:
 
     def take_pinned(self, shape: torch.Size) -> torch.Tensor:
         """A pinned fp32 buffer of ``shape`` for a gradient download to land in (recycled)."""
-        return self._take_pinned(shape)
-
-    def _take_pinned(self, shape: torch.Size) -> torch.Tensor:
         with self._pinned_lock:
             free = self._pinned.get(shape)
             if free:
