@@ -39,31 +39,66 @@ def _frame_of(frames: list[dict]) -> str:
     return "?"
 
 
+def _task_of(frames: list[dict]) -> str:
+    """The runtime's handler (the task kind) that made an allocation, else the outermost roundpipe frame."""
+    names = [f for f in frames if "roundpipe/" in f.get("filename", "")]
+    for frame in names:
+        if frame.get("filename", "").endswith("backends/runtime.py") and frame.get("name") not in (
+            "run",
+            "_run",
+        ):
+            return f"runtime.{frame.get('name')}"
+    return names[-1].get("name", "?") if names else "?"
+
+
+def _code_of(frames: list[dict]) -> str:
+    """The innermost Python frame outside torch (the model's or roundpipe's line)."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if name.endswith(".py") and "/torch/" not in name:
+            return (
+                f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+            )
+    return _frame_of(frames)
+
+
 def live_at_peak(snapshot: dict) -> dict[str, object]:
-    """Replay the device trace; at the peak of live bytes, group the live blocks by frame."""
-    live: dict[int, tuple[int, str]] = {}
+    """Replay the device trace; at the peak of live bytes, group the live blocks by the task kind
+    that made them, by roundpipe frame, and by the innermost line outside torch."""
+    live: dict[int, tuple[int, list[dict]]] = {}
     total = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
+    at_peak: dict[int, tuple[int, list[dict]]] = {}
     for device_trace in snapshot.get("device_traces", []):
         for event in device_trace:
             action, addr, size = event["action"], event["addr"], event["size"]
             if action == "alloc":
-                live[addr] = (size, _frame_of(event.get("frames", [])))
+                live[addr] = (size, event.get("frames", []))
                 total += size
                 if total > peak:
                     peak, at_peak = total, dict(live)
             elif action in ("free_requested", "free") and addr in live:
                 total -= live.pop(addr)[0]
-    groups: dict[str, int] = {}
-    for size, frame in at_peak.values():
-        groups[frame] = groups.get(frame, 0) + size
-    top = sorted(groups.items(), key=lambda kv: -kv[1])[:25]
-    return {"peak_live_gib": peak / 2**30, "by_frame_gib": {k: round(v / 2**30, 3) for k, v in top}}
+
+    def grouped(key) -> dict[str, float]:  # type: ignore[no-untyped-def]
+        groups: dict[str, int] = {}
+        for size, frames in at_peak.values():
+            k = key(frames)
+            groups[k] = groups.get(k, 0) + size
+        top = sorted(groups.items(), key=lambda kv: -kv[1])[:30]
+        return {k: round(v / 2**30, 3) for k, v in top}
+
+    return {
+        "peak_live_gib": peak / 2**30,
+        "by_task_gib": grouped(_task_of),
+        "by_frame_gib": grouped(_frame_of),
+        "by_code_gib": grouped(_code_of),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--microbatches", type=int, default=4)
@@ -74,7 +109,7 @@ def main() -> None:
     args = p.parse_args()
     shape = Shape(args.layers, 2048, 6144, 16, 8, 128, 151936, True)
     workload = Workload("probe", shape, args.batch, args.seq, args.microbatches, budget=args.budget)
-    model = build_model(workload, torch.bfloat16)
+    model = build_model(workload, torch.bfloat16, init_on_gpu=True)
     batch = make_batch(workload)
     config = roundpipe.RunConfig(
         devices="cuda:0",
@@ -82,20 +117,26 @@ def main() -> None:
         precision="bf16",
         async_optimizer=not args.sync,
         memory_budget=args.budget,
+        compile={"auto": "auto", "on": True, "off": False}[args.compile],
     )
     torch.cuda.memory._record_memory_history(max_entries=200_000, context="alloc", stacks="python")
     summary: dict[str, object] = {"args": vars(args) | {"out": str(args.out)}}
+    pipe = None
     try:
         with roundpipe.RoundPipe(model, optimizer=adamw([]), config=config) as pipe:
             for _ in range(args.steps):
                 pipe.forward_backward(batch)
                 pipe.step()
             pipe.synchronize()
-            prediction = pipe.memory_prediction
-            summary["predicted_peak_gib"] = None if prediction is None else prediction.peak_bytes / 2**30
-            summary["plan"] = str(pipe.plan)
     except Exception as exc:  # the snapshot is the point, also (above all) after an out-of-memory
         summary["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    if pipe is not None:
+        prediction = pipe.memory_prediction
+        summary["predicted_peak_gib"] = None if prediction is None else prediction.peak_bytes / 2**30
+        summary["prediction"] = None if prediction is None else prediction.to_dict()
+        summary["plan"] = str(pipe.plan)
+        memory = getattr(getattr(pipe, "_device_plan", None), "memory", None)
+        summary["layer_memory"] = None if memory is None else memory.to_dict()
     summary["measured_peak_gib"] = torch.cuda.max_memory_allocated(0) / 2**30
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)

@@ -285,7 +285,8 @@ def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str,
     a copy for every mode but the last, which trains the original."""
     started = time.perf_counter()
     try:
-        original: Any = build_model(workload, model_dtype(args.model_dtype, bool(cuda_indices(args.devices))))
+        dtype = model_dtype(args.model_dtype, bool(cuda_indices(args.devices)))
+        original: Any = build_model(workload, dtype, init_on_gpu=True)
     except Exception:
         traceback.print_exc()
         original = None

@@ -54,8 +54,9 @@ def make_scaler(config: RunConfig) -> LossScaler | None:
 
 
 def make_runtime(
-    host: HostModel, sequence: LayerSequence, config: RunConfig, scaler: LossScaler | None
+    host: HostModel, sequence: LayerSequence, config: RunConfig, scaler: LossScaler | None, kind: str
 ) -> Runtime:
+    from roundpipe.backends.compiling import LayerCompiler
     from roundpipe.backends.runtime import Runtime
 
     return Runtime(
@@ -67,6 +68,7 @@ def make_runtime(
         max_grad_norm=config.max_grad_norm,
         scaler=scaler,
         chunk_bytes=config.chunk_bytes,
+        compiler=LayerCompiler(config.compile, kind),
     )
 
 

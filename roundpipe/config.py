@@ -108,6 +108,12 @@ class RunConfig(BaseModel):
         600.0, gt=0, description="watchdog: fail if no task finishes this long"
     )
     replan: bool = Field(True, description="re-partition after the first iteration from measured layer times")
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description='torch.compile the layers: "auto" compiles the decoder layers and the loss kernel of '
+        "transformers models on CUDA (when triton is installed); True also every other layer and on any "
+        "device; False runs everything eagerly",
+    )
 
     def __init__(self, **values: Any) -> None:
         # Raise our ConfigError (a ValueError) with one line per bad field instead of pydantic's.

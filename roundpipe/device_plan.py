@@ -100,8 +100,11 @@ def profile_and_plan(
     target: Any,
     loss_fn: Any,
     budget_bytes: int | None,
+    *,
+    prepare: Any = None,
 ) -> DevicePlan:
-    """Measure every layer on ``device`` with one microbatch and plan within the budget."""
+    """Measure every layer on ``device`` with one microbatch and plan within the budget
+    (``prepare`` readies each layer copy as the run's replicas are: compiled or not)."""
     from roundpipe.backends.profile import profile_layers
 
     memory, fwd_ms, bwd_ms = profile_layers(
@@ -113,6 +116,7 @@ def profile_and_plan(
         computes_loss=sequence.computes_loss,
         dtype=dtype,
         names=sequence.names,
+        prepare=prepare,
     )
     costs = LayerCosts(
         tuple(max(ms, 1e-3) for ms in fwd_ms),

@@ -89,7 +89,7 @@ class RoundPipe:
         self._model = model
         self._scaler = make_scaler(config)
         self.host = make_host(self._sequence, config, optimizer, lr_scheduler)
-        self.runtime = make_runtime(self.host, self._sequence, config, self._scaler)
+        self.runtime = make_runtime(self.host, self._sequence, config, self._scaler, device_spec.kind)
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
         self.costs = estimated_costs(self.host, self._sequence.names)
         self.plan: Plan = plan_for(self.costs, self._plan_config, self.num_devices)
@@ -292,6 +292,7 @@ class RoundPipe:
             target,
             loss_fn,
             self._budget,
+            prepare=self.runtime.compiler.prepare,
         )
         self._use_device_plan(plan)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -149,6 +150,16 @@ def test_fused_stage_holds_every_saved_activation() -> None:
     # gradient 40 while it is added into the accumulated one
     assert stage_bytes(MEM, range(2, 4), "fused") == 70 + 40 + 744
     assert stage_bytes(MEM, range(2, 4), "fused", "layer") == 70 + 40 + 744  # it never recomputes
+
+
+def test_a_gradient_computed_in_the_forward_is_not_counted_twice() -> None:
+    """A chunked loss computes its weight gradient in the forward: it is among the saved bytes,
+    and the backward hands it on instead of allocating a fresh one."""
+    ahead = replace(MEM, saved_bytes=(100, 200, 300, 440), saved_grad_bytes=(0, 0, 0, 40))
+    assert stage_bytes(ahead, range(2, 4), "fused") == stage_bytes(MEM, range(2, 4), "fused")
+    assert ahead.scaled(2.0).saved_bytes == (200, 400, 600, 840)  # the gradient does not scale
+    with pytest.raises(PlanError, match=r"saved_grad_bytes 500 > saved_bytes 440"):
+        replace(ahead, saved_grad_bytes=(0, 0, 0, 500))
 
 
 def test_backward_stage_grains() -> None:

@@ -146,7 +146,11 @@ def test_transformer_saved_bytes_grow_linearly_with_tokens(one_torch_thread: Non
             seq.layers, {"input_ids": ids, "labels": ids}, CPU, computes_loss=True, names=seq.names
         )
         assert memory.names == tuple(seq.names) and len(fwd_ms) == len(bwd_ms) == len(seq.layers)
-        return memory.saved_bytes
+        # the LM head's weight gradient, computed in its forward, is parameter-sized
+        head_weight = model.lm_head.weight
+        assert memory.saved_grad_bytes[-1] == head_weight.numel() * head_weight.element_size()
+        assert not any(memory.saved_grad_bytes[:-1])
+        return tuple(s - g for s, g in zip(memory.saved_bytes, memory.saved_grad_bytes, strict=True))
 
     short, long = measure(32), measure(64)
     assert all(b > 0 for b in short)

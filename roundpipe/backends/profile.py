@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,14 +37,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
+from roundpipe.backends.replicas import Binder
 from roundpipe.backends.tensors import cast_floating, differentiable_leaves, to_device, with_leaves
 from roundpipe.errors import ConfigError, DeviceOutOfMemoryError, StageError
 from roundpipe.plan.memory import LayerMemory
 from roundpipe.plan.sizes import format_bytes
 
 GiB = 2**30
+Prepare = Callable[[nn.Module], nn.Module]  # readies a layer copy as the run's replicas (compiled or not)
 
 
 # --------------------------------------------------------------------- storages
@@ -88,14 +90,23 @@ def activation_bytes(obj: Any) -> tuple[int, int]:
 
 
 @contextmanager
-def _recording_saved(exclude: set[int]) -> Iterator[dict[int, int]]:
-    """Every storage autograd saves inside the block (data pointer -> bytes), minus ``exclude``."""
+def _recording_saved(
+    exclude: set[int], param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] | None = None
+) -> Iterator[dict[int, int]]:
+    """Every storage autograd saves inside the block (data pointer -> bytes), minus ``exclude``.
+    The storages of saved tensors shaped like a parameter (keys of ``param_shaped``) are also noted
+    there, by weak reference: one that becomes the parameter's gradient (computed ahead in the
+    forward) is then that very storage after the backward, which a freed tensor's reused address
+    cannot imitate, and a strong reference would change (autograd copies a gradient that is
+    referenced elsewhere)."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in exclude:
             saved[key] = _storage_bytes(t)
+            if param_shaped is not None and t.shape in param_shaped:
+                param_shaped[t.shape].append(weakref.ref(t.untyped_storage()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -122,6 +133,7 @@ class LayerMeasurement:
     work_bytes: int
     bwd_work_bytes: int
     boundary_bytes: int
+    saved_grad_bytes: int
     carried_bytes: int
 
 
@@ -186,6 +198,30 @@ def _backward(meter: _Meter, out: Any) -> dict[str, float]:
     return phase
 
 
+def _warm_up(
+    call: Callable[[Any], Any], x: Any, index: int, params: dict[str, torch.Tensor], loss: Any
+) -> None:
+    """Untimed calls first: one-time initialisation (cuBLAS handles, workspaces, compiling a
+    compiled layer's graphs) is neither timed nor counted. With grad only where the layer has
+    something to differentiate, and its gradients are dropped again."""
+    with torch.no_grad():
+        call(x)
+    if not any(p.requires_grad for p in params.values()) and index == 0:
+        return
+    leaf_x, _ = with_leaves(x) if index > 0 else (x, [])
+    with torch.enable_grad():
+        out = call(leaf_x)
+        out = loss(out) if loss is not None else out
+    first = _scalar_loss(out)
+    outputs = [o for o in differentiable_leaves(out) if o is not None and o.requires_grad]
+    if first is not None:
+        first.backward()
+    elif outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    for p in params.values():
+        p.grad = None
+
+
 def _measure_layer(
     index: int,
     name: str,
@@ -194,16 +230,27 @@ def _measure_layer(
     meter: _Meter,
     dtype: torch.dtype | None,
     loss: Callable[[Any], Any] | None,
+    prepare: Prepare | None = None,
 ) -> tuple[LayerMeasurement, Any]:
     """Measure one layer on input ``x``; returns the measurement and the layer's output (no grad)."""
     replica, params = _device_copy(layer, meter.device, dtype)
+    if prepare is not None:
+        replica = prepare(replica)
     own = {_storage_key(t) for t in [*params.values(), *replica.buffers()]}
-    call = lambda inp: functional_call(replica, params, (inp,), strict=False)  # noqa: E731
+    binder = Binder(replica)  # the layer is called as the runtime calls it
+
+    def call(inp: Any) -> Any:
+        binder.bind(params)
+        try:
+            return replica(inp)
+        finally:
+            binder.unbind()
+
     boundary, carried = activation_bytes(x)
     inputs: dict[int, int] = {}
     _storages(x, inputs)
+    _warm_up(call, x, index, params, loss)
     with torch.no_grad():
-        call(x)  # untimed: one-time initialisation is neither timed nor counted
         with meter.phase() as fwd:
             y = call(x)
     outputs: dict[int, int] = {}
@@ -212,7 +259,10 @@ def _measure_layer(
     work = max(0, int(fwd["peak"] - fwd["before"]) - new_out) if meter.cuda else 0
 
     leaf_x, _ = with_leaves(x) if index > 0 else (x, [])
-    with _recording_saved(own) as saved, torch.enable_grad(), meter.phase() as grad_fwd:
+    param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] = {
+        p.shape: [] for p in params.values() if p.dim()
+    }
+    with _recording_saved(own, param_shaped) as saved, torch.enable_grad(), meter.phase() as grad_fwd:
         out = call(leaf_x)
         out = loss(out) if loss is not None else out
     hooks = sum(saved.values())
@@ -226,7 +276,15 @@ def _measure_layer(
         work = max(work, int(grad_fwd["peak"] - grad_fwd["after"]))  # e.g. a user loss_fn's transients
     grad_bytes = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
     bwd = _backward(meter, out)
-    bwd_work = max(0, int(bwd["peak"] - bwd["before"]) - grad_bytes) if meter.cuda else 0
+    # A gradient computed ahead in the forward (a chunked loss) is one of the saved storages.
+    ahead = [s for refs in param_shaped.values() for ref in refs if (s := ref()) is not None]
+    saved_grad = sum(
+        _storage_bytes(p.grad)
+        for p in params.values()
+        if p.grad is not None and any(p.grad.untyped_storage() is s for s in ahead)
+    )
+    fresh = grad_bytes - saved_grad
+    bwd_work = max(0, int(bwd["peak"] - bwd["before"]) - fresh) if meter.cuda else 0
     measurement = LayerMeasurement(
         index=index,
         name=name,
@@ -242,6 +300,7 @@ def _measure_layer(
         bwd_work_bytes=bwd_work,
         boundary_bytes=boundary,
         carried_bytes=carried,
+        saved_grad_bytes=min(saved_grad, max(hooks, alloc or 0)),
     )
     return measurement, y
 
@@ -268,6 +327,7 @@ def measure_layers(
     computes_loss: bool,
     dtype: torch.dtype | None = None,
     names: Sequence[str] | None = None,
+    prepare: Prepare | None = None,
 ) -> list[LayerMeasurement]:
     """Run each layer once, in order, on ``sample`` (one microbatch: layer 0's input) and measure it.
 
@@ -290,7 +350,9 @@ def measure_layers(
         last = i == len(layers) - 1
         try:
             with _own_rng(device):  # dropout here must not shift the user's random stream
-                measurement, x = _measure_layer(i, labels[i], layer, x, meter, dtype, tail if last else None)
+                measurement, x = _measure_layer(
+                    i, labels[i], layer, x, meter, dtype, tail if last else None, prepare
+                )
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(
                 f"out of memory profiling layer {i} ({labels[i]!r}) on {device} for one microbatch "
@@ -317,6 +379,7 @@ def profile_layers(
     computes_loss: bool,
     dtype: torch.dtype | None = None,
     names: Sequence[str] | None = None,
+    prepare: Prepare | None = None,
 ) -> tuple[LayerMemory, tuple[float, ...], tuple[float, ...]]:
     """The planner's inputs from `measure_layers`: memory facts, forward ms, backward ms per layer."""
     ms = measure_layers(
@@ -328,6 +391,7 @@ def profile_layers(
         computes_loss=computes_loss,
         dtype=dtype,
         names=names,
+        prepare=prepare,
     )
     memory = LayerMemory(
         param_bytes=tuple(m.param_bytes for m in ms),
@@ -338,6 +402,7 @@ def profile_layers(
         bwd_work_bytes=tuple(m.bwd_work_bytes for m in ms),
         carried_bytes=tuple(m.carried_bytes for m in ms),
         names=tuple(m.name for m in ms),
+        saved_grad_bytes=tuple(m.saved_grad_bytes for m in ms),
     )
     return memory, tuple(m.fwd_ms for m in ms), tuple(m.bwd_ms for m in ms)
 

@@ -36,8 +36,10 @@ class Replicas:
         out_of_memory: OutOfMemory,
         *,
         seed: int,
+        prepare: Callable[[nn.Module], nn.Module] | None = None,
     ) -> None:
         self.layers = layers
+        self.prepare = prepare  # e.g. compiles a new replica (`roundpipe.backends.compiling`)
         self.names = names
         self.device = device
         self.out_of_memory = out_of_memory
@@ -67,6 +69,8 @@ class Replicas:
                 }
                 module = copy.deepcopy(original, memo)
                 module.to(self.device(device))
+                if self.prepare is not None:
+                    module = self.prepare(module)
                 self._binders[key] = Binder(module)
                 self._replicas[key] = module
         return module

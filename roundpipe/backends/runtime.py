@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from roundpipe.backends.compiling import NO_COMPILE, LayerCompiler
 from roundpipe.backends.host_data import (
     BoundaryKey,
     IterationData,
@@ -85,6 +86,7 @@ class Runtime:
         max_grad_norm: float | None = None,
         scaler: Any = None,
         chunk_bytes: int | None = None,
+        compiler: LayerCompiler | None = None,
     ) -> None:
         self.host = host
         self.layers = host.layers
@@ -103,7 +105,10 @@ class Runtime:
         self.recomputed: dict[SlotKey, Recomputed] = {}  # a backward stage's recompute, until its backward
         self.outbox: dict[SlotKey, Any] = {}  # stage outputs to download
         self.transient: dict[RunKey, dict[int, dict[str, torch.Tensor]]] = {}  # run -> layer -> params
-        self.replicas = Replicas(self.layers, names, self.device, self._out_of_memory, seed=seed)
+        self.compiler = compiler or NO_COMPILE
+        self.replicas = Replicas(
+            self.layers, names, self.device, self._out_of_memory, seed=seed, prepare=self.compiler.prepare
+        )
         self.uses_rng = self.replicas.uses_rng
         self._call = self.replicas.call
         self.times = LayerTimes([None] * len(self.layers))

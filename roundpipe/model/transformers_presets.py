@@ -30,7 +30,12 @@ import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
-from roundpipe.model.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy, chunked_module_cross_entropy
+from roundpipe.model.loss import (
+    DEFAULT_CHUNK_TOKENS,
+    chunked_cross_entropy,
+    chunked_module_cross_entropy,
+    softmax_cross_entropy_grad,
+)
 
 # Classes whose forward this preset reproduces exactly (checked by the tests against model(..., labels=)).
 SUPPORTED_CAUSAL_LM_CLASSES: tuple[str, ...] = (
@@ -95,6 +100,9 @@ class CausalLMEmbed(nn.Module):
         self.rotary_emb = rotary_emb
         self.config = config  # the model's own config object (read only)
         self.mask_types = sorted(set(mask_types))
+
+    def roundpipe_compile(self, compiler: Any) -> None:
+        """Stays eager: input checks and mask building are Python logic, and it is cheap."""
 
     def forward(self, inputs: Mapping[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:
         if isinstance(inputs, torch.Tensor):
@@ -209,6 +217,10 @@ class CausalLMBlock(nn.Module):
         self.layer = layer
         self.mask_key = mask_key
 
+    def roundpipe_compile(self, compiler: Any) -> None:
+        """The original decoder layer, tensors in and out (this wrapper's dicts stay eager)."""
+        compiler.module(self.layer)
+
     def forward(self, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.layer(
             x["hidden"],
@@ -223,12 +235,13 @@ class CausalLMBlock(nn.Module):
 
 
 def auto_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per loss chunk when none is given: at most 32M logits at once (128 MiB in fp32, and
-    as much again for their gradient), so a 152K vocabulary takes 220 tokens a chunk instead of the
-    1024 a 32K one takes; never more than `DEFAULT_CHUNK_TOKENS`."""
+    """Tokens per loss chunk when none is given: at most 64M logits at once (128 MiB in bf16,
+    and as much again for their gradient), a multiple of 64 tokens (matrix tiles), so a 152K
+    vocabulary takes 384 tokens a chunk instead of the 1024 a 32K one takes; never more than
+    `DEFAULT_CHUNK_TOKENS`."""
     if vocab_size <= 0:
         return DEFAULT_CHUNK_TOKENS
-    return max(64, min(DEFAULT_CHUNK_TOKENS, (1 << 25) // vocab_size))
+    return max(64, min(DEFAULT_CHUNK_TOKENS, (1 << 26) // vocab_size // 64 * 64))
 
 
 class CausalLMHead(nn.Module):
@@ -243,6 +256,11 @@ class CausalLMHead(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.chunk_tokens = chunk_tokens
+        self.loss_kernel: Any = None  # the chunk kernel, when compiled (`roundpipe_compile`)
+
+    def roundpipe_compile(self, compiler: Any) -> None:
+        """The loss's per-chunk elementwise pass, fused (chunk lengths vary: dynamic shapes)."""
+        self.loss_kernel = compiler.function(softmax_cross_entropy_grad, dynamic=True)
 
     def forward(self, x: Mapping[str, torch.Tensor]) -> torch.Tensor:
         labels = x.get("_labels")
@@ -256,7 +274,13 @@ class CausalLMHead(nn.Module):
         flat_labels = labels.reshape(-1)
         if type(self.lm_head) is nn.Linear:
             return chunked_cross_entropy(
-                flat, self.lm_head.weight, flat_labels, self.chunk_tokens, IGNORE_INDEX, self.lm_head.bias
+                flat,
+                self.lm_head.weight,
+                flat_labels,
+                self.chunk_tokens,
+                IGNORE_INDEX,
+                self.lm_head.bias,
+                kernel=self.loss_kernel,
             )
         return chunked_module_cross_entropy(flat, self.lm_head, flat_labels, self.chunk_tokens, IGNORE_INDEX)
 

@@ -58,7 +58,10 @@ class LayerMemory:
       gradient and its parameter gradients (zeros when unknown);
     - ``carried_bytes``: the part of ``boundary_bytes`` that is constants carried unchanged from
       layer to layer (``"_"`` keys: rotary tables, masks, labels), one storage however many
-      activations refer to it (zeros when unknown).
+      activations refer to it (zeros when unknown);
+    - ``saved_grad_bytes``: the part of ``saved_bytes`` that is the layer's own parameter
+      gradients, computed ahead in the forward (a chunked loss does), which the backward hands on
+      instead of allocating them (zeros when unknown).
     """
 
     param_bytes: tuple[int, ...]
@@ -69,6 +72,7 @@ class LayerMemory:
     bwd_work_bytes: tuple[int, ...] = ()
     carried_bytes: tuple[int, ...] = ()
     names: tuple[str, ...] | None = None
+    saved_grad_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         params = _column("param_bytes", self.param_bytes, None)
@@ -78,13 +82,18 @@ class LayerMemory:
         object.__setattr__(self, "param_bytes", params)
         for name in ("grad_bytes", "saved_bytes", "work_bytes", "boundary_bytes"):
             object.__setattr__(self, name, _column(name, getattr(self, name), n))
-        for name in ("bwd_work_bytes", "carried_bytes"):
+        for name in ("bwd_work_bytes", "carried_bytes", "saved_grad_bytes"):
             values = getattr(self, name) or (0,) * n
             object.__setattr__(self, name, _column(name, values, n))
         for i, (c, b) in enumerate(zip(self.carried_bytes, self.boundary_bytes, strict=True)):
             if c > b:
                 raise PlanError(
                     f"{self.label(i)}: carried_bytes {c} > boundary_bytes {b}, of which they are part"
+                )
+        for i, (g, saved) in enumerate(zip(self.saved_grad_bytes, self.saved_bytes, strict=True)):
+            if g > saved:
+                raise PlanError(
+                    f"{self.label(i)}: saved_grad_bytes {g} > saved_bytes {saved}, of which they are part"
                 )
         if self.names is not None:
             object.__setattr__(self, "names", tuple(str(x) for x in self.names))
@@ -113,8 +122,13 @@ class LayerMemory:
 
         boundary = s(self.boundary_bytes)
         carried = tuple(min(c, b) for c, b in zip(s(self.carried_bytes), boundary, strict=True))
-        activations = (s(self.saved_bytes), s(self.work_bytes), boundary, s(self.bwd_work_bytes), carried)
-        return LayerMemory(self.param_bytes, self.grad_bytes, *activations, names=self.names)
+        grads_ahead = self.saved_grad_bytes  # parameter-sized: they do not scale
+        own = tuple(saved - g for saved, g in zip(self.saved_bytes, grads_ahead, strict=True))
+        saved = tuple(x + g for x, g in zip(s(own), grads_ahead, strict=True))
+        activations = (saved, s(self.work_bytes), boundary, s(self.bwd_work_bytes), carried)
+        return LayerMemory(
+            self.param_bytes, self.grad_bytes, *activations, names=self.names, saved_grad_bytes=grads_ahead
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: v if v is None else list(v) for f in fields(self) for v in [getattr(self, f.name)]}
@@ -146,13 +160,15 @@ def _backprop_peak(mem: LayerMemory, layers: range) -> int:
     Recompute forward at layer j holds the saved bytes of the layers before it plus its working
     set; backward at layer j still holds the saved bytes up to j (deeper ones were freed), its
     working set, and from the second microbatch of a run on a fresh gradient of layer j's
-    parameters that is being added into the accumulated one (measured on an LM head: 622 MB).
+    parameters that is being added into the accumulated one (measured on an LM head: 622 MB),
+    unless the forward computed that gradient already (then it is among the saved bytes).
     """
     peak, before = 0, 0
     for j in layers:
         peak = max(peak, before + mem.work_bytes[j])
         before += mem.saved_bytes[j]
-        peak = max(peak, before + mem.bwd_work_bytes[j] + mem.grad_bytes[j])
+        fresh = mem.grad_bytes[j] - min(mem.grad_bytes[j], mem.saved_grad_bytes[j])
+        peak = max(peak, before + mem.bwd_work_bytes[j] + fresh)
     return peak
 
 

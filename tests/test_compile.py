@@ -1,0 +1,78 @@
+"""Compiled layers (`RunConfig.compile`) train exactly as eager ones, sharing their graphs.
+
+On CUDA, "auto" compiles decoder layers with inductor (a GPU test times it). Here dynamo runs
+with its "eager" backend: the capture, the guards and the rebinding of replica parameter slots on
+every call are what can go wrong, and they are the same whatever backend runs the captured graph.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe.backends import compiling
+from roundpipe.backends.compiling import LayerCompiler, compile_enabled
+from roundpipe.model import to_layer_sequence
+from tests.test_transformers_parity import assert_same_weights, reference_loop, sgd, tiny_qwen3, token_data
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def eager_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
+
+
+def test_auto_compiles_on_cuda_only() -> None:
+    assert not compile_enabled("auto", "cpu") and not compile_enabled(False, "cuda")
+    assert compile_enabled(True, "cpu")
+
+
+def test_layers_say_how_they_compile() -> None:
+    """Blocks compile their inner layer, the head its loss kernel, the embedding nothing; a
+    layer without the hook is compiled only when asked for explicitly."""
+    seq = to_layer_sequence(tiny_qwen3())
+    calls: list[str] = []
+
+    class Recording(compiling.Compiler):
+        def module(self, module: nn.Module) -> None:
+            calls.append(type(module).__name__)
+
+        def function(self, fn, **options):  # type: ignore[no-untyped-def]
+            calls.append(fn.__name__)
+            return fn
+
+    auto = LayerCompiler("auto", "cuda", Recording())
+    auto.enabled = True  # as on a machine with triton
+    for layer in [*seq.layers, nn.Linear(2, 2)]:
+        auto.prepare(layer)
+    assert calls == ["Qwen3DecoderLayer", "Qwen3DecoderLayer", "softmax_cross_entropy_grad"]
+    calls.clear()
+    LayerCompiler(True, "cpu", Recording()).prepare(nn.Linear(2, 2))
+    assert calls == ["Linear"]
+
+
+def test_compiled_training_equals_the_plain_loop(eager_dynamo: None) -> None:
+    model = tiny_qwen3()
+    reference = copy.deepcopy(model)
+    data = token_data(2)
+    expected = reference_loop(reference, data)
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=False, compile=True)
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        losses = []
+        for batch in data:
+            losses.append(pipe.forward_backward(batch))
+            pipe.step()
+        pipe.synchronize()
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert_same_weights(model, reference)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # Two decoder layers on two devices, with and without grad, the loss kernel and the embedding
+    # (compile=True compiles it too): graphs are shared between the copies, not one per copy.
+    assert 0 < graphs <= 8, graphs
