@@ -70,7 +70,7 @@ def live_at_peak(snapshot: dict) -> dict[str, object]:
     at_peak: dict[int, tuple[int, list[dict]]] = {}
     for device_trace in snapshot.get("device_traces", []):
         for event in device_trace:
-            action, addr, size = event["action"], event["addr"], event["size"]
+            action, addr, size = event.get("action"), event.get("addr"), event.get("size", 0)
             if action == "alloc":
                 live[addr] = (size, event.get("frames", []))
                 total += size
