@@ -157,9 +157,10 @@ def test_cuda_compiled_loss_kernel_matches_eager() -> None:
         loss = chunked_cross_entropy(hidden, weight, labels, 384, kernel=kernel)
         results.append((loss, *torch.autograd.grad(loss, (hidden, weight))))
     want = torch.nn.functional.cross_entropy(hidden @ weight.T, labels)
+    # fp32 throughout; the fused kernel's exp and log may round differently from eager's
     for got, expected in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results[1][0], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(results[1][0], want, rtol=1e-4, atol=1e-6)
 
 
 def test_cuda_compiled_layers_match_eager() -> None:
