@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.checkpoint_manifest import ManifestMissingError, verify_checkpoint, write_manifest
+from roundpipe.checkpoint_manifest import (
+    ManifestMissingError,
+    check_meta_fields,
+    verify_checkpoint,
+    write_manifest,
+)
 from roundpipe.errors import CheckpointError
 from roundpipe.faults import fault_point
 from roundpipe.outputs import check_export_target
@@ -275,7 +280,8 @@ def read_checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path} has format {meta.get('format') if isinstance(meta, dict) else None!r}, "
             f"expected {CHECKPOINT_FORMAT!r}"
         )
-    missing = [name for name in meta.get("files", []) if not (path / name).is_file()]
+    check_meta_fields(meta, meta_path)
+    missing = [name for name in meta["files"] if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
     return meta

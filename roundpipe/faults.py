@@ -8,8 +8,9 @@ training loop and the checkpoint writer, each costing one dictionary lookup when
 
 ``ROUNDPIPE_FAULTS`` arms them: a comma-separated list of ``SIGNAL@POINT`` or
 ``SIGNAL@POINT:N`` entries (``SIGINT@step:3,SIGINT@step:3``, ``SIGKILL@save:5``,
-``SIGINT@import``). Each entry fires once, in the order given, when the point is reached (with
-that number). Points: ``import`` (the training loop module is being imported), ``step:N`` (step
+``SIGINT@startup``). Each entry fires once, when its point is first reached (entries of one
+point in the order given). Points: ``startup`` (``roundpipe train`` has parsed its options and
+is about to load torch and the training code), ``step:N`` (step
 N's forward and backward have run, its optimizer step not yet requested), ``save:N`` (the
 checkpoint of step N has its weights written but not its manifest). This module must never act
 when the variable is unset, and never import anything heavy.
@@ -41,6 +42,13 @@ def _parse(text: str) -> list[tuple[signal.Signals, str]]:
     return entries
 
 
+def arm(spec: str | None) -> None:
+    """Arm the faults of ``spec`` (the ``ROUNDPIPE_FAULTS`` syntax) in this process, replacing
+    any left; None reads the variable again at the next point. For tests and the soak's runs."""
+    global _armed
+    _armed = None if spec is None else _parse(spec)
+
+
 def fault_point(point: str, number: int | None = None) -> None:
     """Send this process the first armed signal whose point is ``point`` (``point:number``)."""
     global _armed
@@ -50,11 +58,10 @@ def fault_point(point: str, number: int | None = None) -> None:
     if not _armed:
         return
     name = point if number is None else f"{point}:{number}"
-    for index, (sig, where) in enumerate(_armed):
-        if where == name:
-            del _armed[index]
-            os.kill(os.getpid(), sig)
-            return
+    due = [sig for sig, where in _armed if where == name]
+    _armed = [(sig, where) for sig, where in _armed if where != name]
+    for sig in due:  # one at a time: Python runs the handler between two iterations
+        os.kill(os.getpid(), sig)
 
 
-__all__ = ["ENV", "fault_point"]
+__all__ = ["ENV", "arm", "fault_point"]

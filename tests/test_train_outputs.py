@@ -12,6 +12,8 @@ import pytest
 from roundpipe.cli import main
 from tests.helpers import tiny_causal_lm_config
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -143,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     config = make_config(options(args))
     # With --json, stdout carries only the JSON line; people read stderr.
     console = Console(stderr=True) if json_output else Console(file=sys.stdout)
+    from roundpipe.faults import fault_point
+
+    fault_point("startup")  # tests: a Ctrl-C before torch and the training code are loaded
     from roundpipe.train.loop import train
     from roundpipe.train.report import RichReporter
 

@@ -49,8 +49,6 @@ SCHEDULE_FILE = "schedule.json"  # the same trace in roundpipe's format: `roundp
 TIMELINE_FILE = "timeline.png"
 NON_FINITE_PREFIX = "non-finite-step-"  # --save-non-finite: the bad state, kept apart
 
-fault_point("import")  # tests: a Ctrl-C while the training code loads
-
 
 # --------------------------------------------------------------------- pieces
 
