@@ -276,3 +276,16 @@ def test_bad_data_files_are_named_with_the_reason(tmp_path: Path, capsys) -> Non
 def test_trained_weights_are_finite(good: Path) -> None:
     weights = load_file(str(good / "weights.safetensors"))
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+@pytest.mark.soak
+def test_soak_over_random_kills_matches_an_uninterrupted_run() -> None:
+    """A short soak: ``python -m pytest -m soak``; longer runs with bench/soak.py itself."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--runs", "6", "--seed", "12"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (done.returncode, result["mismatches"], result["errors"]) == (0, 0, 0), done.stdout
+    assert result["runs"] == 6 and result["stops"] > 0
