@@ -32,8 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.checkpoint_manifest import ManifestMissingError, verify_checkpoint, write_manifest
+from roundpipe.checkpoint_manifest import (
+    ManifestMissingError,
+    check_meta_fields,
+    verify_checkpoint,
+    write_manifest,
+)
 from roundpipe.errors import CheckpointError
+from roundpipe.faults import fault_point
+from roundpipe.outputs import check_export_target
 from roundpipe.state import STATE_FORMAT, rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -113,6 +120,7 @@ def _write_checkpoint_files(tmp: Path, state: dict[str, Any], meta: dict[str, An
     _write_safetensors(tmp / WEIGHTS_FILE, state["model"])
     if "in_flight_weights" in state:
         _write_safetensors(tmp / IN_FLIGHT_FILE, state["in_flight_weights"])
+    fault_point("save", meta["data_step"])  # tests: a kill with the checkpoint half written
     _write_torch(tmp / TRAINING_STATE_FILE, {"host": state["host"], "scaler": state["scaler"]})
     _write_torch(tmp / RNG_FILE, rng_state())
     # meta.json last: a directory with it holds every file the meta lists.
@@ -272,7 +280,8 @@ def read_checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path} has format {meta.get('format') if isinstance(meta, dict) else None!r}, "
             f"expected {CHECKPOINT_FORMAT!r}"
         )
-    missing = [name for name in meta.get("files", []) if not (path / name).is_file()]
+    check_meta_fields(meta, meta_path)
+    missing = [name for name in meta["files"] if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
     return meta
@@ -370,12 +379,7 @@ def export_pretrained(pipe: RoundPipe, directory: str | os.PathLike[str]) -> Pat
             "models do); use save_checkpoint, or torch.save(pipe.module.state_dict(), path) after synchronize()"
         )
     pipe.synchronize()
-    target = Path(directory)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        if not any((target / name).is_file() for name in ("config.json", "adapter_config.json")):
-            raise CheckpointError(
-                f"{target} exists and does not look like an exported model; refusing to replace it"
-            )
+    target = check_export_target(directory)
     return _write_directory(target, lambda tmp: save(str(tmp)))
 
 

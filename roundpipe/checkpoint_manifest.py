@@ -5,7 +5,9 @@ copy, a flipped block on disk, a deleted file), and loading such a directory mus
 line naming the file instead of a deserialiser's traceback or, worse, loading NaNs silently.
 ``manifest.json`` records the size and sha256 of every other file; it is written last, inside the
 temporary directory that `roundpipe.checkpoint` then installs atomically, so it always describes
-exactly the files beside it. `roundpipe checkpoint verify` uses this module alone, so it must
+exactly the files beside it. The types of the ``meta.json`` fields a loader reads are checked here
+too (`check_meta_fields`), so an edited field is named instead of failing deep in the loader.
+`roundpipe checkpoint verify` uses this module alone, so it must
 never import torch (the schedule commands and `roundpipe --help` run where torch is absent).
 """
 
@@ -102,4 +104,40 @@ def _check_file(file: Path, expected: dict[str, Any], manifest_path: Path) -> No
         )
 
 
-__all__ = ["MANIFEST_FILE", "ManifestMissingError", "verify_checkpoint", "write_manifest"]
+# The fields of meta.json the loader reads, and the JSON type each must have.
+_META_FIELDS: dict[str, tuple[type, str]] = {
+    "step": (int, "a whole number >= 0"),
+    "iteration": (int, "a whole number >= 0"),
+    "data_step": (int, "a whole number >= 0"),
+    "files": (list, "a list of file names"),
+    "config": (dict, "an object"),
+    "model": (dict, "an object"),
+    "extra": (dict, "an object"),
+}
+
+
+def check_meta_fields(meta: dict[str, Any], meta_path: Path) -> None:
+    """Every field the loader reads has the right type: an edited or damaged meta.json is named
+    with its field, never met later as an ``int()`` error."""
+    for name, (kind, text) in _META_FIELDS.items():
+        value: Any = meta.get(name)
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+        if ok and isinstance(value, int):
+            ok = value >= 0
+        if ok and isinstance(value, list):
+            ok = all(isinstance(item, str) for item in value)
+        if not ok:
+            got = "missing" if name not in meta else f"got {value!r}"
+            raise CheckpointError(
+                f"{meta_path}: field {name!r} must be {text} ({got}); the checkpoint is damaged or was "
+                "edited: use another checkpoint (roundpipe checkpoint verify DIR checks one)"
+            )
+
+
+__all__ = [
+    "MANIFEST_FILE",
+    "ManifestMissingError",
+    "check_meta_fields",
+    "verify_checkpoint",
+    "write_manifest",
+]

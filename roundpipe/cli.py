@@ -28,10 +28,11 @@ COMMAND_MODULES: tuple[str, ...] = (
     "roundpipe.cli_schedule",
     "roundpipe.train.cli",
     "roundpipe.cli_checkpoint",
+    "roundpipe.train.export",
 )
 
 # A failed check (exit 1) is a command's own result; the dispatcher only knows these two.
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 
 
 class UsageError(Exception):
@@ -78,9 +79,19 @@ def _error(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``roundpipe`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        # Ctrl-C before a command installs its own handling (while the parser's modules or torch
+        # load, while a model is built): nothing was written, so one line and no traceback.
+        print("roundpipe: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(argv)
     except UsageError as exc:
         return _error(str(exc))
     except SystemExit as exc:  # --help / --version
@@ -98,9 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         return _error(f"{where}{exc.strerror or exc}")
-    except KeyboardInterrupt:
-        print("roundpipe: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

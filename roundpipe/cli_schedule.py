@@ -68,7 +68,9 @@ def _positive_float(text: str) -> float:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--costs", metavar="FILE", help="layer costs JSON (see docs/cli.md)")
+    src.add_argument(
+        "--costs", metavar="FILE", help="layer costs JSON (format in docs/cli.md; examples/costs.json is one)"
+    )
     src.add_argument(
         "--example",
         choices=sorted(EXAMPLES),

@@ -39,11 +39,14 @@ class ScheduleError(RoundPipeError, RuntimeError):
 
 
 class TaskFailedError(RoundPipeError, RuntimeError):
-    """A task raised while running. ``task`` describes it; ``__cause__`` is the original exception."""
+    """A task raised while running. ``task_description`` describes it, ``iteration`` is the
+    `forward_backward` call it belongs to (None for an optimizer task); ``__cause__`` is the
+    original exception."""
 
-    def __init__(self, message: str, task_description: str = "") -> None:
+    def __init__(self, message: str, task_description: str = "", iteration: int | None = None) -> None:
         super().__init__(message)
         self.task_description = task_description
+        self.iteration = iteration
 
 
 class StageError(TaskFailedError):

@@ -180,3 +180,9 @@ def test_parse_bytes() -> None:
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5e9") == 1_500_000_000
     assert parse_bytes("512 MiB") == 512 * 2**20
+
+
+def test_the_shipped_costs_file_plans_as_the_docs_say(capsys: pytest.CaptureFixture[str]) -> None:
+    costs = Path(__file__).resolve().parent.parent / "examples" / "costs.json"
+    assert main(["plan", "--costs", str(costs), "--devices", "4", "--microbatches", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_layers"] == len(LayerCosts.from_json(costs).fwd_ms)

@@ -9,5 +9,5 @@ from roundpipe.train.report import RichReporter
 
 def test_notes_show_brackets_as_written() -> None:
     console = Console(record=True, width=120, color_system=None)
-    RichReporter(console, progress=False).note("a timeline needs matplotlib: pip install roundpipe[plot]")
-    assert "pip install roundpipe[plot]" in console.export_text()
+    RichReporter(console, progress=False).note("a timeline needs matplotlib: pip install 'roundpipe[plot]'")
+    assert "pip install 'roundpipe[plot]'" in console.export_text()

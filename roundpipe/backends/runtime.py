@@ -21,6 +21,7 @@ This module must never decide when anything runs: that is the engine's job.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,9 @@ class Runtime:
         self.recompute_grain = recompute_grain
         self.seed = seed
         self.max_grad_norm = max_grad_norm
+        # (1-based step, norm) of the first step whose global gradient norm was NaN/inf, when a
+        # norm is computed (max_grad_norm) and no loss scaler skips such steps.
+        self.non_finite_grad_norm: tuple[int, float] | None = None
         self.scaler = scaler
         self.chunk_elements = max(1, (chunk_bytes or 64 << 20) // 4)  # fp32 elements per gradient chunk
         self.iterations: dict[int, IterationData] = {}
@@ -355,7 +359,10 @@ class Runtime:
 
     def grad_norm(self, task: Task) -> None:
         check = self.scaler is not None
-        self.host.grad_norm(self.max_grad_norm, check)
+        norm = self.host.grad_norm(self.max_grad_norm, check)
+        if not check and not math.isfinite(norm) and self.non_finite_grad_norm is None:
+            # Without a loss scaler nothing skips this step: remember it for whoever watches.
+            self.non_finite_grad_norm = (task.step + 1, norm)
         if self.scaler is not None:
             self.scaler.update(self.host.found_inf)
 

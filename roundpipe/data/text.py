@@ -98,7 +98,8 @@ def read_jsonl(path: str | os.PathLike[str], key: str = "text") -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(
-                f"{p}:{number}: not valid JSON ({exc.msg}); each line must be one JSON object"
+                f"{p}:{number}: not valid JSON ({exc.msg} at column {exc.colno}: "
+                f"{_excerpt(line, exc.pos)}); each line must be one JSON object"
             ) from exc
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
             raise ValueError(
@@ -110,19 +111,28 @@ def read_jsonl(path: str | os.PathLike[str], key: str = "text") -> list[str]:
     return texts
 
 
+def _excerpt(line: str, pos: int, width: int = 20) -> str:
+    """The text around ``pos`` of a long line, quoted, so the reason is seen whole."""
+    start = max(0, pos - width)
+    text = line[start : pos + width]
+    return ("..." if start else "") + repr(text) + ("..." if pos + width < len(line) else "")
+
+
 def load_corpus() -> str:
     """The public-domain English corpus shipped with roundpipe (about 100-300 KB)."""
     return CORPUS_PATH.read_text(encoding="utf-8")
 
 
 def _read_utf8(p: Path) -> str:
+    hint = 'pass a UTF-8 .txt file, or a .jsonl file with one {"text": ...} object per line'
     try:
-        return p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason}); pass a UTF-8 .txt file, or a .jsonl "
-            'file with one {"text": ...} object per line'
-        ) from None
+        raise ValueError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason}); {hint}") from None
+    nul = text.find("\x00")
+    if nul >= 0:  # valid UTF-8 yet binary (zero-filled or an image of a disk): never train on it
+        raise ValueError(f"{p}: not text (a NUL character at offset {nul}: a binary file); {hint}")
+    return text
 
 
 def _existing_file(path: str | os.PathLike[str]) -> Path:

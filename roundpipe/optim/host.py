@@ -273,8 +273,8 @@ class HostModel:
                     self._give_pinned(buf)
 
     @torch.no_grad()
-    def grad_norm(self, max_norm: float | None, check_finite: bool) -> None:
-        """Global gradient norm over all units: sets ``clip_coef`` and ``found_inf``."""
+    def grad_norm(self, max_norm: float | None, check_finite: bool) -> float:
+        """Global gradient norm over all units: sets ``clip_coef`` and ``found_inf``; returns it."""
         total = 0.0
         for unit in self.units:
             for param in self.unit_params[unit]:
@@ -287,6 +287,7 @@ class HostModel:
             self.clip_coef = min(1.0, max_norm / (norm + 1e-6))
         else:
             self.clip_coef = 1.0
+        return norm
 
     @torch.no_grad()
     def step(self, unit: int) -> None:

@@ -69,7 +69,9 @@ def failure_error(task: Task) -> TaskFailedError:
     """The error `Engine.wait` raises for a failed task, naming it and its cause."""
     error = task.error
     return TaskFailedError(
-        f"task failed: {task.describe()}: {type(error).__name__}: {error}", task.describe()
+        f"task failed: {task.describe()}: {type(error).__name__}: {error}",
+        task.describe(),
+        task.iteration if task.iteration >= 0 else None,
     )
 
 

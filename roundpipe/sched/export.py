@@ -185,14 +185,14 @@ def write_png(
 ) -> Path:
     """Draw ``trace`` as a PNG timeline: one row per lane per device (the host last), bars
     coloured by kind, compute bars shaded forward / fused / backward, x axis in ms, the bubble
-    ratio in the title. Needs matplotlib (``pip install roundpipe[plot]``). Written atomically."""
+    ratio in the title. Needs matplotlib (``pip install 'roundpipe[plot]'``). Written atomically."""
     try:
         import matplotlib
 
         matplotlib.use("Agg", force=False)
         from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("writing a PNG timeline needs matplotlib: pip install roundpipe[plot]") from exc
+        raise ImportError("writing a PNG timeline needs matplotlib: pip install 'roundpipe[plot]'") from exc
 
     tasks = finished_tasks(trace)
     # Lanes that were never busy (free transfers in a simulation, a host with a 0 ms optimizer)

@@ -118,5 +118,7 @@ def _raise_stuck(engine: Engine, targets: list[Task] | None) -> None:
 def _raise_failure(engine: Engine) -> None:
     task = engine._failed[0]
     if isinstance(task.error, TaskFailedError):
+        if task.error.iteration is None and task.iteration >= 0:
+            task.error.iteration = task.iteration
         raise task.error
     raise failure_error(task) from task.error

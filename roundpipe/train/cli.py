@@ -17,8 +17,12 @@ from typing import Any
 
 from roundpipe.train.config import make_config, read_config_file
 
+# Exit codes: 0 done; 2 bad input (roundpipe.cli); 3 the loss or gradient norm became NaN/inf
+# (stopped, last good checkpoint kept, nothing exported); 128 + N stopped by signal N after saving
+# (130 Ctrl-C, 143 SIGTERM). See TrainResult.exit_code.
 EXIT_INTERRUPTED = 130
-EXIT_NON_FINITE = 3  # the loss became NaN/inf: stopped, last good checkpoint kept, nothing exported
+EXIT_TERMINATED = 143
+EXIT_NON_FINITE = 3
 
 # (flag, field, type, help); booleans are handled separately.
 _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
@@ -79,6 +83,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     mode.add_argument("--sync", dest="async_optimizer", action="store_false", help="synchronous optimizer")
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --resume of an older checkpoint: continue in its run directory and replace the "
+        "newer checkpoints there (default: continue in a new run directory)",
+    )
+    parser.add_argument(
+        "--save-non-finite",
+        dest="save_non_finite",
+        action="store_true",
+        help="when the loss or gradient norm turns NaN/inf, also save that state as "
+        "<run>/non-finite-step-<N> for inspection (never over the last good checkpoint)",
+    )
+    parser.add_argument(
         "--json",
         dest="json_output",
         action="store_true",
@@ -90,8 +107,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The option values to validate: checkpoint's (on --resume) < --config file < flags."""
     flags = {dest: getattr(args, dest) for _, dest, _, _ in _OPTIONS if hasattr(args, dest)}
-    if hasattr(args, "async_optimizer"):
-        flags["async_optimizer"] = args.async_optimizer
+    for name in ("async_optimizer", "overwrite", "save_non_finite"):
+        if hasattr(args, name):
+            flags[name] = getattr(args, name)
     values: dict[str, Any] = {}
     file_values: dict[str, Any] = {}
     if getattr(args, "config", None):
@@ -114,6 +132,7 @@ def _saved_options(checkpoint: str) -> dict[str, Any]:
         return {}
     saved = dict(saved)
     saved.pop("resume", None)
+    saved.pop("overwrite", None)  # a decision about one resume, never inherited by the next
     return saved
 
 
@@ -124,21 +143,23 @@ def run(args: argparse.Namespace) -> int:
     config = make_config(options(args))
     # With --json, stdout carries only the JSON line; people read stderr.
     console = Console(stderr=True) if json_output else Console(file=sys.stdout)
+    from roundpipe.faults import fault_point
+
+    fault_point("startup")  # tests: a Ctrl-C before torch and the training code are loaded
     from roundpipe.train.loop import train
     from roundpipe.train.report import RichReporter
 
     result = train(config, reporter=RichReporter(console, progress=True))
-    if result.interrupted:
+    if result.interrupted and not result.non_finite:
+        by = f" by {result.stop_signal}" if result.stop_signal else ""
         console.print(
-            f"[yellow]interrupted at step {result.steps}/{config.steps}; checkpoint saved to "
+            f"[yellow]interrupted{by} at step {result.steps}/{config.steps}; checkpoint saved to "
             f"{result.checkpoint}[/]\nresume with: roundpipe train --resume {result.checkpoint}",
             soft_wrap=True,
         )
     if json_output:
         print(json.dumps(result.summary()), flush=True)
-    if result.non_finite:
-        return EXIT_NON_FINITE
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    return result.exit_code
 
 
 __all__ = ["add_parser", "options", "run"]

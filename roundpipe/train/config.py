@@ -58,6 +58,13 @@ class TrainConfig(BaseModel):
         default=2, ge=1, description="keep the newest N checkpoints (checkpoint, checkpoint-<step>, ...)"
     )
     resume: str | None = Field(default=None, description="continue from this checkpoint directory")
+    overwrite: bool = Field(
+        default=False,
+        description="on --resume, continue in the run directory even if it holds newer checkpoints",
+    )
+    save_non_finite: bool = Field(
+        default=False, description="when the loss turns NaN/inf, save that state aside for inspection"
+    )
     export: str | None = Field(default=None, description="export the model (save_pretrained) here at the end")
     out: str = Field(default="runs", description="parent directory of run directories")
     name: str | None = Field(default=None, description="run directory name; default a timestamp")

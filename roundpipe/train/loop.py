@@ -7,9 +7,10 @@ user sees goes through a `Reporter`, so the loop itself never prints.
 
 Resume is exact because every input of step ``s`` is a function of the options and ``s``: the
 batch comes from `roundpipe.data.batch_at` (seeded by step), the learning rate from `lr_factor`,
-the weights, optimizer, scheduler and RNG state from the checkpoint. Ctrl-C (SIGINT) only sets a
-flag: the current step finishes, then a checkpoint is saved at a step boundary. The loop must never
-swallow an error silently nor leave the pipe open.
+the weights, optimizer, scheduler and RNG state from the checkpoint. Ctrl-C (SIGINT) and SIGTERM
+only set a flag (`roundpipe.train.signals`): the current step finishes, then a checkpoint is saved
+at a step boundary. Where the run writes is decided and checked before the model is built
+(`roundpipe.train.rundir`). The loop must never swallow an error silently nor leave the pipe open.
 """
 
 from __future__ import annotations
@@ -17,11 +18,8 @@ from __future__ import annotations
 import json
 import math
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,17 +28,26 @@ import torch
 from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta, save_checkpoint
 from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, token_batches
 from roundpipe.errors import ConfigError
+from roundpipe.faults import fault_point
 from roundpipe.pipe import RoundPipe
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.keep import non_finite_message, non_finite_weight, preserve_before_save
 from roundpipe.train.model import build_model
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
+from roundpipe.train.rundir import (
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    plan_outputs,
+    prepare_run_dir,
+    run_dir,
+    saved_elapsed,
+)
+from roundpipe.train.signals import StopRequest, stop_on_signals
 
-METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "trace.json"
 SCHEDULE_FILE = "schedule.json"  # the same trace in roundpipe's format: `roundpipe trace check|replay`
 TIMELINE_FILE = "timeline.png"
-CHECKPOINT_DIR = "checkpoint"
+NON_FINITE_PREFIX = "non-finite-step-"  # --save-non-finite: the bad state, kept apart
 
 
 # --------------------------------------------------------------------- pieces
@@ -83,69 +90,12 @@ def _make_scheduler(config: TrainConfig) -> Callable[[torch.optim.Optimizer], An
     return make
 
 
-def run_dir(config: TrainConfig) -> Path:
-    """``<out>/<name>``; the name defaults to the current time (made unique with a suffix)."""
-    out = Path(config.out).expanduser()
-    if config.name is not None:
-        return out / config.name
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate, n = out / stamp, 2
-    while candidate.exists():
-        candidate, n = out / f"{stamp}-{n}", n + 1
-    return candidate
-
-
-def _prepare_run_dir(path: Path, resume_step: int | None) -> Path:
-    metrics = path / METRICS_FILE
-    if resume_step is None:
-        if metrics.exists():
-            raise ConfigError(
-                f"run directory {path} already holds a run; choose another --name, or continue it with "
-                f"--resume {path / CHECKPOINT_DIR}"
-            )
-        path.mkdir(parents=True, exist_ok=True)
-        metrics.write_text("")
-        return metrics
-    path.mkdir(parents=True, exist_ok=True)
-    # Steps logged after the checkpoint was written will run again: drop their lines.
-    kept: list[str] = []
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                if int(json.loads(line)["step"]) <= resume_step:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue
-    metrics.write_text("".join(line + "\n" for line in kept))
-    return metrics
-
-
-@contextmanager
-def _stop_on_sigint(stop: threading.Event, reporter: Reporter) -> Iterator[None]:
-    """First Ctrl-C: finish the current step, then stop and save. A second one aborts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        reporter.note("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 # --------------------------------------------------------------------- the loop
 
 
 def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResult:
     """Train as ``config`` says; return what happened. Raises `roundpipe` errors for bad input
-    before any work starts. See docs/train.md."""
+    (output locations included) before any work starts. See docs/train.md."""
     reporter = reporter or NullReporter()
     source = data_path(config)
     resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
@@ -153,11 +103,12 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     if resume_step is not None and resume_step >= config.steps:
         raise ConfigError(
             f"the checkpoint {config.resume} is at step {resume_step} and --steps is {config.steps}: "
-            "nothing to do; pass a larger --steps to train further"
+            "nothing to do; pass a larger --steps to train further, or export it with "
+            f"'roundpipe export {config.resume} DIR'"
         )
-    out_dir = run_dir(config)
-    # The resolved name is saved, so a resumed run writes into the same directory.
-    config = config.model_copy(update={"name": out_dir.name})
+    place = plan_outputs(config, resume_step)
+    # The resolved name is saved, so resuming this run's checkpoint writes into its directory.
+    config = config.model_copy(update={"name": place.out_dir.name})
     batches = token_batches(
         str(source), config.seq_len, config.batch_size, config.seed, start_step=resume_step or 0
     )
@@ -170,23 +121,23 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     )
     with pipe:
         if config.resume:
-            info = load_checkpoint(pipe, config.resume)
-            start = info.data_step
+            start = load_checkpoint(pipe, config.resume).data_step
         else:
             torch.manual_seed(config.seed)
             random.seed(config.seed)
             start = 0
         # Only now that the model, the pipe and the checkpoint are known to be good.
-        _prepare_run_dir(out_dir, start if config.resume else None)
+        prepare_run_dir(place, start if config.resume else None)
         model_info = {
             "class": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()),
             "trainable": pipe.host.trainable_numel(),
             "layers": len(pipe.host.layers),
         }
-        reporter.start(config, out_dir, start, model_info)
-        offset = float(resume_meta["extra"].get("elapsed", 0.0)) if resume_meta is not None else 0.0
-        return _run(pipe, config, batches, start, out_dir, reporter, offset)
+        reporter.start(config, place.out_dir, start, model_info)
+        for note in place.notes:
+            reporter.note(note)
+        return _run(pipe, config, batches, start, place.out_dir, reporter, saved_elapsed(resume_meta))
 
 
 class _Progress:
@@ -215,9 +166,28 @@ class _Progress:
         self.metrics = metrics
         self.non_finite: str | None = None  # why it stopped, once loss or weights are not finite
 
-    def stop_non_finite(self, what: str) -> None:  # and save nothing: keep the last good checkpoint
-        self.non_finite = non_finite_message(what, self.step, self.config.precision, self.last_good())
+    def stop_non_finite(self, what: str, step: int | None = None) -> None:
+        """Stop without saving over the last good checkpoint; with ``--save-non-finite`` the bad
+        state goes aside, under a name `--resume` and `--keep-checkpoints` never pick up."""
+        self.non_finite = non_finite_message(
+            what, self.step if step is None else step, self.config.precision, self.last_good()
+        )
         self.reporter.note(self.non_finite)
+        if self.config.save_non_finite:
+            aside = self.checkpoint_dir.parent / f"{NON_FINITE_PREFIX}{self.step}"
+            save_checkpoint(self.pipe, aside, data_step=self.step, extra={"non_finite": self.non_finite})
+            self.reporter.note(f"the non-finite state is saved in {aside} for inspection (not for --resume)")
+
+    def check_finite(self, loss: float) -> bool:
+        """False (and the run stopped) when the loss or the last gradient norm is NaN/inf."""
+        if not math.isfinite(loss):
+            self.stop_non_finite(f"loss is {loss}")
+            return False
+        bad_norm = self.pipe.runtime.non_finite_grad_norm
+        if bad_norm is not None:
+            self.stop_non_finite(f"gradient norm is {bad_norm[1]}", bad_norm[0])
+            return False
+        return True
 
     def last_good(self) -> Path | None:  # the newest complete checkpoint to continue from
         if (self.checkpoint_dir / "meta.json").is_file():
@@ -266,12 +236,14 @@ def _run(
 ) -> TrainResult:
     """Steps ``start`` .. ``config.steps``; ``elapsed_offset`` is the time the resumed run had
     already spent, so ``elapsed`` in metrics.jsonl keeps counting across a resume."""
-    stop = threading.Event()
+    stop = StopRequest()
     files: dict[str, Path] = {"metrics": out_dir / METRICS_FILE}
-    with _stop_on_sigint(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as metrics:
+    with stop_on_signals(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as metrics:
         progress = _Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics)
         interrupted = _steps(progress, batches, stop) or stop.is_set()
         pipe.synchronize()
+        if not progress.non_finite and pipe.runtime.non_finite_grad_norm is not None:
+            progress.check_finite(0.0)  # the last step's norm, known only now (async optimizer)
         elapsed = time.perf_counter() - progress.t0
         bubble, notes = _write_trace_files(pipe, out_dir, files)
         last_good = progress.last_good() if progress.non_finite else progress.save() or progress.last_good()
@@ -293,12 +265,13 @@ def _run(
         notes=notes,
         interrupted=interrupted,
         non_finite=progress.non_finite,
+        stop_signal=stop.signal.name if stop.signal is not None else None,
     )
     reporter.finish(result)
     return result
 
 
-def _steps(progress: _Progress, batches: Iterator[dict[str, torch.Tensor]], stop: threading.Event) -> bool:
+def _steps(progress: _Progress, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest) -> bool:
     """Train until ``config.steps``, a stop request or a non-finite loss; True when a
     KeyboardInterrupt cut it short."""
     pipe, config = progress.pipe, progress.config
@@ -307,17 +280,17 @@ def _steps(progress: _Progress, batches: Iterator[dict[str, torch.Tensor]], stop
         while progress.step < config.steps and not stop.is_set():
             loss = None
             loss = pipe.forward_backward(next(batches), None, None)
+            fault_point("step", progress.step + 1)
             pipe.step()
             progress.step += 1
             progress.log(progress.step, loss)
-            if not math.isfinite(loss):
-                progress.stop_non_finite(f"loss is {loss}")
+            if not progress.check_finite(loss):
                 break
             if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
                 if progress.save() is None:
                     break
     except KeyboardInterrupt:
-        # Raised outside our handler (a second Ctrl-C, or another thread's signal set-up):
+        # Raised outside our handler (another thread's signal set-up, or code of the caller's):
         # bring the pipe to a step boundary so the checkpoint is still exact.
         settled = _settle(pipe, progress.step)
         if loss is not None and len(progress.losses) < settled - progress.start:  # ran, not logged
@@ -365,5 +338,6 @@ __all__ = [
     "build_model",
     "data_path",
     "lr_factor",
+    "run_dir",
     "train",
 ]

@@ -91,7 +91,7 @@ class RichReporter:
         )
 
     def note(self, message: str) -> None:
-        # Escaped: a message may hold brackets ("pip install roundpipe[plot]") rich would eat as markup.
+        # Escaped: a message may hold brackets ("pip install 'roundpipe[plot]'") rich would eat as markup.
         self.console.print(f"[yellow]{escape(message)}[/]", soft_wrap=True)
 
     def finish(self, result: TrainResult) -> None:

@@ -8,6 +8,7 @@ This module must never import torch, and a reporter must never change what the l
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +33,16 @@ class TrainResult:
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
     non_finite: str | None = None  # why the run stopped at a NaN/inf loss (nothing saved then)
+    stop_signal: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the run
+
+    @property
+    def exit_code(self) -> int:
+        """What `roundpipe train` exits with: 3 non-finite, 128 + signal when stopped, else 0."""
+        if self.non_finite:
+            return 3
+        if self.stop_signal is not None:
+            return 128 + int(signal.Signals[self.stop_signal])
+        return 130 if self.interrupted else 0
 
     @property
     def initial_loss(self) -> float | None:
@@ -53,6 +64,7 @@ class TrainResult:
             "elapsed_s": self.elapsed_s,
             "interrupted": self.interrupted,
             "non_finite": self.non_finite,
+            "stop_signal": self.stop_signal,
             "out_dir": str(self.out_dir),
             "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             "files": {k: str(v) for k, v in self.files.items()},
