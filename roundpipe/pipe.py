@@ -11,6 +11,7 @@ It must never do tensor math itself (that is the runtime's) nor decide ordering 
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ from roundpipe.device_plan import (
     planning_config,
     profile_and_plan,
     refined_costs,
+    release_budget,
     resolve_budget,
 )
 from roundpipe.errors import (
@@ -111,7 +113,8 @@ class RoundPipe:
         self._backend = make_backend(device_spec.kind, device_spec.indices, self.runtime, self.costs)
         self._trace = Trace(meta=self._builder.meta())
         self._engine = Engine(self._backend, trace=self._trace, stall_timeout_s=config.stall_timeout_s)
-        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._backend)
+        release = functools.partial(release_budget, device_spec.kind, device_spec.indices, self._budget)
+        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._backend, release)
 
     def _new_builder(self, *, base_version: int) -> GraphBuilder:
         """A graph builder that continues this run's numbering from a compute copy that holds
@@ -389,11 +392,13 @@ def _name_earlier_iteration(error: BaseException, current: int) -> None:
         error.args = (f"{where} failed; this call's iteration {current} was dropped too: {error.args[0]}",)
 
 
-def _shutdown(runner: LoopRunner, backend: Any) -> None:
-    """Stop the loop before the workers that report to it, and close it only after them."""
+def _shutdown(runner: LoopRunner, backend: Any, release: Callable[[], None]) -> None:
+    """Stop the loop before the workers that report to it, and close it only after them; then
+    lift the device memory cap."""
     runner.stop()
     backend.close()
     runner.close()
+    release()
 
 
 __all__ = ["STATE_FORMAT", "RoundPipe"]

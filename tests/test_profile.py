@@ -229,3 +229,17 @@ def test_cuda_profile_cross_checks_saved_bytes() -> None:
     for m in found:
         assert m.saved_alloc_bytes is not None and m.saved_bytes >= m.saved_hook_bytes
     assert torch.cuda.memory_allocated() - before < 2**20  # every device copy freed
+
+
+def test_release_budget_lifts_the_cap_it_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from roundpipe.device_plan import release_budget
+
+    calls: list[tuple[float, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: FakeProps())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i)))
+    release_budget("cuda", (0, 1), 24 * 2**30)
+    release_budget("cuda", (0,), 100 * 2**30)  # no cap was set: nothing to lift
+    release_budget("cuda", (0,), None)
+    release_budget("cpu", (0,), 2**30)
+    assert calls == [(1.0, 0), (1.0, 1)]
