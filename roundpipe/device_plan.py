@@ -94,12 +94,15 @@ def _limit_fragmentation() -> None:
 
 def planning_budget(budget_bytes: int, kind: str) -> int:
     """The part of a device budget the plan's predicted peak may use. On CUDA the rest absorbs
-    what the prediction does not count (the allocator's rounding, library workspaces)."""
+    what the prediction does not count (the allocator's rounding and reserved-but-unallocated
+    blocks, library workspaces, compiled kernels' buffers)."""
     if kind != "cuda":
         return budget_bytes
-    # At least 192 MiB: the cap applies to what the allocator reserves, and a small run's
-    # reserved-but-unallocated blocks were measured at 115 MiB (a 433 MiB budget on an H200).
-    return budget_bytes - max(192 << 20, budget_bytes // 16)
+    # An eighth, at least 192 MiB: the cap applies to what the allocator reserves (a small run's
+    # reserved-but-unallocated blocks were measured at 115 MiB under a 433 MiB budget), and on an
+    # H200 fused stages with the LM head peaked up to 7% above their prediction (B sync under 12
+    # GiB, A under 8 GiB) while whole runs stayed within 2% (A and B async under 12 GiB).
+    return budget_bytes - max(192 << 20, budget_bytes // 8)
 
 
 def profile_and_plan(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +25,16 @@ def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 @pytest.fixture(autouse=True)
 def _no_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@pytest.fixture(autouse=True)
+def _isolated_device() -> Iterator[None]:
+    """Each test starts with the whole card and no memory left by the one before (a failed
+    test's traceback keeps its pipe, and its tensors, alive)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
 
 def run(
@@ -74,7 +86,7 @@ def test_cuda_transformers_bf16_learns() -> None:
     assert losses[-1] < 0.5 * losses[0]
 
 
-def _qwen3(layers: int = 4, hidden: int = 512, vocab: int = 8192) -> nn.Module:
+def _qwen3(layers: int = 4, hidden: int = 1024, vocab: int = 32768) -> nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
@@ -116,7 +128,7 @@ def _peak_run(budget: str | None, batch: dict, *, async_optimizer: bool = True) 
 
 def test_cuda_memory_prediction_and_budget() -> None:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 8192, (8, 2048), generator=g)
+    ids = torch.randint(0, 32768, (8, 2048), generator=g)
     batch = {"input_ids": ids, "labels": ids}
     predicted, measured, slots = _peak_run(None, batch)
     print(f"unbudgeted: predicted {predicted} measured {measured} slots {slots}")
