@@ -67,7 +67,9 @@ def compile_enabled(setting: CompileSetting, device_type: str) -> bool:
 
 
 class LayerCompiler:
-    """Prepares layer copies for one run: ``prepare(module)`` compiles it (in place) or not."""
+    """Prepares roundpipe's own copies of a layer (replicas, profile copies) for one run:
+    ``prepare(module)`` lets the layer adapt its copy (``roundpipe_replica()``, e.g. a decoder
+    block slicing its MLP over long sequences), then compiles it (in place) or not."""
 
     def __init__(self, setting: CompileSetting, device_type: str, compiler: Compiler | None = None) -> None:
         self.enabled = compile_enabled(setting, device_type)
@@ -75,6 +77,9 @@ class LayerCompiler:
         self.compiler = compiler or Compiler()
 
     def prepare(self, module: nn.Module) -> nn.Module:
+        adapt: Any = getattr(module, "roundpipe_replica", None)
+        if callable(adapt):
+            adapt()
         if not self.enabled:
             return module
         hook: Any = getattr(module, "roundpipe_compile", None)

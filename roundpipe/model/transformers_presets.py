@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
+from roundpipe.model.chunked_mlp import chunk_long_sequences
 from roundpipe.model.loss import (
     DEFAULT_CHUNK_TOKENS,
     chunked_cross_entropy,
@@ -220,6 +221,12 @@ class CausalLMBlock(nn.Module):
     def roundpipe_compile(self, compiler: Any) -> None:
         """The original decoder layer, tensors in and out (this wrapper's dicts stay eager)."""
         compiler.module(self.layer)
+
+    def roundpipe_replica(self) -> None:
+        """On roundpipe's copies only: the MLP runs long sequences a slice of tokens at a time."""
+        mlp = getattr(self.layer, "mlp", None)
+        if isinstance(mlp, nn.Module):
+            chunk_long_sequences(mlp)
 
     def forward(self, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.layer(

@@ -1,0 +1,89 @@
+"""A decoder layer's MLP over a long sequence, a slice of tokens at a time.
+
+Why: the MLP is per token, and on a long sequence its intermediates dominate a layer's memory. At
+131,072 tokens a Qwen3-1.7B MLP (intermediate 6144) makes four or five 131K x 6144 tensors of 1.6 GB
+each, and autograd keeps most of them for the backward; recompute at layer grain cannot go below
+one layer. Run in slices of `CHUNK_TOKENS`, each slice under activation checkpointing, the MLP keeps
+only its input and output for the backward, and its backward holds one slice's intermediates at a
+time; the price is the MLP's forward once more in the backward, paid only above
+`MIN_TOKENS` tokens per call (short sequences run the original forward, unchanged).
+
+How: `chunk_long_sequences(mlp)` swaps the module's class for a subclass whose ``forward`` slices
+(same parameters, same names, same state dict), so it is applied to roundpipe's own copies of a
+layer (replicas, profile copies), never to the user's model. Each slice's result is that of the
+original forward on those rows: the numbers are the same up to the matrix products' blocking.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_TOKENS = 16384
+MIN_TOKENS = 2 * CHUNK_TOKENS
+_subclasses: dict[type, type] = {}
+
+
+def chunk_long_sequences(mlp: nn.Module) -> nn.Module:
+    """Make ``mlp`` (a per-token module, ``[..., hidden] -> [..., hidden]``) slice long inputs."""
+    base = type(mlp)
+    if getattr(base, "_roundpipe_chunked", False):
+        return mlp
+    subclass = _subclasses.get(base)
+    if subclass is None:
+        subclass = _subclasses[base] = type(f"SequenceChunked{base.__name__}", (base,), _methods(base))
+    mlp.__class__ = subclass
+    return mlp
+
+
+def _slots(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
+    """Every parameter slot of ``module`` (the dict that holds it and its name there)."""
+    out: list[tuple[dict[str, Any], str]] = []
+    for sub in module.modules():
+        out.extend((sub._parameters, leaf) for leaf, p in sub._parameters.items() if p is not None)
+    return out
+
+
+def _methods(base: type) -> dict[str, Any]:
+    original: Any = getattr(base, "forward")  # noqa: B009 (a module class; mypy sees a plain type)
+
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        tokens = x.numel() // max(1, x.shape[-1])
+        if args or kwargs or x.dim() < 2 or tokens < MIN_TOKENS:
+            return original(self, x, *args, **kwargs)
+        return sliced(self, x, tokens)
+
+    # Not traced by torch.compile (a compiled layer breaks its graph here, for long inputs only:
+    # shapes are static, so a short input's graph never reaches this): the slot rebinding below
+    # is Python state that a captured graph must not bake in.
+    @torch.compiler.disable
+    def sliced(self: nn.Module, x: torch.Tensor, tokens: int) -> Any:
+        flat = x.reshape(tokens, x.shape[-1])
+        slices = [flat[start : start + CHUNK_TOKENS] for start in range(0, tokens, CHUNK_TOKENS)]
+        if not torch.is_grad_enabled():
+            outs = [original(self, part) for part in slices]
+        else:
+            # The recompute runs in the backward, when roundpipe's replicas have put placeholders
+            # back into their parameter slots: the tensors bound now are passed along and bound
+            # again for it.
+            slots = _slots(self)
+            bound = [table[leaf] for table, leaf in slots]
+
+            def run(part: torch.Tensor, *params: torch.Tensor) -> Any:
+                current = [table[leaf] for table, leaf in slots]
+                for (table, leaf), param in zip(slots, params, strict=True):
+                    table[leaf] = param
+                try:
+                    return original(self, part)
+                finally:
+                    for (table, leaf), param in zip(slots, current, strict=True):
+                        table[leaf] = param
+
+            outs = [checkpoint(run, part, *bound, use_reentrant=False) for part in slices]
+        out = torch.cat(outs)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return {"forward": forward, "_roundpipe_chunked": True, "__module__": base.__module__}
