@@ -7,8 +7,15 @@ otherwise hold ~10 layers, are cut by memory). For L <= 95 it also runs a plain 
 (every candidate t_max, each checked by an O(L) greedy: the published O(L^3) method) on the same
 costs, checks that both find the same objective, and reports the ratio.
 
+It then times what a run really plans with, `roundpipe.plan_eval.choose_evaluated_plan`
+(candidates around the proxies, ranked by a model and timed on the fake engine; above
+`EVALUATE_MAX_LAYERS` the proxies decide), on the grid costs of `bench/schedule.py --grid`
+(94 decoder layers, backward 2x forward, head 3x a layer, no memory limit; and 1000 layers), in
+both modes: targets 50 ms at 94 layers and 1 s at 1000.
+
     python bench/partition.py            # all sizes
     python bench/partition.py --quick    # fewer repeats
+    python bench/partition.py --choose   # only the choose_evaluated_plan timings
 """
 
 from __future__ import annotations
@@ -20,11 +27,45 @@ import statistics
 import time
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, objective, partition
+from roundpipe.plan_eval import choose_evaluated_plan
 
 GIB = 2**30
 N, M = 8, 16
 MEM_LIMIT = 13 * GIB
 TARGET_MS = {28: 2.0, 95: 2.0, 1000: 1000.0}
+CHOOSE_TARGET_MS = {94: 50.0, 1000: 1000.0}  # decoder layers -> choose_evaluated_plan target
+
+
+def grid_costs(decoders: int, bwd_ratio: float = 2.0, head: float = 3.0) -> LayerCosts:
+    """As `bench/schedule.py --grid`: an embedding of 1% of a layer, decoders, the head (bwd 2x)."""
+    fwd = [0.01, *[1.0] * decoders, head]
+    bwd = [0.01 * bwd_ratio, *[bwd_ratio] * decoders, 2.0 * head]
+    return LayerCosts(tuple(fwd), tuple(bwd), (0,) * len(fwd))
+
+
+def time_choose(repeats: int) -> None:
+    """Median ms of `choose_evaluated_plan` at (N, M) = (8, 16), per size and mode."""
+    for decoders, target in CHOOSE_TARGET_MS.items():
+        costs = grid_costs(decoders)
+        for async_optimizer in (False, True):
+            times = []
+            for _ in range(repeats if decoders < 1000 else max(1, repeats // 3)):
+                start = time.perf_counter()
+                plan = choose_evaluated_plan(costs, N, M, None, async_optimizer=async_optimizer)
+                times.append((time.perf_counter() - start) * 1e3)
+            ms = statistics.median(times)
+            row = {
+                "bench": "choose_evaluated_plan",
+                "decoders": decoders,
+                "mode": "async" if async_optimizer else "sync",
+                "ms": round(ms, 1),
+                "min_ms": round(min(times), 1),
+                "target_ms": target,
+                "ok": ms < target,
+                "slots": plan.num_slots,
+                "repeats": len(times),
+            }
+            print(json.dumps(row), flush=True)
 
 
 def realistic_costs(num_layers: int, seed: int = 0) -> LayerCosts:
@@ -88,10 +129,17 @@ def time_partition(costs: LayerCosts, repeats: int, async_optimizer: bool) -> tu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--choose", action="store_true", help="only time choose_evaluated_plan")
     args = parser.parse_args()
+    if not args.choose:
+        time_partitions(args.quick)
+    time_choose(3 if args.quick else 9)
+
+
+def time_partitions(quick: bool) -> None:
     for layers in (28, 95, 1000):
         costs = realistic_costs(layers)
-        repeats = (20 if layers < 1000 else 3) if args.quick else (200 if layers < 1000 else 11)
+        repeats = (20 if layers < 1000 else 3) if quick else (200 if layers < 1000 else 11)
         for async_optimizer in (False, True):
             ms, plan = time_partition(costs, repeats, async_optimizer)
             row: dict[str, object] = {

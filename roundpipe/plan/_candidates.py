@@ -13,8 +13,9 @@ objects, raise on user input (partition validates first), or import torch.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Sequence
+from operator import sub
 from typing import TYPE_CHECKING
 
 from roundpipe.plan._steady import steady_bound, steady_period
@@ -49,20 +50,16 @@ def balanced_split(
             i, used = nxt(i, t), used + 1
         return used
 
-    lo = max(max(pre[i + 1] - pre[i] for i in range(stop)), -(-(pre[stop] - pre[0]) // parts))
-    hi = pre[stop] - pre[0]
-    while lo < hi:  # the least largest part, on integers
-        mid = (lo + hi) // 2
-        if count(mid) <= parts:
-            hi = mid
-        else:
-            lo = mid + 1
-    t = lo
+    t = _least_largest_part(pre, stop, parts, reach, nxt, count)
     if count(t) > parts:
         return None  # memory cuts the chain into more parts than asked for
     cover = [0] * (stop + 1)  # cover[i]: parts the rest [i, stop) needs at t (greedy is least)
-    for i in range(stop - 1, -1, -1):
-        cover[i] = 1 + cover[nxt(i, t)]
+    j = stop
+    for i in range(stop - 1, -1, -1):  # nxt(i, t) only moves left as i does: one sweep
+        while pre[j] - pre[i] > t:
+            j -= 1
+        r = reach[i]
+        cover[i] = 1 + cover[j if j < r else r]
 
     def cut(targets: Sequence[float] | None) -> list[range]:
         """Left to right, each part as close as it can be to its target (default: an equal share
@@ -76,7 +73,7 @@ def balanced_split(
             while cover[j_min] > left - 1:
                 j_min += 1  # a shorter part would leave the rest more than left-1 parts
             goal = remaining[0] if remaining else (pre[stop] - pre[i]) / left
-            j = min(range(j_max, j_min - 1, -1), key=lambda k: abs(pre[k] - pre[i] - goal))
+            j = _nearest(pre, i, goal, j_min, j_max)
             if remaining:  # this part used up the target nearest to what it got
                 got = pre[j] - pre[i]
                 remaining.remove(min(remaining, key=lambda w: abs(w - got)))
@@ -89,6 +86,61 @@ def balanced_split(
     even = cut(None)
     sizes = sorted((pre[r.stop] - pre[r.start] for r in even), reverse=not larger_last)
     return cut(sizes)
+
+
+def _nearest(pre: Sequence[int], i: int, goal: float, j_min: int, j_max: int) -> int:
+    """The end k in [j_min, j_max] whose part [i, k) is nearest ``goal`` (the largest k on ties):
+    only the ends around where ``goal`` falls can be nearest (prefix sums never fall)."""
+    at = bisect_left(pre, pre[i] + goal, j_min, j_max + 1)
+    best, best_gap = j_max, math.inf
+    for k in range(min(at + 1, j_max), max(at - 2, j_min) - 1, -1):
+        while k < j_max and pre[k + 1] == pre[k]:
+            k += 1  # equal sums: the largest such end
+        gap = abs(pre[k] - pre[i] - goal)
+        if gap < best_gap or (gap == best_gap and k > best):
+            best, best_gap = k, gap
+    return best
+
+
+def _least_largest_part(
+    pre: Sequence[int],
+    stop: int,
+    parts: int,
+    reach: Sequence[int],
+    nxt: Callable[[int, int], int],
+    count: Callable[[int], int],
+) -> int:
+    """The least t at which greedy packing of [0, stop) needs at most ``parts`` parts (``count``),
+    or the total when none does. Greedy's cuts stay put until t reaches the least "part + the item
+    after it" of a part that memory did not end, so jumping t there skips only infeasible values:
+    with near-even items a few jumps land on the answer. Bisection (on integers) takes over after
+    JUMPS jumps, from the last infeasible t."""
+    lo = max(max(map(sub, pre[1 : stop + 1], pre[:stop])), -(-(pre[stop] - pre[0]) // parts))
+    hi = pre[stop] - pre[0]
+    for _ in range(_JUMPS):
+        i = used = 0
+        step = hi
+        while i < stop:
+            j = nxt(i, lo)
+            if j < stop and j < reach[i]:  # the part could take one more item at a larger t
+                step = min(step, pre[j + 1] - pre[i])
+            i, used = j, used + 1
+        if used <= parts:
+            return lo
+        if step <= lo:  # (cannot happen: kept for safety) fall back to bisection
+            break
+        lo = step
+    while lo < hi:  # the least largest part, on integers
+        mid = (lo + hi) // 2
+        if count(mid) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+_JUMPS = 8
+"""Breakpoint jumps before bisection in `_least_largest_part`."""
 
 
 STEADY_MAX_SPREAD = 1.5
