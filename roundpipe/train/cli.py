@@ -32,6 +32,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         str,
         'preset name ("qwen3-tiny", "llama-tiny"), a config.json, or a model directory',
     ),
+    (
+        "--tokenizer",
+        "tokenizer",
+        str,
+        "a tokenizer directory or 'byte' (default: the model directory's own; for a preset or a "
+        "bare config.json the BPE tokenizer shipped with roundpipe)",
+    ),
     ("--data", "data", str, "a .txt or .jsonl file to train on (default: the corpus shipped with roundpipe)"),
     ("--lora-r", "lora_r", int, "train only LoRA adapters of this rank on q/k/v/o (alpha = 2r)"),
     ("--devices", "devices", str, '"cpu:N" (default cpu:2), "cuda", "cuda:0,1", "auto", "fake:N"'),

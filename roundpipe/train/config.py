@@ -34,6 +34,11 @@ class TrainConfig(BaseModel):
     model: str = Field(
         default=DEFAULT_MODEL, description="preset name, a local config.json, or a local model directory"
     )
+    tokenizer: str | None = Field(
+        default=None,
+        description='a tokenizer directory, or "byte"; None = the model directory\'s own tokenizer '
+        "(a preset or a bare config.json: the BPE tokenizer shipped with roundpipe)",
+    )
     data: str | None = Field(
         default=None, description="a .txt or .jsonl file; None = the corpus shipped with roundpipe"
     )
@@ -87,7 +92,7 @@ class TrainConfig(BaseModel):
             raise ValueError("must be a plain directory name (no '/')")
         return value
 
-    @field_validator("model", "data", "resume", "export", "out")
+    @field_validator("model", "tokenizer", "data", "resume", "export", "out")
     @classmethod
     def _not_empty(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():

@@ -20,19 +20,20 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta, save_checkpoint
-from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, token_batches
 from roundpipe.errors import ConfigError
 from roundpipe.faults import fault_point
 from roundpipe.pipe import RoundPipe
 from roundpipe.train.config import TrainConfig
+from roundpipe.train.data import TrainData, data_path, prepare_data
 from roundpipe.train.keep import non_finite_message, non_finite_weight, preserve_before_save
-from roundpipe.train.model import build_model
+from roundpipe.train.model import build_model, build_tokenizer
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
 from roundpipe.train.rundir import (
     CHECKPOINT_DIR,
@@ -64,18 +65,6 @@ def lr_factor(config: TrainConfig, step: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def data_path(config: TrainConfig) -> Path:
-    """The text file to train on; an existing file is required (never a literal string)."""
-    if config.data is None:
-        return CORPUS_PATH
-    path = Path(config.data).expanduser()
-    if not path.exists():
-        raise DataFileNotFoundError(f"--data {config.data!r}: no such file (give a .txt or .jsonl file)")
-    if not path.is_file():
-        raise ConfigError(f"--data {config.data!r} is not a file (give a .txt or .jsonl file)")
-    return path
-
-
 def _make_optimizer(config: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -97,7 +86,8 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     """Train as ``config`` says; return what happened. Raises `roundpipe` errors for bad input
     (output locations included) before any work starts. See docs/train.md."""
     reporter = reporter or NullReporter()
-    source = data_path(config)
+    tokenizer = build_tokenizer(config)
+    data = prepare_data(config, tokenizer)
     resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
     resume_step = int(resume_meta["data_step"]) if resume_meta is not None else None
     if resume_step is not None and resume_step >= config.steps:
@@ -109,10 +99,7 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     place = plan_outputs(config, resume_step)
     # The resolved name is saved, so resuming this run's checkpoint writes into its directory.
     config = config.model_copy(update={"name": place.out_dir.name})
-    batches = token_batches(
-        str(source), config.seq_len, config.batch_size, config.seed, start_step=resume_step or 0
-    )
-    model = build_model(config)
+    model = build_model(config, tokenizer)
     pipe = RoundPipe(
         model,
         optimizer=_make_optimizer(config),
@@ -137,7 +124,8 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
         reporter.start(config, place.out_dir, start, model_info)
         for note in place.notes:
             reporter.note(note)
-        return _run(pipe, config, batches, start, place.out_dir, reporter, saved_elapsed(resume_meta))
+        inputs = RunInputs(data, tokenizer)
+        return _run(pipe, config, inputs, start, place.out_dir, reporter, saved_elapsed(resume_meta))
 
 
 class _Progress:
@@ -225,10 +213,18 @@ class _Progress:
         return save_checkpoint(self.pipe, self.checkpoint_dir, data_step=self.step, extra=extra)
 
 
+@dataclass
+class RunInputs:
+    """The data and the tokenizer of a run (the tokenizer is exported with the model)."""
+
+    data: TrainData
+    tokenizer: Any
+
+
 def _run(
     pipe: RoundPipe,
     config: TrainConfig,
-    batches: Iterator[dict[str, torch.Tensor]],
+    inputs: RunInputs,
     start: int,
     out_dir: Path,
     reporter: Reporter,
@@ -240,7 +236,7 @@ def _run(
     files: dict[str, Path] = {"metrics": out_dir / METRICS_FILE}
     with stop_on_signals(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as metrics:
         progress = _Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics)
-        interrupted = _steps(progress, batches, stop) or stop.is_set()
+        interrupted = _steps(progress, inputs.data.batches(start), stop) or stop.is_set()
         pipe.synchronize()
         if not progress.non_finite and pipe.runtime.non_finite_grad_norm is not None:
             progress.check_finite(0.0)  # the last step's norm, known only now (async optimizer)
@@ -250,7 +246,7 @@ def _run(
         if last_good is not None:
             files["checkpoint"] = last_good
         if config.export and not interrupted and not progress.non_finite:
-            files["export"] = export_pretrained(pipe, config.export)
+            files["export"] = export_pretrained(pipe, config.export, inputs.tokenizer)
     step = progress.step
     result = TrainResult(
         out_dir=out_dir,
