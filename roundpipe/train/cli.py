@@ -15,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from roundpipe.errors import ConfigError
 from roundpipe.train.config import make_config, read_config_file
 
 # Exit codes: 0 done; 2 bad input (roundpipe.cli); 3 the loss or gradient norm became NaN/inf
@@ -84,6 +85,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     for flag, dest, kind, text in _OPTIONS:
         parser.add_argument(flag, dest=dest, type=kind, help=text, metavar=dest.upper())
+    parser.add_argument(
+        "--field",
+        dest="fields",
+        action="append",
+        metavar="FIELD=COLUMN",
+        help="read FIELD (text, prompt, completion, messages) from COLUMN of the data records; repeatable",
+    )
+    parser.add_argument(
+        "--train-on-inputs",
+        dest="train_on_inputs",
+        action="store_true",
+        help="take the loss on prompts and non-assistant turns too (default: completions and assistant turns)",
+    )
+    parser.add_argument(
+        "--truncation",
+        action="store_true",
+        help="cut examples longer than --seq-len (default: such an example is an error)",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--async", dest="async_optimizer", action="store_true", help="staleness-1 optimizer (default)"
@@ -114,9 +133,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The option values to validate: checkpoint's (on --resume) < --config file < flags."""
     flags = {dest: getattr(args, dest) for _, dest, _, _ in _OPTIONS if hasattr(args, dest)}
-    for name in ("async_optimizer", "overwrite", "save_non_finite"):
+    for name in ("async_optimizer", "overwrite", "save_non_finite", "train_on_inputs", "truncation"):
         if hasattr(args, name):
             flags[name] = getattr(args, name)
+    if hasattr(args, "fields"):
+        flags["fields"] = _fields(args.fields)
     values: dict[str, Any] = {}
     file_values: dict[str, Any] = {}
     if getattr(args, "config", None):
@@ -128,6 +149,16 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     values.update(file_values)
     values.update(flags)
     return values
+
+
+def _fields(values: list[str]) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for value in values:
+        key, sep, column = value.partition("=")
+        if not sep:
+            raise ConfigError(f"--field {value!r}: expected FIELD=COLUMN, e.g. --field prompt=question")
+        fields[key.strip()] = column.strip()
+    return fields
 
 
 def _saved_options(checkpoint: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from roundpipe.config import RunConfig
 from roundpipe.errors import ConfigError
 
 DEFAULT_MODEL = "qwen3-tiny"
+DATA_FIELDS = ("text", "prompt", "completion", "messages")  # as roundpipe.data.examples.FIELDS
 
 
 class TrainConfig(BaseModel):
@@ -41,6 +42,17 @@ class TrainConfig(BaseModel):
     )
     data: str | None = Field(
         default=None, description="a .txt or .jsonl file; None = the corpus shipped with roundpipe"
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="column names of the data records: {'prompt': 'question', ...} (text, prompt, "
+        "completion, messages)",
+    )
+    train_on_inputs: bool = Field(
+        default=False, description="take the loss on prompts and user turns too (default: answers only)"
+    )
+    truncation: bool = Field(
+        default=False, description="cut examples longer than seq_len (default: such an example is an error)"
     )
     lora_r: int | None = Field(
         default=None, ge=1, description="train LoRA adapters of this rank (alpha 2r) on q/k/v/o"
@@ -83,6 +95,16 @@ class TrainConfig(BaseModel):
         except ConfigError as exc:
             message = str(exc).split("devices: ", 1)[-1]
             raise ValueError(message.rsplit(" (got ", 1)[0]) from None
+        return value
+
+    @field_validator("fields")
+    @classmethod
+    def _check_fields(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(DATA_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r}; the fields are {', '.join(DATA_FIELDS)}")
+        if any(not column.strip() for column in value.values()):
+            raise ValueError("a column name must not be empty")
         return value
 
     @field_validator("name")
@@ -128,6 +150,8 @@ def option_name(field: str) -> str:
     """How the user writes a field on the command line: ``seq_len`` -> ``--seq-len``."""
     if field == "async_optimizer":
         return "--sync/--async"
+    if field == "fields":
+        return "--field"
     return "--" + field.replace("_", "-")
 
 

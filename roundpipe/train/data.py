@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from roundpipe.data.batching import ExampleBatches
+from roundpipe.data.examples import is_records_file, load_examples
 from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, batch_at, load_text
 from roundpipe.errors import ConfigError
 from roundpipe.train.config import TrainConfig
@@ -72,9 +74,39 @@ def stream_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
     return TrainData(batch)
 
 
+def example_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
+    """Records (jsonl, json, parquet, csv) as examples, padded or packed into rows."""
+    examples = load_examples(
+        path,
+        tokenizer,
+        fields=config.fields,
+        train_on_inputs=config.train_on_inputs,
+        max_len=config.seq_len,
+        truncation=config.truncation,
+    )
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if not isinstance(pad, int):
+        pad = getattr(tokenizer, "eos_token_id", None)
+    batches = ExampleBatches(
+        examples,
+        seq_len=config.seq_len,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        pad_id=pad if isinstance(pad, int) else 0,
+        packing=False,
+    )
+    trainable = sum(e.trainable for e in examples)
+    note = f"{path}: {len(examples)} examples, {trainable} tokens with loss"
+    return TrainData(batches.batch, notes=[note])
+
+
 def prepare_data(config: TrainConfig, tokenizer: Any) -> TrainData:
-    """The run's data, checked before any model is built."""
-    return stream_data(config, data_path(config), tokenizer)
+    """The run's data, checked before any model is built: a text file is one stream of tokens,
+    a file of records (.jsonl, .json, .parquet, .csv) a list of examples."""
+    path = data_path(config)
+    if is_records_file(path):
+        return example_data(config, path, tokenizer)
+    return stream_data(config, path, tokenizer)
 
 
 __all__ = ["TrainData", "data_path", "existing_file", "prepare_data", "stream_tokens"]

@@ -122,7 +122,7 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
             "layers": len(pipe.host.layers),
         }
         reporter.start(config, place.out_dir, start, model_info)
-        for note in place.notes:
+        for note in [*data.notes, *place.notes]:
             reporter.note(note)
         inputs = RunInputs(data, tokenizer)
         return _run(pipe, config, inputs, start, place.out_dir, reporter, saved_elapsed(resume_meta))
