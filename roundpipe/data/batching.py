@@ -96,6 +96,9 @@ class ExampleBatches:
             self._epochs.append(pack(ordered, self.seq_len) if self.packing else [[e] for e in ordered])
         return self._epochs[epoch]
 
+    def rows_per_epoch(self) -> int:
+        return len(self._rows(0))
+
     def rows_of_step(self, step: int) -> list[Row]:
         """Rows ``step * batch_size`` .. of the endless sequence of epochs."""
         first = step * self.batch_size

@@ -103,6 +103,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="cut examples longer than --seq-len (default: such an example is an error)",
     )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="lay short examples one after another in each row (position ids restart, no attention "
+        "across examples) instead of one padded example a row",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--async", dest="async_optimizer", action="store_true", help="staleness-1 optimizer (default)"
@@ -133,7 +139,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The option values to validate: checkpoint's (on --resume) < --config file < flags."""
     flags = {dest: getattr(args, dest) for _, dest, _, _ in _OPTIONS if hasattr(args, dest)}
-    for name in ("async_optimizer", "overwrite", "save_non_finite", "train_on_inputs", "truncation"):
+    for name in (
+        "async_optimizer",
+        "overwrite",
+        "save_non_finite",
+        "train_on_inputs",
+        "truncation",
+        "packing",
+    ):
         if hasattr(args, name):
             flags[name] = getattr(args, name)
     if hasattr(args, "fields"):

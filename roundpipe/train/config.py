@@ -54,6 +54,9 @@ class TrainConfig(BaseModel):
     truncation: bool = Field(
         default=False, description="cut examples longer than seq_len (default: such an example is an error)"
     )
+    packing: bool = Field(
+        default=False, description="lay several short examples in one row, each attending only to itself"
+    )
     lora_r: int | None = Field(
         default=None, ge=1, description="train LoRA adapters of this rank (alpha 2r) on q/k/v/o"
     )

@@ -93,10 +93,11 @@ def example_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
         batch_size=config.batch_size,
         seed=config.seed,
         pad_id=pad if isinstance(pad, int) else 0,
-        packing=False,
+        packing=config.packing,
     )
     trainable = sum(e.trainable for e in examples)
-    note = f"{path}: {len(examples)} examples, {trainable} tokens with loss"
+    rows = f", packed into {batches.rows_per_epoch()} rows" if config.packing else ""
+    note = f"{path}: {len(examples)} examples{rows}, {trainable} tokens with loss"
     return TrainData(batches.batch, notes=[note])
 
 
