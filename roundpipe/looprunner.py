@@ -54,3 +54,11 @@ class LoopRunner:
         time) is left open rather than closed under it."""
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+def shutdown(runner: LoopRunner, backend: Any) -> None:
+    """Stop the loop before the workers that report to it (a backend's ``close()``), and close
+    the loop only after them."""
+    runner.stop()
+    backend.close()
+    runner.close()

@@ -44,7 +44,7 @@ from roundpipe.errors import (
     TaskFailedError,
     UsageError,
 )
-from roundpipe.looprunner import LoopRunner
+from roundpipe.looprunner import LoopRunner, shutdown
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
 from roundpipe.plan import Plan
@@ -62,8 +62,7 @@ class RoundPipe:
     ``model``: an ``nn.Sequential`` (each child one layer) or a supported transformers
     ``*ForCausalLM`` (or a peft model wrapping one). ``optimizer``: a factory called on lists
     of fp32 parameters (one call per layer that owns trainable parameters). ``lr_scheduler``:
-    an optional factory called on each optimizer. See docs/api.md.
-    """
+    an optional factory called on each optimizer. See docs/api.md."""
 
     def __init__(
         self,
@@ -111,7 +110,7 @@ class RoundPipe:
         self._backend = make_backend(device_spec.kind, device_spec.indices, self.runtime, self.costs)
         self._trace = Trace(meta=self._builder.meta())
         self._engine = Engine(self._backend, trace=self._trace, stall_timeout_s=config.stall_timeout_s)
-        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._backend)
+        self._finalizer = weakref.finalize(self, shutdown, self._runner, self._backend)
 
     def _new_builder(self, *, base_version: int) -> GraphBuilder:
         """A graph builder that continues this run's numbering from a compute copy that holds
@@ -125,8 +124,6 @@ class RoundPipe:
             first_step=self._step,
             base_version=base_version,
         )
-
-    # ------------------------------------------------------------------ plumbing
 
     def _check_open(self) -> None:
         if self._closed:
@@ -186,6 +183,16 @@ class RoundPipe:
     async def asynchronize(self) -> None:
         self._check_open()
         await self._runner.arun(self._synchronize())
+
+    def evaluate(
+        self, inputs: Any, targets: Any = None, loss_fn: Any = None, *, microbatches: int = 0
+    ) -> float:
+        """`forward_backward`'s loss by forward only at the current weights; see docs/api.md."""
+        from roundpipe.evaluation import forward_only
+
+        self.synchronize()
+        parts = microbatches or self.config.num_microbatches
+        return forward_only(self._sequence, self.runtime.device(0), inputs, targets, loss_fn, parts)
 
     def trace(self) -> Trace:
         """What ran (the last ``trace_iterations`` iterations), as a `roundpipe.sched.Trace`."""
@@ -387,13 +394,6 @@ def _name_earlier_iteration(error: BaseException, current: int) -> None:
     if isinstance(earlier, int) and earlier < current and error.args:
         where = f"iteration {earlier} (an earlier forward_backward call, still running when it returned)"
         error.args = (f"{where} failed; this call's iteration {current} was dropped too: {error.args[0]}",)
-
-
-def _shutdown(runner: LoopRunner, backend: Any) -> None:
-    """Stop the loop before the workers that report to it, and close it only after them."""
-    runner.stop()
-    backend.close()
-    runner.close()
 
 
 __all__ = ["STATE_FORMAT", "RoundPipe"]

@@ -145,21 +145,15 @@ def test_train_on_a_conversation_file(tmp_path: Path, capsys: pytest.CaptureFixt
 
     model = tiny_model_dir(tmp_path / "model")
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS * 3])
-    args = [
-        "train",
-        "--model",
-        str(model),
-        "--data",
-        str(path),
-        "--steps",
-        "2",
-        "--seq-len",
-        "64",
-        "--truncation",
-    ]
-    args += ["--batch-size", "2", "--microbatches", "2", "--out", str(tmp_path), "--name", "chat", "--json"]
+    args = ["train", "--model", str(model), "--data", str(path), "--steps", "2", "--seq-len", "64"]
+    args += ["--truncation", "--batch-size", "2", "--microbatches", "2", "--out", str(tmp_path)]
+    args += ["--name", "chat", "--json", "--packing", "--eval-split", "0.34", "--eval-every", "1"]
     assert main(args) == 0
     out = capsys.readouterr()
-    assert f"{path}: 6 examples" in out.err
+    assert f"{path}: 4 examples, packed into" in out.err and "2 held out to evaluate" in out.err
     summary = json.loads(out.out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["final_loss"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "chat" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2]  # every step, and the end is not evaluated twice
+    assert summary["eval_loss"] == evals[-1]["eval_loss"] and summary["eval_perplexity"] > 1

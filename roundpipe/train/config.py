@@ -57,6 +57,13 @@ class TrainConfig(BaseModel):
     packing: bool = Field(
         default=False, description="lay several short examples in one row, each attending only to itself"
     )
+    eval_data: str | None = Field(default=None, description="a file to evaluate on (same formats as data)")
+    eval_split: float | None = Field(
+        default=None, gt=0, lt=1, description="hold out this fraction of the data to evaluate on"
+    )
+    eval_every: int | None = Field(
+        default=None, ge=1, description="evaluate every N steps (always at the end when there is an eval set)"
+    )
     lora_r: int | None = Field(
         default=None, ge=1, description="train LoRA adapters of this rank (alpha 2r) on q/k/v/o"
     )
@@ -117,12 +124,20 @@ class TrainConfig(BaseModel):
             raise ValueError("must be a plain directory name (no '/')")
         return value
 
-    @field_validator("model", "tokenizer", "data", "resume", "export", "out")
+    @field_validator("model", "tokenizer", "data", "eval_data", "resume", "export", "out")
     @classmethod
     def _not_empty(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> TrainConfig:
+        if self.eval_data is not None and self.eval_split is not None:
+            raise ValueError("give --eval-data or --eval-split, not both")
+        if self.eval_every is not None and self.eval_data is None and self.eval_split is None:
+            raise ValueError("--eval-every needs an eval set: --eval-data FILE or --eval-split 0.05")
+        return self
 
     @model_validator(mode="after")
     def _check_sizes(self) -> TrainConfig:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from roundpipe.data.batching import ExampleBatches
-from roundpipe.data.examples import is_records_file, load_examples
+from roundpipe.data.batching import ExampleBatches, epoch_order, eval_batches
+from roundpipe.data.examples import Example, is_records_file, load_examples
 from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, batch_at, load_text
 from roundpipe.errors import ConfigError
 from roundpipe.train.config import TrainConfig
@@ -59,24 +59,59 @@ def stream_tokens(path: Path, tokenizer: Any) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def stream_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
-    """Windows of ``seq_len`` tokens at seeded random offsets of the text (loss on every token)."""
-    tokens = stream_tokens(path, tokenizer)
+def _check_length(tokens: torch.Tensor, config: TrainConfig, what: str) -> None:
     if tokens.numel() < config.seq_len + 1:
         raise ConfigError(
-            f"{path}: the text has {tokens.numel()} tokens but --seq-len {config.seq_len} needs at least "
-            f"{config.seq_len + 1}; use a longer text or a smaller --seq-len"
+            f"{what} has {tokens.numel()} tokens but --seq-len {config.seq_len} needs at least "
+            f"{config.seq_len + 1}; use a longer text, a smaller --seq-len or a smaller --eval-split"
         )
+
+
+def eval_rows(config: TrainConfig) -> int:
+    """Rows per evaluation call: one training microbatch, so evaluation fits where training does."""
+    return max(1, config.batch_size // config.microbatches)
+
+
+def window_batches(tokens: torch.Tensor, config: TrainConfig) -> list[dict[str, torch.Tensor]]:
+    """Consecutive windows of ``seq_len`` tokens over all of ``tokens`` (a shorter last one is
+    dropped), in batches of `eval_rows`."""
+    count = tokens.numel() // config.seq_len
+    windows = tokens[: count * config.seq_len].view(count, config.seq_len)
+    rows = eval_rows(config)
+    return [
+        {"input_ids": windows[i : i + rows], "labels": windows[i : i + rows].clone()}
+        for i in range(0, count, rows)
+    ]
+
+
+def stream_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
+    """Windows of ``seq_len`` tokens at seeded random offsets of the text (loss on every token);
+    ``--eval-split`` holds out the end of the text."""
+    tokens = stream_tokens(path, tokenizer)
+    held: list[dict[str, torch.Tensor]] = []
+    if config.eval_split is not None:
+        cut = tokens.numel() - int(tokens.numel() * config.eval_split)
+        _check_length(tokens[cut:], config, f"--eval-split {config.eval_split} of {path}")
+        held = window_batches(tokens[cut:], config)
+        tokens = tokens[:cut]
+    _check_length(tokens, config, str(path))
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         return batch_at(tokens, step, config.seq_len, config.batch_size, config.seed)
 
-    return TrainData(batch)
+    return TrainData(batch, eval_batches=held)
 
 
-def example_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
-    """Records (jsonl, json, parquet, csv) as examples, padded or packed into rows."""
-    examples = load_examples(
+def _pad_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _examples(config: TrainConfig, path: Path, tokenizer: Any) -> list[Example]:
+    return load_examples(
         path,
         tokenizer,
         fields=config.fields,
@@ -84,30 +119,67 @@ def example_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
         max_len=config.seq_len,
         truncation=config.truncation,
     )
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if not isinstance(pad, int):
-        pad = getattr(tokenizer, "eos_token_id", None)
+
+
+def example_eval_batches(
+    examples: list[Example], config: TrainConfig, tokenizer: Any
+) -> list[dict[str, Any]]:
+    rows = eval_rows(config)
+    return eval_batches(
+        examples, seq_len=config.seq_len, batch_size=rows, pad_id=_pad_id(tokenizer), packing=config.packing
+    )
+
+
+def example_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
+    """Records (jsonl, json, parquet, csv) as examples, padded or packed into rows; ``--eval-split``
+    holds out a seeded sample of them."""
+    examples = _examples(config, path, tokenizer)
+    held: list[Example] = []
+    if config.eval_split is not None:
+        count = max(1, round(len(examples) * config.eval_split))
+        if count >= len(examples):
+            raise ConfigError(
+                f"--eval-split {config.eval_split} of {len(examples)} examples in {path} leaves none to train on"
+            )
+        order = epoch_order(len(examples), config.seed, -1)  # an order no training epoch uses
+        held = [examples[i] for i in sorted(order[:count])]
+        kept = set(order[:count])
+        examples = [e for i, e in enumerate(examples) if i not in kept]
     batches = ExampleBatches(
         examples,
         seq_len=config.seq_len,
         batch_size=config.batch_size,
         seed=config.seed,
-        pad_id=pad if isinstance(pad, int) else 0,
+        pad_id=_pad_id(tokenizer),
         packing=config.packing,
     )
     trainable = sum(e.trainable for e in examples)
     rows = f", packed into {batches.rows_per_epoch()} rows" if config.packing else ""
     note = f"{path}: {len(examples)} examples{rows}, {trainable} tokens with loss"
-    return TrainData(batches.batch, notes=[note])
+    if held:
+        note += f"; {len(held)} held out to evaluate"
+    return TrainData(batches.batch, eval_batches=example_eval_batches(held, config, tokenizer), notes=[note])
 
 
 def prepare_data(config: TrainConfig, tokenizer: Any) -> TrainData:
     """The run's data, checked before any model is built: a text file is one stream of tokens,
-    a file of records (.jsonl, .json, .parquet, .csv) a list of examples."""
+    a file of records (.jsonl, .json, .parquet, .csv) a list of examples; the evaluation set is
+    held out of it (``--eval-split``) or read from ``--eval-data`` the same way."""
     path = data_path(config)
-    if is_records_file(path):
-        return example_data(config, path, tokenizer)
-    return stream_data(config, path, tokenizer)
+    data = (
+        example_data(config, path, tokenizer)
+        if is_records_file(path)
+        else stream_data(config, path, tokenizer)
+    )
+    if config.eval_data is not None:
+        source = existing_file(config.eval_data, "--eval-data")
+        if is_records_file(source):
+            data.eval_batches = example_eval_batches(_examples(config, source, tokenizer), config, tokenizer)
+        else:
+            tokens = stream_tokens(source, tokenizer)
+            _check_length(tokens, config, str(source))
+            data.eval_batches = window_batches(tokens, config)
+    return data
 
 
-__all__ = ["TrainData", "data_path", "existing_file", "prepare_data", "stream_tokens"]
+__all__ = ["TrainData", "data_path", "eval_rows", "existing_file", "prepare_data", "stream_tokens"]

@@ -32,6 +32,7 @@ from roundpipe.faults import fault_point
 from roundpipe.pipe import RoundPipe
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import TrainData, data_path, prepare_data
+from roundpipe.train.evaluate import evaluate
 from roundpipe.train.keep import non_finite_message, non_finite_weight, preserve_before_save
 from roundpipe.train.model import build_model, build_tokenizer
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
@@ -153,6 +154,9 @@ class _Progress:
         self.last = self.t0
         self.metrics = metrics
         self.non_finite: str | None = None  # why it stopped, once loss or weights are not finite
+        self.eval_batches: list[dict[str, torch.Tensor]] = []
+        self.evaluated_at: int | None = None
+        self.last_eval: dict[str, Any] | None = None
 
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop without saving over the last good checkpoint; with ``--save-non-finite`` the bad
@@ -198,6 +202,19 @@ class _Progress:
         self.metrics.flush()
         self.reporter.step(record)
 
+    def evaluate(self) -> None:
+        """Evaluate on the eval set (if any) at the current step; one line of metrics.jsonl."""
+        if not self.eval_batches or self.evaluated_at == self.step:
+            return
+        record = evaluate(self.pipe, self.eval_batches, self.step)
+        self.evaluated_at = self.step
+        self.last_eval = record
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        report = getattr(self.reporter, "evaluation", None)
+        if report is not None:
+            report(record)
+
     def save(self) -> Path | None:
         """Save into ``checkpoint`` (keeping older ones as configured); None, and nothing
         written, when a trainable weight is no longer finite (see `non_finite`)."""
@@ -236,10 +253,13 @@ def _run(
     files: dict[str, Path] = {"metrics": out_dir / METRICS_FILE}
     with stop_on_signals(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as metrics:
         progress = _Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics)
+        progress.eval_batches = inputs.data.eval_batches
         interrupted = _steps(progress, inputs.data.batches(start), stop) or stop.is_set()
         pipe.synchronize()
         if not progress.non_finite and pipe.runtime.non_finite_grad_norm is not None:
             progress.check_finite(0.0)  # the last step's norm, known only now (async optimizer)
+        if not interrupted and not progress.non_finite:
+            progress.evaluate()  # the end of the run: always, when there is an eval set
         elapsed = time.perf_counter() - progress.t0
         bubble, notes = _write_trace_files(pipe, out_dir, files)
         last_good = progress.last_good() if progress.non_finite else progress.save() or progress.last_good()
@@ -262,6 +282,7 @@ def _run(
         interrupted=interrupted,
         non_finite=progress.non_finite,
         stop_signal=stop.signal.name if stop.signal is not None else None,
+        eval_loss=progress.last_eval["eval_loss"] if progress.last_eval else None,
     )
     reporter.finish(result)
     return result
@@ -282,6 +303,8 @@ def _steps(progress: _Progress, batches: Iterator[dict[str, torch.Tensor]], stop
             progress.log(progress.step, loss)
             if not progress.check_finite(loss):
                 break
+            if config.eval_every and progress.step % config.eval_every == 0:
+                progress.evaluate()
             if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
                 if progress.save() is None:
                     break
