@@ -157,3 +157,12 @@ def test_train_on_a_conversation_file(tmp_path: Path, capsys: pytest.CaptureFixt
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [1, 2]  # every step, and the end is not evaluated twice
     assert summary["eval_loss"] == evals[-1]["eval_loss"] and summary["eval_perplexity"] > 1
+    # Logging where people look: TensorBoard events and the loss curve in the run directory.
+    run = tmp_path / "chat"
+    assert (run / "loss.png").read_bytes().startswith(b"\x89PNG") and (run / "timeline.png").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx([r["eval_loss"] for r in evals])

@@ -75,3 +75,15 @@ def test_eval_split_of_a_text_holds_out_its_end(tmp_path: Path) -> None:
         make_config({"eval_every": 5})
     with pytest.raises(ConfigError, match="not both"):
         make_config({"eval_split": 0.1, "eval_data": "x.jsonl"})
+
+
+def test_report_to_tensorboard_without_the_package_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from roundpipe.cli import main
+    from roundpipe.train import board
+
+    monkeypatch.setattr(board, "tensorboard_available", lambda: False)
+    assert main(["train", "--report-to", "tensorboard", "--out", str(tmp_path)]) == 2
+    assert "pip install 'roundpipe[tensorboard]'" in capsys.readouterr().err
+    assert board.check_report_to("auto") is False and board.check_report_to("none") is False

@@ -44,6 +44,12 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ("--eval-data", "eval_data", str, "a file to evaluate on, in the formats --data takes"),
     ("--eval-split", "eval_split", float, "hold out this fraction of --data (e.g. 0.05) to evaluate on"),
     ("--eval-every", "eval_every", int, "evaluate every N steps (and always at the end)"),
+    (
+        "--report-to",
+        "report_to",
+        str,
+        "tensorboard (event files in the run directory), none, or auto (default: tensorboard when installed)",
+    ),
     ("--lora-r", "lora_r", int, "train only LoRA adapters of this rank on q/k/v/o (alpha = 2r)"),
     ("--devices", "devices", str, '"cpu:N" (default cpu:2), "cuda", "cuda:0,1", "auto", "fake:N"'),
     ("--microbatches", "microbatches", int, "microbatches per step (default 4)"),

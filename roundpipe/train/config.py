@@ -64,6 +64,9 @@ class TrainConfig(BaseModel):
     eval_every: int | None = Field(
         default=None, ge=1, description="evaluate every N steps (always at the end when there is an eval set)"
     )
+    report_to: Literal["auto", "tensorboard", "none"] = Field(
+        default="auto", description="TensorBoard events in the run directory: auto = when installed"
+    )
     lora_r: int | None = Field(
         default=None, ge=1, description="train LoRA adapters of this rank (alpha 2r) on q/k/v/o"
     )

@@ -15,14 +15,13 @@ at a step boundary. Where the run writes is decided and checked before the model
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -30,6 +29,7 @@ from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkp
 from roundpipe.errors import ConfigError
 from roundpipe.faults import fault_point
 from roundpipe.pipe import RoundPipe
+from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import TrainData, data_path, prepare_data
 from roundpipe.train.evaluate import evaluate
@@ -87,6 +87,7 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     """Train as ``config`` says; return what happened. Raises `roundpipe` errors for bad input
     (output locations included) before any work starts. See docs/train.md."""
     reporter = reporter or NullReporter()
+    tensorboard = check_report_to(config.report_to)
     tokenizer = build_tokenizer(config)
     data = prepare_data(config, tokenizer)
     resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
@@ -125,7 +126,7 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
         reporter.start(config, place.out_dir, start, model_info)
         for note in [*data.notes, *place.notes]:
             reporter.note(note)
-        inputs = RunInputs(data, tokenizer)
+        inputs = RunInputs(data, tokenizer, tensorboard)
         return _run(pipe, config, inputs, start, place.out_dir, reporter, saved_elapsed(resume_meta))
 
 
@@ -140,7 +141,7 @@ class _Progress:
         out_dir: Path,
         reporter: Reporter,
         elapsed_offset: float,
-        metrics: IO[str],
+        metrics: MetricsSink,
     ) -> None:
         self.pipe = pipe
         self.config = config
@@ -198,8 +199,7 @@ class _Progress:
         }
         self.last = now
         self.losses.append(loss)
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        self.metrics.write(record)
         self.reporter.step(record)
 
     def evaluate(self) -> None:
@@ -209,8 +209,7 @@ class _Progress:
         record = evaluate(self.pipe, self.eval_batches, self.step)
         self.evaluated_at = self.step
         self.last_eval = record
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        self.metrics.write(record)
         report = getattr(self.reporter, "evaluation", None)
         if report is not None:
             report(record)
@@ -236,6 +235,7 @@ class RunInputs:
 
     data: TrainData
     tokenizer: Any
+    tensorboard: bool = False
 
 
 def _run(
@@ -251,7 +251,8 @@ def _run(
     already spent, so ``elapsed`` in metrics.jsonl keeps counting across a resume."""
     stop = StopRequest()
     files: dict[str, Path] = {"metrics": out_dir / METRICS_FILE}
-    with stop_on_signals(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as metrics:
+    with stop_on_signals(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as log:
+        metrics = MetricsSink(log, out_dir, inputs.tensorboard)
         progress = _Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics)
         progress.eval_batches = inputs.data.eval_batches
         interrupted = _steps(progress, inputs.data.batches(start), stop) or stop.is_set()
@@ -261,6 +262,7 @@ def _run(
         if not interrupted and not progress.non_finite:
             progress.evaluate()  # the end of the run: always, when there is an eval set
         elapsed = time.perf_counter() - progress.t0
+        metrics.close()
         bubble, notes = _write_trace_files(pipe, out_dir, files)
         last_good = progress.last_good() if progress.non_finite else progress.save() or progress.last_good()
         if last_good is not None:
@@ -329,8 +331,9 @@ def _write_trace_files(pipe: RoundPipe, out_dir: Path, files: dict[str, Path]) -
     files["schedule"] = trace.save(out_dir / SCHEDULE_FILE)
     try:
         files["timeline"] = trace.plot(out_dir / TIMELINE_FILE)
+        files["loss_curve"] = plot_losses(files["metrics"], out_dir / LOSS_CURVE_FILE)
     except ImportError as exc:
-        notes.append(f"no {TIMELINE_FILE}: {exc}")
+        notes.append(f"no {TIMELINE_FILE} nor {LOSS_CURVE_FILE}: {exc}")
     return bubble, notes
 
 

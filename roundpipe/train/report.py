@@ -127,6 +127,7 @@ class RichReporter:
             "trace": "trace (ui.perfetto.dev)",
             "schedule": "schedule (roundpipe trace)",
             "timeline": "timeline",
+            "loss_curve": "loss curve",
             "checkpoint": "checkpoint",
             "export": "exported model",
         }
