@@ -20,6 +20,7 @@ or row, and the field, with what to change. Nothing here downloads or keeps stat
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from roundpipe.data.text import excerpt
 from roundpipe.errors import DataError
 
 IGNORE_INDEX = -100
@@ -71,6 +73,9 @@ def load_records(path: Path) -> Records:
     datasets.disable_progress_bars()
     kind = LOADERS[path.suffix.lower()]
     where = _locator(path, kind)
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # its reader logs the failures reported in one line below
     try:
         with tempfile.TemporaryDirectory(prefix="roundpipe-data-") as cache:
             rows = datasets.load_dataset(
@@ -82,6 +87,8 @@ def load_records(path: Path) -> Records:
             return Records(path, lines, sorted({key for line in lines for key in line}), where)
         cause = exc.__cause__ or exc
         raise DataError(f"{path}: not readable as {kind} ({type(cause).__name__}: {cause})") from None
+    finally:
+        logger.setLevel(level)
     return Records(path, rows, list(rows.column_names), where)
 
 
@@ -95,7 +102,8 @@ def _jsonl_lines(path: Path) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(
-                    f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})"
+                    f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}: "
+                    f"{excerpt(line.rstrip(), exc.pos)}); each line must be one JSON object"
                 ) from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{number}: expected a JSON object, got a {type(record).__name__}")

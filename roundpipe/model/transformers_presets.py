@@ -1,4 +1,4 @@
-"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral).
+"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE).
 
 roundpipe runs a model as a list of layers, each called with one positional argument. A transformers
 ``*ForCausalLM`` is one big module whose ``forward`` computes the rotary tables and attention masks
@@ -44,6 +44,7 @@ SUPPORTED_CAUSAL_LM_CLASSES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",  # experts inside each decoder block; see _check_router_loss
 )
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 INPUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -344,11 +345,23 @@ def _require(obj: Any, path: str, class_name: str) -> Any:
     return obj
 
 
+def _check_router_loss(config: Any, class_name: str) -> None:
+    """A mixture-of-experts model that asks for its router's load-balancing loss would get a
+    different loss from the layer sequence, which carries no router logits to the head."""
+    if getattr(config, "output_router_logits", False):
+        raise ModelError(
+            f"{class_name} has config.output_router_logits=True: its router auxiliary loss is not computed "
+            "by roundpipe's layer sequence yet; set model.config.output_router_logits = False (the "
+            "language-model loss alone is then trained, as transformers does by default)"
+        )
+
+
 def causal_lm_layers(model: nn.Module, chunk_tokens: int | None = None) -> tuple[list[nn.Module], list[str]]:
     """Cut a supported ``*ForCausalLM`` into ``embed``, ``block.0..n-1`` and ``head`` layers."""
     class_name = type(model).__name__
     config = _require(model, "config", class_name)
     _check_attention(config)
+    _check_router_loss(config, class_name)
     _mask_makers()  # fail early on a transformers without masking_utils
     embed_tokens = _require(model, "model.embed_tokens", class_name)
     blocks = _require(model, "model.layers", class_name)
