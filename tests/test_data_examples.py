@@ -148,6 +148,7 @@ def test_train_on_a_conversation_file(tmp_path: Path, capsys: pytest.CaptureFixt
     args = ["train", "--model", str(model), "--data", str(path), "--steps", "2", "--seq-len", "64"]
     args += ["--truncation", "--batch-size", "2", "--microbatches", "2", "--out", str(tmp_path)]
     args += ["--name", "chat", "--json", "--packing", "--eval-split", "0.34", "--eval-every", "1"]
+    args += ["--export", str(tmp_path / "hf")]
     assert main(args) == 0
     out = capsys.readouterr()
     assert f"{path}: 4 examples, packed into" in out.err and "2 held out to evaluate" in out.err
@@ -166,3 +167,9 @@ def test_train_on_a_conversation_file(tmp_path: Path, capsys: pytest.CaptureFixt
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx([r["eval_loss"] for r in evals])
+    # The export loads whole with transformers: the model and the tokenizer it was trained with.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert exported.apply_chat_template(CHATS[1], tokenize=False).startswith("<|im_start|>user")
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).config.vocab_size == len(exported)

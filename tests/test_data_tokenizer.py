@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -39,22 +38,12 @@ def test_presets_and_configs_use_the_shipped_tokenizer(tmp_path: Path) -> None:
     assert build_model(byte, ByteLevelTokenizer()).config.vocab_size == 256
 
 
-def test_model_directory_trains_with_its_own_tokenizer(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_model_directory_brings_its_own_tokenizer(tmp_path: Path) -> None:
+    """(The run on such a directory, and its export with the tokenizer: test_data_examples.py.)"""
     model_dir = tiny_model_dir(tmp_path / "model")
     config = make_config({"model": str(model_dir)})
     assert tokenizer_source(config) == (str(model_dir), True)
-    args = ["train", "--model", str(model_dir), "--steps", "2", "--seq-len", "16", "--batch-size", "2"]
-    args += ["--microbatches", "2", "--out", str(tmp_path), "--name", "r", "--json"]
-    assert main([*args, "--export", str(tmp_path / "hf")]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["steps"] == 2
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
-    assert exported.chat_template == load_tokenizer(model_dir).chat_template
-    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).config.vocab_size == len(exported)
+    assert build_tokenizer(config).chat_template == load_tokenizer(SHIPPED_TOKENIZER).chat_template
 
 
 def test_tokenizer_errors_name_the_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
