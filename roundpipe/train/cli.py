@@ -77,6 +77,31 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
 )
 
 
+# On/off options (store_true; the config field is the flag's name in snake case).
+_SWITCHES: tuple[tuple[str, str], ...] = (
+    (
+        "--train-on-inputs",
+        "take the loss on prompts and non-assistant turns too (default: completions and assistant turns)",
+    ),
+    ("--truncation", "cut examples longer than --seq-len (default: such an example is an error)"),
+    (
+        "--packing",
+        "lay short examples one after another in each row (position ids restart, no attention "
+        "across examples) instead of one padded example a row",
+    ),
+    (
+        "--overwrite",
+        "with --resume of an older checkpoint: continue in its run directory and replace the "
+        "newer checkpoints there (default: continue in a new run directory)",
+    ),
+    (
+        "--save-non-finite",
+        "when the loss or gradient norm turns NaN/inf, also save that state as "
+        "<run>/non-finite-step-<N> for inspection (never over the last good checkpoint)",
+    ),
+)
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "train",
@@ -101,41 +126,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="FIELD=COLUMN",
         help="read FIELD (text, prompt, completion, messages) from COLUMN of the data records; repeatable",
     )
-    parser.add_argument(
-        "--train-on-inputs",
-        dest="train_on_inputs",
-        action="store_true",
-        help="take the loss on prompts and non-assistant turns too (default: completions and assistant turns)",
-    )
-    parser.add_argument(
-        "--truncation",
-        action="store_true",
-        help="cut examples longer than --seq-len (default: such an example is an error)",
-    )
-    parser.add_argument(
-        "--packing",
-        action="store_true",
-        help="lay short examples one after another in each row (position ids restart, no attention "
-        "across examples) instead of one padded example a row",
-    )
+    for flag, text in _SWITCHES:
+        parser.add_argument(flag, dest=flag[2:].replace("-", "_"), action="store_true", help=text)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--async", dest="async_optimizer", action="store_true", help="staleness-1 optimizer (default)"
     )
     mode.add_argument("--sync", dest="async_optimizer", action="store_false", help="synchronous optimizer")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="with --resume of an older checkpoint: continue in its run directory and replace the "
-        "newer checkpoints there (default: continue in a new run directory)",
-    )
-    parser.add_argument(
-        "--save-non-finite",
-        dest="save_non_finite",
-        action="store_true",
-        help="when the loss or gradient norm turns NaN/inf, also save that state as "
-        "<run>/non-finite-step-<N> for inspection (never over the last good checkpoint)",
-    )
     parser.add_argument(
         "--json",
         dest="json_output",
