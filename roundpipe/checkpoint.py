@@ -363,14 +363,13 @@ def _check_model(saved: dict[str, Any], current: dict[str, Any], path: Path) -> 
 # --------------------------------------------------------------------- export
 
 
-def export_pretrained(pipe: RoundPipe, directory: str | os.PathLike[str]) -> Path:
-    """Save the trained model with its own ``save_pretrained`` (after `synchronize()`).
+def export_pretrained(pipe: RoundPipe, directory: str | os.PathLike[str], tokenizer: Any = None) -> Path:
+    """Save the trained model with its own ``save_pretrained`` (after `synchronize()`), and
+    ``tokenizer`` beside it when given (its ``save_pretrained``), so the directory loads whole.
 
-    A transformers model is saved in full (weights + config; load it with
-    ``AutoModelForCausalLM.from_pretrained``); a peft model saves only its adapters (load them with
-    ``PeftModel.from_pretrained(base_model, directory)``). The directory appears complete or not
-    at all (written under a temporary name, then renamed).
-    """
+    A transformers model is saved in full (load it with ``AutoModelForCausalLM.from_pretrained``),
+    a peft model only its adapters (``PeftModel.from_pretrained(base_model, directory)``). The
+    directory appears complete or not at all (written under a temporary name, then renamed)."""
     module = pipe.module
     save: Callable[..., Any] | None = getattr(module, "save_pretrained", None)
     if save is None:
@@ -380,7 +379,13 @@ def export_pretrained(pipe: RoundPipe, directory: str | os.PathLike[str]) -> Pat
         )
     pipe.synchronize()
     target = check_export_target(directory)
-    return _write_directory(target, lambda tmp: save(str(tmp)))
+
+    def write(tmp: Path) -> None:
+        save(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    return _write_directory(target, write)
 
 
 __all__ = [

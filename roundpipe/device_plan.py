@@ -19,7 +19,9 @@ This module decides nothing about ordering and runs no training step itself.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,11 @@ def resolve_budget(config: RunConfig, kind: str, indices: tuple[int, ...]) -> in
         if budget < torch.cuda.get_device_properties(index).total_memory:
             enforce_budget(index, budget)
     return budget
+
+
+def budget_release(spec: Any, budget: int | None) -> Callable[[], None]:
+    """What lifts the cap `resolve_budget` set on ``spec``'s devices (a `DeviceSpec`)."""
+    return functools.partial(release_budget, spec.kind, spec.indices, budget)
 
 
 def release_budget(kind: str, indices: tuple[int, ...], budget: int | None) -> None:

@@ -30,6 +30,10 @@ class CheckpointError(RoundPipeError, ValueError):
     """A checkpoint is missing, incomplete, damaged, from another model, or cannot be written there."""
 
 
+class DataError(RoundPipeError, ValueError):
+    """A training data file cannot be read or a record of it cannot become an example."""
+
+
 class InputError(RoundPipeError, ValueError):
     """Inputs or targets cannot be split into the requested microbatches."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from roundpipe.sched.loop import new_event_loop
@@ -54,3 +54,13 @@ class LoopRunner:
         time) is left open rather than closed under it."""
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+def shutdown(runner: LoopRunner, backend: Any, release: Callable[[], None] | None = None) -> None:
+    """Stop the loop before the workers that report to it (a backend's ``close()``), and close
+    the loop only after them; then ``release`` (lifts a device memory cap)."""
+    runner.stop()
+    backend.close()
+    runner.close()
+    if release is not None:
+        release()

@@ -11,7 +11,6 @@ It must never do tensor math itself (that is the runtime's) nor decide ordering 
 from __future__ import annotations
 
 import asyncio
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,11 +30,11 @@ from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
 from roundpipe.device_plan import (
     DevicePlan,
+    budget_release,
     plan_from,
     planning_config,
     profile_and_plan,
     refined_costs,
-    release_budget,
     resolve_budget,
 )
 from roundpipe.errors import (
@@ -46,7 +45,7 @@ from roundpipe.errors import (
     TaskFailedError,
     UsageError,
 )
-from roundpipe.looprunner import LoopRunner
+from roundpipe.looprunner import LoopRunner, shutdown
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
 from roundpipe.plan import Plan
@@ -64,8 +63,7 @@ class RoundPipe:
     ``model``: an ``nn.Sequential`` (each child one layer) or a supported transformers
     ``*ForCausalLM`` (or a peft model wrapping one). ``optimizer``: a factory called on lists
     of fp32 parameters (one call per layer that owns trainable parameters). ``lr_scheduler``:
-    an optional factory called on each optimizer. See docs/api.md.
-    """
+    an optional factory called on each optimizer. See docs/api.md."""
 
     def __init__(
         self,
@@ -113,8 +111,8 @@ class RoundPipe:
         self._backend = make_backend(device_spec.kind, device_spec.indices, self.runtime, self.costs)
         self._trace = Trace(meta=self._builder.meta())
         self._engine = Engine(self._backend, trace=self._trace, stall_timeout_s=config.stall_timeout_s)
-        release = functools.partial(release_budget, device_spec.kind, device_spec.indices, self._budget)
-        self._finalizer = weakref.finalize(self, _shutdown, self._runner, self._backend, release)
+        release = budget_release(device_spec, self._budget)
+        self._finalizer = weakref.finalize(self, shutdown, self._runner, self._backend, release)
 
     def _new_builder(self, *, base_version: int) -> GraphBuilder:
         """A graph builder that continues this run's numbering from a compute copy that holds
@@ -128,8 +126,6 @@ class RoundPipe:
             first_step=self._step,
             base_version=base_version,
         )
-
-    # ------------------------------------------------------------------ plumbing
 
     def _check_open(self) -> None:
         if self._closed:
@@ -189,6 +185,16 @@ class RoundPipe:
     async def asynchronize(self) -> None:
         self._check_open()
         await self._runner.arun(self._synchronize())
+
+    def evaluate(
+        self, inputs: Any, targets: Any = None, loss_fn: Any = None, *, microbatches: int = 0
+    ) -> float:
+        """`forward_backward`'s loss by forward only at the current weights; see docs/api.md."""
+        from roundpipe.evaluation import forward_only
+
+        self.synchronize()
+        parts = microbatches or self.config.num_microbatches
+        return forward_only(self._sequence, self.runtime.device(0), inputs, targets, loss_fn, parts)
 
     def trace(self) -> Trace:
         """What ran (the last ``trace_iterations`` iterations), as a `roundpipe.sched.Trace`."""
@@ -285,18 +291,24 @@ class RoundPipe:
 
     def _plan_on_device(self, sample: Any, target: Any, loss_fn: Any) -> None:
         """Measure the layers on the first device with one microbatch; plan within the budget."""
-        device = self.runtime.device(0)
-        plan = profile_and_plan(
+        config, sequence, dtype, device = (
             self._plan_config,
             self._sequence,
             self.host.dtype,
+            self.runtime.device(0),
+        )
+        prepare = self.runtime.compiler.prepare
+        plan = profile_and_plan(
+            config,
+            sequence,
+            dtype,
             device,
             self.num_devices,
             sample,
             target,
             loss_fn,
             self._budget,
-            prepare=self.runtime.compiler.prepare,
+            prepare=prepare,
         )
         self._use_device_plan(plan)
 
@@ -390,15 +402,6 @@ def _name_earlier_iteration(error: BaseException, current: int) -> None:
     if isinstance(earlier, int) and earlier < current and error.args:
         where = f"iteration {earlier} (an earlier forward_backward call, still running when it returned)"
         error.args = (f"{where} failed; this call's iteration {current} was dropped too: {error.args[0]}",)
-
-
-def _shutdown(runner: LoopRunner, backend: Any, release: Callable[[], None]) -> None:
-    """Stop the loop before the workers that report to it, and close it only after them; then
-    lift the device memory cap."""
-    runner.stop()
-    backend.close()
-    runner.close()
-    release()
 
 
 __all__ = ["STATE_FORMAT", "RoundPipe"]

@@ -134,3 +134,17 @@ def tiny_causal_lm(kind: str = "qwen3", *, vocab: int = 64, attn: str = "eager",
     return AutoModelForCausalLM.from_config(
         tiny_causal_lm_config(kind, vocab=vocab), attn_implementation=attn
     )
+
+
+def tiny_model_dir(path: Any, *, kind: str = "qwen3", seed: int = 0) -> Any:
+    """A model directory as people have one: weights, config and the model's own tokenizer (the
+    BPE tokenizer shipped with roundpipe, saved as a real model's tokenizer is)."""
+    from pathlib import Path
+
+    from roundpipe.data.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
+
+    tokenizer = load_tokenizer(SHIPPED_TOKENIZER)
+    model = tiny_causal_lm(kind, vocab=len(tokenizer), attn="sdpa", seed=seed)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return Path(path)

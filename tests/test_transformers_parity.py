@@ -30,6 +30,28 @@ def tiny_llama(seed: int = 0) -> nn.Module:
     return tiny_causal_lm("llama", vocab=VOCAB, attn="sdpa", seed=seed)
 
 
+def tiny_qwen3_moe(seed: int = 0, router_logits: bool = False) -> nn.Module:
+    """Qwen3-MoE: every decoder block routes each token to 2 of 4 experts."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        output_router_logits=router_logits,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
 def token_data(steps: int, batch: int = 4, seq: int = 16, seed: int = 3) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -77,7 +99,9 @@ def assert_same_weights(actual: nn.Module, expected: nn.Module) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"{name} differs")
 
 
-@pytest.mark.parametrize("make", [tiny_qwen3, tiny_llama], ids=["qwen3-tied-eager", "llama-sdpa"])
+@pytest.mark.parametrize(
+    "make", [tiny_qwen3, tiny_llama, tiny_qwen3_moe], ids=["qwen3-tied-eager", "llama-sdpa", "qwen3-moe-sdpa"]
+)
 def test_full_training_matches_transformers_loop(make: Callable[[], nn.Module]) -> None:
     model: Any = make()
     reference = copy.deepcopy(model)
@@ -138,3 +162,10 @@ def test_lora_matches_peft_loop() -> None:
         if name in frozen_before:
             assert torch.equal(param, frozen_before[name]), f"frozen {name} changed"
             assert param.grad is None
+
+
+def test_moe_router_loss_is_refused_with_what_to_change() -> None:
+    from roundpipe.errors import ModelError
+
+    with pytest.raises(ModelError, match="output_router_logits=True: its router auxiliary loss"):
+        roundpipe.RoundPipe(tiny_qwen3_moe(router_logits=True), config=roundpipe.RunConfig(devices="cpu:1"))

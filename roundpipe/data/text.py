@@ -99,7 +99,7 @@ def read_jsonl(path: str | os.PathLike[str], key: str = "text") -> list[str]:
         except json.JSONDecodeError as exc:
             raise ValueError(
                 f"{p}:{number}: not valid JSON ({exc.msg} at column {exc.colno}: "
-                f"{_excerpt(line, exc.pos)}); each line must be one JSON object"
+                f"{excerpt(line, exc.pos)}); each line must be one JSON object"
             ) from exc
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
             raise ValueError(
@@ -111,7 +111,7 @@ def read_jsonl(path: str | os.PathLike[str], key: str = "text") -> list[str]:
     return texts
 
 
-def _excerpt(line: str, pos: int, width: int = 20) -> str:
+def excerpt(line: str, pos: int, width: int = 20) -> str:
     """The text around ``pos`` of a long line, quoted, so the reason is seen whole."""
     start = max(0, pos - width)
     text = line[start : pos + width]

@@ -1,4 +1,4 @@
-"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral).
+"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE).
 
 roundpipe runs a model as a list of layers, each called with one positional argument. A transformers
 ``*ForCausalLM`` is one big module whose ``forward`` computes the rotary tables and attention masks
@@ -11,7 +11,8 @@ Activation convention (shared with the engine): every layer after ``embed`` rece
 dict. ``"hidden"`` is the differentiable hidden state. Keys starting with ``"_"`` are constants made
 once per microbatch by ``embed`` and carried unchanged: ``"_cos"``/``"_sin"`` (rotary tables),
 ``"_mask"``/``"_mask_sliding"`` (4-D attention masks, only present when attention needs one: with
-``sdpa`` and no padding the causal mask is implicit) and ``"_labels"`` (labels shifted for next-token
+``sdpa`` and no padding the causal mask is implicit; packed rows, told by ``position_ids`` that
+restart inside a row, get a block-diagonal causal mask) and ``"_labels"`` (labels shifted for next-token
 prediction, -100 = ignored). The engine never differentiates them. ``head`` returns the scalar mean
 loss, computed in chunks of tokens so that the full logits never exist.
 
@@ -44,6 +45,7 @@ SUPPORTED_CAUSAL_LM_CLASSES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",  # experts inside each decoder block; see _check_router_loss
 )
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 INPUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -139,7 +141,11 @@ class CausalLMEmbed(nn.Module):
 
         cos, sin = self.rotary_emb(hidden, position_ids)
         out: dict[str, torch.Tensor] = {"hidden": hidden, "_cos": cos, "_sin": sin}
-        out.update(self._masks(hidden, attention_mask, position_ids))
+        packed = packed_sequence_ids(position_ids) if "position_ids" in inputs else None
+        if packed is None:
+            out.update(self._masks(hidden, attention_mask, position_ids))
+        else:
+            out.update(self._block_masks(hidden, attention_mask, packed))
 
         labels = inputs.get("labels")
         if labels is not None:
@@ -170,6 +176,44 @@ class CausalLMEmbed(nn.Module):
                 )
             masks[MASK_KEYS[kind]] = mask
         return masks
+
+    def _block_masks(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, packed: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """4-D masks for packed rows: causal within each example, nothing across examples (and
+        the sliding window where a layer has one). Built here, not by transformers, because its
+        mask builders detect packing from position_ids only in some versions; a 4-D mask is what
+        sdpa (boolean, True = attend) and eager (additive: 0 or the dtype's minimum) take."""
+        seq_len = hidden.shape[1]
+        index = torch.arange(seq_len, device=hidden.device)
+        distance = index[:, None] - index[None, :]  # query - key
+        allowed = (packed[:, :, None] == packed[:, None, :]) & (distance >= 0)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, None, :].bool()
+        eager = (getattr(self.config, "_attn_implementation", None) or "eager") == "eager"
+        masks: dict[str, torch.Tensor] = {}
+        for kind in self.mask_types:
+            mask = allowed
+            window = getattr(self.config, "sliding_window", None)
+            if kind == SLIDING_ATTENTION and window is not None:
+                mask = mask & (distance < int(window))
+            mask = mask[:, None]
+            if eager:
+                mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+                    ~mask, torch.finfo(hidden.dtype).min
+                )
+            masks[MASK_KEYS[kind]] = mask
+        return masks
+
+
+def packed_sequence_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Per token, which example of its row it belongs to, when rows are packed (positions restart
+    at some token: a position that is not the previous one + 1 starts an example); else None."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return starts.long().cumsum(-1)
 
 
 def _mask_makers() -> dict[str, Callable[..., Any]]:
@@ -308,11 +352,23 @@ def _require(obj: Any, path: str, class_name: str) -> Any:
     return obj
 
 
+def _check_router_loss(config: Any, class_name: str) -> None:
+    """A mixture-of-experts model that asks for its router's load-balancing loss would get a
+    different loss from the layer sequence, which carries no router logits to the head."""
+    if getattr(config, "output_router_logits", False):
+        raise ModelError(
+            f"{class_name} has config.output_router_logits=True: its router auxiliary loss is not computed "
+            "by roundpipe's layer sequence yet; set model.config.output_router_logits = False (the "
+            "language-model loss alone is then trained, as transformers does by default)"
+        )
+
+
 def causal_lm_layers(model: nn.Module, chunk_tokens: int | None = None) -> tuple[list[nn.Module], list[str]]:
     """Cut a supported ``*ForCausalLM`` into ``embed``, ``block.0..n-1`` and ``head`` layers."""
     class_name = type(model).__name__
     config = _require(model, "config", class_name)
     _check_attention(config)
+    _check_router_loss(config, class_name)
     _mask_makers()  # fail early on a transformers without masking_utils
     embed_tokens = _require(model, "model.embed_tokens", class_name)
     blocks = _require(model, "model.layers", class_name)

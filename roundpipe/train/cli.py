@@ -15,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from roundpipe.errors import ConfigError
 from roundpipe.train.config import make_config, read_config_file
 
 # Exit codes: 0 done; 2 bad input (roundpipe.cli); 3 the loss or gradient norm became NaN/inf
@@ -32,7 +33,23 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         str,
         'preset name ("qwen3-tiny", "llama-tiny"), a config.json, or a model directory',
     ),
+    (
+        "--tokenizer",
+        "tokenizer",
+        str,
+        "a tokenizer directory or 'byte' (default: the model directory's own; for a preset or a "
+        "bare config.json the BPE tokenizer shipped with roundpipe)",
+    ),
     ("--data", "data", str, "a .txt or .jsonl file to train on (default: the corpus shipped with roundpipe)"),
+    ("--eval-data", "eval_data", str, "a file to evaluate on, in the formats --data takes"),
+    ("--eval-split", "eval_split", float, "hold out this fraction of --data (e.g. 0.05) to evaluate on"),
+    ("--eval-every", "eval_every", int, "evaluate every N steps (and always at the end)"),
+    (
+        "--report-to",
+        "report_to",
+        str,
+        "tensorboard (event files in the run directory), none, or auto (default: tensorboard when installed)",
+    ),
     ("--lora-r", "lora_r", int, "train only LoRA adapters of this rank on q/k/v/o (alpha = 2r)"),
     ("--devices", "devices", str, '"cpu:N" (default cpu:2), "cuda", "cuda:0,1", "auto", "fake:N"'),
     ("--microbatches", "microbatches", int, "microbatches per step (default 4)"),
@@ -60,6 +77,31 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
 )
 
 
+# On/off options (store_true; the config field is the flag's name in snake case).
+_SWITCHES: tuple[tuple[str, str], ...] = (
+    (
+        "--train-on-inputs",
+        "take the loss on prompts and non-assistant turns too (default: completions and assistant turns)",
+    ),
+    ("--truncation", "cut examples longer than --seq-len (default: such an example is an error)"),
+    (
+        "--packing",
+        "lay short examples one after another in each row (position ids restart, no attention "
+        "across examples) instead of one padded example a row",
+    ),
+    (
+        "--overwrite",
+        "with --resume of an older checkpoint: continue in its run directory and replace the "
+        "newer checkpoints there (default: continue in a new run directory)",
+    ),
+    (
+        "--save-non-finite",
+        "when the loss or gradient norm turns NaN/inf, also save that state as "
+        "<run>/non-finite-step-<N> for inspection (never over the last good checkpoint)",
+    ),
+)
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "train",
@@ -77,24 +119,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     for flag, dest, kind, text in _OPTIONS:
         parser.add_argument(flag, dest=dest, type=kind, help=text, metavar=dest.upper())
+    parser.add_argument(
+        "--field",
+        dest="fields",
+        action="append",
+        metavar="FIELD=COLUMN",
+        help="read FIELD (text, prompt, completion, messages) from COLUMN of the data records; repeatable",
+    )
+    for flag, text in _SWITCHES:
+        parser.add_argument(flag, dest=flag[2:].replace("-", "_"), action="store_true", help=text)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--async", dest="async_optimizer", action="store_true", help="staleness-1 optimizer (default)"
     )
     mode.add_argument("--sync", dest="async_optimizer", action="store_false", help="synchronous optimizer")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="with --resume of an older checkpoint: continue in its run directory and replace the "
-        "newer checkpoints there (default: continue in a new run directory)",
-    )
-    parser.add_argument(
-        "--save-non-finite",
-        dest="save_non_finite",
-        action="store_true",
-        help="when the loss or gradient norm turns NaN/inf, also save that state as "
-        "<run>/non-finite-step-<N> for inspection (never over the last good checkpoint)",
-    )
     parser.add_argument(
         "--json",
         dest="json_output",
@@ -107,9 +145,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The option values to validate: checkpoint's (on --resume) < --config file < flags."""
     flags = {dest: getattr(args, dest) for _, dest, _, _ in _OPTIONS if hasattr(args, dest)}
-    for name in ("async_optimizer", "overwrite", "save_non_finite"):
+    for name in (
+        "async_optimizer",
+        "overwrite",
+        "save_non_finite",
+        "train_on_inputs",
+        "truncation",
+        "packing",
+    ):
         if hasattr(args, name):
             flags[name] = getattr(args, name)
+    if hasattr(args, "fields"):
+        flags["fields"] = _fields(args.fields)
     values: dict[str, Any] = {}
     file_values: dict[str, Any] = {}
     if getattr(args, "config", None):
@@ -121,6 +168,16 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     values.update(file_values)
     values.update(flags)
     return values
+
+
+def _fields(values: list[str]) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for value in values:
+        key, sep, column = value.partition("=")
+        if not sep:
+            raise ConfigError(f"--field {value!r}: expected FIELD=COLUMN, e.g. --field prompt=question")
+        fields[key.strip()] = column.strip()
+    return fields
 
 
 def _saved_options(checkpoint: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from roundpipe.config import RunConfig
 from roundpipe.errors import ConfigError
 
 DEFAULT_MODEL = "qwen3-tiny"
+DATA_FIELDS = ("text", "prompt", "completion", "messages")  # as roundpipe.data.examples.FIELDS
 
 
 class TrainConfig(BaseModel):
@@ -34,8 +35,37 @@ class TrainConfig(BaseModel):
     model: str = Field(
         default=DEFAULT_MODEL, description="preset name, a local config.json, or a local model directory"
     )
+    tokenizer: str | None = Field(
+        default=None,
+        description='a tokenizer directory, or "byte"; None = the model directory\'s own tokenizer '
+        "(a preset or a bare config.json: the BPE tokenizer shipped with roundpipe)",
+    )
     data: str | None = Field(
         default=None, description="a .txt or .jsonl file; None = the corpus shipped with roundpipe"
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="column names of the data records: {'prompt': 'question', ...} (text, prompt, "
+        "completion, messages)",
+    )
+    train_on_inputs: bool = Field(
+        default=False, description="take the loss on prompts and user turns too (default: answers only)"
+    )
+    truncation: bool = Field(
+        default=False, description="cut examples longer than seq_len (default: such an example is an error)"
+    )
+    packing: bool = Field(
+        default=False, description="lay several short examples in one row, each attending only to itself"
+    )
+    eval_data: str | None = Field(default=None, description="a file to evaluate on (same formats as data)")
+    eval_split: float | None = Field(
+        default=None, gt=0, lt=1, description="hold out this fraction of the data to evaluate on"
+    )
+    eval_every: int | None = Field(
+        default=None, ge=1, description="evaluate every N steps (always at the end when there is an eval set)"
+    )
+    report_to: Literal["auto", "tensorboard", "none"] = Field(
+        default="auto", description="TensorBoard events in the run directory: auto = when installed"
     )
     lora_r: int | None = Field(
         default=None, ge=1, description="train LoRA adapters of this rank (alpha 2r) on q/k/v/o"
@@ -80,6 +110,16 @@ class TrainConfig(BaseModel):
             raise ValueError(message.rsplit(" (got ", 1)[0]) from None
         return value
 
+    @field_validator("fields")
+    @classmethod
+    def _check_fields(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(DATA_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r}; the fields are {', '.join(DATA_FIELDS)}")
+        if any(not column.strip() for column in value.values()):
+            raise ValueError("a column name must not be empty")
+        return value
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str | None) -> str | None:
@@ -87,12 +127,20 @@ class TrainConfig(BaseModel):
             raise ValueError("must be a plain directory name (no '/')")
         return value
 
-    @field_validator("model", "data", "resume", "export", "out")
+    @field_validator("model", "tokenizer", "data", "eval_data", "resume", "export", "out")
     @classmethod
     def _not_empty(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> TrainConfig:
+        if self.eval_data is not None and self.eval_split is not None:
+            raise ValueError("give --eval-data or --eval-split, not both")
+        if self.eval_every is not None and self.eval_data is None and self.eval_split is None:
+            raise ValueError("--eval-every needs an eval set: --eval-data FILE or --eval-split 0.05")
+        return self
 
     @model_validator(mode="after")
     def _check_sizes(self) -> TrainConfig:
@@ -123,6 +171,8 @@ def option_name(field: str) -> str:
     """How the user writes a field on the command line: ``seq_len`` -> ``--seq-len``."""
     if field == "async_optimizer":
         return "--sync/--async"
+    if field == "fields":
+        return "--field"
     return "--" + field.replace("_", "-")
 
 

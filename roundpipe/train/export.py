@@ -6,7 +6,7 @@ stopped by Ctrl-C, SIGTERM or a NaN, or one whose export directory was forgotten
 its model except Python. A checkpoint written by ``roundpipe train`` holds the options it was
 trained with, so the model can be rebuilt exactly (same preset or config, same LoRA rank and
 seed), the checkpoint loaded into it (verified against its manifest first), and the model saved
-with its own ``save_pretrained`` through `roundpipe.checkpoint.export_pretrained`, the function
+with its own ``save_pretrained`` (and the run's tokenizer beside it) through `roundpipe.checkpoint.export_pretrained`, the function
 ``--export`` uses, so the two give the same files.
 
 It must never import torch when the parser is built (``roundpipe --help`` stays fast), never
@@ -34,7 +34,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.Pa
     from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta
     from roundpipe.pipe import RoundPipe
     from roundpipe.train.config import make_config
-    from roundpipe.train.model import build_model
+    from roundpipe.train.model import build_model, build_tokenizer
 
     meta = read_checkpoint_meta(checkpoint)
     saved = meta.get("extra", {}).get("train_config")
@@ -47,11 +47,12 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.Pa
     target = check_export_target(Path(directory).expanduser())
     options = {**saved, "resume": None, "export": None, "overwrite": False, "devices": EXPORT_DEVICES}
     config = make_config(options, source=f"{checkpoint}/meta.json")
-    model = build_model(config)
+    tokenizer = build_tokenizer(config)
+    model = build_model(config, tokenizer)
     run = config.run_config().model_copy(update={"replan": False})
     with RoundPipe(model, config=run) as pipe:
         load_checkpoint(pipe, checkpoint, restore_rng=False)
-        return export_pretrained(pipe, target)
+        return export_pretrained(pipe, target, tokenizer)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -15,24 +15,26 @@ at a step boundary. Where the run writes is decided and checked before the model
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta, save_checkpoint
-from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, token_batches
 from roundpipe.errors import ConfigError
 from roundpipe.faults import fault_point
 from roundpipe.pipe import RoundPipe
+from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
+from roundpipe.train.data import TrainData, data_path, prepare_data
+from roundpipe.train.evaluate import evaluate
 from roundpipe.train.keep import non_finite_message, non_finite_weight, preserve_before_save
-from roundpipe.train.model import build_model
+from roundpipe.train.model import build_model, build_tokenizer
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
 from roundpipe.train.rundir import (
     CHECKPOINT_DIR,
@@ -64,18 +66,6 @@ def lr_factor(config: TrainConfig, step: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def data_path(config: TrainConfig) -> Path:
-    """The text file to train on; an existing file is required (never a literal string)."""
-    if config.data is None:
-        return CORPUS_PATH
-    path = Path(config.data).expanduser()
-    if not path.exists():
-        raise DataFileNotFoundError(f"--data {config.data!r}: no such file (give a .txt or .jsonl file)")
-    if not path.is_file():
-        raise ConfigError(f"--data {config.data!r} is not a file (give a .txt or .jsonl file)")
-    return path
-
-
 def _make_optimizer(config: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -97,7 +87,9 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     """Train as ``config`` says; return what happened. Raises `roundpipe` errors for bad input
     (output locations included) before any work starts. See docs/train.md."""
     reporter = reporter or NullReporter()
-    source = data_path(config)
+    tensorboard = check_report_to(config.report_to)
+    tokenizer = build_tokenizer(config)
+    data = prepare_data(config, tokenizer)
     resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
     resume_step = int(resume_meta["data_step"]) if resume_meta is not None else None
     if resume_step is not None and resume_step >= config.steps:
@@ -109,10 +101,7 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     place = plan_outputs(config, resume_step)
     # The resolved name is saved, so resuming this run's checkpoint writes into its directory.
     config = config.model_copy(update={"name": place.out_dir.name})
-    batches = token_batches(
-        str(source), config.seq_len, config.batch_size, config.seed, start_step=resume_step or 0
-    )
-    model = build_model(config)
+    model = build_model(config, tokenizer)
     pipe = RoundPipe(
         model,
         optimizer=_make_optimizer(config),
@@ -135,9 +124,10 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
             "layers": len(pipe.host.layers),
         }
         reporter.start(config, place.out_dir, start, model_info)
-        for note in place.notes:
+        for note in [*data.notes, *place.notes]:
             reporter.note(note)
-        return _run(pipe, config, batches, start, place.out_dir, reporter, saved_elapsed(resume_meta))
+        inputs = RunInputs(data, tokenizer, tensorboard)
+        return _run(pipe, config, inputs, start, place.out_dir, reporter, saved_elapsed(resume_meta))
 
 
 class _Progress:
@@ -151,7 +141,7 @@ class _Progress:
         out_dir: Path,
         reporter: Reporter,
         elapsed_offset: float,
-        metrics: IO[str],
+        metrics: MetricsSink,
     ) -> None:
         self.pipe = pipe
         self.config = config
@@ -165,6 +155,9 @@ class _Progress:
         self.last = self.t0
         self.metrics = metrics
         self.non_finite: str | None = None  # why it stopped, once loss or weights are not finite
+        self.eval_batches: list[dict[str, torch.Tensor]] = []
+        self.evaluated_at: int | None = None
+        self.last_eval: dict[str, Any] | None = None
 
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop without saving over the last good checkpoint; with ``--save-non-finite`` the bad
@@ -206,9 +199,20 @@ class _Progress:
         }
         self.last = now
         self.losses.append(loss)
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        self.metrics.write(record)
         self.reporter.step(record)
+
+    def evaluate(self) -> None:
+        """Evaluate on the eval set (if any) at the current step; one line of metrics.jsonl."""
+        if not self.eval_batches or self.evaluated_at == self.step:
+            return
+        record = evaluate(self.pipe, self.eval_batches, self.step)
+        self.evaluated_at = self.step
+        self.last_eval = record
+        self.metrics.write(record)
+        report = getattr(self.reporter, "evaluation", None)
+        if report is not None:
+            report(record)
 
     def save(self) -> Path | None:
         """Save into ``checkpoint`` (keeping older ones as configured); None, and nothing
@@ -225,10 +229,19 @@ class _Progress:
         return save_checkpoint(self.pipe, self.checkpoint_dir, data_step=self.step, extra=extra)
 
 
+@dataclass
+class RunInputs:
+    """The data and the tokenizer of a run (the tokenizer is exported with the model)."""
+
+    data: TrainData
+    tokenizer: Any
+    tensorboard: bool = False
+
+
 def _run(
     pipe: RoundPipe,
     config: TrainConfig,
-    batches: Iterator[dict[str, torch.Tensor]],
+    inputs: RunInputs,
     start: int,
     out_dir: Path,
     reporter: Reporter,
@@ -238,19 +251,24 @@ def _run(
     already spent, so ``elapsed`` in metrics.jsonl keeps counting across a resume."""
     stop = StopRequest()
     files: dict[str, Path] = {"metrics": out_dir / METRICS_FILE}
-    with stop_on_signals(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as metrics:
+    with stop_on_signals(stop, reporter), open(files["metrics"], "a", encoding="utf-8") as log:
+        metrics = MetricsSink(log, out_dir, inputs.tensorboard)
         progress = _Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics)
-        interrupted = _steps(progress, batches, stop) or stop.is_set()
+        progress.eval_batches = inputs.data.eval_batches
+        interrupted = _steps(progress, inputs.data.batches(start), stop) or stop.is_set()
         pipe.synchronize()
         if not progress.non_finite and pipe.runtime.non_finite_grad_norm is not None:
             progress.check_finite(0.0)  # the last step's norm, known only now (async optimizer)
+        if not interrupted and not progress.non_finite:
+            progress.evaluate()  # the end of the run: always, when there is an eval set
         elapsed = time.perf_counter() - progress.t0
+        metrics.close()
         bubble, notes = _write_trace_files(pipe, out_dir, files)
         last_good = progress.last_good() if progress.non_finite else progress.save() or progress.last_good()
         if last_good is not None:
             files["checkpoint"] = last_good
         if config.export and not interrupted and not progress.non_finite:
-            files["export"] = export_pretrained(pipe, config.export)
+            files["export"] = export_pretrained(pipe, config.export, inputs.tokenizer)
     step = progress.step
     result = TrainResult(
         out_dir=out_dir,
@@ -266,6 +284,7 @@ def _run(
         interrupted=interrupted,
         non_finite=progress.non_finite,
         stop_signal=stop.signal.name if stop.signal is not None else None,
+        eval_loss=progress.last_eval["eval_loss"] if progress.last_eval else None,
     )
     reporter.finish(result)
     return result
@@ -286,6 +305,8 @@ def _steps(progress: _Progress, batches: Iterator[dict[str, torch.Tensor]], stop
             progress.log(progress.step, loss)
             if not progress.check_finite(loss):
                 break
+            if config.eval_every and progress.step % config.eval_every == 0:
+                progress.evaluate()
             if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
                 if progress.save() is None:
                     break
@@ -310,8 +331,9 @@ def _write_trace_files(pipe: RoundPipe, out_dir: Path, files: dict[str, Path]) -
     files["schedule"] = trace.save(out_dir / SCHEDULE_FILE)
     try:
         files["timeline"] = trace.plot(out_dir / TIMELINE_FILE)
+        files["loss_curve"] = plot_losses(files["metrics"], out_dir / LOSS_CURVE_FILE)
     except ImportError as exc:
-        notes.append(f"no {TIMELINE_FILE}: {exc}")
+        notes.append(f"no {TIMELINE_FILE} nor {LOSS_CURVE_FILE}: {exc}")
     return bubble, notes
 
 

@@ -1,30 +1,67 @@
-"""The model `roundpipe train` trains: a preset, a config or a model directory, with optional
-LoRA adapters. Apart from the loop so that building a model reads in one place."""
+"""The model `roundpipe train` trains and the tokenizer that goes with it: a preset, a config or a
+model directory, with optional LoRA adapters. Apart from the loop so that building a model reads
+in one place.
+
+A model directory brings its own tokenizer; a model built from a preset or a bare config.json is
+randomly initialised, so its vocabulary is sized to the tokenizer it will be trained with (the BPE
+tokenizer shipped with roundpipe unless ``--tokenizer`` names another). Loaded weights keep their
+vocabulary, which must then cover every id the tokenizer can produce.
+"""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from roundpipe.data.text import BYTE_VOCAB
+from roundpipe.data.tokenizer import SHIPPED_TOKENIZER, has_tokenizer, load_tokenizer
 from roundpipe.errors import ModelError
 from roundpipe.train.config import TrainConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def build_model(config: TrainConfig) -> nn.Module:
-    """The model ``config`` names (random init seeded by ``config.seed`` unless it is a directory
-    with weights), wrapped in LoRA adapters on q/k/v/o (alpha = 2r) when ``lora_r`` is set."""
-    from roundpipe.model import build_model as build
+def tokenizer_source(config: TrainConfig) -> tuple[str, bool]:
+    """Where the run's tokenizer comes from, and whether it belongs to the model (then the model's
+    vocabulary is kept; otherwise a random-init model is sized to the tokenizer)."""
+    if config.tokenizer is not None:
+        return config.tokenizer, False
+    path = Path(config.model).expanduser()
+    if path.is_dir():
+        return str(path), True  # load_tokenizer says how to fix a directory without one
+    if path.is_file() and has_tokenizer(path.parent):
+        return str(path.parent), True
+    return str(SHIPPED_TOKENIZER), False
 
-    model = build(config.model, seed=config.seed)
+
+def build_tokenizer(config: TrainConfig) -> Any:
+    """The tokenizer the run trains with (see `tokenizer_source`)."""
+    return load_tokenizer(tokenizer_source(config)[0])
+
+
+def build_model(config: TrainConfig, tokenizer: Any | None = None) -> nn.Module:
+    """The model ``config`` names (random init seeded by ``config.seed`` unless it is a directory
+    with weights), wrapped in LoRA adapters on q/k/v/o (alpha = 2r) when ``lora_r`` is set. A
+    random-init model without a tokenizer of its own gets the vocabulary of ``tokenizer``."""
+    from roundpipe.model import build_model as build
+    from roundpipe.model.presets import WEIGHT_FILES
+
+    if tokenizer is None:
+        tokenizer = build_tokenizer(config)
+    path = Path(config.model).expanduser()
+    has_weights = path.is_dir() and any((path / w).is_file() for w in WEIGHT_FILES)
+    own = tokenizer_source(config)[1]
+    vocab_size = None if has_weights or own else len(tokenizer)
+    model = build(config.model, vocab_size=vocab_size, seed=config.seed)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int) and vocab < BYTE_VOCAB:
+    if isinstance(vocab, int) and vocab < len(tokenizer):
         raise ModelError(
-            f"model {config.model!r} has a vocabulary of {vocab} tokens but the byte tokenizer needs {BYTE_VOCAB}"
+            f"model {config.model!r} has a vocabulary of {vocab} tokens but its tokenizer "
+            f"({tokenizer_source(config)[0]}) has {len(tokenizer)}; pass the tokenizer the model was "
+            "trained with (--tokenizer DIR)"
         )
     if config.lora_r is not None:
         from peft import LoraConfig, get_peft_model

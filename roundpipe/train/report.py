@@ -66,6 +66,7 @@ class RichReporter:
             MofNCompleteColumn(),
             BarColumn(),
             TextColumn("loss [bold]{task.fields[loss]}"),
+            TextColumn("{task.fields[eval]}"),
             TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -74,7 +75,7 @@ class RichReporter:
         )
         self._progress.start()
         self._task = self._progress.add_task(
-            "train", total=config.steps, completed=start_step, loss="-", tps="-"
+            "train", total=config.steps, completed=start_step, loss="-", tps="-", eval=""
         )
 
     def step(self, record: dict[str, Any]) -> None:
@@ -90,6 +91,13 @@ class RichReporter:
             tps=f"{self._smoothed:,.0f}",
         )
 
+    def evaluation(self, record: dict[str, Any]) -> None:
+        text = f"eval {record['eval_loss']:.4f} (ppl {record['eval_perplexity']:.1f})"
+        if self._progress is not None:
+            self._progress.update(self._task, eval=text)
+        else:
+            self.console.print(f"step {record['step']}: {text}", soft_wrap=True)
+
     def note(self, message: str) -> None:
         # Escaped: a message may hold brackets ("pip install 'roundpipe[plot]'") rich would eat as markup.
         self.console.print(f"[yellow]{escape(message)}[/]", soft_wrap=True)
@@ -103,6 +111,8 @@ class RichReporter:
         table.add_column("value", overflow="fold")
         if result.losses:
             table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+        if result.eval_loss is not None:
+            table.add_row("eval loss", f"{result.eval_loss:.4f} (perplexity {result.eval_perplexity:.2f})")
         steps = f"{result.steps}"
         if result.start_step:
             steps += f" (resumed at {result.start_step})"
@@ -117,6 +127,7 @@ class RichReporter:
             "trace": "trace (ui.perfetto.dev)",
             "schedule": "schedule (roundpipe trace)",
             "timeline": "timeline",
+            "loss_curve": "loss curve",
             "checkpoint": "checkpoint",
             "export": "exported model",
         }

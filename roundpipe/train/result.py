@@ -8,6 +8,7 @@ This module must never import torch, and a reporter must never change what the l
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ class TrainResult:
     interrupted: bool = False
     non_finite: str | None = None  # why the run stopped at a NaN/inf loss (nothing saved then)
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the run
+    eval_loss: float | None = None  # the last evaluation's loss (None without an eval set)
 
     @property
     def exit_code(self) -> int:
@@ -52,11 +54,19 @@ class TrainResult:
     def final_loss(self) -> float | None:
         return self.losses[-1] if self.losses else None
 
+    @property
+    def eval_perplexity(self) -> float | None:
+        if self.eval_loss is None:
+            return None
+        return math.exp(self.eval_loss) if self.eval_loss < 700 else float("inf")
+
     def summary(self) -> dict[str, Any]:
         """The JSON object `roundpipe train --json` prints."""
         return {
             "initial_loss": self.initial_loss,
             "final_loss": self.final_loss,
+            "eval_loss": self.eval_loss,
+            "eval_perplexity": self.eval_perplexity,
             "tokens_per_s": self.tokens_per_s,
             "bubble_ratio": self.bubble_ratio,
             "steps": self.steps,
@@ -79,6 +89,7 @@ class Reporter(Protocol):
     ) -> None: ...
     def step(self, record: dict[str, Any]) -> None: ...
     def note(self, message: str) -> None: ...
+    def evaluation(self, record: dict[str, Any]) -> None: ...
     def finish(self, result: TrainResult) -> None: ...
 
 
@@ -92,6 +103,9 @@ class NullReporter:
         pass
 
     def note(self, message: str) -> None:
+        pass
+
+    def evaluation(self, record: dict[str, Any]) -> None:
         pass
 
     def finish(self, result: TrainResult) -> None:

@@ -1,0 +1,185 @@
+"""The batches `roundpipe train` feeds the pipe, from ``--data`` and the run's tokenizer.
+
+Why apart from the loop: which file becomes which batches (a text stream cut into windows, or
+records turned into examples) is a decision about data, and the loop only asks for the batch of a
+step. Every batch is a function of (options, tokenizer, step), so a resumed run sees exactly the
+batches an uninterrupted one would have seen. Nothing here builds a model or touches the pipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roundpipe.data.batching import ExampleBatches, epoch_order, eval_batches
+from roundpipe.data.examples import Example, is_records_file, load_examples
+from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, batch_at, load_text
+from roundpipe.errors import ConfigError
+from roundpipe.train.config import TrainConfig
+
+
+@dataclass
+class TrainData:
+    """What the loop needs from the data: the batch of each step, and the evaluation batches."""
+
+    batch: Any  # (step) -> dict of [batch, seq_len] tensors
+    eval_batches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def batches(self, start_step: int) -> Iterator[dict[str, torch.Tensor]]:
+        step = start_step
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
+def data_path(config: TrainConfig) -> Path:
+    """The file to train on; an existing file is required (never a literal string)."""
+    if config.data is None:
+        return CORPUS_PATH
+    return existing_file(config.data, "--data")
+
+
+def existing_file(value: str, option: str) -> Path:
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise DataFileNotFoundError(f"{option} {value!r}: no such file")
+    if not path.is_file():
+        raise ConfigError(f"{option} {value!r} is not a file")
+    return path
+
+
+def stream_tokens(path: Path, tokenizer: Any) -> torch.Tensor:
+    """The whole text of ``path`` as one stream of token ids (no special tokens)."""
+    ids = tokenizer.encode(load_text(str(path)), add_special_tokens=False)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _check_length(tokens: torch.Tensor, config: TrainConfig, what: str) -> None:
+    if tokens.numel() < config.seq_len + 1:
+        raise ConfigError(
+            f"{what} has {tokens.numel()} tokens but --seq-len {config.seq_len} needs at least "
+            f"{config.seq_len + 1}; use a longer text, a smaller --seq-len or a smaller --eval-split"
+        )
+
+
+def eval_rows(config: TrainConfig) -> int:
+    """Rows per evaluation call: one training microbatch, so evaluation fits where training does."""
+    return max(1, config.batch_size // config.microbatches)
+
+
+def window_batches(tokens: torch.Tensor, config: TrainConfig) -> list[dict[str, torch.Tensor]]:
+    """Consecutive windows of ``seq_len`` tokens over all of ``tokens`` (a shorter last one is
+    dropped), in batches of `eval_rows`."""
+    count = tokens.numel() // config.seq_len
+    windows = tokens[: count * config.seq_len].view(count, config.seq_len)
+    rows = eval_rows(config)
+    return [
+        {"input_ids": windows[i : i + rows], "labels": windows[i : i + rows].clone()}
+        for i in range(0, count, rows)
+    ]
+
+
+def stream_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
+    """Windows of ``seq_len`` tokens at seeded random offsets of the text (loss on every token);
+    ``--eval-split`` holds out the end of the text."""
+    tokens = stream_tokens(path, tokenizer)
+    held: list[dict[str, torch.Tensor]] = []
+    if config.eval_split is not None:
+        cut = tokens.numel() - int(tokens.numel() * config.eval_split)
+        _check_length(tokens[cut:], config, f"--eval-split {config.eval_split} of {path}")
+        held = window_batches(tokens[cut:], config)
+        tokens = tokens[:cut]
+    _check_length(tokens, config, str(path))
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        return batch_at(tokens, step, config.seq_len, config.batch_size, config.seed)
+
+    return TrainData(batch, eval_batches=held)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _examples(config: TrainConfig, path: Path, tokenizer: Any) -> list[Example]:
+    return load_examples(
+        path,
+        tokenizer,
+        fields=config.fields,
+        train_on_inputs=config.train_on_inputs,
+        max_len=config.seq_len,
+        truncation=config.truncation,
+    )
+
+
+def example_eval_batches(
+    examples: list[Example], config: TrainConfig, tokenizer: Any
+) -> list[dict[str, Any]]:
+    rows = eval_rows(config)
+    return eval_batches(
+        examples, seq_len=config.seq_len, batch_size=rows, pad_id=_pad_id(tokenizer), packing=config.packing
+    )
+
+
+def example_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
+    """Records (jsonl, json, parquet, csv) as examples, padded or packed into rows; ``--eval-split``
+    holds out a seeded sample of them."""
+    examples = _examples(config, path, tokenizer)
+    held: list[Example] = []
+    if config.eval_split is not None:
+        count = max(1, round(len(examples) * config.eval_split))
+        if count >= len(examples):
+            raise ConfigError(
+                f"--eval-split {config.eval_split} of {len(examples)} examples in {path} leaves none to train on"
+            )
+        order = epoch_order(len(examples), config.seed, -1)  # an order no training epoch uses
+        held = [examples[i] for i in sorted(order[:count])]
+        kept = set(order[:count])
+        examples = [e for i, e in enumerate(examples) if i not in kept]
+    batches = ExampleBatches(
+        examples,
+        seq_len=config.seq_len,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        pad_id=_pad_id(tokenizer),
+        packing=config.packing,
+    )
+    trainable = sum(e.trainable for e in examples)
+    rows = f", packed into {batches.rows_per_epoch()} rows" if config.packing else ""
+    note = f"{path}: {len(examples)} examples{rows}, {trainable} tokens with loss"
+    if held:
+        note += f"; {len(held)} held out to evaluate"
+    return TrainData(batches.batch, eval_batches=example_eval_batches(held, config, tokenizer), notes=[note])
+
+
+def prepare_data(config: TrainConfig, tokenizer: Any) -> TrainData:
+    """The run's data, checked before any model is built: a text file is one stream of tokens,
+    a file of records (.jsonl, .json, .parquet, .csv) a list of examples; the evaluation set is
+    held out of it (``--eval-split``) or read from ``--eval-data`` the same way."""
+    path = data_path(config)
+    data = (
+        example_data(config, path, tokenizer)
+        if is_records_file(path)
+        else stream_data(config, path, tokenizer)
+    )
+    if config.eval_data is not None:
+        source = existing_file(config.eval_data, "--eval-data")
+        if is_records_file(source):
+            data.eval_batches = example_eval_batches(_examples(config, source, tokenizer), config, tokenizer)
+        else:
+            tokens = stream_tokens(source, tokenizer)
+            _check_length(tokens, config, str(source))
+            data.eval_batches = window_batches(tokens, config)
+    return data
+
+
+__all__ = ["TrainData", "data_path", "eval_rows", "existing_file", "prepare_data", "stream_tokens"]
