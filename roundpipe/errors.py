@@ -67,3 +67,12 @@ class UsageError(RoundPipeError, RuntimeError):
 
 class PipeClosedError(RoundPipeError, RuntimeError):
     """The pipe was closed (explicitly or after a fatal error) and can no longer run work."""
+
+
+def name_earlier_iteration(error: BaseException, current: int) -> None:
+    """An earlier iteration's error (its backward ran on after its call returned) raised by the
+    call of iteration ``current``: say so first, keeping the error's type."""
+    earlier = getattr(error, "iteration", None)
+    if isinstance(earlier, int) and earlier < current and error.args:
+        where = f"iteration {earlier} (an earlier forward_backward call, still running when it returned)"
+        error.args = (f"{where} failed; this call's iteration {current} was dropped too: {error.args[0]}",)

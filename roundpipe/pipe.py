@@ -44,6 +44,7 @@ from roundpipe.errors import (
     ScheduleError,
     TaskFailedError,
     UsageError,
+    name_earlier_iteration,
 )
 from roundpipe.looprunner import LoopRunner, shutdown
 from roundpipe.model.sequence import to_layer_sequence
@@ -248,7 +249,7 @@ class RoundPipe:
             await self._engine.wait(graph.loss_keys)
         except (TaskFailedError, ScheduleError) as exc:
             self._recover(exc)
-            _name_earlier_iteration(exc, iteration)
+            name_earlier_iteration(exc, iteration)
             raise
         losses = self.runtime.iterations[iteration].losses
         loss = sum(weights[mb] * float(losses[mb]) for mb in range(len(weights)))
@@ -393,15 +394,6 @@ class RoundPipe:
             base_version=compute_copy_version(self._step, self.config.async_optimizer)
         )
         self.host.sync_module()
-
-
-def _name_earlier_iteration(error: BaseException, current: int) -> None:
-    """An earlier iteration's error (its backward ran on after its call returned) raised by the
-    call of iteration ``current``: say so first, keeping the error's type."""
-    earlier = getattr(error, "iteration", None)
-    if isinstance(earlier, int) and earlier < current and error.args:
-        where = f"iteration {earlier} (an earlier forward_backward call, still running when it returned)"
-        error.args = (f"{where} failed; this call's iteration {current} was dropped too: {error.args[0]}",)
 
 
 __all__ = ["STATE_FORMAT", "RoundPipe"]
