@@ -62,7 +62,7 @@ def resolve_budget(config: RunConfig, kind: str, indices: tuple[int, ...]) -> in
     budget = config.memory_budget_bytes()
     if kind != "cuda":
         return budget
-    from roundpipe.backends.profile import default_budget, enforce_budget
+    from roundpipe.backends.budget import default_budget, enforce_budget
 
     _limit_fragmentation()
     if budget is None:

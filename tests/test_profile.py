@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe.backends import profile
+from roundpipe.backends import budget, profile
 from roundpipe.backends.profile import activation_bytes, measure_layers, profile_layers
 from roundpipe.errors import ConfigError, StageError
 from roundpipe.model.sequence import to_layer_sequence
@@ -197,21 +197,21 @@ def test_enforce_budget_sets_the_fraction_of_the_card(monkeypatch: pytest.Monkey
     calls: list[tuple[float, int]] = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: FakeProps())
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i)))
-    assert profile.enforce_budget(1, 24 * 2**30) == pytest.approx(0.3)
-    assert profile.enforce_budget(0, 100 * 2**30) == 1.0  # larger than the card: no cap
+    assert budget.enforce_budget(1, 24 * 2**30) == pytest.approx(0.3)
+    assert budget.enforce_budget(0, 100 * 2**30) == 1.0  # larger than the card: no cap
     assert calls == [(pytest.approx(0.3), 1), (1.0, 0)]
     with pytest.raises(ConfigError, match="must be positive"):
-        profile.enforce_budget(0, 0)
+        budget.enforce_budget(0, 0)
 
 
 def test_default_budget_is_free_memory_less_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (70 * 2**30, 80 * 2**30))
-    assert profile.default_budget(0) == 70 * 2**30 - 4 * 2**30  # 5% of 80 GiB beats 1 GiB
-    assert profile.default_budget(0, reserve_bytes=2**30) == 69 * 2**30
-    assert profile.default_reserve_bytes(16 * 2**30) == 2**30  # 1 GiB beats 5% of 16 GiB
+    assert budget.default_budget(0) == 70 * 2**30 - 4 * 2**30  # 5% of 80 GiB beats 1 GiB
+    assert budget.default_budget(0, reserve_bytes=2**30) == 69 * 2**30
+    assert budget.default_reserve_bytes(16 * 2**30) == 2**30  # 1 GiB beats 5% of 16 GiB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (2**29, 24 * 2**30))
     with pytest.raises(ConfigError, match=r"cuda:0 has only 512.00 MiB free .*memory_budget"):
-        profile.default_budget(0)
+        budget.default_budget(0)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,78 +39,20 @@ import torch
 from torch import nn
 
 from roundpipe.backends.replicas import Binder
+from roundpipe.backends.storages import (
+    activation_bytes,
+    collect_storages,
+    recording_saved,
+    storage_bytes,
+    storage_key,
+)
 from roundpipe.backends.tensors import cast_floating, differentiable_leaves, to_device, with_leaves
-from roundpipe.errors import ConfigError, DeviceOutOfMemoryError, StageError
+from roundpipe.errors import DeviceOutOfMemoryError, StageError
 from roundpipe.plan.memory import LayerMemory
 from roundpipe.plan.sizes import format_bytes
 
 GiB = 2**30
 Prepare = Callable[[nn.Module], nn.Module]  # readies a layer copy as the run's replicas (compiled or not)
-
-
-# --------------------------------------------------------------------- storages
-
-
-def _storages(obj: Any, out: dict[int, int], constant: bool = False, only_constants: bool = False) -> None:
-    """Distinct storages of an activation (data pointer -> bytes); with ``only_constants`` only
-    those under dict keys starting with "_" (carried constants)."""
-    if isinstance(obj, torch.Tensor):
-        if constant or not only_constants:
-            out[_storage_key(obj)] = _storage_bytes(obj)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            is_const = constant or (isinstance(key, str) and key.startswith("_"))
-            _storages(value, out, is_const, only_constants)
-    elif isinstance(obj, tuple | list):
-        for value in obj:
-            _storages(value, out, constant, only_constants)
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. wrapped subclasses)
-        return id(t)
-
-
-def _storage_bytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return t.numel() * t.element_size()
-
-
-def activation_bytes(obj: Any) -> tuple[int, int]:
-    """(all bytes, carried-constant bytes) of an activation's distinct storages."""
-    every: dict[int, int] = {}
-    constants: dict[int, int] = {}
-    _storages(obj, every)
-    _storages(obj, constants, only_constants=True)
-    return sum(every.values()), sum(constants.values())
-
-
-@contextmanager
-def _recording_saved(
-    exclude: set[int], param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] | None = None
-) -> Iterator[dict[int, int]]:
-    """Every storage autograd saves inside the block (data pointer -> bytes), minus ``exclude``.
-    The storages of saved tensors shaped like a parameter (keys of ``param_shaped``) are also noted
-    there, by weak reference: one that becomes the parameter's gradient (computed ahead in the
-    forward) is then that very storage after the backward, which a freed tensor's reused address
-    cannot imitate, and a strong reference would change (autograd copies a gradient that is
-    referenced elsewhere)."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in exclude:
-            saved[key] = _storage_bytes(t)
-            if param_shaped is not None and t.shape in param_shaped:
-                param_shaped[t.shape].append(weakref.ref(t.untyped_storage()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield saved
 
 
 # --------------------------------------------------------------------- one layer
@@ -222,6 +164,45 @@ def _warm_up(
         p.grad = None
 
 
+def _bound_call(replica: nn.Module, params: dict[str, torch.Tensor]) -> Callable[[Any], Any]:
+    """Call ``replica`` as the runtime calls a layer: its parameter slots bound for the call."""
+    binder = Binder(replica)
+
+    def call(inp: Any) -> Any:
+        binder.bind(params)
+        try:
+            return replica(inp)
+        finally:
+            binder.unbind()
+
+    return call
+
+
+def _allocated_for_backward(
+    out: Any, inputs: dict[int, int], saved: dict[int, int], grad_fwd: dict[str, float]
+) -> int:
+    """The allocator's view of what the forward with grad left for the backward: bytes still
+    allocated after it, less its new outputs that autograd did not save, plus saved inputs."""
+    grad_outputs: dict[int, int] = {}
+    collect_storages(out, grad_outputs)
+    unsaved_new = sum(b for k, b in grad_outputs.items() if k not in inputs and k not in saved)
+    saved_inputs = sum(b for k, b in saved.items() if k in inputs)
+    return int(grad_fwd["after"] - grad_fwd["before"]) - unsaved_new + saved_inputs
+
+
+def _gradients_saved_ahead(
+    params: dict[str, torch.Tensor], param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]]
+) -> int:
+    """Bytes of parameter gradients that are saved storages: computed ahead in the forward (a
+    chunked loss), handed on by the backward rather than allocated."""
+    ahead = [s for refs in param_shaped.values() for ref in refs if (s := ref()) is not None]
+    return sum(
+        storage_bytes(p.grad)
+        for p in params.values()
+        if p.grad is not None and any(p.grad.untyped_storage() is s for s in ahead)
+    )
+
+
 def _measure_layer(
     index: int,
     name: str,
@@ -234,55 +215,34 @@ def _measure_layer(
 ) -> tuple[LayerMeasurement, Any]:
     """Measure one layer on input ``x``; returns the measurement and the layer's output (no grad)."""
     replica, params = _device_copy(layer, meter.device, dtype)
-    if prepare is not None:
-        replica = prepare(replica)
-    own = {_storage_key(t) for t in [*params.values(), *replica.buffers()]}
-    binder = Binder(replica)  # the layer is called as the runtime calls it
-
-    def call(inp: Any) -> Any:
-        binder.bind(params)
-        try:
-            return replica(inp)
-        finally:
-            binder.unbind()
-
+    replica = prepare(replica) if prepare is not None else replica
+    own = {storage_key(t) for t in [*params.values(), *replica.buffers()]}
+    call = _bound_call(replica, params)
     boundary, carried = activation_bytes(x)
     inputs: dict[int, int] = {}
-    _storages(x, inputs)
+    collect_storages(x, inputs)
     _warm_up(call, x, index, params, loss)
-    with torch.no_grad():
-        with meter.phase() as fwd:
-            y = call(x)
+    with torch.no_grad(), meter.phase() as fwd:
+        y = call(x)
     outputs: dict[int, int] = {}
-    _storages(y, outputs)
+    collect_storages(y, outputs)
     new_out = sum(b for k, b in outputs.items() if k not in inputs)
     work = max(0, int(fwd["peak"] - fwd["before"]) - new_out) if meter.cuda else 0
-
     leaf_x, _ = with_leaves(x) if index > 0 else (x, [])
     param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] = {
         p.shape: [] for p in params.values() if p.dim()
     }
-    with _recording_saved(own, param_shaped) as saved, torch.enable_grad(), meter.phase() as grad_fwd:
+    with recording_saved(own, param_shaped) as saved, torch.enable_grad(), meter.phase() as grad_fwd:
         out = call(leaf_x)
         out = loss(out) if loss is not None else out
     hooks = sum(saved.values())
     alloc: int | None = None
     if meter.cuda:
-        grad_outputs: dict[int, int] = {}
-        _storages(out, grad_outputs)
-        unsaved_new = sum(b for k, b in grad_outputs.items() if k not in inputs and k not in saved)
-        saved_inputs = sum(b for k, b in saved.items() if k in inputs)
-        alloc = int(grad_fwd["after"] - grad_fwd["before"]) - unsaved_new + saved_inputs
+        alloc = _allocated_for_backward(out, inputs, saved, grad_fwd)
         work = max(work, int(grad_fwd["peak"] - grad_fwd["after"]))  # e.g. a user loss_fn's transients
     grad_bytes = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
     bwd = _backward(meter, out)
-    # A gradient computed ahead in the forward (a chunked loss) is one of the saved storages.
-    ahead = [s for refs in param_shaped.values() for ref in refs if (s := ref()) is not None]
-    saved_grad = sum(
-        _storage_bytes(p.grad)
-        for p in params.values()
-        if p.grad is not None and any(p.grad.untyped_storage() is s for s in ahead)
-    )
+    saved_grad = _gradients_saved_ahead(params, param_shaped)
     fresh = grad_bytes - saved_grad
     bwd_work = max(0, int(bwd["peak"] - bwd["before"]) - fresh) if meter.cuda else 0
     measurement = LayerMeasurement(
@@ -405,44 +365,3 @@ def profile_layers(
         saved_grad_bytes=tuple(m.saved_grad_bytes for m in ms),
     )
     return memory, tuple(m.fwd_ms for m in ms), tuple(m.bwd_ms for m in ms)
-
-
-# --------------------------------------------------------------------- the budget
-
-
-def default_reserve_bytes(total_bytes: int) -> int:
-    """What the default budget leaves free: max(1 GiB, 5% of the card).
-
-    The CUDA context is already outside the free memory when it is read; the reserve covers what
-    comes after: cuBLAS/cuDNN workspaces (tens of MiB per stream, five streams per device), NCCL
-    buffers with several GPUs, and the caching allocator's rounding and fragmentation, which grow
-    with the card (a few percent of what it hands out).
-    """
-    return max(GiB, total_bytes // 20)
-
-
-def default_budget(device_index: int, reserve_bytes: int | None = None) -> int:
-    """The free memory of ``cuda:device_index`` now, less ``reserve_bytes`` (default
-    `default_reserve_bytes`): the budget when the user sets none."""
-    free, total = torch.cuda.mem_get_info(device_index)
-    reserve = default_reserve_bytes(int(total)) if reserve_bytes is None else reserve_bytes
-    budget = int(free) - reserve
-    if budget <= 0:
-        raise ConfigError(
-            f"cuda:{device_index} has only {format_bytes(free)} free of {format_bytes(total)}, less than the "
-            f"{format_bytes(reserve)} reserve; free the device (another process holds it) or set "
-            "RunConfig.memory_budget explicitly"
-        )
-    return budget
-
-
-def enforce_budget(device_index: int, budget_bytes: int) -> float:
-    """Cap this process's allocations on ``cuda:device_index`` at ``budget_bytes`` (the caching
-    allocator raises out-of-memory beyond it), so a large card behaves like a smaller one.
-    Returns the fraction of the card set; a budget at or above the card sets no cap (1.0)."""
-    total = int(torch.cuda.get_device_properties(device_index).total_memory)
-    if budget_bytes <= 0:
-        raise ConfigError(f"memory budget {budget_bytes} for cuda:{device_index} must be positive")
-    fraction = min(1.0, budget_bytes / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device_index)
-    return fraction

@@ -15,8 +15,7 @@ flight. The sums overestimate, so the exact prediction (`predict_peak`) is compu
 planning, reported, and judges: `plan_within_budget` lowers the limit and re-plans until it fits,
 and otherwise fails naming the slot that does not fit.
 
-Pure arithmetic over integers: never import torch, measure, or touch a device.
-"""
+Pure arithmetic over integers: never import torch, measure, or touch a device."""
 
 from __future__ import annotations
 
@@ -85,16 +84,10 @@ class LayerMemory:
         for name in ("bwd_work_bytes", "carried_bytes", "saved_grad_bytes"):
             values = getattr(self, name) or (0,) * n
             object.__setattr__(self, name, _column(name, values, n))
-        for i, (c, b) in enumerate(zip(self.carried_bytes, self.boundary_bytes, strict=True)):
-            if c > b:
-                raise PlanError(
-                    f"{self.label(i)}: carried_bytes {c} > boundary_bytes {b}, of which they are part"
-                )
-        for i, (g, saved) in enumerate(zip(self.saved_grad_bytes, self.saved_bytes, strict=True)):
-            if g > saved:
-                raise PlanError(
-                    f"{self.label(i)}: saved_grad_bytes {g} > saved_bytes {saved}, of which they are part"
-                )
+        for part, whole in (("carried_bytes", "boundary_bytes"), ("saved_grad_bytes", "saved_bytes")):
+            for i, (a, b) in enumerate(zip(getattr(self, part), getattr(self, whole), strict=True)):
+                if a > b:
+                    raise PlanError(f"{self.label(i)}: {part} {a} > {whole} {b}, of which they are part")
         if self.names is not None:
             object.__setattr__(self, "names", tuple(str(x) for x in self.names))
             if len(self.names) != n:
@@ -214,8 +207,8 @@ class SlotMemory:
         return self.stage_bytes + self.prefetch_bytes + self.in_flight_bytes + self.draining_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        return d | {"layers": [self.layers.start, self.layers.stop], "total_bytes": self.total_bytes}
+        d = {f.name: getattr(self, f.name) for f in fields(self)} | {"total_bytes": self.total_bytes}
+        return d | {"layers": [self.layers.start, self.layers.stop]}
 
 
 @dataclass(frozen=True)

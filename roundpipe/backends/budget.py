@@ -1,0 +1,53 @@
+"""A device's memory budget: the default (free memory less a reserve) and its enforcement.
+
+Why apart from the profile: the budget is decided before anything is measured or allocated, from
+the card's free memory, and enforced by the caching allocator's per-process fraction, so a large
+card can stand in for a smaller one; the profile then measures what runs inside it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roundpipe.errors import ConfigError
+from roundpipe.plan.sizes import format_bytes
+
+GiB = 2**30
+
+
+def default_reserve_bytes(total_bytes: int) -> int:
+    """What the default budget leaves free: max(1 GiB, 5% of the card).
+
+    The CUDA context is already outside the free memory when it is read; the reserve covers what
+    comes after: cuBLAS/cuDNN workspaces (tens of MiB per stream, five streams per device), NCCL
+    buffers with several GPUs, and the caching allocator's rounding and fragmentation, which grow
+    with the card (a few percent of what it hands out).
+    """
+    return max(GiB, total_bytes // 20)
+
+
+def default_budget(device_index: int, reserve_bytes: int | None = None) -> int:
+    """The free memory of ``cuda:device_index`` now, less ``reserve_bytes`` (default
+    `default_reserve_bytes`): the budget when the user sets none."""
+    free, total = torch.cuda.mem_get_info(device_index)
+    reserve = default_reserve_bytes(int(total)) if reserve_bytes is None else reserve_bytes
+    budget = int(free) - reserve
+    if budget <= 0:
+        raise ConfigError(
+            f"cuda:{device_index} has only {format_bytes(free)} free of {format_bytes(total)}, less than the "
+            f"{format_bytes(reserve)} reserve; free the device (another process holds it) or set "
+            "RunConfig.memory_budget explicitly"
+        )
+    return budget
+
+
+def enforce_budget(device_index: int, budget_bytes: int) -> float:
+    """Cap this process's allocations on ``cuda:device_index`` at ``budget_bytes`` (the caching
+    allocator raises out-of-memory beyond it), so a large card behaves like a smaller one.
+    Returns the fraction of the card set; a budget at or above the card sets no cap (1.0)."""
+    total = int(torch.cuda.get_device_properties(device_index).total_memory)
+    if budget_bytes <= 0:
+        raise ConfigError(f"memory budget {budget_bytes} for cuda:{device_index} must be positive")
+    fraction = min(1.0, budget_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device_index)
+    return fraction
