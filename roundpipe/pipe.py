@@ -98,6 +98,7 @@ class RoundPipe:
             round_size=self._plan_config.round_size,
             chunk_bytes=config.chunk_bytes,
             grad_norm_barrier=config.max_grad_norm is not None or self._scaler is not None,
+            sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
         )
         self._iteration = 0
         self._stepped_at = 0  # the iteration count at the last step(): a step needs new gradients
@@ -372,9 +373,7 @@ class RoundPipe:
         self._stepped_at = self._iteration
         self.runtime.reset()
         self._retention.clear()
-        self._builder = self._new_builder(
-            base_version=compute_copy_version(self._step, self.config.async_optimizer)
-        )
+        self._builder = self._new_builder(base_version=compute_copy_version(self._step, self._options))
         self.host.sync_module()
 
 

@@ -20,6 +20,8 @@ import torch
 from roundpipe.config import RunConfig
 from roundpipe.errors import ConfigError
 from roundpipe.optim.host import HostModel, LossScaler
+from roundpipe.sched.rules import deferred_p_copy
+from roundpipe.sched.spec import ScheduleOptions
 
 STATE_FORMAT = "roundpipe.state/1"
 
@@ -84,10 +86,12 @@ def restore_host(
         scaler.load_state_dict(state["scaler"])
 
 
-def compute_copy_version(step: int, async_optimizer: bool) -> int:
+def compute_copy_version(step: int, options: ScheduleOptions) -> int:
     """The weight version the compute copy holds after a restore at ``step``: in async mode the
-    weights before the last step (version step-1), otherwise those after it."""
-    return step - 1 if async_optimizer and step > 0 else step
+    weights before the last step (version step-1: its P-copy was deferred), otherwise (sync, or
+    still in the async warm-up) those after it."""
+    deferred = deferred_p_copy(step - 1, options.async_optimizer, options.sync_steps)
+    return step - 1 if deferred and step > 0 else step
 
 
 def rng_state() -> dict[str, Any]:
