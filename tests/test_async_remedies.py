@@ -27,9 +27,15 @@ def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def remedy_config(devices: str, warmup: int, prediction: float) -> roundpipe.RunConfig:
+def remedy_config(
+    devices: str, warmup: int, prediction: float, precision: str = "fp32"
+) -> roundpipe.RunConfig:
     return roundpipe.RunConfig(
-        devices=devices, num_microbatches=4, async_warmup_steps=warmup, weight_prediction=prediction
+        devices=devices,
+        num_microbatches=4,
+        async_warmup_steps=warmup,
+        weight_prediction=prediction,
+        precision=precision,  # type: ignore[arg-type]
     )
 
 
@@ -69,11 +75,12 @@ def test_warmup_steps_are_synchronous_in_the_trace() -> None:
 
 
 @pytest.mark.parametrize(
-    ("warmup", "prediction", "stop"), [(3, 0.0, 2), (3, 0.0, 3), (0, 2.0, 3), (2, 1.5, 2)]
+    ("warmup", "prediction", "stop", "precision"),
+    [(3, 0.0, 2, "fp32"), (3, 0.0, 3, "fp32"), (0, 2.0, 3, "fp32"), (2, 1.5, 2, "fp32"), (1, 2.0, 3, "bf16")],
 )
-def test_resume_is_bit_exact(warmup: int, prediction: float, stop: int) -> None:
+def test_resume_is_bit_exact(warmup: int, prediction: float, stop: int, precision: str) -> None:
     data = batches(6)
-    cfg = remedy_config("cpu:2", warmup, prediction)
+    cfg = remedy_config("cpu:2", warmup, prediction, precision)
     with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
         full = train_steps(pipe, data, mse)
     with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
