@@ -155,6 +155,16 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table(results: list[dict[str, Any]]) -> str:
+    """The markdown table of docs/performance.md: final loss and gap to sync per job and mode."""
+    lines = ["| job | mode | final loss | vs sync |", "| --- | --- | --- | --- |"]
+    order = {job: i for i, job in enumerate(JOBS)}
+    for r in sorted(results, key=lambda r: (order.get(r["job"], 99), r["mode"] != "sync")):
+        gap = f"{r['vs_sync']:+.1%}" if "vs_sync" in r and r["mode"] != "sync" else ""
+        lines.append(f"| {r['job']} | {r['mode']} | {r['final']:.3f} | {gap} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("pipe", "reference"), default="pipe")
@@ -163,20 +173,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", default=None, help="job names, or job:mode")
     parser.add_argument("--png", default=None, help="draw the curves into this PNG")
     parser.add_argument("--json", default=None, help="also write every result (with curves) here")
+    parser.add_argument("--load", nargs="*", default=(), help="results of earlier --json runs to include")
     args = parser.parse_args(argv)
     runs = [(job, mode) for job, (_, _, modes) in JOBS.items() for mode in modes]
-    if args.only:
+    if args.only is not None:
         runs = [(j, m) for j, m in runs if j in args.only or f"{j}:{m}" in args.only]
-    results: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = [r for path in args.load for r in json.loads(Path(path).read_text())]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [pool.submit(run_one, args.engine, job, mode, args.steps) for job, mode in runs]
         for future in futures:
-            result = future.result()
-            sync = next((r for r in results if r["job"] == result["job"] and r["mode"] == "sync"), None)
-            if sync is not None:
-                result["vs_sync"] = round(result["final"] / sync["final"] - 1, 4)
-            results.append(result)
-            print(json.dumps({k: v for k, v in result.items() if k != "losses"}), flush=True)
+            results.append(future.result())
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    for result in results:
+        sync = next((r for r in results if r["job"] == result["job"] and r["mode"] == "sync"), None)
+        if sync is not None:
+            result["vs_sync"] = round(result["final"] / sync["final"] - 1, 4)
+    print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results) + "\n")
     if args.png:
