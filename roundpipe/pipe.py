@@ -367,13 +367,15 @@ class RoundPipe:
         self._check_open()
         check_state(state, self.config)
         self.synchronize()
-        restore_host(state, self.host, self._scaler, self.config.async_optimizer)
-        self._step = int(state["step"])
+        step = int(state["step"])
+        base_version = compute_copy_version(step, self._options)
+        restore_host(state, self.host, self._scaler, in_flight=base_version < step)
+        self._step = step
         self._iteration = int(state["iteration"])
         self._stepped_at = self._iteration
         self.runtime.reset()
         self._retention.clear()
-        self._builder = self._new_builder(base_version=compute_copy_version(self._step, self._options))
+        self._builder = self._new_builder(base_version=base_version)
         self.host.sync_module()
 
 

@@ -58,11 +58,11 @@ def check_state(state: Any, config: RunConfig) -> None:
         )
 
 
-def restore_host(
-    state: dict[str, Any], host: HostModel, scaler: LossScaler | None, async_optimizer: bool
-) -> None:
+def restore_host(state: dict[str, Any], host: HostModel, scaler: LossScaler | None, in_flight: bool) -> None:
     """Put a checked state's weights, optimizer, scheduler and scaler state into quiet host copies;
-    gradients not yet stepped are dropped."""
+    gradients not yet stepped are dropped. ``in_flight``: this pipe's next iteration reads the
+    version before the last step (its P-copy is deferred), so the compute copy gets the saved
+    in-flight weights; otherwise (sync, or an async warm-up still running) the optimizer copy."""
     masters = {name: master for name, _, master in host.named_masters()}
     missing = set(masters) - set(state["model"])
     unexpected = set(state["model"]) - set(masters)
@@ -76,7 +76,7 @@ def restore_host(
             master.copy_(state["model"][name])
         host.load_state_dict(state["host"])
         host.drop_gradients()
-        if async_optimizer and "in_flight_weights" in state:
+        if in_flight and "in_flight_weights" in state:
             compute = dict(host.named_compute())
             for name, tensor in state["in_flight_weights"].items():
                 compute[name].copy_(tensor)

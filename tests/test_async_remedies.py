@@ -126,3 +126,20 @@ def test_train_options_drop_remedies_in_sync_mode() -> None:
     assert not sync.async_optimizer and sync.weight_prediction == 0 and sync.async_warmup_steps == 0
     run = make_config({"async_warmup_steps": 7, "weight_prediction": 0.5}).run_config()
     assert run.async_warmup_steps == 7 and run.weight_prediction == 0.5
+
+
+def test_a_state_resumed_inside_a_longer_warmup_reads_the_newest_weights() -> None:
+    """Saved by a plain async run at step 2 (the compute copy one step behind), loaded by a pipe
+    whose warm-up runs to step 5: its next iteration is synchronous and must read the weights
+    after step 2, not the saved in-flight ones."""
+    data = batches(3)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=remedy_config("cpu:2", 0, 0.0)) as pipe:
+        train_steps(pipe, data[:2], mse)
+        state = pipe.state_dict()
+    model = mlp(seed=99)
+    with roundpipe.RoundPipe(model, optimizer=adamw, config=remedy_config("cpu:2", 5, 0.0)) as pipe:
+        pipe.load_state_dict(state)
+        x, y = data[2]
+        with torch.no_grad():
+            want = mse(model(x), y).item()  # the module holds the weights after step 2
+        assert pipe.forward_backward(x, y, mse) == pytest.approx(want, rel=1e-6)
