@@ -234,4 +234,4 @@ def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: P
     ).run_config()
     assert (chosen.async_warmup_steps, chosen.weight_prediction) == (3, 1.5)
     default = TrainConfig().run_config()  # the measured default (docs/performance.md)
-    assert (default.async_warmup_steps, default.weight_prediction) == (0, 2.0)
+    assert (default.async_warmup_steps, default.weight_prediction) == (20, 2.0)

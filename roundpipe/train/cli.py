@@ -45,7 +45,7 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "--async-warmup-steps",
         "async_warmup_steps",
         int,
-        "async only: run the first N steps synchronously (default 0 = off)",
+        "async only: run the first N steps synchronously (default 20; 0 = off)",
     ),
     (
         "--weight-prediction",

@@ -25,7 +25,7 @@ from roundpipe.errors import ConfigError
 DEFAULT_MODEL = "qwen3-tiny"
 # The async remedies `roundpipe train` uses unless told otherwise: the best combination measured
 # on its default job (bench/async_quality.py, docs/performance.md "Asynchronous optimizer quality").
-DEFAULT_ASYNC_WARMUP_STEPS = 0
+DEFAULT_ASYNC_WARMUP_STEPS = 20
 DEFAULT_WEIGHT_PREDICTION = 2.0
 
 
