@@ -145,11 +145,15 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     for ax, job in zip(axes[0], jobs, strict=True):
         runs = [r for r in results if r["job"] == job]
         for r in runs:
-            ax.plot(smoothed(r["losses"]), label=f"{r['mode']} ({r['final']:.3f})", linewidth=1.2)
+            color = f"C{list(MODES).index(r['mode'])}"  # one colour per mode in every panel
+            ax.plot(
+                smoothed(r["losses"]), label=f"{r['mode']} ({r['final']:.3f})", color=color, linewidth=1.2
+            )
         ax.set_title(f"{job} (peak lr {runs[0]['lr']:.2g})")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (10-step mean)")
-        ax.set_ylim(1.5, 4.0)
+        low = min(min(smoothed(r["losses"])) for r in runs) - 0.1
+        ax.set_ylim(low, low + 2.0)  # the first steps (loss 5.5) would flatten the rest
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
