@@ -2,7 +2,8 @@
 
 Why: in asynchronous mode the optimizer lane must finish a step within one iteration of GPU
 work or it becomes the bottleneck, and in synchronous mode it is on the critical path. This
-measures the lane's three operations per unit on the host, at the thread counts the CUDA
+measures the lane's three operations per unit on the host (and what the async remedy
+``weight_prediction`` adds to them), at the thread counts the CUDA
 backend would use, for a Qwen3-1.7B-sized model (28 units of 50M parameters plus the 311M
 embedding) by default. One JSON line per thread count.
 
@@ -19,6 +20,8 @@ import time
 
 import torch
 
+from roundpipe.optim.prediction import WeightPredictor
+
 
 def _units(args: argparse.Namespace) -> list[list[torch.Tensor]]:
     sizes = [int(args.embed_params)] + [int(args.unit_params)] * args.units
@@ -34,8 +37,14 @@ def run(args: argparse.Namespace, threads: int) -> dict[str, object]:
     ]
     landing = [[torch.randn_like(p).pin_memory() if pin else torch.randn_like(p) for p in u] for u in masters]
     opts = [torch.optim.AdamW(u, lr=1e-4, fused=True) for u in masters]
-    step_s, p_copy_s, g_copy_s = [], [], []
+    step_s, p_copy_s, g_copy_s, remember_s, predict_s = [], [], [], [], []
+    predictor = WeightPredictor(2.0)  # the async remedy's extra work (roundpipe/optim/prediction.py)
     for _ in range(args.repeats + 1):
+        started = time.perf_counter()
+        for unit in masters:
+            for master in unit:
+                predictor.remember(id(master), master)
+        remember_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         for unit, grads in zip(masters, landing, strict=True):
             for master, grad in zip(unit, grads, strict=True):
@@ -51,6 +60,11 @@ def run(args: argparse.Namespace, threads: int) -> dict[str, object]:
                 for master, copy in zip(unit, copies, strict=True):
                     copy.copy_(master)
         p_copy_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for unit, copies in zip(masters, compute, strict=True):
+            for master, copy in zip(unit, copies, strict=True):
+                predictor.predict_into(id(master), copy, master)
+        predict_s.append(time.perf_counter() - started)
     params = sum(p.numel() for u in masters for p in u)
     return {
         "bench": "host_optimizer",
@@ -60,6 +74,10 @@ def run(args: argparse.Namespace, threads: int) -> dict[str, object]:
         "step_ms": round(statistics.median(step_s[1:]) * 1e3, 1),
         "p_copy_ms": round(statistics.median(p_copy_s[1:]) * 1e3, 1),
         "g_copy_ms": round(statistics.median(g_copy_s[1:]) * 1e3, 3),
+        # weight_prediction: the step first keeps the weights it starts from, and the P-copy
+        # extrapolates instead of copying; the extra host work is remember + (predict - p_copy).
+        "remember_ms": round(statistics.median(remember_s[1:]) * 1e3, 1),
+        "predict_p_copy_ms": round(statistics.median(predict_s[1:]) * 1e3, 1),
         "pinned": pin,
     }
 

@@ -41,6 +41,7 @@ def make_host(
         lr_scheduler=lr_scheduler,
         # Pinned host memory is what makes uploads to a GPU asynchronous and fast.
         pin_memory=torch.cuda.is_available(),
+        weight_prediction=config.weight_prediction if config.async_optimizer else 0.0,
     )
 
 
@@ -69,7 +70,16 @@ def make_runtime(
         scaler=scaler,
         chunk_bytes=config.chunk_bytes,
         compiler=LayerCompiler(config.compile, kind),
+        predict_from=predict_from(config),
     )
+
+
+def predict_from(config: RunConfig) -> int | None:
+    """The first step whose P-copy predicts: the first deferred one (the async warm-up's P-copies
+    run right after their steps and copy exact weights); None without prediction."""
+    if not config.async_optimizer or not config.weight_prediction:
+        return None
+    return max(0, config.async_warmup_steps - 1)
 
 
 def make_backend(kind: str, indices: tuple[int, ...], runtime: Runtime, costs: LayerCosts) -> Any:

@@ -81,6 +81,18 @@ class RunConfig(BaseModel):
     async_optimizer: bool = Field(
         True, description="True: staleness-1 CPU optimizer overlapping the next iteration"
     )
+    async_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="async remedy: run the first N optimizer steps synchronously, then staleness 1",
+    )
+    weight_prediction: float = Field(
+        0.0,
+        ge=0.0,
+        le=4.0,
+        description="async remedy: iterations read the weights extrapolated by the last update, "
+        "W + k * (W - W_prev), with k this factor (0: off)",
+    )
     precision: Precision = Field("fp32", description="dtype of the compute copy and of device math")
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(
@@ -147,6 +159,21 @@ class RunConfig(BaseModel):
         if isinstance(value, float | int) and not isinstance(value, bool) and value <= 0:
             raise ValueError("a fixed loss scale must be > 0")
         return value
+
+    @model_validator(mode="after")
+    def _check_async_remedies(self) -> RunConfig:
+        if not self.async_optimizer:
+            given = [
+                f"{name}={getattr(self, name)}"
+                for name in ("async_warmup_steps", "weight_prediction")
+                if getattr(self, name)
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only applies with async_optimizer=True (sync mode has no "
+                    "staleness to remedy); remove it or set async_optimizer=True"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_round_size(self) -> RunConfig:

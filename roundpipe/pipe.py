@@ -99,6 +99,7 @@ class RoundPipe:
             round_size=self._plan_config.round_size,
             chunk_bytes=config.chunk_bytes,
             grad_norm_barrier=config.max_grad_norm is not None or self._scaler is not None,
+            sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
         )
         self._iteration = 0
         self._stepped_at = 0  # the iteration count at the last step(): a step needs new gradients
@@ -384,15 +385,15 @@ class RoundPipe:
         self._check_open()
         check_state(state, self.config)
         self.synchronize()
-        restore_host(state, self.host, self._scaler, self.config.async_optimizer)
-        self._step = int(state["step"])
+        step = int(state["step"])
+        base_version = compute_copy_version(step, self._options)
+        restore_host(state, self.host, self._scaler, in_flight=base_version < step)
+        self._step = step
         self._iteration = int(state["iteration"])
         self._stepped_at = self._iteration
         self.runtime.reset()
         self._retention.clear()
-        self._builder = self._new_builder(
-            base_version=compute_copy_version(self._step, self.config.async_optimizer)
-        )
+        self._builder = self._new_builder(base_version=base_version)
         self.host.sync_module()
 
 

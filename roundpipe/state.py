@@ -20,6 +20,8 @@ import torch
 from roundpipe.config import RunConfig
 from roundpipe.errors import ConfigError
 from roundpipe.optim.host import HostModel, LossScaler
+from roundpipe.sched.rules import deferred_p_copy
+from roundpipe.sched.spec import ScheduleOptions
 
 STATE_FORMAT = "roundpipe.state/1"
 
@@ -56,11 +58,11 @@ def check_state(state: Any, config: RunConfig) -> None:
         )
 
 
-def restore_host(
-    state: dict[str, Any], host: HostModel, scaler: LossScaler | None, async_optimizer: bool
-) -> None:
+def restore_host(state: dict[str, Any], host: HostModel, scaler: LossScaler | None, in_flight: bool) -> None:
     """Put a checked state's weights, optimizer, scheduler and scaler state into quiet host copies;
-    gradients not yet stepped are dropped."""
+    gradients not yet stepped are dropped. ``in_flight``: this pipe's next iteration reads the
+    version before the last step (its P-copy is deferred), so the compute copy gets the saved
+    in-flight weights; otherwise (sync, or an async warm-up still running) the optimizer copy."""
     masters = {name: master for name, _, master in host.named_masters()}
     missing = set(masters) - set(state["model"])
     unexpected = set(state["model"]) - set(masters)
@@ -74,7 +76,7 @@ def restore_host(
             master.copy_(state["model"][name])
         host.load_state_dict(state["host"])
         host.drop_gradients()
-        if async_optimizer and "in_flight_weights" in state:
+        if in_flight and "in_flight_weights" in state:
             compute = dict(host.named_compute())
             for name, tensor in state["in_flight_weights"].items():
                 compute[name].copy_(tensor)
@@ -84,10 +86,12 @@ def restore_host(
         scaler.load_state_dict(state["scaler"])
 
 
-def compute_copy_version(step: int, async_optimizer: bool) -> int:
+def compute_copy_version(step: int, options: ScheduleOptions) -> int:
     """The weight version the compute copy holds after a restore at ``step``: in async mode the
-    weights before the last step (version step-1), otherwise those after it."""
-    return step - 1 if async_optimizer and step > 0 else step
+    weights before the last step (version step-1: its P-copy was deferred), otherwise (sync, or
+    still in the async warm-up) those after it."""
+    deferred = deferred_p_copy(step - 1, options.async_optimizer, options.sync_steps)
+    return step - 1 if deferred and step > 0 else step
 
 
 def rng_state() -> dict[str, Any]:

@@ -171,6 +171,8 @@ def test_config_file_and_flag_precedence(model_config: Path, tmp_path: Path) -> 
         (["--microbatches", "64", "--batch-size", "4"], "microbatches=64 exceeds batch_size=4"),
         (["--resume", "no/such/checkpoint"], "checkpoint no/such/checkpoint does not exist"),
         (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
+        (["--weight-prediction", "-1"], "--weight-prediction: Input should be greater than or equal to 0"),
+        (["--async-warmup-steps", "-3"], "--async-warmup-steps: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_input_exits_2_with_one_message(
@@ -220,3 +222,16 @@ def test_defaults_and_schedule() -> None:
     assert lr_factor(config, 0) == pytest.approx(1 / config.warmup_steps)
     assert lr_factor(config, config.warmup_steps) == pytest.approx(1.0)
     assert lr_factor(config, config.steps - 1) == pytest.approx(config.min_lr_ratio, abs=1e-3)
+
+
+def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: Path) -> None:
+    from roundpipe.cli import build_parser
+    from roundpipe.train.cli import options
+
+    args = tiny_args(model_config, tmp_path, "r", steps=2)
+    chosen = make_config(
+        options(build_parser().parse_args([*args, "--async-warmup-steps", "3", "--weight-prediction", "1.5"]))
+    ).run_config()
+    assert (chosen.async_warmup_steps, chosen.weight_prediction) == (3, 1.5)
+    default = TrainConfig().run_config()  # the measured default (docs/performance.md)
+    assert (default.async_warmup_steps, default.weight_prediction) == (20, 2.0)

@@ -88,8 +88,12 @@ class Runtime:
         scaler: Any = None,
         chunk_bytes: int | None = None,
         compiler: LayerCompiler | None = None,
+        predict_from: int | None = None,
     ) -> None:
         self.host = host
+        # Weight prediction: P-copies of steps >= predict_from extrapolate (None: never), and
+        # those steps keep the weights they start from (`roundpipe.optim.prediction`).
+        self.predict_from = predict_from
         self.layers = host.layers
         self.names = names
         self.computes_loss = computes_loss
@@ -366,11 +370,14 @@ class Runtime:
         if self.scaler is not None:
             self.scaler.update(self.host.found_inf)
 
+    def _predicts(self, step: int) -> bool:
+        return self.predict_from is not None and step >= self.predict_from
+
     def step(self, task: Task) -> None:
-        self.host.step(task.layers.start)
+        self.host.step(task.layers.start, remember=self._predicts(task.step))
 
     def p_copy(self, task: Task) -> None:
-        self.host.p_copy(task.layers.start)
+        self.host.p_copy(task.layers.start, predict=self._predicts(task.step))
 
 
 _HANDLERS: dict[str, Callable[[Runtime, Task], None]] = {

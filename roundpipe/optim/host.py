@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
+from roundpipe.optim.prediction import WeightPredictor
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -85,6 +86,7 @@ class HostModel:
         optimizer: OptimizerFactory | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         pin_memory: bool = False,
+        weight_prediction: float = 0.0,
     ) -> None:
         self.layers = layers
         self.source = source
@@ -111,6 +113,8 @@ class HostModel:
         self._pinned_lock = threading.Lock()
         self.clip_coef = 1.0
         self.found_inf = False
+        # Async remedy: deferred P-copies extrapolate by the last update (optim/prediction.py).
+        self.predictor = WeightPredictor(weight_prediction) if weight_prediction else None
 
     def _find_units(self) -> None:
         """Which layer owns each parameter (the shallowest that holds it), each unit's trainable
@@ -290,9 +294,14 @@ class HostModel:
         return norm
 
     @torch.no_grad()
-    def step(self, unit: int) -> None:
+    def step(self, unit: int, *, remember: bool = False) -> None:
+        """Step ``unit``'s optimizer; ``remember``: first keep the weights it starts from, for
+        the predicting P-copy that follows."""
         opt = self.optimizers[unit]
         masters = [self.master[id(p)] for p in self.unit_params[unit]]
+        if remember and self.predictor is not None:
+            for param in self.unit_params[unit]:
+                self.predictor.remember(id(param), self.master[id(param)])
         if not self.found_inf:
             if self.clip_coef < 1.0:
                 for master in masters:
@@ -309,9 +318,14 @@ class HostModel:
             master.grad = None
 
     @torch.no_grad()
-    def p_copy(self, unit: int) -> None:
+    def p_copy(self, unit: int, *, predict: bool = False) -> None:
+        """Optimizer copy -> compute copy; ``predict``: extrapolated by the last update."""
+        predictor = self.predictor if predict else None
         for param in self.unit_params[unit]:
-            self.compute[id(param)].copy_(self.master[id(param)])
+            if predictor is not None:
+                predictor.predict_into(id(param), self.compute[id(param)], self.master[id(param)])
+            else:
+                self.compute[id(param)].copy_(self.master[id(param)])
 
     def p_copy_all(self) -> None:
         for unit in self.units:
@@ -350,10 +364,14 @@ class HostModel:
                 yield name, self.compute[id(param)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "optimizers": {unit: opt.state_dict() for unit, opt in self.optimizers.items()},
             "schedulers": {unit: s.state_dict() for unit, s in self.schedulers.items()},
         }
+        if self.predictor is not None:
+            names = {id(param): name for name, param, _ in self.named_masters()}
+            state["previous_weights"] = self.predictor.state_dict(names)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state["optimizers"]) != set(self.optimizers):
@@ -366,3 +384,7 @@ class HostModel:
         for unit, sched_state in state.get("schedulers", {}).items():
             if unit in self.schedulers:
                 self.schedulers[unit].load_state_dict(sched_state)
+        if self.predictor is not None:
+            keys = {name: id(param) for name, param, _ in self.named_masters()}
+            masters = {id(param): master for _, param, master in self.named_masters()}
+            self.predictor.load_state_dict(state.get("previous_weights", {}), keys, masters)

@@ -118,6 +118,7 @@ class GraphBuilder:
             "num_devices": self.num_devices,
             "plan": self.plan.to_dict(),
             "base_version": self.base_version,
+            "sync_steps": self.options.sync_steps,
         }
 
     def set_plan(self, plan: Plan) -> None:
@@ -141,7 +142,8 @@ class GraphBuilder:
             first_device=self._first_device,
             round_size=self.options.round_size,
         )
-        built = IterationInProgress(iteration, step, rules.weight_version(step, self.options.async_optimizer))
+        version = rules.weight_version(step, self.options.async_optimizer, self.options.sync_steps)
+        built = IterationInProgress(iteration, step, version)
         for slot_run in runs:
             run = self._stage_run(slot_run, built)
             param_keys = self._param_uploads(run, built)
@@ -324,7 +326,7 @@ class GraphBuilder:
             ledger = self.ledgers[unit]
             key = GCopyKey(built.iteration, unit)
             deps = rules.complete_gradients(ledger, built.iteration)
-            deps += rules.g_copy_after_step(ledger, built.step, sync=not self.options.async_optimizer)
+            deps += rules.g_copy_after_step(ledger, built.step, sync=not self._deferred(built.step - 1))
             built.tasks.append(
                 Task(
                     key,
@@ -344,8 +346,8 @@ class GraphBuilder:
 
     def optimizer_step(self, step: int) -> list[Task]:
         """Tasks of optimizer step ``step``: [grad norm], then per unit, shallow first, in async
-        mode the P-copy owed by the previous step followed by this step, in sync mode this step
-        followed by its P-copy."""
+        mode the P-copy owed by the previous step followed by this step, in sync mode (and the
+        async warm-up) this step followed by its P-copy."""
         if step <= self._last_step:
             raise ScheduleError(f"step {step} was already scheduled")
         self._last_step = step
@@ -357,7 +359,7 @@ class GraphBuilder:
             deps: list[Key] = [GCopyKey(t, u) for t in iterations for u in self.ledgers]
             tasks.append(Task(norm_key, GRAD_NORM, HOST_OPTIMIZER_LANE, deps=deps, step=step))
         for unit, ledger in self.ledgers.items():
-            if self.options.async_optimizer and step > self.base_version:
+            if self._deferred(step - 1) and step > self.base_version:
                 tasks.append(self._p_copy(unit, ledger, step - 1))
             # Every trainable unit lies in a fused or backward stage: each iteration G-copies it.
             g_copies: list[Key] = [GCopyKey(t, unit) for t in iterations]
@@ -370,9 +372,12 @@ class GraphBuilder:
             )
             ledger.step[step] = key
             ledger.step.pop(step - 2, None)
-            if not self.options.async_optimizer:
+            if not self._deferred(step):
                 tasks.append(self._p_copy(unit, ledger, step))
         return tasks
+
+    def _deferred(self, step: int) -> bool:
+        return rules.deferred_p_copy(step, self.options.async_optimizer, self.options.sync_steps)
 
     def _p_copy(self, unit: int, ledger: UnitLedger, step: int) -> Task:
         key = PCopyKey(step, unit)

@@ -8,7 +8,7 @@ while deep layers are still being stepped and copied.
 Weight versions: version v means "v optimizer steps applied". Optimizer step s turns version s
 into s+1 in the fp32 optimizer copy; P-copy(s) writes version s+1 into the compute copy that
 devices read. Sync mode: the iterations of step s read version s. Async mode (staleness 1): they
-read version max(0, s-1).
+read version max(0, s-1), except during an async warm-up (the first steps run synchronously).
 
 | # | rule | dependency |
 | 1 | weight integrity | P-copy(u, s) waits for every parameter upload of u that read version s |
@@ -57,9 +57,16 @@ class RuleViolation(ScheduleError):
         self.tasks = list(tasks)
 
 
-def weight_version(step: int, async_optimizer: bool) -> int:
-    """The weight version the iterations of optimizer step ``step`` read."""
-    return max(0, step - 1) if async_optimizer else step
+def weight_version(step: int, async_optimizer: bool, sync_steps: int = 0) -> int:
+    """The weight version the iterations of optimizer step ``step`` read (the first
+    ``sync_steps`` steps of an async run are synchronous: the async warm-up)."""
+    return max(0, step - 1) if async_optimizer and step >= sync_steps else step
+
+
+def deferred_p_copy(step: int, async_optimizer: bool, sync_steps: int = 0) -> bool:
+    """Whether P-copy(step) is scheduled with step+1, after that step's uploads (async: the
+    version it writes is first read by step+2's iterations), rather than right after step(step)."""
+    return async_optimizer and step + 1 >= sync_steps
 
 
 class UnitLedger:

@@ -63,3 +63,4 @@ class ScheduleOptions:
     round_size: int | None = None
     chunk_bytes: int | None = None  # split a layer's upload into parts of at most this size
     grad_norm_barrier: bool = False  # a global pass over all gradients before any step (clipping)
+    sync_steps: int = 0  # async warm-up: the first steps of an async run are synchronous

@@ -62,6 +62,18 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ("--weight-decay", "weight_decay", float, "AdamW weight decay (default 0)"),
     ("--max-grad-norm", "max_grad_norm", float, "clip the global gradient norm (default: off)"),
     ("--precision", "precision", str, "fp32 (default), bf16 or fp16"),
+    (
+        "--async-warmup-steps",
+        "async_warmup_steps",
+        int,
+        "async only: run the first N steps synchronously (default 20; 0 = off)",
+    ),
+    (
+        "--weight-prediction",
+        "weight_prediction",
+        float,
+        "async only: iterations read W + k*(W - W_prev) (default k = 2; 0 = off)",
+    ),
     ("--seed", "seed", int, "model init, LoRA init, data order (default 0)"),
     ("--save-every", "save_every", int, "also save the checkpoint every N steps"),
     (

@@ -24,6 +24,10 @@ from roundpipe.errors import ConfigError
 
 DEFAULT_MODEL = "qwen3-tiny"
 DATA_FIELDS = ("text", "prompt", "completion", "messages")  # as roundpipe.data.examples.FIELDS
+# The async remedies `roundpipe train` uses unless told otherwise: the best combination measured
+# on its default job (bench/async_quality.py, docs/performance.md "Asynchronous optimizer quality").
+DEFAULT_ASYNC_WARMUP_STEPS = 20
+DEFAULT_WEIGHT_PREDICTION = 2.0
 
 
 class TrainConfig(BaseModel):
@@ -82,6 +86,17 @@ class TrainConfig(BaseModel):
     max_grad_norm: float | None = Field(default=None, gt=0, description="clip the global gradient norm")
     precision: Literal["fp32", "bf16", "fp16"] = Field(default="fp32", description="compute precision")
     async_optimizer: bool = Field(default=True, description="staleness-1 optimizer overlapping the next step")
+    async_warmup_steps: int = Field(
+        default=DEFAULT_ASYNC_WARMUP_STEPS,
+        ge=0,
+        description="async only: the first N steps run synchronously (docs/train.md, staleness remedies)",
+    )
+    weight_prediction: float = Field(
+        default=DEFAULT_WEIGHT_PREDICTION,
+        ge=0.0,
+        le=4.0,
+        description="async only: iterations read W + k * (W - W_prev), k this factor; 0 turns it off",
+    )
     seed: int = Field(default=0, description="model init, LoRA init, data order and dropout")
     save_every: int | None = Field(default=None, ge=1, description="also save a checkpoint every N steps")
     keep_checkpoints: int = Field(
@@ -157,6 +172,9 @@ class TrainConfig(BaseModel):
             devices=self.devices,
             num_microbatches=self.microbatches,
             async_optimizer=self.async_optimizer,
+            # Remedies of staleness: nothing to remedy in sync mode (RunConfig refuses them there).
+            async_warmup_steps=self.async_warmup_steps if self.async_optimizer else 0,
+            weight_prediction=self.weight_prediction if self.async_optimizer else 0.0,
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,

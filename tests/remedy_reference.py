@@ -1,0 +1,55 @@
+"""The plain-PyTorch reference of the asynchronous optimizer with its staleness remedies.
+
+Deliberately naive, like `tests.helpers.async_reference`, which it generalises: the weights
+after every step are kept, and the weights iteration t computes on are built from them by the
+definition in docs/design.md ("Staleness remedies"), never by roundpipe's code.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tests.helpers import LossFn
+
+
+def remedy_reference(
+    model: nn.Module,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    *,
+    warmup_steps: int = 0,
+    prediction: float = 0.0,
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Iterations t < ``warmup_steps`` compute on W_t (sync). Later ones on W_{t-1}, and, when
+    the step that made W_{t-1} was taken asynchronously (t-2 >= warmup_steps - 1), on
+    W_{t-1} + prediction * (W_{t-1} - W_{t-2}). Gradients are applied to the newest weights.
+    Returns the losses and the weights after every step."""
+    opt = optimizer(list(model.parameters()))
+    history = [copy.deepcopy(model.state_dict())]  # history[k] = weights after k steps
+    shadow = copy.deepcopy(model)
+    losses, weights = [], []
+    for t, (x, y) in enumerate(data):
+        if t < warmup_steps:
+            read = history[t]
+        elif t < 2 or t - 2 < warmup_steps - 1 or not prediction:
+            read = history[max(0, t - 1)]
+        else:
+            new, old = history[t - 1], history[t - 2]
+            read = {k: torch.lerp(old[k], new[k], 1.0 + prediction) for k in new}
+        shadow.load_state_dict(read)
+        shadow.zero_grad()
+        loss = loss_fn(shadow(x), y)
+        loss.backward()
+        for p, s in zip(model.parameters(), shadow.parameters(), strict=True):
+            p.grad = s.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        history.append(copy.deepcopy(model.state_dict()))
+        losses.append(loss.item())
+        weights.append(copy.deepcopy(model.state_dict()))
+    return losses, weights

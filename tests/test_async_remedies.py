@@ -1,0 +1,145 @@
+"""Staleness remedies (async warm-up, weight prediction): the pipe equals their plain loop.
+
+Each remedy is defined by `tests.remedy_reference`, a naive loop over the weights after every
+step; the pipe must match it after every step on 1, 2 and 3 CPU workers, keep the five rules in
+its trace, and resume from a saved state exactly, whether saved during the warm-up, at its end
+or later.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe.errors import ConfigError
+from tests.helpers import assert_weights_equal, batches, mlp, train_steps
+from tests.remedy_reference import remedy_reference
+
+mse = nn.functional.mse_loss
+REMEDIES = [(3, 0.0), (0, 2.0), (2, 1.5)]  # (async_warmup_steps, weight_prediction)
+
+
+def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def remedy_config(
+    devices: str, warmup: int, prediction: float, precision: str = "fp32"
+) -> roundpipe.RunConfig:
+    return roundpipe.RunConfig(
+        devices=devices,
+        num_microbatches=4,
+        async_warmup_steps=warmup,
+        weight_prediction=prediction,
+        precision=precision,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(("warmup", "prediction"), REMEDIES)
+def test_pipe_matches_the_remedy_loop_on_one_two_and_three_workers(warmup: int, prediction: float) -> None:
+    data = batches(6)
+    _, ref_weights = remedy_reference(mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction)
+    for devices in ("cpu:1", "cpu:2", "cpu:3"):
+        with roundpipe.RoundPipe(
+            mlp(), optimizer=adamw, config=remedy_config(devices, warmup, prediction)
+        ) as pipe:
+            weights = train_steps(pipe, data, mse)
+            trace = pipe.trace()
+        trace.check_rules()
+        for got, want in zip(weights, ref_weights, strict=True):
+            assert_weights_equal(got, want)
+
+
+def test_without_remedies_the_reference_is_plain_staleness_one() -> None:
+    from tests.helpers import async_reference
+
+    data = batches(4)
+    want = async_reference(mlp(), adamw, data, mse)[1]
+    got = remedy_reference(mlp(), adamw, data, mse)[1]
+    for a, b in zip(got, want, strict=True):
+        assert_weights_equal(a, b, rtol=0, atol=0)
+
+
+def test_warmup_steps_are_synchronous_in_the_trace() -> None:
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=remedy_config("cpu:2", 2, 0.0)) as pipe:
+        train_steps(pipe, batches(4), mse)
+        trace = pipe.trace()
+    # Iterations of warm-up steps read the version their own step starts from; later ones lag one.
+    read = {t.iteration: t.step for t in trace if t.kind == "param_up"}
+    assert read == {0: 0, 1: 1, 2: 1, 3: 2}
+    assert trace.meta["sync_steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("warmup", "prediction", "stop", "precision"),
+    [(3, 0.0, 2, "fp32"), (3, 0.0, 3, "fp32"), (0, 2.0, 3, "fp32"), (2, 1.5, 2, "fp32"), (1, 2.0, 3, "bf16")],
+)
+def test_resume_is_bit_exact(warmup: int, prediction: float, stop: int, precision: str) -> None:
+    data = batches(6)
+    cfg = remedy_config("cpu:2", warmup, prediction, precision)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
+        full = train_steps(pipe, data, mse)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
+        train_steps(pipe, data[:stop], mse)
+        state = pipe.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    with roundpipe.RoundPipe(mlp(seed=99), optimizer=adamw, config=cfg) as pipe:
+        pipe.load_state_dict(state)
+        resumed = train_steps(pipe, data[stop:], mse)
+    for got, want in zip(resumed, full[stop:], strict=True):
+        assert_weights_equal(got, want, rtol=0, atol=0)
+
+
+def test_prediction_state_is_saved_with_the_optimizer() -> None:
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=remedy_config("cpu:1", 0, 1.0)) as pipe:
+        train_steps(pipe, batches(2), mse)
+        state = pipe.state_dict()
+    assert set(state["host"]["previous_weights"]) == {n for n, _ in mlp().named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"async_optimizer": False, "weight_prediction": 1.0}, "only applies with async_optimizer=True"),
+        ({"async_optimizer": False, "async_warmup_steps": 5}, "only applies with async_optimizer=True"),
+        ({"weight_prediction": -1.0}, "weight_prediction"),
+        ({"weight_prediction": 9.0}, "weight_prediction"),
+        ({"async_warmup_steps": -2}, "async_warmup_steps"),
+    ],
+)
+def test_bad_remedy_settings_are_refused(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        roundpipe.RunConfig(**values)
+
+
+def test_train_options_drop_remedies_in_sync_mode() -> None:
+    from roundpipe.train.config import make_config
+
+    sync = make_config({"async_optimizer": False, "weight_prediction": 1.0}).run_config()
+    assert not sync.async_optimizer and sync.weight_prediction == 0 and sync.async_warmup_steps == 0
+    run = make_config({"async_warmup_steps": 7, "weight_prediction": 0.5}).run_config()
+    assert run.async_warmup_steps == 7 and run.weight_prediction == 0.5
+
+
+def test_a_state_resumed_inside_a_longer_warmup_reads_the_newest_weights() -> None:
+    """Saved by a plain async run at step 2 (the compute copy one step behind), loaded by a pipe
+    whose warm-up runs to step 5: its next iteration is synchronous and must read the weights
+    after step 2, not the saved in-flight ones."""
+    data = batches(3)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=remedy_config("cpu:2", 0, 0.0)) as pipe:
+        train_steps(pipe, data[:2], mse)
+        state = pipe.state_dict()
+    model = mlp(seed=99)
+    with roundpipe.RoundPipe(model, optimizer=adamw, config=remedy_config("cpu:2", 5, 0.0)) as pipe:
+        pipe.load_state_dict(state)
+        x, y = data[2]
+        with torch.no_grad():
+            want = mse(model(x), y).item()  # the module holds the weights after step 2
+        assert pipe.forward_backward(x, y, mse) == pytest.approx(want, rel=1e-6)
