@@ -2,9 +2,8 @@
 engine and backend together and translates the public API into submitted task graphs.
 
 What it delegates: the engine's loop thread (`roundpipe.looprunner`), what is kept how long
-(`roundpipe.retention`), and the state format (`roundpipe.state`). What it keeps: the counters
-of iterations and steps, the re-plan from measured times, and recovery after a failed task.
-
+(`roundpipe.retention`), and the state format (`roundpipe.state`). What it keeps: the counters of
+iterations and steps, the re-plan from measured times, and recovery after a failed task.
 It must never do tensor math itself (that is the runtime's) nor decide ordering (the rules').
 """
 
