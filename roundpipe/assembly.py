@@ -19,9 +19,11 @@ import torch
 from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
 from roundpipe.model.sequence import LayerSequence
+from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan_eval import choose_evaluated_plan
+from roundpipe.sched.spec import ScheduleOptions
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -59,7 +61,7 @@ def make_runtime(
     from roundpipe.backends.compiling import LayerCompiler
     from roundpipe.backends.runtime import Runtime
 
-    return Runtime(
+    runtime = Runtime(
         host,
         sequence.names,
         computes_loss=sequence.computes_loss,
@@ -69,6 +71,20 @@ def make_runtime(
         scaler=scaler,
         chunk_bytes=config.chunk_bytes,
         compiler=LayerCompiler(config.compile, kind),
+    )
+    runtime.collectives = make_collectives(config.distributed, host)
+    return runtime
+
+
+def schedule_options(config: RunConfig, round_size: int | None, runtime: Runtime) -> ScheduleOptions:
+    """The task graph's knobs: a grad-norm barrier when clipping or fp16 needs the global norm,
+    and one order of the steps on every process when they average gradients."""
+    return ScheduleOptions(
+        async_optimizer=config.async_optimizer,
+        round_size=round_size,
+        chunk_bytes=config.chunk_bytes,
+        grad_norm_barrier=config.max_grad_norm is not None or runtime.scaler is not None,
+        ordered_steps=runtime.collectives.active,
     )
 
 

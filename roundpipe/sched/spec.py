@@ -63,3 +63,6 @@ class ScheduleOptions:
     round_size: int | None = None
     chunk_bytes: int | None = None  # split a layer's upload into parts of at most this size
     grad_norm_barrier: bool = False  # a global pass over all gradients before any step (clipping)
+    # Steps (and grad-norm barriers) run in one order, deepest unit first, on every process: they
+    # issue collectives, which gloo matches by order (roundpipe/optim/distributed.py).
+    ordered_steps: bool = False
