@@ -1,0 +1,91 @@
+"""Data parallel across two processes on localhost (gloo, one CPU worker each).
+
+What must hold: averaging each process's gradient of its half of the batch gives the weights of
+one process on the whole batch (sync and async), every process ends with bitwise-equal weights,
+weights that diverge are named, and a process that fails makes the other fail soon, not hang.
+Both processes run every phase (tests/distributed_worker.py): starting a process costs seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed_worker import adamw, global_data
+from tests.helpers import assert_weights_equal, async_reference, mlp, sync_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 10  # the worker's RunConfig.distributed.timeout_s
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Start both processes, compute the single-process references meanwhile, wait for both."""
+    out = tmp_path_factory.mktemp("distributed")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed_worker", str(out)],
+            cwd=ROOT,
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    references = {
+        "sync": sync_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
+        "async": async_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
+    }
+    logs, codes = [], []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail("a distributed worker hung for 120 s")
+        codes.append(proc.returncode)
+    return {"out": out, "logs": logs, "codes": codes, "ended": time.time(), "references": references}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_processes_equal_one_on_the_global_batch(run: dict[str, Any], mode: str) -> None:
+    out = run["out"]
+    assert (out / f"{mode}0.pt").exists(), run["logs"]
+    weights = [torch.load(out / f"{mode}{rank}.pt") for rank in range(2)]
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), f"{name} differs between the ranks"
+    assert_weights_equal(weights[0], run["references"][mode], rtol=1e-5)
+
+
+def test_diverged_weights_are_named(run: dict[str, Any]) -> None:
+    for rank in range(2):
+        message = (run["out"] / f"diverge{rank}.txt").read_text()
+        assert "diverged after step 1" in message and "ranks [1] differ from rank 0" in message
+
+
+def test_a_failed_process_stops_the_other(run: dict[str, Any]) -> None:
+    log0, log1 = run["logs"]
+    assert run["codes"][1] != 0 and "rank 1 fails on purpose" in log1
+    assert run["codes"][0] != 0, log0
+    assert "DistributedError: rank 0" in log0 and "Another process probably stopped" in log0, log0
+    started = float((run["out"] / "failing0.txt").read_text())
+    assert run["ended"] - started < TIMEOUT_S + 20, "rank 0 took too long to stop"
