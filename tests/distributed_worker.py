@@ -4,7 +4,7 @@ Run as ``python -m tests.distributed_worker OUT_DIR`` with torchrun's variables 
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, so RoundPipe picks the group up as under torchrun.
 Each process trains on its half of every global batch of `global_data`. One pair of processes
 runs every phase, since starting one costs seconds:
-  1. sync, then async, 3 steps each: the final weights go to OUT_DIR/{mode}{rank}.pt;
+  1. sync, async, then sync with clipping, 3 steps each: the final weights go to OUT_DIR/{mode}{rank}.pt;
   2. a run whose rank 1 has another learning rate: the divergence error goes to
      OUT_DIR/diverge{rank}.txt;
   3. rank 1 raises in its second forward_backward and exits; rank 0 must then fail, not hang
@@ -27,6 +27,8 @@ from tests.helpers import batches, mlp, train_steps
 
 STEPS = 3
 GLOBAL_BATCH = 8
+MODES = ("sync", "async", "clip")  # clip: sync with max_grad_norm, the norm of averaged gradients
+CLIP = 0.05
 
 
 def global_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -44,19 +46,22 @@ def local_data(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     ]
 
 
-def make_pipe(async_optimizer: bool, lr: float = 1e-2) -> roundpipe.RoundPipe:
+def make_pipe(
+    async_optimizer: bool, lr: float = 1e-2, max_grad_norm: float | None = None
+) -> roundpipe.RoundPipe:
     config = roundpipe.RunConfig(
         devices="cpu:1",
         num_microbatches=2,
         async_optimizer=async_optimizer,
+        max_grad_norm=max_grad_norm,
         distributed={"mode": "on", "timeout_s": 10, "check_every": 1},
     )
     return roundpipe.RoundPipe(mlp(seed=0), adamw(lr), config)
 
 
 def train(rank: int, world: int, out: Path) -> None:
-    for mode in ("sync", "async"):
-        pipe = make_pipe(mode == "async")
+    for mode in MODES:
+        pipe = make_pipe(mode == "async", max_grad_norm=CLIP if mode == "clip" else None)
         weights = train_steps(pipe, local_data(rank, world), nn.functional.mse_loss)
         torch.save(weights[-1], out / f"{mode}{rank}.pt")
         pipe.close()

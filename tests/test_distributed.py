@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed_worker import adamw, global_data
-from tests.helpers import assert_weights_equal, async_reference, mlp, sync_reference
+from roundpipe import RoundPipe, RunConfig
+from tests.distributed_worker import CLIP, MODES, adamw, global_data
+from tests.helpers import assert_weights_equal, async_reference, mlp, sync_reference, train_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 10  # the worker's RunConfig.distributed.timeout_s
@@ -31,6 +32,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def clipped_reference() -> dict[str, torch.Tensor]:
+    """One process on the global batch with the same clipping (its clipping is tested elsewhere)."""
+    config = RunConfig(devices="cpu:1", num_microbatches=4, async_optimizer=False, max_grad_norm=CLIP)
+    pipe = RoundPipe(mlp(seed=0), adamw(), config)
+    weights = train_steps(pipe, global_data(), nn.functional.mse_loss)[-1]
+    pipe.close()
+    return weights
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     references = {
         "sync": sync_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
         "async": async_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
+        "clip": clipped_reference(),
     }
     logs, codes = [], []
     for proc in procs:
@@ -66,7 +77,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"out": out, "logs": logs, "codes": codes, "ended": time.time(), "references": references}
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", MODES)
 def test_two_processes_equal_one_on_the_global_batch(run: dict[str, Any], mode: str) -> None:
     out = run["out"]
     assert (out / f"{mode}0.pt").exists(), run["logs"]
@@ -74,6 +85,8 @@ def test_two_processes_equal_one_on_the_global_batch(run: dict[str, Any], mode: 
     for name, tensor in weights[0].items():
         assert torch.equal(tensor, weights[1][name]), f"{name} differs between the ranks"
     assert_weights_equal(weights[0], run["references"][mode], rtol=1e-5)
+    if mode == "clip":  # clipping acted: the norm of the averaged gradient was above CLIP
+        assert not torch.allclose(weights[0]["0.weight"], run["references"]["sync"]["0.weight"])
 
 
 def test_diverged_weights_are_named(run: dict[str, Any]) -> None:
