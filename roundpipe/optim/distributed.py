@@ -64,6 +64,13 @@ def torchrun_environment() -> bool:
     return "MASTER_ADDR" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def several_processes() -> bool:
+    """This process is one of several: under torchrun, or in an initialised group of two or more."""
+    if torchrun_environment():
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def make_collectives(config: DistributedConfig, host: HostModel) -> Collectives:
     """Gradient averaging across the processes ``config`` names, or `LOCAL` when there are none.
 
