@@ -2,12 +2,14 @@
 
 What must hold: averaging each process's gradient of its half of the batch gives the weights of
 one process on the whole batch (sync and async), every process ends with bitwise-equal weights,
-weights that diverge are named, and a process that fails makes the other fail soon, not hang.
+weights that diverge are named, a process that fails makes the other fail soon, not hang, and
+the order of the steps those collectives need changes no number.
 Both processes run every phase (tests/distributed_worker.py): starting a process costs seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -21,6 +23,8 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipe, RunConfig
+from roundpipe.assembly import schedule_options
+from roundpipe.sched.task import STEP
 from tests.distributed_worker import CLIP, MODES, adamw, global_data
 from tests.helpers import assert_weights_equal, async_reference, mlp, sync_reference, train_steps
 
@@ -102,3 +106,31 @@ def test_a_failed_process_stops_the_other(run: dict[str, Any]) -> None:
     assert "DistributedError: rank 0" in log0 and "Another process probably stopped" in log0, log0
     started = float((run["out"] / "failing0.txt").read_text())
     assert run["ended"] - started < TIMEOUT_S + 20, "rank 0 took too long to stop"
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_ordered_steps_run_deepest_first_and_change_no_number(
+    monkeypatch: pytest.MonkeyPatch, one_torch_thread: None, async_optimizer: bool
+) -> None:
+    """The order every process needs for its collectives, in one process on two workers: the
+    steps of each optimizer step run one after another, deepest unit first, and the weights are
+    the reference's."""
+    import roundpipe.pipe
+
+    def ordered(*args: Any) -> Any:
+        return dataclasses.replace(schedule_options(*args), ordered_steps=True)
+
+    monkeypatch.setattr(roundpipe.pipe, "schedule_options", ordered)
+    config = RunConfig(devices="cpu:2", num_microbatches=4, async_optimizer=async_optimizer)
+    pipe = RoundPipe(mlp(seed=0), adamw(), config)
+    weights = train_steps(pipe, global_data(), nn.functional.mse_loss)[-1]
+    trace = pipe.trace()
+    pipe.close()
+    reference = async_reference if async_optimizer else sync_reference
+    assert_weights_equal(
+        weights, reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1]
+    )
+    steps = sorted((t for t in trace.records if t.kind == STEP), key=lambda t: t.start_t)
+    order = [(t.step, t.layers.start) for t in steps]
+    assert order == sorted(order, key=lambda s: (s[0], -s[1])), order
+    trace.check_rules()
