@@ -4,7 +4,8 @@ Run as ``python -m tests.distributed_worker OUT_DIR`` with torchrun's variables 
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, so RoundPipe picks the group up as under torchrun.
 Each process trains on its half of every global batch of `global_data`. One pair of processes
 runs every phase, since starting one costs seconds:
-  1. sync, async, then sync with clipping, 3 steps each: the final weights go to OUT_DIR/{mode}{rank}.pt;
+  1. sync, async, then sync with clipping, 3 steps each: the final weights go to OUT_DIR/{mode}{rank}.pt,
+     and rank 0 writes the sync run's checkpoint to OUT_DIR/checkpoint;
   2. a run whose rank 1 has another learning rate: the divergence error goes to
      OUT_DIR/diverge{rank}.txt;
   3. rank 1 raises in its second forward_backward and exits; rank 0 must then fail, not hang
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 import roundpipe
+from roundpipe.checkpoint import save_checkpoint
 from tests.helpers import batches, mlp, train_steps
 
 STEPS = 3
@@ -31,8 +33,9 @@ MODES = ("sync", "async", "clip")  # clip: sync with max_grad_norm, the norm of 
 CLIP = 0.05
 
 
-def global_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return batches(STEPS, batch=GLOBAL_BATCH, seed=5)
+def global_data(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches; the first ``STEPS`` are the same for any ``steps``."""
+    return batches(steps, batch=GLOBAL_BATCH, seed=5)
 
 
 def adamw(lr: float = 1e-2) -> Any:
@@ -64,6 +67,8 @@ def train(rank: int, world: int, out: Path) -> None:
         pipe = make_pipe(mode == "async", max_grad_norm=CLIP if mode == "clip" else None)
         weights = train_steps(pipe, local_data(rank, world), nn.functional.mse_loss)
         torch.save(weights[-1], out / f"{mode}{rank}.pt")
+        if mode == "sync" and rank == 0:  # one writer: the processes' states are equal
+            save_checkpoint(pipe, out / "checkpoint", data_step=STEPS)
         pipe.close()
     pipe = make_pipe(False, lr=1e-2 if rank == 0 else 2e-2)
     try:

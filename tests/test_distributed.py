@@ -2,7 +2,7 @@
 
 What must hold: averaging each process's gradient of its half of the batch gives the weights of
 one process on the whole batch (sync and async), every process ends with bitwise-equal weights,
-weights that diverge are named, a process that fails makes the other fail soon, not hang, and
+one process resumes from their checkpoint, weights that diverge are named, a process that fails makes the other fail soon, not hang, and
 the order of the steps those collectives need changes no number.
 Both processes run every phase (tests/distributed_worker.py): starting a process costs seconds.
 """
@@ -24,8 +24,9 @@ from torch import nn
 
 from roundpipe import RoundPipe, RunConfig
 from roundpipe.assembly import schedule_options
+from roundpipe.checkpoint import load_checkpoint
 from roundpipe.sched.task import STEP
-from tests.distributed_worker import CLIP, MODES, adamw, global_data
+from tests.distributed_worker import CLIP, MODES, STEPS, adamw, global_data
 from tests.helpers import assert_weights_equal, async_reference, mlp, sync_reference, train_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +92,20 @@ def test_two_processes_equal_one_on_the_global_batch(run: dict[str, Any], mode: 
     assert_weights_equal(weights[0], run["references"][mode], rtol=1e-5)
     if mode == "clip":  # clipping acted: the norm of the averaged gradient was above CLIP
         assert not torch.allclose(weights[0]["0.weight"], run["references"]["sync"]["0.weight"])
+
+
+def test_one_process_resumes_from_a_two_process_checkpoint(run: dict[str, Any]) -> None:
+    """The processes' states are equal, so one process continues from rank 0's checkpoint as the
+    global-batch run would."""
+    config = RunConfig(
+        devices="cpu:1", num_microbatches=4, async_optimizer=False, distributed={"mode": "off"}
+    )
+    pipe = RoundPipe(mlp(seed=0), adamw(), config)
+    load_checkpoint(pipe, run["out"] / "checkpoint")
+    data = global_data(STEPS + 1)
+    weights = train_steps(pipe, data[STEPS:], nn.functional.mse_loss)[-1]
+    pipe.close()
+    assert_weights_equal(weights, sync_reference(mlp(seed=0), adamw(), data, nn.functional.mse_loss)[1][-1])
 
 
 def test_diverged_weights_are_named(run: dict[str, Any]) -> None:
