@@ -260,6 +260,7 @@ class RoundPipe:
                 "step() accumulate)"
             )
         self._stepped_at = self._iteration
+        self.runtime.collectives.step_scheduled(self._step, self._iteration - 1)  # before its tasks run
         tasks = self._builder.optimizer_step(self._step)
         self._step += 1
         self._engine.submit(tasks)

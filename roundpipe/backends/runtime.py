@@ -358,6 +358,7 @@ class Runtime:
     def g_copy(self, task: Task) -> None:
         data = self.iterations.get(task.iteration)
         self.host.g_copy(task.layers.start, data.loss_scale if data is not None else 1.0)
+        self.collectives.after_g_copy(task.iteration, task.layers.start)
 
     def grad_norm(self, task: Task) -> None:
         check = self.scaler is not None

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from roundpipe.distributed_config import DistributedConfig
 from roundpipe.errors import ConfigError, RoundPipeError
+from roundpipe.optim.comm_thread import OrderedCollectives
 from roundpipe.optim.host import HostModel
 
 
@@ -46,8 +47,14 @@ class Collectives:
     rank = 0
     world_size = 1
 
+    def step_scheduled(self, step: int, last_iteration: int) -> None:
+        """Step ``step`` (0-based) will apply the gradients of iterations up to ``last_iteration``."""
+
+    def after_g_copy(self, iteration: int, unit: int) -> None:
+        """``unit``'s G-copy of ``iteration`` ran."""
+
     def before_norm(self, step: int) -> None:
-        """Before the global gradient norm of ``step`` (0-based) is computed."""
+        """Before the global gradient norm of ``step`` is computed."""
 
     def before_step(self, step: int, unit: int) -> None:
         """Before ``unit``'s optimizer step ``step``."""
@@ -113,9 +120,15 @@ class GradientAverager(Collectives):
         self.global_rank = dist.get_rank()
         self.timeout_s = config.timeout_s
         self.check_every = config.check_every
-        self._reduced_step = -1  # the step whose gradients the grad-norm barrier averaged
         self._last_unit = host.units[0]  # steps run deepest first: the shallowest ends a step
         self._start_equal()
+        self.thread = OrderedCollectives(
+            list(reversed(host.units)),
+            self._average,
+            self.check_weights,
+            self._check_due,
+            idle_s=config.timeout_s,
+        )
 
     def _start_equal(self) -> None:
         """Every process starts from the weights of the group's first rank, as DDP does: models
@@ -141,18 +154,30 @@ class GradientAverager(Collectives):
 
     # ------------------------------------------------------------------ optimizer-lane hooks
 
+    def step_scheduled(self, step: int, last_iteration: int) -> None:
+        self.thread.step_scheduled(step, last_iteration)
+
+    def after_g_copy(self, iteration: int, unit: int) -> None:
+        self.thread.after_g_copy(iteration, unit)  # the average can start before the step task
+
     def before_norm(self, step: int) -> None:
-        for unit in self.host.units:
-            self._average(step, unit)
-        self._reduced_step = step
+        for unit in self.thread.order:
+            self.thread.ready(step, unit)
+        for unit in self.thread.order:
+            self.thread.wait("done", step, unit)
 
     def before_step(self, step: int, unit: int) -> None:
-        if self._reduced_step != step:
-            self._average(step, unit)
+        self.thread.ready(step, unit)
+        self.thread.wait("done", step, unit)
 
     def after_step(self, step: int, unit: int) -> None:
-        if unit == self._last_unit and self.check_every and (step + 1) % self.check_every == 0:
-            self.check_weights(step)
+        if unit == self._last_unit:
+            self.thread.stepped(step)
+            if self._check_due(step):
+                self.thread.wait("checked", step)
+
+    def _check_due(self, step: int) -> bool:
+        return bool(self.check_every) and (step + 1) % self.check_every == 0
 
     # ------------------------------------------------------------------ the work
 
