@@ -1,18 +1,18 @@
 """Data parallel across processes: each unit's host gradient is averaged before its step.
 
-Why on the optimizer lane, unit by unit: a unit's gradient is complete on the host once its
-G-copies for the step have run; averaging it right there, in the handler of its step (or, when a
-global gradient norm is needed first, in the grad-norm barrier), lets the devices go on with the
-other units' work while the bytes travel, and needs no new task kind. Every process then applies
-the same step to the same fp32 weights, so they stay bitwise equal; a checksum of the weights is
-compared every ``check_every`` steps so that a divergence (different code, seed, optimizer or
-config on one process) is named instead of training on silently.
+Why there: a unit's gradient is complete on the host once its last G-copy of the step has run;
+averaging it from then on (on the thread of `roundpipe.optim.comm_thread`, which keeps every
+process's collectives in one order) lets the optimizer lane step the other units and the devices
+go on with their work while the bytes travel, and needs no new task kind. The unit's step waits
+for its average (when a global gradient norm is needed, the grad-norm barrier waits for all).
+Every process then applies the same step to the same fp32 weights, so they stay bitwise equal; a
+checksum of the weights is compared every ``check_every`` steps so that a divergence (different
+code, seed, optimizer or config on one process) is named instead of training on silently.
 
-Why a dedicated gloo group: gradients live in host memory, and roundpipe's collectives run on the
-optimizer lane's thread; a group of their own keeps them from interleaving with collectives the
-user issues on the default group from other threads. Gloo matches collectives by the order they
-are issued, so the graph builder chains the steps into one order on every process
-(`ScheduleOptions.ordered_steps`).
+Why a dedicated gloo group: gradients live in host memory, and roundpipe's collectives run on a
+thread of its own; a group of their own keeps them from interleaving with collectives the
+user issues on the default group from other threads. The graph builder chains the steps deepest
+first (`ScheduleOptions.ordered_steps`), the order in which the thread averages the units.
 
 Why averaged with equal weight per process: `forward_backward` already makes each process's
 gradient the mean over its local batch, so the mean of the processes' gradients is the mean over
