@@ -107,7 +107,7 @@ class GraphBuilder:
         self._first_device = 0
         self._iterations_of_step: dict[int, list[int]] = {}
         self._last_step = first_step - 1
-        self._last_ordered: Key | None = None  # with ordered steps: the step task that ran last
+        self._last_ordered: Key | None = None  # with ordered steps: the step task scheduled last
         self._last_iteration = first_iteration - 1
         self.base_version = base_version
 
