@@ -19,9 +19,11 @@ import torch
 from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
 from roundpipe.model.sequence import LayerSequence
+from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan_eval import choose_evaluated_plan
+from roundpipe.sched.spec import ScheduleOptions
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -60,7 +62,7 @@ def make_runtime(
     from roundpipe.backends.compiling import LayerCompiler
     from roundpipe.backends.runtime import Runtime
 
-    return Runtime(
+    runtime = Runtime(
         host,
         sequence.names,
         computes_loss=sequence.computes_loss,
@@ -71,6 +73,21 @@ def make_runtime(
         chunk_bytes=config.chunk_bytes,
         compiler=LayerCompiler(config.compile, kind),
         predict_from=predict_from(config),
+    )
+    runtime.collectives = make_collectives(config.distributed, host)
+    return runtime
+
+
+def schedule_options(config: RunConfig, round_size: int | None, runtime: Runtime) -> ScheduleOptions:
+    """The task graph's knobs: a grad-norm barrier when clipping or fp16 needs the global norm,
+    and one order of the steps on every process when they average gradients."""
+    return ScheduleOptions(
+        async_optimizer=config.async_optimizer,
+        round_size=round_size,
+        chunk_bytes=config.chunk_bytes,
+        grad_norm_barrier=config.max_grad_norm is not None or runtime.scaler is not None,
+        ordered_steps=runtime.collectives.active,
+        sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from roundpipe.distributed_config import DistributedConfig
 from roundpipe.errors import ConfigError
 from roundpipe.plan.sizes import parse_bytes
 
@@ -125,6 +126,11 @@ class RunConfig(BaseModel):
         description='torch.compile the layers: "auto" compiles the decoder layers and the loss kernel of '
         "transformers models on CUDA (when triton is installed); True also every other layer and on any "
         "device; False runs everything eagerly",
+    )
+
+    distributed: DistributedConfig = Field(
+        default_factory=lambda: DistributedConfig.model_validate({}),
+        description="data parallel across processes (torch.distributed): docs/distributed.md",
     )
 
     def __init__(self, **values: Any) -> None:

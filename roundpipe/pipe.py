@@ -24,6 +24,7 @@ from roundpipe.assembly import (
     make_scaler,
     measured_costs,
     plan_for,
+    schedule_options,
 )
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
@@ -52,7 +53,7 @@ from roundpipe.plan import Plan
 from roundpipe.plan.memory import MemoryPrediction
 from roundpipe.retention import Retention
 from roundpipe.sched.engine import Engine
-from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.graph import GraphBuilder, ModelSpec
 from roundpipe.sched.trace import Trace
 from roundpipe.state import STATE_FORMAT, capture_state, check_state, compute_copy_version, restore_host
 
@@ -93,13 +94,7 @@ class RoundPipe:
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
         self.costs = estimated_costs(self.host, self._sequence.names)
         self.plan: Plan = plan_for(self.costs, self._plan_config, self.num_devices)
-        self._options = ScheduleOptions(
-            async_optimizer=config.async_optimizer,
-            round_size=self._plan_config.round_size,
-            chunk_bytes=config.chunk_bytes,
-            grad_norm_barrier=config.max_grad_norm is not None or self._scaler is not None,
-            sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
-        )
+        self._options = schedule_options(config, self._plan_config.round_size, self.runtime)
         self._iteration = 0
         self._stepped_at = 0  # the iteration count at the last step(): a step needs new gradients
         self._step = 0
@@ -264,6 +259,7 @@ class RoundPipe:
                 "step() accumulate)"
             )
         self._stepped_at = self._iteration
+        self.runtime.collectives.step_scheduled(self._step, self._iteration - 1)  # before its tasks run
         tasks = self._builder.optimizer_step(self._step)
         self._step += 1
         self._engine.submit(tasks)

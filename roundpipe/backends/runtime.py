@@ -55,6 +55,7 @@ from roundpipe.backends.tensors import (
     to_device,
 )
 from roundpipe.errors import DeviceOutOfMemoryError
+from roundpipe.optim.distributed import LOCAL, Collectives
 from roundpipe.optim.host import HostModel
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.sched.task import (
@@ -128,6 +129,7 @@ class Runtime:
         self.memory_prediction: Any = None  # the plan's, when the layers were measured (OOM messages)
         self._holds: dict[Any, list[Any]] = {}
         self._holds_lock = threading.Lock()
+        self.collectives: Collectives = LOCAL  # gradient averaging across processes, when any
 
     # ------------------------------------------------------------------ setup
 
@@ -360,9 +362,11 @@ class Runtime:
     def g_copy(self, task: Task) -> None:
         data = self.iterations.get(task.iteration)
         self.host.g_copy(task.layers.start, data.loss_scale if data is not None else 1.0)
+        self.collectives.after_g_copy(task.iteration, task.layers.start)
 
     def grad_norm(self, task: Task) -> None:
         check = self.scaler is not None
+        self.collectives.before_norm(task.step)  # the norm (and clipping) of the averaged gradient
         norm = self.host.grad_norm(self.max_grad_norm, check)
         if not check and not math.isfinite(norm) and self.non_finite_grad_norm is None:
             # Without a loss scaler nothing skips this step: remember it for whoever watches.
@@ -374,7 +378,9 @@ class Runtime:
         return self.predict_from is not None and step >= self.predict_from
 
     def step(self, task: Task) -> None:
+        self.collectives.before_step(task.step, task.layers.start)
         self.host.step(task.layers.start, remember=self._predicts(task.step))
+        self.collectives.after_step(task.step, task.layers.start)
 
     def p_copy(self, task: Task) -> None:
         self.host.p_copy(task.layers.start, predict=self._predicts(task.step))

@@ -107,6 +107,7 @@ class GraphBuilder:
         self._first_device = 0
         self._iterations_of_step: dict[int, list[int]] = {}
         self._last_step = first_step - 1
+        self._last_ordered: Key | None = None  # with ordered steps: the step task scheduled last
         self._last_iteration = first_iteration - 1
         self.base_version = base_version
 
@@ -357,8 +358,10 @@ class GraphBuilder:
         if self.options.grad_norm_barrier:
             norm_key = GradNormKey(step)
             deps: list[Key] = [GCopyKey(t, u) for t in iterations for u in self.ledgers]
+            deps += self._chained()
             tasks.append(Task(norm_key, GRAD_NORM, HOST_OPTIMIZER_LANE, deps=deps, step=step))
-        for unit, ledger in self.ledgers.items():
+        units = list(self.ledgers)
+        for index, (unit, ledger) in enumerate(self.ledgers.items()):
             if self._deferred(step - 1) and step > self.base_version:
                 tasks.append(self._p_copy(unit, ledger, step - 1))
             # Every trainable unit lies in a fused or backward stage: each iteration G-copies it.
@@ -366,6 +369,8 @@ class GraphBuilder:
             deps = rules.step_after_copies(ledger, step, g_copies)
             if norm_key is not None:
                 deps.append(norm_key)
+            if self.options.ordered_steps:  # deepest first: its gradient lands first
+                deps += [StepKey(step, units[index + 1])] if index + 1 < len(units) else self._chained()
             key = StepKey(step, unit)
             tasks.append(
                 Task(key, STEP, HOST_OPTIMIZER_LANE, deps=deps, layers=range(unit, unit + 1), step=step)
@@ -374,10 +379,17 @@ class GraphBuilder:
             ledger.step.pop(step - 2, None)
             if not self._deferred(step):
                 tasks.append(self._p_copy(unit, ledger, step))
+        if self.options.ordered_steps:
+            self._last_ordered = StepKey(step, units[0])
         return tasks
 
     def _deferred(self, step: int) -> bool:
         return rules.deferred_p_copy(step, self.options.async_optimizer, self.options.sync_steps)
+
+    def _chained(self) -> list[Key]:
+        """With ordered steps: the last step task of the previous step, which comes before."""
+        last = self._last_ordered if self.options.ordered_steps else None
+        return [last] if last is not None else []
 
     def _p_copy(self, unit: int, ledger: UnitLedger, step: int) -> Task:
         key = PCopyKey(step, unit)

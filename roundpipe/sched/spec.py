@@ -64,3 +64,6 @@ class ScheduleOptions:
     chunk_bytes: int | None = None  # split a layer's upload into parts of at most this size
     grad_norm_barrier: bool = False  # a global pass over all gradients before any step (clipping)
     sync_steps: int = 0  # async warm-up: the first steps of an async run are synchronous
+    # Steps (and grad-norm barriers) run in one order, deepest unit first, on every process: they
+    # issue collectives, which gloo matches by order (roundpipe/optim/distributed.py).
+    ordered_steps: bool = False

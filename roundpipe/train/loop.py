@@ -28,6 +28,7 @@ import torch
 from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta, save_checkpoint
 from roundpipe.errors import ConfigError
 from roundpipe.faults import fault_point
+from roundpipe.optim.distributed import several_processes
 from roundpipe.pipe import RoundPipe
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
@@ -87,6 +88,12 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
     """Train as ``config`` says; return what happened. Raises `roundpipe` errors for bad input
     (output locations included) before any work starts. See docs/train.md."""
     reporter = reporter or NullReporter()
+    if several_processes():
+        raise ConfigError(
+            "roundpipe train runs as one process: sharding its data by rank is not done yet, so every "
+            "process would train on the same data and write the same run directory; launch it without "
+            "torchrun, or drive RoundPipe from your own script under torchrun (docs/distributed.md)"
+        )
     tensorboard = check_report_to(config.report_to)
     tokenizer = build_tokenizer(config)
     data = prepare_data(config, tokenizer)

@@ -1,0 +1,151 @@
+"""Data parallel across two processes on localhost (gloo, one CPU worker each).
+
+What must hold: averaging each process's gradient of its half of the batch gives the weights of
+one process on the whole batch (sync and async), every process ends with bitwise-equal weights,
+one process resumes from their checkpoint, weights that diverge are named, a process that fails makes the other fail soon, not hang, and
+the order of the steps those collectives need changes no number.
+Both processes run every phase (tests/distributed_worker.py): starting a process costs seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import RoundPipe, RunConfig
+from roundpipe.assembly import schedule_options
+from roundpipe.checkpoint import load_checkpoint
+from roundpipe.sched.task import STEP
+from tests.distributed_worker import CLIP, MODES, STEPS, adamw, global_data
+from tests.helpers import assert_weights_equal, async_reference, mlp, sync_reference, train_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 10  # the worker's RunConfig.distributed.timeout_s
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def clipped_reference() -> dict[str, torch.Tensor]:
+    """One process on the global batch with the same clipping (its clipping is tested elsewhere)."""
+    config = RunConfig(devices="cpu:1", num_microbatches=4, async_optimizer=False, max_grad_norm=CLIP)
+    pipe = RoundPipe(mlp(seed=0), adamw(), config)
+    weights = train_steps(pipe, global_data(), nn.functional.mse_loss)[-1]
+    pipe.close()
+    return weights
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Start both processes, compute the single-process references meanwhile, wait for both."""
+    out = tmp_path_factory.mktemp("distributed")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed_worker", str(out)],
+            cwd=ROOT,
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    references = {
+        "sync": sync_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
+        "async": async_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
+        "clip": clipped_reference(),
+    }
+    logs, codes = [], []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail("a distributed worker hung for 120 s")
+        codes.append(proc.returncode)
+    return {"out": out, "logs": logs, "codes": codes, "ended": time.time(), "references": references}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_processes_equal_one_on_the_global_batch(run: dict[str, Any], mode: str) -> None:
+    out = run["out"]
+    assert (out / f"{mode}0.pt").exists(), run["logs"]
+    weights = [torch.load(out / f"{mode}{rank}.pt") for rank in range(2)]
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), f"{name} differs between the ranks"
+    assert_weights_equal(weights[0], run["references"][mode], rtol=1e-5)
+    if mode == "clip":  # clipping acted: the norm of the averaged gradient was above CLIP
+        assert not torch.allclose(weights[0]["0.weight"], run["references"]["sync"]["0.weight"])
+
+
+def test_one_process_resumes_from_a_two_process_checkpoint(run: dict[str, Any]) -> None:
+    """The processes' states are equal, so one process continues from rank 0's checkpoint as the
+    global-batch run would."""
+    config = RunConfig(
+        devices="cpu:1", num_microbatches=4, async_optimizer=False, distributed={"mode": "off"}
+    )
+    pipe = RoundPipe(mlp(seed=0), adamw(), config)
+    load_checkpoint(pipe, run["out"] / "checkpoint")
+    data = global_data(STEPS + 1)
+    weights = train_steps(pipe, data[STEPS:], nn.functional.mse_loss)[-1]
+    pipe.close()
+    assert_weights_equal(weights, sync_reference(mlp(seed=0), adamw(), data, nn.functional.mse_loss)[1][-1])
+
+
+def test_diverged_weights_are_named(run: dict[str, Any]) -> None:
+    for rank in range(2):
+        message = (run["out"] / f"diverge{rank}.txt").read_text()
+        assert "diverged after step 1" in message and "ranks [1] differ from rank 0" in message
+
+
+def test_a_failed_process_stops_the_other(run: dict[str, Any]) -> None:
+    log0, log1 = run["logs"]
+    assert run["codes"][1] != 0 and "rank 1 fails on purpose" in log1
+    assert run["codes"][0] != 0, log0
+    assert "DistributedError: rank 0" in log0 and "Another process probably stopped" in log0, log0
+    started = float((run["out"] / "failing0.txt").read_text())
+    assert run["ended"] - started < TIMEOUT_S + 20, "rank 0 took too long to stop"
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_ordered_steps_run_deepest_first_and_change_no_number(
+    monkeypatch: pytest.MonkeyPatch, one_torch_thread: None, async_optimizer: bool
+) -> None:
+    """The order every process needs for its collectives, in one process on two workers: the
+    steps of each optimizer step run one after another, deepest unit first, and the weights are
+    the reference's."""
+    import roundpipe.pipe
+
+    def ordered(*args: Any) -> Any:
+        return dataclasses.replace(schedule_options(*args), ordered_steps=True)
+
+    monkeypatch.setattr(roundpipe.pipe, "schedule_options", ordered)
+    config = RunConfig(devices="cpu:2", num_microbatches=4, async_optimizer=async_optimizer)
+    pipe = RoundPipe(mlp(seed=0), adamw(), config)
+    weights = train_steps(pipe, global_data(), nn.functional.mse_loss)[-1]
+    trace = pipe.trace()
+    pipe.close()
+    reference = async_reference if async_optimizer else sync_reference
+    assert_weights_equal(
+        weights, reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1]
+    )
+    steps = sorted((t for t in trace.records if t.kind == STEP), key=lambda t: t.start_t)
+    order = [(t.step, t.layers.start) for t in steps]
+    assert order == sorted(order, key=lambda s: (s[0], -s[1])), order
+    trace.check_rules()
