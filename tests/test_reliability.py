@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -208,7 +209,14 @@ def test_double_ctrl_c_still_saves_and_logs_every_step(
 def run_cli(env_faults: str, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), faults.ENV: env_faults, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "roundpipe.cli", *argv], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "roundpipe.cli", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # As from a terminal: a shell starts background jobs with SIGINT ignored, and Python
+        # keeps an ignored SIGINT ignored, so under `nohup ... &` Ctrl-C could not be tested.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
