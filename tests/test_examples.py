@@ -94,3 +94,15 @@ def test_inspect_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     text = capsys.readouterr().out
     assert "check_rules(): the five ordering rules hold" in text
     assert "(identical)" in text
+
+
+def test_chat_finetune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model directory with its tokenizer, conversations, LoRA with packing and an eval split,
+    the export, and generation from the exported adapters."""
+    pytest.importorskip("peft")
+    result = load_example("chat_finetune").main(["--steps", "8", "--work", str(tmp_path)])
+    assert result["last_loss"] < result["first_loss"]
+    assert result["eval_loss"] is not None
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(result["exported"])
+    assert isinstance(result["reply"], str)
+    assert json.loads(capsys.readouterr().out)["reply"] == result["reply"]
