@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import tiny_causal_lm_config
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 config file, as `roundpipe train --model` takes it."""
+    path = tmp_path_factory.mktemp("model") / "config.json"
+    tiny_causal_lm_config("qwen3", vocab=256).to_json_file(str(path))
+    return path
 
 
 @pytest.fixture

@@ -7,7 +7,9 @@ roundpipe cannot hide in them.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,3 +150,22 @@ def tiny_model_dir(path: Any, *, kind: str = "qwen3", seed: int = 0) -> Any:
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return Path(path)
+
+
+def train_args(model_config: Path, out: Path, name: str, steps: int, *extra: str) -> list[str]:
+    """`roundpipe train` argv for a tiny, fast run of the model config at ``model_config``."""
+    return [
+        "train", "--model", str(model_config), "--steps", str(steps), "--seq-len", "16",
+        "--batch-size", "4", "--microbatches", "2", "--warmup-steps", "1", "--lr", "3e-3",
+        "--devices", "cpu:1", "--out", str(out), "--name", name, *extra,
+    ]  # fmt: skip
+
+
+def metrics_logged(run: Path) -> list[dict[str, Any]]:
+    """The lines of a run directory's metrics.jsonl."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_data_step(checkpoint: Path) -> int:
+    """The data position a checkpoint resumes from."""
+    return int(json.loads((checkpoint / "meta.json").read_text())["data_step"])

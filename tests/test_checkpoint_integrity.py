@@ -14,29 +14,14 @@ from roundpipe.checkpoint_manifest import MANIFEST_FILE, ManifestMissingError, v
 from roundpipe.cli import main
 from roundpipe.errors import CheckpointError
 from roundpipe.train.keep import non_finite_message
-from tests.helpers import tiny_causal_lm_config
-
-
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "config.json"
-    tiny_causal_lm_config("qwen3", vocab=256).to_json_file(str(path))
-    return path
-
-
-def args(model_config: Path, out: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [
-        "train", "--model", str(model_config), "--steps", str(steps), "--seq-len", "16",
-        "--batch-size", "4", "--microbatches", "2", "--warmup-steps", "1", "--lr", "3e-3",
-        "--devices", "cpu:1", "--out", str(out), "--name", name, *extra,
-    ]  # fmt: skip
+from tests.helpers import train_args
 
 
 @pytest.fixture(scope="module")
 def good(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-step async run's checkpoint (it has in-flight weights too)."""
     out = tmp_path_factory.mktemp("runs")
-    assert main(args(model_config, out, "good", 2)) == 0
+    assert main(train_args(model_config, out, "good", 2)) == 0
     return out / "good" / "checkpoint"
 
 
@@ -85,7 +70,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(
 def test_good_checkpoint_verifies_and_resumes_exactly(
     model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(args(model_config, tmp_path, "full", 4, "--save-every", "2")) == 0
+    assert main(train_args(model_config, tmp_path, "full", 4, "--save-every", "2")) == 0
     middle = tmp_path / "full" / "checkpoint-2"  # the step-2 save, kept by --keep-checkpoints 2
     capsys.readouterr()
     assert main(["checkpoint", "verify", str(middle)]) == 0
@@ -131,7 +116,7 @@ def test_nan_stops_without_replacing_the_last_good_checkpoint(
     mode: str, model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A learning rate of 1e8 makes the weights NaN within a few steps, the way a real run diverges.
-    run = [*args(model_config, tmp_path, "nan", 8, "--save-every", "1", mode, "--json"), "--lr", "1e8"]
+    run = [*train_args(model_config, tmp_path, "nan", 8, "--save-every", "1", mode, "--json"), "--lr", "1e8"]
     assert main(run) == 3
     out = capsys.readouterr()
     summary = json.loads(out.out.strip().splitlines()[-1])
@@ -156,7 +141,9 @@ def test_hint_fits_the_precision() -> None:
 
 
 def test_keep_checkpoints_keeps_the_newest(model_config: Path, tmp_path: Path) -> None:
-    assert main(args(model_config, tmp_path, "k", 4, "--save-every", "1", "--keep-checkpoints", "2")) == 0
+    assert (
+        main(train_args(model_config, tmp_path, "k", 4, "--save-every", "1", "--keep-checkpoints", "2")) == 0
+    )
     run = tmp_path / "k"
     kept = sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint"))
     assert kept == ["checkpoint", "checkpoint-3"]

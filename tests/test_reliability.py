@@ -31,18 +31,11 @@ from roundpipe.optim.host import HostModel
 from roundpipe.pipe import RoundPipe
 from roundpipe.train import make_config
 from roundpipe.train.model import build_model
-from tests.helpers import tiny_causal_lm_config
+from tests.helpers import checkpoint_data_step, metrics_logged, train_args
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "config.json"
-    tiny_causal_lm_config("qwen3", vocab=256).to_json_file(str(path))
-    return path
 
 
 @pytest.fixture(autouse=True)
@@ -52,23 +45,11 @@ def disarm() -> Iterator[None]:
 
 
 def args(model_config: Path, out: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [
-        "train", "--model", str(model_config), "--steps", str(steps), "--seq-len", "16",
-        "--batch-size", "4", "--microbatches", "2", "--warmup-steps", "1", "--lr", "3e-3",
-        "--devices", "cpu:1", "--out", str(out), "--name", name, "--json", *extra,
-    ]  # fmt: skip
+    return train_args(model_config, out, name, steps, "--json", *extra)
 
 
 def summary(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
-
-
-def logged(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def data_step(checkpoint: Path) -> int:
-    return int(json.loads((checkpoint / "meta.json").read_text())["data_step"])
 
 
 # --------------------------------------------------------------------- damaged checkpoints
@@ -167,7 +148,7 @@ def test_nan_loss_at_a_chosen_step_keeps_the_last_good_checkpoint(
     assert message.startswith("loss is nan at step 3; stopped without saving")
     assert "--precision fp32" not in message and "learning rate" in message and "check --data" in message
     checkpoint = tmp_path / "nan" / "checkpoint"
-    assert data_step(checkpoint) == 2 and verify_checkpoint(checkpoint) > 0
+    assert checkpoint_data_step(checkpoint) == 2 and verify_checkpoint(checkpoint) > 0
     aside = tmp_path / "nan" / "non-finite-step-3"  # asked for: the bad state, apart
     assert verify_checkpoint(aside) > 0 and "for inspection" in out.err
 
@@ -202,8 +183,8 @@ def test_double_ctrl_c_still_saves_and_logs_every_step(
     assert main(args(model_config, tmp_path, "cc", 6, "--save-every", "2")) == 130
     out = capsys.readouterr()
     assert "again: already stopping" in out.err and "Traceback" not in out.err
-    assert [r["step"] for r in logged(tmp_path / "cc")] == [1, 2]
-    assert data_step(tmp_path / "cc" / "checkpoint") == 2
+    assert [r["step"] for r in metrics_logged(tmp_path / "cc")] == [1, 2]
+    assert checkpoint_data_step(tmp_path / "cc" / "checkpoint") == 2
 
 
 def run_cli(env_faults: str, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -230,8 +211,8 @@ def test_signals_in_a_real_process(model_config: Path, tmp_path: Path) -> None:
     assert "Task was destroyed" not in done.stderr and "Traceback" not in done.stderr
     assert "interrupted by SIGTERM at step 2/4" in done.stderr and "SIGTERM again" in done.stderr
     assert summary(done.stdout)["stop_signal"] == "SIGTERM"
-    assert [r["step"] for r in logged(tmp_path / "p")] == [1, 2]
-    assert data_step(tmp_path / "p" / "checkpoint") == 2
+    assert [r["step"] for r in metrics_logged(tmp_path / "p")] == [1, 2]
+    assert checkpoint_data_step(tmp_path / "p" / "checkpoint") == 2
     started = run_cli("SIGINT@startup", *args(model_config, tmp_path, "q", 4))
     assert (started.returncode, started.stderr) == (130, "roundpipe: interrupted\n")
     assert not (tmp_path / "q").exists()

@@ -12,16 +12,8 @@ from roundpipe.cli import main
 from roundpipe.pipe import RoundPipe
 from roundpipe.train import TrainConfig, make_config, read_config_file
 from roundpipe.train.loop import lr_factor
-from tests.helpers import tiny_causal_lm_config
 
 JSON_KEYS = {"initial_loss", "final_loss", "tokens_per_s", "bubble_ratio", "steps", "out_dir"}
-
-
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "config.json"
-    tiny_causal_lm_config("qwen3", vocab=256).to_json_file(str(path))
-    return path
 
 
 def tiny_args(model_config: Path, out: Path, name: str, steps: int = 4) -> list[str]:

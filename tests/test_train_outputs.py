@@ -10,32 +10,13 @@ from pathlib import Path
 import pytest
 
 from roundpipe.cli import main
-from tests.helpers import tiny_causal_lm_config
+from tests.helpers import checkpoint_data_step, metrics_logged, train_args
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "config.json"
-    tiny_causal_lm_config("qwen3", vocab=256).to_json_file(str(path))
-    return path
-
-
-def args(model_config: Path, out: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [
-        "train", "--model", str(model_config), "--steps", str(steps), "--seq-len", "16",
-        "--batch-size", "4", "--microbatches", "2", "--warmup-steps", "1", "--lr", "3e-3",
-        "--devices", "cpu:1", "--out", str(out), "--name", name, *extra,
-    ]  # fmt: skip
-
-
 def steps_logged(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def data_step(checkpoint: Path) -> int:
-    return int(json.loads((checkpoint / "meta.json").read_text())["data_step"])
+    return [line["step"] for line in metrics_logged(run)]
 
 
 @pytest.mark.parametrize("blocker", ["other files", "a file"])
@@ -48,7 +29,7 @@ def test_bad_export_target_fails_before_training(
     else:
         target.mkdir()
         (target / "notes.txt").write_text("mine")
-    assert main([*args(model_config, tmp_path, "x", 50), "--export", str(target)]) == 2
+    assert main([*train_args(model_config, tmp_path, "x", 50), "--export", str(target)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("roundpipe: error: --export") and str(target) in err and err.count("\n") == 1
     assert not (tmp_path / "x").exists()  # nothing trained, nothing written
@@ -58,7 +39,7 @@ def test_run_directory_under_a_file_fails_before_training(
     model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "runs").write_text("a file where the runs should go")
-    assert main(args(model_config, tmp_path / "runs", "x", 50)) == 2
+    assert main(train_args(model_config, tmp_path / "runs", "x", 50)) == 2
     err = capsys.readouterr().err
     assert "run directory" in err and "is a file" in err and "Traceback" not in err
 
@@ -67,7 +48,8 @@ def test_export_command_matches_train_export(
     model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert (
-        main([*args(model_config, tmp_path, "e", 2, "--lora-r", "2"), "--export", str(tmp_path / "a")]) == 0
+        main([*train_args(model_config, tmp_path, "e", 2, "--lora-r", "2"), "--export", str(tmp_path / "a")])
+        == 0
     )
     checkpoint = tmp_path / "e" / "checkpoint"
     assert main(["export", str(checkpoint), str(tmp_path / "b")]) == 0
@@ -90,7 +72,7 @@ def test_export_command_matches_train_export(
 def test_resuming_an_older_copy_continues_in_a_new_run_directory(
     model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(args(model_config, tmp_path, "r", 4, "--save-every", "2")) == 0
+    assert main(train_args(model_config, tmp_path, "r", 4, "--save-every", "2")) == 0
     run = tmp_path / "r"
     older = run / "checkpoint-2"
     newest = (run / "checkpoint" / "manifest.json").read_bytes()
@@ -101,7 +83,7 @@ def test_resuming_an_older_copy_continues_in_a_new_run_directory(
     assert summary["out_dir"] == str(fresh) and "newer than this checkpoint" in out.err
     assert (run / "checkpoint" / "manifest.json").read_bytes() == newest  # the newer run is untouched
     assert steps_logged(run) == [1, 2, 3, 4] and steps_logged(fresh) == [1, 2, 3, 4, 5]
-    assert data_step(fresh / "checkpoint") == 5
+    assert checkpoint_data_step(fresh / "checkpoint") == 5
     # Resuming the new run's own checkpoint continues there.
     assert main(["train", "--resume", str(fresh / "checkpoint"), "--steps", "6", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out_dir"] == str(fresh)
@@ -110,13 +92,13 @@ def test_resuming_an_older_copy_continues_in_a_new_run_directory(
 def test_overwrite_replaces_the_newer_run_and_keeps_its_metrics_aside(
     model_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(args(model_config, tmp_path, "o", 4, "--save-every", "2")) == 0
+    assert main(train_args(model_config, tmp_path, "o", 4, "--save-every", "2")) == 0
     run = tmp_path / "o"
     copy = tmp_path / "copy-2"
     shutil.copytree(run / "checkpoint-2", copy)
     assert main(["train", "--resume", str(copy), "--steps", "3", "--overwrite"]) == 0
     assert "--overwrite" in capsys.readouterr().out
-    assert data_step(run / "checkpoint") == 3 and steps_logged(run) == [1, 2, 3]
+    assert checkpoint_data_step(run / "checkpoint") == 3 and steps_logged(run) == [1, 2, 3]
     replaced = (run / "metrics.replaced.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in replaced] == [3, 4]  # never cut: kept aside
-    assert not (run / "checkpoint-4").exists() and data_step(run / "checkpoint-2") == 2
+    assert not (run / "checkpoint-4").exists() and checkpoint_data_step(run / "checkpoint-2") == 2
