@@ -62,7 +62,73 @@ def _code_of(frames: list[dict]) -> str:
     return _frame_of(frames)
 
 
-def live_at_peak(snapshot: dict) -> dict[str, object]:
+class TaskLog:
+    """Which task issued what: every `Runtime.run` and `Runtime.finish` with the device's allocated
+    bytes before and after (issue order on the host is stream order on the device), and which
+    task's upload made each uploaded tensor (by address), to name the uploads alive at the peak."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import roundpipe.backends.runtime as runtime_module
+
+        self.events: list[tuple[str, str, str, int, int]] = []
+        self.uploads: dict[int, str] = {}
+        self._local = threading.local()
+        runtime_cls = runtime_module.Runtime
+        original_run, original_finish = runtime_cls.run, runtime_cls.finish
+        original_to_device = runtime_module.to_device
+        log = self
+
+        def run(runtime, task):  # type: ignore[no-untyped-def]
+            before = torch.cuda.memory_allocated(0)
+            log._local.task = f"{task.kind} {task.key}"
+            try:
+                return original_run(runtime, task)
+            finally:
+                log.events.append(
+                    (
+                        threading.current_thread().name,
+                        task.kind,
+                        str(task.key),
+                        before,
+                        torch.cuda.memory_allocated(0),
+                    )
+                )
+
+        def finish(runtime, task, *, failed=False):  # type: ignore[no-untyped-def]
+            before = torch.cuda.memory_allocated(0)
+            original_finish(runtime, task, failed=failed)
+            log.events.append(("waiter", "finish", str(task.key), before, torch.cuda.memory_allocated(0)))
+
+        def to_device(obj, device, non_blocking=False):  # type: ignore[no-untyped-def]
+            out = original_to_device(obj, device, non_blocking)
+            stack = [out]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, torch.Tensor):
+                    self.uploads[item.data_ptr()] = getattr(log._local, "task", "?")
+                elif isinstance(item, dict):
+                    stack.extend(item.values())
+                elif isinstance(item, list | tuple):
+                    stack.extend(item)
+            return out
+
+        runtime_cls.run, runtime_cls.finish = run, finish  # type: ignore[method-assign]
+        runtime_module.to_device = to_device  # type: ignore[assignment]
+
+    def around_peak(self, count: int = 120) -> list[str]:
+        """The task events before the highest allocated figure the log saw."""
+        if not self.events:
+            return []
+        top = max(range(len(self.events)), key=lambda i: self.events[i][4])
+        rows = self.events[max(0, top - count) : top + 10]
+        return [
+            f"{t[0][:12]:12} {t[1]:10} {t[2]:40} {t[3] / 2**30:6.2f} -> {t[4] / 2**30:6.2f}" for t in rows
+        ]
+
+
+def live_at_peak(snapshot: dict, uploads: dict[int, str] | None = None) -> dict[str, object]:
     """Replay the device trace; at the peak of live bytes, group the live blocks by the task kind
     that made them, by roundpipe frame, and by the innermost line outside torch."""
     live: dict[int, tuple[int, list[dict]]] = {}
@@ -87,8 +153,13 @@ def live_at_peak(snapshot: dict) -> dict[str, object]:
         top = sorted(groups.items(), key=lambda kv: -kv[1])[:30]
         return {k: round(v / 2**30, 3) for k, v in top}
 
+    by_upload: dict[str, int] = {}
+    for addr, (size, _frames) in at_peak.items():
+        if uploads and addr in uploads:
+            by_upload[uploads[addr]] = by_upload.get(uploads[addr], 0) + size
     return {
         "peak_live_gib": peak / 2**30,
+        "uploads_alive_mib": {k: round(v / 2**20, 1) for k, v in sorted(by_upload.items())},
         "by_task_gib": grouped(_task_of),
         "by_frame_gib": grouped(_frame_of),
         "by_code_gib": grouped(_code_of),
@@ -119,6 +190,7 @@ def main() -> None:
         memory_budget=args.budget,
         compile={"auto": "auto", "on": True, "off": False}[args.compile],
     )
+    log = TaskLog()
     torch.cuda.memory._record_memory_history(max_entries=200_000, context="alloc", stacks="python")
     summary: dict[str, object] = {"args": vars(args) | {"out": str(args.out)}}
     pipe = None
@@ -140,7 +212,8 @@ def main() -> None:
     summary["measured_peak_gib"] = torch.cuda.max_memory_allocated(0) / 2**30
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    summary["live_at_peak"] = live_at_peak(snapshot)
+    summary["live_at_peak"] = live_at_peak(snapshot, log.uploads)
+    summary["tasks_before_peak"] = log.around_peak()
     args.out.mkdir(parents=True, exist_ok=True)
     with gzip.open(args.out / "snapshot.pickle.gz", "wb") as f:
         pickle.dump(snapshot, f)
