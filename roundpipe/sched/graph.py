@@ -244,7 +244,9 @@ class GraphBuilder:
             saved_by=saved_by,
             read_by=read_by,
             two_runs_back=history[-2] if len(history) >= 2 else None,
-            previous_forward_done=self._device_forward_done.get(run.device) if self.num_devices == 1 else None,
+            previous_forward_done=self._device_forward_done.get(run.device)
+            if self.num_devices == 1
+            else None,
         )
 
     def _microbatch_chains(self, run: StageRun, param_keys: list[Key], built: IterationInProgress) -> Key:
