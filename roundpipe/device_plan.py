@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -161,8 +161,16 @@ def plan_from(
     from roundpipe.plan.memory import predict_peak
 
     def make_plan(limit: int | None) -> Plan:
+        # A layer whose bound alone exceeds a stage's share (an LM head with its logits and
+        # gradients) is still a stage of its own: the exact prediction judges it, and capping it
+        # lets the search keep cutting the other stages smaller.
+        capped = (
+            costs
+            if limit is None
+            else replace(costs, mem_bytes=tuple(min(b, limit // 2) for b in costs.mem_bytes))
+        )
         return choose_evaluated_plan(
-            costs,
+            capped,
             num_devices,
             config.num_microbatches,
             limit,
