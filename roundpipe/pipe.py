@@ -326,12 +326,9 @@ class RoundPipe:
             if refined is None:
                 return
             self._replanned = True
-            previous = self._device_plan
-            self._use_device_plan(
-                plan_from(
-                    self._plan_config, refined, previous.memory, self.num_devices, previous.budget_bytes
-                )
-            )
+            old = self._device_plan  # its kind: on CUDA the re-plan keeps the allocator's headroom too
+            args = (old.memory, self.num_devices, old.budget_bytes, old.kind)
+            self._use_device_plan(plan_from(self._plan_config, refined, *args))
             return
         costs = measured_costs(self.runtime.times.fwd_ms, self.costs)
         if costs is None:

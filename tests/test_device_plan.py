@@ -120,3 +120,34 @@ def test_a_head_larger_than_half_the_budget_still_leaves_small_stages_beside_it(
     device_plan = plan_from(config, costs, mem, 1, budget, kind="cuda")
     assert device_plan.prediction.fits(planning_budget(budget, "cuda"))
     assert device_plan.plan.fused == range(n - 1, n)  # the head alone
+
+
+def test_the_replan_keeps_the_device_kind_and_so_its_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The re-plan after the first iteration plans for the same kind of device as the first plan:
+    on CUDA that is the planning budget with the allocator's headroom (a re-plan made without it
+    chose a plan predicted at 3.78 GiB under a 4 GiB budget on an H200, where 3.5 GiB is the
+    planning budget)."""
+    import dataclasses
+
+    import roundpipe.pipe as pipe_module
+
+    config = roundpipe.RunConfig(
+        devices="cpu:2", num_microbatches=4, async_optimizer=False, memory_budget="1GiB"
+    )
+    seen: list[str] = []
+    real_plan_from = pipe_module.plan_from
+
+    def recording_plan_from(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(args[5] if len(args) > 5 else kwargs.get("kind", "cpu"))
+        return real_plan_from(*args, **kwargs)
+
+    data = batches(3)
+    with roundpipe.RoundPipe(_wide_mlp(), optimizer=sgd, config=config) as pipe:
+        train_steps(pipe, data[:1], mse)  # measures the layers and makes the first plan
+        assert pipe._device_plan is not None
+        pipe._device_plan = dataclasses.replace(pipe._device_plan, kind="cuda")
+        pipe._replanned = False  # the first step's housekeeping re-planned already: once more
+        monkeypatch.setattr(pipe_module, "plan_from", recording_plan_from)
+        monkeypatch.setattr(pipe_module, "refined_costs", lambda trace, costs: costs)
+        train_steps(pipe, data[1:], mse)
+    assert seen == ["cuda"]
