@@ -173,6 +173,8 @@ def run_roundpipe(
     config = make_config(workload, mode, args)
     data = make_batch(workload)
     optimizers: list[str] = []
+    # What an earlier configuration of this process left on the device (should be nothing).
+    at_start = {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 2**30, 3) for i in indices}
     reset_peaks(indices)
     times: list[float] = []
     losses: list[float] = []
@@ -205,6 +207,7 @@ def run_roundpipe(
         "step_s_median": round(step_s, 4),
         "peak_gib": peaks,
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
+        "allocated_at_start_gib": at_start,
         **predicted,
         "slots": plan.num_slots,
         "plan": str(plan).splitlines()[0],
@@ -261,6 +264,9 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
     lines = []
     for mode, model, build_s in _models(workload, args):
         started = time.perf_counter()
+        before = {
+            f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 2**30, 3) for i in cuda_indices(args.devices)
+        }
         try:
             if model is None:
                 raise RuntimeError(f"building the {workload.name} model failed (traceback above)")
@@ -270,7 +276,9 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
             ours = {
                 "error": f"{type(exc).__name__}: {str(exc)[:800]}",
                 "peak_gib": device_memory(cuda_indices(args.devices)),
+                "allocated_before_gib": before,
             }
+            del exc
         finally:
             del model
             _release_memory()
