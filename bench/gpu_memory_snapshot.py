@@ -116,6 +116,12 @@ class TaskLog:
 
         runtime_cls.run, runtime_cls.finish = run, finish  # type: ignore[method-assign]
         runtime_module.to_device = to_device  # type: ignore[assignment]
+        self._originals = (runtime_module, original_run, original_finish, original_to_device)
+
+    def restore(self) -> None:
+        module, run, finish, to_device = self._originals
+        module.Runtime.run, module.Runtime.finish = run, finish
+        module.to_device = to_device
 
     def around_peak(self, count: int = 120) -> list[str]:
         """The task events before the highest allocated figure the log saw."""

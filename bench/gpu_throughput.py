@@ -17,8 +17,10 @@ error and the run goes on: this script must never lose the figures of the other 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -270,7 +272,8 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
         try:
             if model is None:
                 raise RuntimeError(f"building the {workload.name} model failed (traceback above)")
-            ours = run_roundpipe(workload, mode, args, model)
+            with memory_history(f"{workload.name}-{mode}"):
+                ours = run_roundpipe(workload, mode, args, model)
         except Exception as exc:  # one failed configuration must not lose the others' figures
             traceback.print_exc()
             ours = {
@@ -286,6 +289,33 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
         ours["build_s"] = build_s
         lines.append(_line(workload, mode, args, ours, plain))
     return lines
+
+
+@contextlib.contextmanager
+def memory_history(name: str) -> Iterator[None]:
+    """With ``ROUNDPIPE_BENCH_SNAPSHOT=DIR``: the allocator's history of this configuration and a
+    task log, summarised at the peak into DIR/NAME.json (`gpu_memory_snapshot`), also when it
+    fails: an out-of-memory the snapshot script does not reproduce is explained where it happens."""
+    out = os.environ.get("ROUNDPIPE_BENCH_SNAPSHOT")
+    if not out or not torch.cuda.is_available():
+        yield
+        return
+    from gpu_memory_snapshot import TaskLog, live_at_peak
+
+    log = TaskLog()
+    torch.cuda.memory._record_memory_history(max_entries=300_000, context="alloc", stacks="python")
+    try:
+        yield
+    finally:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        log.restore()
+        summary = {
+            "live_at_peak": live_at_peak(snapshot, log.uploads),
+            "tasks_before_peak": log.around_peak(),
+        }
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
 def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str, Any, float]]:
