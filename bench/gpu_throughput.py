@@ -210,6 +210,11 @@ def run_roundpipe(
         "peak_gib": peaks,
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
         "allocated_at_start_gib": at_start,
+        # Allocations the caching allocator could only serve after freeing its cache (each one
+        # synchronizes the device): a budget tight enough to make them frequent costs speed.
+        "alloc_retries": {
+            f"cuda:{i}": torch.cuda.memory_stats(i).get("num_alloc_retries", 0) for i in indices
+        },
         **predicted,
         "slots": plan.num_slots,
         "plan": str(plan).splitlines()[0],
