@@ -68,10 +68,14 @@ def build_graph(
     iterations: int,
     async_optimizer: bool,
     round_size: int | None = None,
+    *,
+    lean: bool = True,
 ) -> ReplayGraph:
     """The tasks `GraphBuilder` makes for ``iterations`` chained iterations, each followed by its
-    optimizer step, in `run_fake`'s submission batches (an iteration's graph, then its step)."""
-    builder = _Builder(plan, costs, num_devices, num_microbatches, async_optimizer)
+    optimizer step, in `run_fake`'s submission batches (an iteration's graph, then its step).
+    ``lean`` leaves out dependencies that never decide anything (see `_Builder._uploads`);
+    ``lean=False`` gives exactly `GraphBuilder`'s edges."""
+    builder = _Builder(plan, costs, num_devices, num_microbatches, async_optimizer, lean)
     first_device = 0
     for it in range(iterations):
         runs, first_device = dispatch(
@@ -105,8 +109,11 @@ class _Ledger:
 class _Builder:
     """`GraphBuilder.forward_backward` and `optimizer_step`, on numbers (see the module docstring)."""
 
-    def __init__(self, plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, asynch: bool):
+    def __init__(
+        self, plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, asynch: bool, lean: bool
+    ):
         self.plan = plan
+        self.lean = lean
         self.graph = ReplayGraph(num_devices)
         self.asynch = asynch
         self.m = num_microbatches
@@ -158,6 +165,15 @@ class _Builder:
             ledger.readers.setdefault(version, []).append(key)
         return keys
 
+    def _uploads(self, params: list[int], before: list[int]) -> list[int]:
+        """A run's compute (a backward run's recompute) after its parameter uploads and the run's
+        previous one. Lean graphs leave the uploads out after the first microbatch: the previous
+        compute waited for them, so they are met before it started and never decide when a task
+        is ready (a compute waits for every upload: most of a graph's edges)."""
+        if not before:
+            return params
+        return before[-1:] if self.lean else [*params, before[-1]]
+
     def _chains(self, run: SlotRun, params: list[int], two_back: int) -> int:
         """A forward or fused run: per microbatch act_up, compute, act_down."""
         add, d, slot = self.graph.add, 3 * run.device, run.slot.index
@@ -169,7 +185,7 @@ class _Builder:
             if ahead >= 0:
                 deps.append(ahead)
             up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
-            compute = add(d + COMPUTE_RES, MID, ms, [up, *params, *computes[-1:]])
+            compute = add(d + COMPUTE_RES, MID, ms, [up, *self._uploads(params, computes)])
             self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [compute])
             computes.append(compute)
         self.computes += computes
@@ -190,7 +206,7 @@ class _Builder:
             if read_by >= 0:
                 deps.append(self.act_up[read_by][mb])
             up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
-            recompute = add(d + COMPUTE_RES, MID, recompute_ms, [up, *params, *backwards[-1:]])
+            recompute = add(d + COMPUTE_RES, MID, recompute_ms, [up, *self._uploads(params, backwards)])
             grad = add(d + H2D_RES, HIGH, 0.0, [self.act_down[slot - 1][mb], *flow])
             backward = add(d + COMPUTE_RES, MID, ms, [recompute, grad])
             self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [backward])

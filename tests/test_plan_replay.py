@@ -71,7 +71,7 @@ def test_the_flat_graph_is_the_engine_graph(
 ) -> None:
     for asynch in (False, True):
         batches = engine_graph(plan, costs, n, m, rs, asynch)
-        graph = build_graph(plan, costs, n, m, 6 if asynch else 1, asynch, rs)
+        graph = build_graph(plan, costs, n, m, 6 if asynch else 1, asynch, rs, lean=False)
         tasks = [t for batch in batches for t in batch]
         assert graph.batches == [sum(len(b) for b in batches[: i + 1]) for i in range(len(batches))]
         seq = {t.key: i for i, t in enumerate(tasks)}
