@@ -96,39 +96,46 @@ def stream_ms(
     ready: list[list[int]] = [[] for _ in range(num_devices)]
     busy = [False] * num_devices
     start = [0.0] * len(duration)
-    # (time, hops, -1 for a compute that ends, else a task one of whose dependencies is met, task)
-    events: list[tuple[float, int, int, int]] = []
+    # Computes that end: (time, task). Dependencies met after the transfers in between (hops) come
+    # at the time of the compute they follow, after every compute ending then, by (hops, task):
+    # they wait in `met` as hops * K + task.
+    ends: list[tuple[float, int]] = []
+    met: list[int] = []
+    k = len(duration)
+    heappush, heappop = heapq.heappush, heapq.heappop
     for t, left in enumerate(unmet):
         if not left:
-            heapq.heappush(ready[device[t]], t)
+            heappush(ready[device[t]], t)
     now = 0.0
     touched = list(range(num_devices))
     while True:
         for d in touched:
             if not busy[d] and ready[d]:
-                t = heapq.heappop(ready[d])
+                t = heappop(ready[d])
                 busy[d] = True
                 start[t] = now
-                heapq.heappush(events, (now + duration[t], 0, -1, t))
-        if not events:
-            break
-        now, _, what, t = heapq.heappop(events)
+                heappush(ends, (now + duration[t], t))
         touched = []
-        if what >= 0:  # a dependency met after the transfers in between
+        if ends and (ends[0][0] == now or not met):
+            now, t = heappop(ends)
+        elif met:
+            t = heappop(met) % k
             unmet[t] -= 1
             if not unmet[t]:
-                heapq.heappush(ready[device[t]], t)
+                heappush(ready[device[t]], t)
                 touched.append(device[t])
             continue
+        else:
+            break
         busy[device[t]] = False
         touched.append(device[t])
         for u, hops in after[t]:
             if hops:
-                heapq.heappush(events, (now, hops, u, u))
+                heappush(met, hops * k + u)
                 continue
             unmet[u] -= 1
             if not unmet[u]:
-                heapq.heappush(ready[device[u]], u)
+                heappush(ready[device[u]], u)
                 touched.append(device[u])
     if window is None:
         return now

@@ -65,9 +65,9 @@ def choose_plan(
     """
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
-    fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
-    cap = None if mem_limit_bytes is None else mem_limit_bytes // 2
-    chains = _candidates.EvenChains(_search.Ticks(fwd, fb, costs.mem_bytes, cap))  # splits shared
+    if costs.num_layers > max(STEADY_SEARCH_MAX_LAYERS, EVALUATE_MAX_LAYERS):
+        return base  # neither the steady search nor an evaluation
+    chains = _even_chains(costs, mem_limit_bytes)  # one cache of splits for both
     if async_optimizer and costs.num_layers <= STEADY_SEARCH_MAX_LAYERS:
         steady = _steady_plan(chains, base, num_microbatches, round_size, costs)
         if steady != base:
@@ -111,6 +111,13 @@ def spread(plan: Plan) -> float:
 
 def _stages(plan: Plan) -> tuple[tuple[range, ...], range, tuple[range, ...]]:
     return plan.fwd_stages, plan.fused, plan.bwd_stages
+
+
+def _even_chains(costs: LayerCosts, mem_limit_bytes: int | None) -> _candidates.EvenChains:
+    """Even chains over ``costs`` (in ticks), each stage within the memory rule's cap."""
+    fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
+    cap = None if mem_limit_bytes is None else mem_limit_bytes // 2
+    return _candidates.EvenChains(_search.Ticks(fwd, fb, costs.mem_bytes, cap))
 
 
 def _steady_plan(
