@@ -93,6 +93,23 @@ def stream_ms(
     ``weight_waits[i]`` (async runs): the slots whose gradients slot i's weights wait for, two
     iterations back (the backward and fused slots that hold slot i's layers)."""
     duration, device, unmet, after, run_start = _build(slot_ms, num_devices, rounds, iterations, weight_waits)
+    now, start = _list_schedule(duration, device, unmet, after, num_devices)
+    if window is None:
+        return now
+    per = len(rounds) * len(slot_ms)
+    a, b = window
+    return (start[run_start[b * per]] - start[run_start[a * per]]) / (b - a)
+
+
+def _list_schedule(
+    duration: list[float],
+    device: list[int],
+    unmet: list[int],
+    after: list[list[tuple[int, int]]],
+    num_devices: int,
+) -> tuple[float, list[float]]:
+    """Run the tasks of `_build`: a free device starts its ready task first in dispatch order.
+    Returns when the last ends and when each started."""
     ready: list[list[int]] = [[] for _ in range(num_devices)]
     busy = [False] * num_devices
     start = [0.0] * len(duration)
@@ -137,11 +154,7 @@ def stream_ms(
             if not unmet[u]:
                 heappush(ready[device[u]], u)
                 touched.append(device[u])
-    if window is None:
-        return now
-    per = len(rounds) * len(slot_ms)
-    a, b = window
-    return (start[run_start[b * per]] - start[run_start[a * per]]) / (b - a)
+    return now, start
 
 
 def weight_waits(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> list[list[int]]:
