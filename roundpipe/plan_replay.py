@@ -22,7 +22,7 @@ rule on it:
   (per iteration its graph, then its optimizer step), idle resources starting after each batch.
 
 So a compute task starts here exactly when it starts in the engine. `tests/test_plan_replay.py`
-checks the graph task for task against `GraphBuilder` (kinds, resources, priorities, dependencies,
+checks the graph task for task against `GraphBuilder` (resources, priorities, dependencies,
 durations) and the iteration times against the engine on sync and async shapes of every dispatch
 kind. Anything outside that configuration (transfer or optimizer costs, memory budgets) must go
 to the engine: this module has no notion of bytes. It never imports the scheduler or torch.
