@@ -28,7 +28,7 @@ Prints one JSON line per profile and mode:
       one iteration; async: iterations 2-6 of a chained run of 6), analytic N(N-1)/(M*S+N(N-1)) of
       the chosen S (sync), ok (sync: bubble <= analytic + 1.5 points; async: < 3% at (8, 16)),
       iteration_ms, proxy_ms (the plan chosen without evaluation), planning_ms.
-    python bench/schedule.py --grid [--layers 24 28] [--modes sync]
+    python bench/schedule.py --grid [--layers 24 28] [--modes sync] [--devices 8] [--evaluations 8]
 """
 
 from __future__ import annotations
@@ -107,13 +107,22 @@ def measure(plan: Plan, costs: LayerCosts, n: int, m: int, async_optimizer: bool
 
 
 def grid_row(
-    layers: int, ratio: float, head: float, n: int, m: int, async_optimizer: bool
+    layers: int,
+    ratio: float,
+    head: float,
+    n: int,
+    m: int,
+    async_optimizer: bool,
+    evaluations: int | None = None,
 ) -> dict[str, object]:
-    """One shape and mode of the grid, planned as RoundPipe plans it."""
+    """One shape and mode of the grid, planned as RoundPipe plans it (``evaluations``: as many
+    plans timed, instead of `choose_plan`'s default)."""
     costs = grid_costs(layers, ratio, head)
     evaluate = engine_evaluator(costs, n, m, async_optimizer=async_optimizer)
     start = time.perf_counter()
-    plan = choose_plan(costs, n, m, async_optimizer=async_optimizer, evaluate=evaluate)
+    plan = choose_plan(
+        costs, n, m, async_optimizer=async_optimizer, evaluate=evaluate, evaluations=evaluations
+    )
     planning_ms = (time.perf_counter() - start) * 1e3
     proxy = choose_plan(costs, n, m, async_optimizer=async_optimizer)
     bubble, iteration_ms = measure(plan, costs, n, m, async_optimizer)
@@ -144,10 +153,11 @@ def grid_row(
 
 
 def grid(args: argparse.Namespace) -> None:
+    devices = [nm for nm in GRID_DEVICES if args.devices is None or nm[0] in args.devices]
     for layers, ratio, head, (n, m), mode in itertools.product(
-        args.layers, GRID_BWD_RATIOS, GRID_HEADS, GRID_DEVICES, args.modes
+        args.layers, GRID_BWD_RATIOS, GRID_HEADS, devices, args.modes
     ):
-        print(json.dumps(grid_row(layers, ratio, head, n, m, mode == "async")), flush=True)
+        print(json.dumps(grid_row(layers, ratio, head, n, m, mode == "async", args.evaluations)), flush=True)
 
 
 def tables(path: str) -> None:
@@ -210,6 +220,8 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, nargs="+", default=list(GRID_LAYERS), help="grid layer counts")
     parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    parser.add_argument("--devices", type=int, nargs="+", choices=[8, 4, 2], help="grid (N, M) by N")
+    parser.add_argument("--evaluations", type=int, help="plans choose_plan times (default: its own)")
     parser.add_argument("--tables", metavar="GRID_JSONL", help="print the docs tables of a --grid output")
     args = parser.parse_args()
     if args.tables:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
-from operator import sub
+from operator import neg, sub
 from typing import TYPE_CHECKING
 
 from roundpipe.plan._steady import steady_bound, steady_period
@@ -68,24 +68,42 @@ def balanced_split(
         out: list[range] = []
         i = 0
         for left in range(parts, 1, -1):
-            j_max = min(nxt(i, t), stop - (left - 1))
+            j_max = min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i], stop - left + 1)  # nxt
             j_min = i + 1
-            while cover[j_min] > left - 1:
+            while cover[j_min] >= left:
                 j_min += 1  # a shorter part would leave the rest more than left-1 parts
             goal = remaining[0] if remaining else (pre[stop] - pre[i]) / left
             j = _nearest(pre, i, goal, j_min, j_max)
             if remaining:  # this part used up the target nearest to what it got
-                got = pre[j] - pre[i]
-                remaining.remove(min(remaining, key=lambda w: abs(w - got)))
+                del remaining[_nearest_target(remaining, pre[j] - pre[i], descending)]
             out.append(range(i, j))
             i = j
         out.append(range(i, stop))
         return out
 
     # Even parts first; then the same sizes again, in order (largest first, or last).
+    descending = not larger_last
     even = cut(None)
     sizes = sorted((pre[r.stop] - pre[r.start] for r in even), reverse=not larger_last)
     return cut(sizes)
+
+
+def _nearest_target(targets: list[float], got: float, descending: bool) -> int:
+    """Where in ``targets`` (sorted, descending or not) the value nearest ``got`` is, the first in
+    list order on ties: ``min(range(len(targets)), key=lambda k: abs(targets[k] - got))`` by
+    bisection (only the two values around ``got`` can be nearest)."""
+    if descending:
+        at = bisect_left(targets, -got, key=neg)  # the first value <= got
+    else:
+        at = bisect_left(targets, got)  # the first value >= got
+    best = at if at < len(targets) else at - 1
+    if at > 0:
+        before = at - 1
+        while before > 0 and targets[before - 1] == targets[before]:
+            before -= 1  # the first of equal values
+        if abs(targets[before] - got) <= abs(targets[best] - got):
+            best = before
+    return best
 
 
 def _nearest(pre: Sequence[int], i: int, goal: float, j_min: int, j_max: int) -> int:
@@ -229,18 +247,20 @@ def balanced_fused(chains: EvenChains, slot_counts: Iterable[int]) -> Iterable[E
             yield from chains.plans(s_count, q)
 
 
-def steady_search(ticks: Ticks, num_devices: int, rounds: Sequence[int]) -> Stages | None:
+def steady_search(
+    ticks: Ticks, num_devices: int, rounds: Sequence[int], chains: EvenChains | None = None
+) -> Stages | None:
     """The plan with the shortest modelled async iteration (`steady_period`), or None.
 
     Candidates: every fused suffix that fits memory and is not slower than the spread allows; every
     slot count S from N (fewer slots leave devices idle in every round; more if memory needs them)
     up to 2N more; even chains (`EvenChains.plans`); and no fused stage slower than all the others.
     Ties go to fewer slots, then to a longer fused stage. `steady_bound` orders the candidates, so
-    most are never timed exactly.
+    most are never timed exactly. ``chains`` (over ``ticks``) shares its splits with the caller.
     """
     n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
     total = fwd[n] + fb[n]  # an upper bound of any plan's work (everything recomputed)
-    chains = EvenChains(ticks)
+    chains = chains if chains is not None else EvenChains(ticks)
     # From N (or the fewest slots memory allows) up to 2N more: beyond, stages only get smaller
     # while the transfers per slot (not in the model) grow.
     lowest = max(num_devices, ticks.probe(ticks.t_top)[0])

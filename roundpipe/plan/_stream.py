@@ -93,48 +93,68 @@ def stream_ms(
     ``weight_waits[i]`` (async runs): the slots whose gradients slot i's weights wait for, two
     iterations back (the backward and fused slots that hold slot i's layers)."""
     duration, device, unmet, after, run_start = _build(slot_ms, num_devices, rounds, iterations, weight_waits)
-    ready: list[list[int]] = [[] for _ in range(num_devices)]
-    busy = [False] * num_devices
-    start = [0.0] * len(duration)
-    # (time, hops, -1 for a compute that ends, else a task one of whose dependencies is met, task)
-    events: list[tuple[float, int, int, int]] = []
-    for t, left in enumerate(unmet):
-        if not left:
-            heapq.heappush(ready[device[t]], t)
-    now = 0.0
-    touched = list(range(num_devices))
-    while True:
-        for d in touched:
-            if not busy[d] and ready[d]:
-                t = heapq.heappop(ready[d])
-                busy[d] = True
-                start[t] = now
-                heapq.heappush(events, (now + duration[t], 0, -1, t))
-        if not events:
-            break
-        now, _, what, t = heapq.heappop(events)
-        touched = []
-        if what >= 0:  # a dependency met after the transfers in between
-            unmet[t] -= 1
-            if not unmet[t]:
-                heapq.heappush(ready[device[t]], t)
-                touched.append(device[t])
-            continue
-        busy[device[t]] = False
-        touched.append(device[t])
-        for u, hops in after[t]:
-            if hops:
-                heapq.heappush(events, (now, hops, u, u))
-                continue
-            unmet[u] -= 1
-            if not unmet[u]:
-                heapq.heappush(ready[device[u]], u)
-                touched.append(device[u])
+    now, start = _list_schedule(duration, device, unmet, after, num_devices)
     if window is None:
         return now
     per = len(rounds) * len(slot_ms)
     a, b = window
     return (start[run_start[b * per]] - start[run_start[a * per]]) / (b - a)
+
+
+def _list_schedule(
+    duration: list[float],
+    device: list[int],
+    unmet: list[int],
+    after: list[list[tuple[int, int]]],
+    num_devices: int,
+) -> tuple[float, list[float]]:
+    """Run the tasks of `_build`: a free device starts its ready task first in dispatch order.
+    Returns when the last ends and when each started."""
+    ready: list[list[int]] = [[] for _ in range(num_devices)]
+    busy = [False] * num_devices
+    start = [0.0] * len(duration)
+    # Computes that end: (time, task). Dependencies met after the transfers in between (hops) come
+    # at the time of the compute they follow, after every compute ending then, by (hops, task):
+    # they wait in `met` as hops * K + task.
+    ends: list[tuple[float, int]] = []
+    met: list[int] = []
+    k = len(duration)
+    heappush, heappop = heapq.heappush, heapq.heappop
+    for t, left in enumerate(unmet):
+        if not left:
+            heappush(ready[device[t]], t)
+    now = 0.0
+    touched = list(range(num_devices))
+    while True:
+        for d in touched:
+            if not busy[d] and ready[d]:
+                t = heappop(ready[d])
+                busy[d] = True
+                start[t] = now
+                heappush(ends, (now + duration[t], t))
+        touched = []
+        if ends and (ends[0][0] == now or not met):
+            now, t = heappop(ends)
+        elif met:
+            t = heappop(met) % k
+            unmet[t] -= 1
+            if not unmet[t]:
+                heappush(ready[device[t]], t)
+                touched.append(device[t])
+            continue
+        else:
+            break
+        busy[device[t]] = False
+        touched.append(device[t])
+        for u, hops in after[t]:
+            if hops:
+                heappush(met, hops * k + u)
+                continue
+            unmet[u] -= 1
+            if not unmet[u]:
+                heappush(ready[device[u]], u)
+                touched.append(device[u])
+    return now, start
 
 
 def weight_waits(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> list[list[int]]:

@@ -65,16 +65,11 @@ def choose_plan(
     """
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
+    if costs.num_layers > max(STEADY_SEARCH_MAX_LAYERS, EVALUATE_MAX_LAYERS):
+        return base  # neither the steady search nor an evaluation
+    chains = _even_chains(costs, mem_limit_bytes)  # one cache of splits for both
     if async_optimizer and costs.num_layers <= STEADY_SEARCH_MAX_LAYERS:
-        steady = partition(
-            costs,
-            num_devices,
-            num_microbatches,
-            mem_limit_bytes,
-            async_optimizer=True,
-            steady=True,
-            round_size=round_size,
-        )
+        steady = _steady_plan(chains, base, num_microbatches, round_size, costs)
         if steady != base:
             period = steady_iteration_ms(base, num_microbatches, num_devices, round_size=round_size)
             steady_period = steady_iteration_ms(steady, num_microbatches, num_devices, round_size=round_size)
@@ -86,7 +81,7 @@ def choose_plan(
         default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
     )
     rounds = round_sizes(num_microbatches, num_devices, round_size)
-    ranked, extra = _ranked_candidates(costs, proxies, mem_limit_bytes, rounds, async_optimizer)
+    ranked, extra = _ranked_candidates(costs, proxies, chains, rounds, async_optimizer)
     # The proxies' choice always runs in the comparison: evaluation never does worse than it.
     chosen = {_stages(proxies[0]): proxies[0]}
     for _, plan in ranked:
@@ -118,10 +113,34 @@ def _stages(plan: Plan) -> tuple[tuple[range, ...], range, tuple[range, ...]]:
     return plan.fwd_stages, plan.fused, plan.bwd_stages
 
 
+def _even_chains(costs: LayerCosts, mem_limit_bytes: int | None) -> _candidates.EvenChains:
+    """Even chains over ``costs`` (in ticks), each stage within the memory rule's cap."""
+    fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
+    cap = None if mem_limit_bytes is None else mem_limit_bytes // 2
+    return _candidates.EvenChains(_search.Ticks(fwd, fb, costs.mem_bytes, cap))
+
+
+def _steady_plan(
+    chains: _candidates.EvenChains,
+    base: Plan,
+    num_microbatches: int,
+    round_size: int | None,
+    costs: LayerCosts,
+) -> Plan:
+    """``partition(..., steady=True)`` once ``partition`` has checked the arguments and given the
+    async t_max plan (``base``: its fallback), with the splits shared with the candidates."""
+    n = base.num_devices
+    rounds = round_sizes(num_microbatches, n, round_size)
+    if len(set(rounds)) == 1:
+        rounds = rounds[:1]  # as partition: one round is already the period of the stream
+    found = _candidates.steady_search(chains.ticks, n, rounds, chains)
+    return base if found is None else Plan.from_stages(*found, costs, n, num_microbatches)
+
+
 def _ranked_candidates(
     costs: LayerCosts,
     proxies: list[Plan],
-    mem_limit_bytes: int | None,
+    chains: _candidates.EvenChains,
     rounds: tuple[int, ...],
     async_optimizer: bool,
 ) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]]]:
@@ -134,9 +153,6 @@ def _ranked_candidates(
     the engine prefers. So the best of them is timed in addition, and only when the model puts it
     first of all."""
     n, m = proxies[0].num_devices, proxies[0].num_microbatches
-    fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
-    cap = None if mem_limit_bytes is None else mem_limit_bytes // 2
-    chains = _candidates.EvenChains(_search.Ticks(fwd, fb, costs.mem_bytes, cap))
     plans = {_stages(p): p for p in proxies}
     around = (
         _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
@@ -147,22 +163,48 @@ def _ranked_candidates(
         for _, stages in family:
             key = (tuple(stages[0]), stages[1], tuple(stages[2]))
             if key not in plans:
-                plans[key] = Plan.from_stages(*stages, costs, n, m)
+                plans[key] = even_plan(*stages, costs, n, m)
     wider: dict[object, Plan] = {}
     for _, stages in _candidates.balanced_fused(chains, range(n + 1, 2 * n + 1)):
         key = (tuple(stages[0]), stages[1], tuple(stages[2]))
         if key not in plans and key not in wider:
-            wider[key] = Plan.from_stages(*stages, costs, n, m)
+            wider[key] = even_plan(*stages, costs, n, m)
     ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=4)
-    return ranked, _rank(list(wider.values()), n, rounds, async_optimizer, keep=1)[:1]
+    # Sync bounds are true lower bounds of the model: a wider plan whose bound is past the best
+    # modelled plan above could not be timed (see `choose_plan`), so it need not be modelled.
+    cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
+    return ranked, _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff)[:1]
+
+
+def even_plan(
+    fwd: list[range],
+    fused: range,
+    bwd: list[range],
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+) -> Plan:
+    """`Plan.from_stages` for the candidates' chains (valid by construction, no memory check), the
+    same plan built without its second pass: slot times summed as `Plan.stage_ms` sums them."""
+    fwd_ms, bwd_ms = costs.fwd_ms, costs.bwd_ms
+    times = [math.fsum(fwd_ms[r.start : r.stop]) for r in fwd]
+    times += [
+        math.fsum(fwd_ms[r.start : r.stop]) + math.fsum(bwd_ms[r.start : r.stop]) for r in (fused, *bwd)
+    ]
+    return Plan(tuple(fwd), fused, tuple(bwd), max(times), num_devices, num_microbatches, tuple(times))
 
 
 def _rank(
-    plans: list[Plan], num_devices: int, rounds: tuple[int, ...], async_optimizer: bool, keep: int
+    plans: list[Plan],
+    num_devices: int,
+    rounds: tuple[int, ...],
+    async_optimizer: bool,
+    keep: int,
+    cutoff: float = math.inf,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
-    bound is past the ``keep``-th best modelled time so far is not modelled (4: as many as may be
-    evaluated)."""
+    bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
+    (4: as many as may be evaluated)."""
     n = num_devices
     m = sum(rounds)
 
@@ -172,11 +214,14 @@ def _rank(
             return work
         s = p.slot_ms
         fill = sum(math.fsum(s[:d]) + math.fsum(s[len(s) - d :]) for d in range(min(n, len(s))))
-        return work + fill / n  # device d starts after d slots and stops d slots before the end
+        # device d starts after d slots and stops d slots before the end
+        return max(work + fill / n, device_bound(s, n, rounds))
 
     modelled: list[tuple[float, float, int, Plan]] = []
     for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
         if len(modelled) >= keep and lower > sorted(x[0] for x in modelled)[keep - 1] * (1 + 1e-9):
+            break
+        if lower > cutoff * (1 + 1e-9):
             break
         if async_optimizer:
             waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages)
@@ -188,3 +233,29 @@ def _rank(
         modelled.append((ms, spread(p), i, p))
     modelled.sort(key=lambda x: x[:3])
     return [(x[0], x[3]) for x in modelled]
+
+
+def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int, ...]) -> float:
+    """A lower bound of the sync `stream_ms` (one iteration), per device: its runs' work, plus
+    the least time before any of them can start (a microbatch reaches slot i after slots 0..i-1)
+    and after any of them ends (it still goes through the slots after i). Run k of the stream
+    goes to device k mod N. Few slots (S < N) leave most of the work on a few devices, which the
+    shared bound above does not see: with it, `_rank` models those plans first and late prunes."""
+    pre = [0.0]
+    for ms in slot_ms:
+        pre.append(pre[-1] + ms)
+    total = pre[-1]
+    work = [0.0] * num_devices
+    head = [math.inf] * num_devices
+    tail = [math.inf] * num_devices
+    k = 0
+    for size in rounds:
+        for i, ms in enumerate(slot_ms):
+            d = k % num_devices
+            k += 1
+            work[d] += size * ms
+            head[d] = min(head[d], pre[i])
+            tail[d] = min(tail[d], total - pre[i + 1])
+    busy = [d for d in range(num_devices) if head[d] < math.inf]
+    # Float sums: shaded by a millionth so that rounding never lifts the bound over the model.
+    return max(work[d] + head[d] + tail[d] for d in busy) * (1 - 1e-6)

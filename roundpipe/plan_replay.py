@@ -1,0 +1,141 @@
+"""Plan evaluation without the engine: the same task graph and the same start rule, on integers.
+
+Why: `choose_plan` times its candidates by running the real engine on the fake backend
+(`roundpipe.plan_eval`). At 94 layers one evaluation runs ~7000 tasks and costs 65-100 ms, half
+of it building `Task` objects, the rest the engine's bookkeeping around them. The evaluator only
+reads a few compute start times, so this module builds the graph `GraphBuilder` would build for
+the evaluator's configuration (free transfers, free optimizer, no chunking, no grad-norm barrier,
+no ordered steps, no async warm-up), as flat lists of task numbers, and replays the engine's start
+rule on it:
+
+- a task is ready once every dependency is done; each resource (a device's compute lane, its
+  host-to-device link shared by act_up, grad_up and param_up, its device-to-host link shared by
+  act_down and grad_down, and the host optimizer lane, as the fake backend with shared links
+  groups them) runs one task at a time, and starts the ready task of highest priority, then the
+  oldest (submission order);
+- tasks of zero duration end at the instant they start; completions at one instant are taken in
+  *waves*: the engine holds every start while another task ends at the same instant, so a free
+  resource picks its next task only once the whole wave has released its dependents. Within a
+  wave, the order of completions changes only the numbering of the next starts, never which task
+  a resource picks, so waves are replayed as sets;
+- the graphs are submitted at time 0 in the order `roundpipe.simulate.run_fake` submits them
+  (per iteration its graph, then its optimizer step), idle resources starting after each batch.
+
+So a compute task starts here exactly when it starts in the engine. `tests/test_plan_replay.py`
+checks the graph task for task against `GraphBuilder` (resources, priorities, dependencies,
+durations) and the iteration times against the engine on sync and async shapes of every dispatch
+kind. Anything outside that configuration (transfer or optimizer costs, memory budgets) must go
+to the engine: this module has no notion of bytes. It never imports the scheduler or torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.partition import Plan
+from roundpipe.replay_graph import SEQ, ReplayGraph, build_graph
+
+
+def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[float]:
+    """Every task's start time (ms) under the engine's start rule (see the module docstring), -1
+    where a task did not start. With ``stop`` (a flag per task), the replay ends at the first
+    instant a flagged task starts: later starts cannot come earlier."""
+    count = len(graph.res)
+    res, rank, dur, dependents = graph.res, graph.rank, graph.dur, graph.dependents
+    unmet = list(graph.unmet)
+    start = [-1.0] * count
+    heaps: list[list[int]] = [[] for _ in range(graph.host + 1)]
+    free = [True] * (graph.host + 1)
+    timed: list[tuple[float, int]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
+    flags = stop if stop is not None else bytearray(count)
+    now, done, first = 0.0, 0, 0
+    wave: list[int] = []
+    batches = list(graph.batches)
+    while True:
+        if batches:  # submission at time 0, batch by batch; idle resources start after each
+            last = batches.pop(0)
+            touched = _submit(graph, first, last, heaps)
+            first = last
+        else:
+            if not wave:
+                if not timed:
+                    break
+                now = timed[0][0]
+                while timed and timed[0][0] == now:
+                    wave.append(heappop(timed)[1])
+            touched = []
+            for task in wave:
+                r = res[task]
+                free[r] = True
+                touched.append(r)
+                for dep in dependents[task]:
+                    left = unmet[dep] - 1
+                    unmet[dep] = left
+                    if not left:
+                        r = res[dep]
+                        heappush(heaps[r], rank[dep])
+                        touched.append(r)
+            done += len(wave)
+            wave = []
+        stopped = False
+        for r in touched:
+            if free[r] and heaps[r]:
+                task = heappop(heaps[r]) % SEQ
+                free[r] = False
+                start[task] = now
+                stopped = stopped or bool(flags[task])
+                end = now + dur[task]
+                if end == now:
+                    wave.append(task)
+                else:
+                    heappush(timed, (end, task))
+        if stopped:
+            return start
+    if done != count:
+        raise RuntimeError(f"replay stalled: {count - done} of {count} tasks never ran")
+    return start
+
+
+def _submit(graph: ReplayGraph, first: int, last: int, heaps: list[list[int]]) -> list[int]:
+    """Tasks ``first..last-1`` submitted: those with nothing unmet go on their resource's heap;
+    returns the resources to start from (in the engine, after the whole batch is pushed)."""
+    res, rank, unmet = graph.res, graph.rank, graph.unmet
+    touched = []
+    for task in range(first, last):
+        if not unmet[task]:
+            heapq.heappush(heaps[res[task]], rank[task])
+            touched.append(res[task])
+    return touched
+
+
+def replay_iteration_ms(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool,
+    round_size: int | None = None,
+    window: tuple[int, int] = (1, 5),
+) -> float:
+    """What `roundpipe.plan_eval.engine_evaluator` returns for ``plan``: sync, the makespan of one
+    iteration; async, the time per iteration between the first computes of ``window``'s two
+    iterations of a chained run of ``window[1] + 1``."""
+    iterations = window[1] + 1 if async_optimizer else 1
+    graph = build_graph(plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size)
+    if not async_optimizer:
+        starts = replay_starts(graph)
+        ends = [s + d for s, d in zip(starts, graph.dur, strict=True)]
+        return max(ends) - min(starts) if ends else 0.0
+    first, last = window
+    stop = bytearray(len(graph.res))
+    for task in graph.computes[last]:
+        stop[task] = 1
+    starts = replay_starts(graph, stop)
+    at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in (first, last)]
+    return (at[1] - at[0]) / (last - first)
+
+
+__all__ = ["replay_iteration_ms", "replay_starts"]

@@ -1,0 +1,271 @@
+"""The task graph of plan evaluation as flat lists: what `roundpipe.plan_replay` replays.
+
+Why a second builder: `GraphBuilder` makes `Task` objects with keys, stage names and bytes for
+every backend, and at 94 layers building them is half the cost of one plan evaluation. Plan
+evaluation needs, per task, only its resource, priority, duration and dependencies. This module
+makes exactly the tasks `GraphBuilder` makes for `roundpipe.simulate.run_fake`'s evaluation
+setup (``ModelSpec`` with one trainable unit per layer, no activation bytes, default
+``ScheduleOptions`` but the optimizer mode and round size; free transfers and optimizer on
+the fake backend with shared links), in the same order and with the same dependencies, as
+numbers. It follows `GraphBuilder`, `backward_run` and the five rules (`sched/rules.py`) step by
+step; `tests/test_plan_replay.py` compares the two graphs task for task, so any change there must
+be mirrored here. It must never import the scheduler, and never model bytes, memory or costs
+the evaluator does not pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.dispatch import SlotRun, dispatch
+from roundpipe.plan.kinds import SlotKind
+from roundpipe.plan.partition import Plan
+
+COMPUTE_RES, H2D_RES, D2H_RES = 0, 1, 2
+"""Resources per device, numbered ``3 * device + offset``; the host optimizer lane comes last."""
+HIGH, MID, LOW = 30, 20, 10
+"""Priorities as in `roundpipe.sched.task.PRIORITY`: activation and gradient transfers 30,
+compute and parameter uploads 20, gradient downloads and optimizer work 10."""
+SEQ = 1 << 40
+"""Heap entries are ``(100 - priority) * SEQ + task``: one int, priority first, then the oldest."""
+
+
+class ReplayGraph:
+    """One run's tasks as parallel lists, numbered in submission order (the engine's ``seq``)."""
+
+    def __init__(self, num_devices: int) -> None:
+        self.host = 3 * num_devices
+        self.res: list[int] = []
+        self.rank: list[int] = []  # heap key: priority, then submission order
+        self.dur: list[float] = []
+        self.unmet: list[int] = []
+        self.dependents: list[list[int]] = []
+        self.batches: list[int] = []  # where each submitted batch ends
+        self.computes: list[list[int]] = []  # per iteration: its `COMPUTE` tasks (not recomputes)
+
+    def add(self, res: int, priority: int, dur: float, deps: list[int]) -> int:
+        task = len(self.res)
+        self.res.append(res)
+        self.rank.append((100 - priority) * SEQ + task)
+        self.dur.append(dur)
+        self.unmet.append(len(deps))
+        self.dependents.append([])
+        dependents = self.dependents
+        for dep in deps:
+            dependents[dep].append(task)
+        return task
+
+    def end_batch(self) -> None:
+        self.batches.append(len(self.res))
+
+
+def build_graph(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    async_optimizer: bool,
+    round_size: int | None = None,
+    *,
+    lean: bool = True,
+) -> ReplayGraph:
+    """The tasks `GraphBuilder` makes for ``iterations`` chained iterations, each followed by its
+    optimizer step, in `run_fake`'s submission batches (an iteration's graph, then its step).
+    ``lean`` leaves out dependencies that never decide anything (see `_Builder._uploads`);
+    ``lean=False`` gives exactly `GraphBuilder`'s edges."""
+    builder = _Builder(plan, costs, num_devices, num_microbatches, async_optimizer, lean)
+    first_device = 0
+    for it in range(iterations):
+        runs, first_device = dispatch(
+            plan,
+            num_microbatches,
+            num_devices,
+            iteration=it,
+            first_device=first_device,
+            round_size=round_size,
+        )
+        builder.iteration(it, runs)
+        builder.graph.end_batch()
+        builder.optimizer_step(it)
+        builder.graph.end_batch()
+    return builder.graph
+
+
+class _Ledger:
+    """`sched.rules.UnitLedger` for one layer, by task number."""
+
+    __slots__ = ("grad_downloads", "last_g_copy", "p_copy", "readers", "step")
+
+    def __init__(self) -> None:
+        self.readers: dict[int, list[int]] = {}
+        self.p_copy: dict[int, int] = {}
+        self.grad_downloads: dict[int, list[int]] = {}
+        self.last_g_copy = -1
+        self.step: dict[int, int] = {}
+
+
+class _Builder:
+    """`GraphBuilder.forward_backward` and `optimizer_step`, on numbers (see the module docstring)."""
+
+    def __init__(
+        self, plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, asynch: bool, lean: bool
+    ):
+        self.plan = plan
+        self.lean = lean
+        self.graph = ReplayGraph(num_devices)
+        self.asynch = asynch
+        self.m = num_microbatches
+        self.ledgers = [_Ledger() for _ in range(plan.num_layers)]
+        self.history: dict[int, list[int]] = {}  # device -> last computes of its two latest runs
+        self.durations = [_slot_ms(costs, s.kind, s.layers) for s in plan.slots]
+        stages = plan.fwd_stages
+        self.saved: list[tuple[int, int]] = []  # per slot: (saved_by, read_by) of backward runs, -1: none
+        for slot in plan.slots:
+            start = slot.layers.start
+            saved_by = read_by = -1
+            if slot.kind == SlotKind.BWD and start > 0:
+                saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
+                read_by = saved_by + 1 if stages[saved_by].stop == start else -1
+            self.saved.append((saved_by, read_by))
+
+    def iteration(self, it: int, runs: list[SlotRun]) -> None:
+        version = max(0, it - 1) if self.asynch else it
+        self.act_down = [[-1] * self.m for _ in range(self.plan.num_slots)]
+        self.act_up = [[-1] * self.m for _ in range(self.plan.num_slots)]
+        self.last_grad_down: dict[int, int] = {}
+        self.computes: list[int] = []
+        for run in runs:
+            history = self.history.setdefault(run.device, [])
+            two_back = history[-2] if len(history) >= 2 else -1
+            params = self._param_uploads(run, version, two_back)
+            if run.slot.kind == SlotKind.BWD:
+                last = self._backward_chains(run, params, two_back)
+            else:
+                last = self._chains(run, params, two_back)
+            history.append(last)
+            if len(history) > 2:
+                del history[0]
+            if run.slot.kind != SlotKind.FWD:
+                self._grad_download(it, run, last)
+        self.graph.computes.append(self.computes)
+        self._g_copies(it)
+
+    def _param_uploads(self, run: SlotRun, version: int, two_back: int) -> list[int]:
+        add, ledgers, h2d = self.graph.add, self.ledgers, 3 * run.device + H2D_RES
+        keys = []
+        for layer in run.slot.layers:
+            ledger = ledgers[layer]
+            deps = [two_back] if two_back >= 0 else []
+            if version > 0:
+                deps.append(ledger.p_copy[version])
+            key = add(h2d, MID, 0.0, deps)
+            keys.append(key)
+            ledger.readers.setdefault(version, []).append(key)
+        return keys
+
+    def _uploads(self, params: list[int], before: list[int]) -> list[int]:
+        """A run's compute (a backward run's recompute) after its parameter uploads and the run's
+        previous one. Lean graphs leave the uploads out after the first microbatch: the previous
+        compute waited for them, so they are met before it started and never decide when a task
+        is ready (a compute waits for every upload: most of a graph's edges)."""
+        if not before:
+            return params
+        return before[-1:] if self.lean else [*params, before[-1]]
+
+    def _chains(self, run: SlotRun, params: list[int], two_back: int) -> int:
+        """A forward or fused run: per microbatch act_up, compute, act_down."""
+        add, d, slot = self.graph.add, 3 * run.device, run.slot.index
+        ms = self.durations[slot][0]
+        computes: list[int] = []
+        for position, mb in enumerate(run.microbatches):
+            deps = [self.act_down[slot - 1][mb]] if slot > 0 else []
+            ahead = computes[position - 2] if position >= 2 else two_back
+            if ahead >= 0:
+                deps.append(ahead)
+            up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
+            compute = add(d + COMPUTE_RES, MID, ms, [up, *self._uploads(params, computes)])
+            self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [compute])
+            computes.append(compute)
+        self.computes += computes
+        return computes[-1]
+
+    def _backward_chains(self, run: SlotRun, params: list[int], two_back: int) -> int:
+        """A backward run (`sched/backward_run.py`): act_up, recompute, grad_up, backward, act_down."""
+        add, d, slot = self.graph.add, 3 * run.device, run.slot.index
+        ms, recompute_ms = self.durations[slot]
+        saved_by, read_by = self.saved[slot]
+        backwards: list[int] = []
+        for position, mb in enumerate(run.microbatches):
+            ahead = backwards[position - 2] if position >= 2 else two_back
+            flow = [ahead] if ahead >= 0 else []
+            deps = list(flow)
+            if saved_by >= 0:
+                deps.append(self.act_down[saved_by][mb])
+            if read_by >= 0:
+                deps.append(self.act_up[read_by][mb])
+            up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
+            recompute = add(d + COMPUTE_RES, MID, recompute_ms, [up, *self._uploads(params, backwards)])
+            grad = add(d + H2D_RES, HIGH, 0.0, [self.act_down[slot - 1][mb], *flow])
+            backward = add(d + COMPUTE_RES, MID, ms, [recompute, grad])
+            self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [backward])
+            backwards.append(backward)
+        self.computes += backwards
+        return backwards[-1]
+
+    def _grad_download(self, it: int, run: SlotRun, last: int) -> None:
+        layers, slot = run.slot.layers, run.slot.index
+        deps = [last]
+        previous = self.last_grad_down.get(slot)
+        if previous is not None:
+            deps.append(previous)
+        else:
+            deps += [self.ledgers[u].last_g_copy for u in layers if self.ledgers[u].last_g_copy >= 0]
+        key = self.last_grad_down[slot] = self.graph.add(3 * run.device + D2H_RES, LOW, 0.0, deps)
+        for unit in layers:
+            self.ledgers[unit].grad_downloads.setdefault(it, []).append(key)
+
+    def _g_copies(self, it: int) -> None:
+        """Per layer, shallow first (every layer lies in a fused or backward stage): rules 3 and 5."""
+        add, host = self.graph.add, self.graph.host
+        for ledger in self.ledgers:
+            deps = ledger.grad_downloads.pop(it, [])
+            if it - 1 in ledger.step:
+                deps.append(ledger.step[it - 1])
+            if not self.asynch and it in ledger.p_copy:
+                deps.append(ledger.p_copy[it])
+            ledger.last_g_copy = add(host, LOW, 0.0, deps)
+
+    def optimizer_step(self, step: int) -> None:
+        """Per layer, shallow first: async, P-copy(step - 1) then step(step); sync, step(step)
+        then P-copy(step)."""
+        add, host = self.graph.add, self.graph.host
+        for ledger in self.ledgers:
+            if self.asynch and step > 0:
+                self._p_copy(ledger, step - 1)
+            deps = [ledger.last_g_copy]
+            if step - 1 in ledger.step:
+                deps.append(ledger.step[step - 1])
+            if step in ledger.p_copy:
+                deps.append(ledger.p_copy[step])
+            ledger.step[step] = add(host, LOW, 0.0, deps)
+            ledger.step.pop(step - 2, None)
+            if not self.asynch:
+                self._p_copy(ledger, step)
+
+    def _p_copy(self, ledger: _Ledger, step: int) -> None:
+        deps = ledger.readers.pop(step, [])
+        if step in ledger.step:
+            deps.append(ledger.step[step])
+        ledger.p_copy[step + 1] = self.graph.add(self.graph.host, LOW, 0.0, deps)
+        ledger.p_copy.pop(step - 1, None)
+
+
+def _slot_ms(costs: LayerCosts, kind: str, layers: range) -> tuple[float, float]:
+    """A slot's (compute, recompute) durations as `FakeCostModel` gives them."""
+    if kind == SlotKind.FWD:
+        return costs.fwd_stage_ms(layers), 0.0
+    if kind == SlotKind.FUSED:
+        return costs.fused_stage_ms(layers), 0.0
+    return math.fsum(costs.bwd_ms[layers.start : layers.stop]), costs.fwd_stage_ms(layers)

@@ -1,0 +1,81 @@
+"""The shortcuts that make `choose_plan` fast change no plan: each equals what it replaced.
+
+- `even_plan` is `Plan.from_stages` for the candidates' chains, field for field;
+- the sync ranking bound `device_bound` never exceeds the stream model it prunes for;
+- `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included;
+- the steady plan built with shared splits is ``partition(steady=True)``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from roundpipe.plan import LayerCosts, Plan, _candidates, _search, partition
+from roundpipe.plan._candidates import _nearest_target
+from roundpipe.plan._stream import stream_ms
+from roundpipe.plan.choose import _steady_plan, device_bound, even_plan
+from roundpipe.plan.rounds import round_sizes
+
+
+def grid_costs(layers: int, ratio: float, head: float) -> LayerCosts:
+    fwd = [0.01, *[1.0] * layers, head]
+    bwd = [0.01 * ratio, *[ratio] * layers, 2.0 * head]
+    return LayerCosts(tuple(fwd), tuple(bwd), (0,) * len(fwd))
+
+
+def chains_of(costs: LayerCosts, cap: int | None = None) -> _candidates.EvenChains:
+    fwd, fb = _search.to_ticks(costs.fwd_ms, costs.bwd_ms)
+    return _candidates.EvenChains(_search.Ticks(fwd, fb, costs.mem_bytes, cap))
+
+
+def test_even_plan_is_from_stages() -> None:
+    costs = grid_costs(12, 2.5, 3.0)
+    chains = chains_of(costs)
+    count = 0
+    for slots in range(1, 20):
+        for p in range(costs.num_layers):
+            for _, stages in chains.plans(slots, p):
+                a, b = Plan.from_stages(*stages, costs, 4, 8), even_plan(*stages, costs, 4, 8)
+                assert (a, a.slot_ms, a.t_max) == (b, b.slot_ms, b.t_max)
+                count += 1
+    assert count > 100
+
+
+def test_device_bound_never_exceeds_the_sync_stream_model() -> None:
+    rng = random.Random(8)
+    for _ in range(300):
+        n = rng.choice([1, 2, 3, 4, 8])
+        m = rng.choice([n, n + 1, 2 * n, 3 * n + 1])
+        rounds = round_sizes(m, n)
+        slots = tuple(
+            rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 20))
+        )
+        assert device_bound(slots, n, rounds) <= stream_ms(slots, n, rounds)
+
+
+def test_nearest_target_is_the_first_nearest() -> None:
+    rng = random.Random(3)
+    for _ in range(2000):
+        descending = rng.random() < 0.5
+        targets = sorted((rng.randint(0, 12) for _ in range(rng.randint(1, 8))), reverse=descending)
+        got = rng.randint(-2, 14)
+        expected = min(range(len(targets)), key=lambda k: abs(targets[k] - got))
+        assert targets[_nearest_target(list(targets), got, descending)] == targets[expected]
+        # the same value is removed either way: the lists left are equal
+        left = list(targets)
+        del left[_nearest_target(left, got, descending)]
+        right = list(targets)
+        right.remove(targets[expected])
+        assert left == right
+
+
+def test_steady_plan_with_shared_splits_is_partitions() -> None:
+    for layers, ratio, head, n, m, rs in [
+        (24, 2.0, 3.0, 8, 16, None),
+        (28, 3.8, 1.0, 4, 8, None),
+        (20, 1.3, 4.0, 2, 7, 3),
+    ]:
+        costs = grid_costs(layers, ratio, head)
+        base = partition(costs, n, m, async_optimizer=True)
+        steady = partition(costs, n, m, async_optimizer=True, steady=True, round_size=rs)
+        assert _steady_plan(chains_of(costs), base, m, rs, costs) == steady

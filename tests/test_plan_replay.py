@@ -1,0 +1,106 @@
+"""The replay evaluator (`roundpipe.plan_replay`) equals the engine it stands in for.
+
+Two checks, each on plans of every dispatch kind (one round and several, uneven rounds, a round
+size, few slots and more slots than devices, a plan cut by memory, sync and async): the flat graph
+of `roundpipe.replay_graph` is the graph `GraphBuilder` makes, task for task (resource, priority,
+duration, dependencies, submission batches); and the iteration times the replay gives equal, to
+the last bit, what the engine gives on the fake backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from roundpipe.backends.fake import FakeBackend, FakeCostModel
+from roundpipe.plan import LayerCosts, Plan, partition
+from roundpipe.plan_eval import engine_evaluator
+from roundpipe.replay_graph import COMPUTE_RES, D2H_RES, H2D_RES, build_graph
+from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.task import PRIORITY, Task
+
+GIB = 2**30
+
+
+def costs_of(layers: int, ratio: float, head: float, mem: int = 0) -> LayerCosts:
+    fwd = [0.01, *[1.0] * layers, head]
+    bwd = [0.01 * ratio, *[ratio] * layers, 2.0 * head]
+    return LayerCosts(tuple(fwd), tuple(bwd), (mem,) * len(fwd))
+
+
+def plans() -> list[tuple[str, Plan, LayerCosts, int, int, int | None]]:
+    """(name, plan, costs, N, M, round size) over the dispatch kinds."""
+    out = []
+    for name, costs, n, m, rs in [
+        ("8x16", costs_of(10, 2.0, 3.0), 8, 16, None),
+        ("4x8", costs_of(6, 3.8, 1.0), 4, 8, None),
+        ("3x7 one round", costs_of(7, 1.3, 4.0), 3, 7, None),
+        ("2x7 rounds of 3", costs_of(5, 2.5, 2.0), 2, 7, 3),
+    ]:
+        for asynch in (False, True):
+            plan = partition(costs, n, m, async_optimizer=asynch)
+            out.append((f"{name} {'async' if asynch else 'sync'}", plan, costs, n, m, rs))
+    wide = costs_of(6, 2.0, 2.0)  # more slots than devices, a 1-layer fused stage
+    fwd = [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    bwd = [range(6, 7), range(4, 6), range(2, 4), range(1, 2), range(0, 1)]
+    out.append(("wide", Plan.from_stages(fwd, range(7, 8), bwd, wide, 2, 4), wide, 2, 4, None))
+    narrow = costs_of(4, 2.0, 3.0)  # one slot: everything fused
+    out.append(("fused only", Plan.from_stages([], range(0, 6), [], narrow, 4, 8), narrow, 4, 8, None))
+    tight = costs_of(8, 2.0, 3.0, mem=GIB)  # stages cut by a memory limit
+    out.append(("memory", partition(tight, 4, 8, 6 * GIB, async_optimizer=True), tight, 4, 8, None))
+    return out
+
+
+CASES = plans()
+
+
+def engine_graph(
+    plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, asynch: bool
+) -> list[list[Task]]:
+    """What `roundpipe.simulate.run_fake` submits for the evaluator, batch by batch."""
+    spec = ModelSpec(param_bytes=costs.mem_bytes, owners=tuple((i,) for i in range(costs.num_layers)))
+    builder = GraphBuilder(plan, spec, n, ScheduleOptions(async_optimizer=asynch, round_size=rs))
+    batches = []
+    for it in range(6 if asynch else 1):
+        batches += [builder.forward_backward(it, it, m).tasks, builder.optimizer_step(it)]
+    return batches
+
+
+@pytest.mark.parametrize(("name", "plan", "costs", "n", "m", "rs"), CASES, ids=[c[0] for c in CASES])
+def test_the_flat_graph_is_the_engine_graph(
+    name: str, plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None
+) -> None:
+    for asynch in (False, True):
+        batches = engine_graph(plan, costs, n, m, rs, asynch)
+        graph = build_graph(plan, costs, n, m, 6 if asynch else 1, asynch, rs, lean=False)
+        tasks = [t for batch in batches for t in batch]
+        assert graph.batches == [sum(len(b) for b in batches[: i + 1]) for i in range(len(batches))]
+        seq = {t.key: i for i, t in enumerate(tasks)}
+        backend = FakeBackend(FakeCostModel(costs), shared_link=True)
+        offset = {"compute": COMPUTE_RES, "h2d": H2D_RES, "d2h": D2H_RES}
+        dependents: list[list[int]] = [[] for _ in tasks]
+        for i, task in enumerate(tasks):
+            resource = backend.resource(task.lane)
+            device, _, lane = resource.partition(".")
+            expected = graph.host if task.device < 0 else 3 * int(device[1:]) + offset[lane]
+            assert graph.res[i] == expected, (name, task.describe())
+            assert graph.rank[i] // (1 << 40) == 100 - PRIORITY[task.kind], task.describe()
+            assert graph.dur[i] == backend.duration(task), task.describe()
+            assert graph.unmet[i] == len(task.deps), task.describe()
+            for dep in task.deps:
+                dependents[seq[dep]].append(i)
+        assert [sorted(d) for d in graph.dependents] == [sorted(d) for d in dependents]
+
+
+@pytest.mark.parametrize(("name", "plan", "costs", "n", "m", "rs"), CASES, ids=[c[0] for c in CASES])
+def test_replay_times_equal_the_engine(
+    name: str, plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None
+) -> None:
+    for asynch in (False, True):
+        windows = [(1, 5), (1, 3), (0, 2)] if asynch else [(1, 5)]
+        for window in windows:
+            args = (costs, n, m)
+            replay = engine_evaluator(*args, async_optimizer=asynch, round_size=rs, window=window)
+            engine = engine_evaluator(
+                *args, async_optimizer=asynch, round_size=rs, window=window, engine=True
+            )
+            assert replay(plan) == engine(plan), (name, asynch, window)
