@@ -43,6 +43,10 @@ def plans() -> list[tuple[str, Plan, LayerCosts, int, int, int | None]]:
     fwd = [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
     bwd = [range(6, 7), range(4, 6), range(2, 4), range(1, 2), range(0, 1)]
     out.append(("wide", Plan.from_stages(fwd, range(7, 8), bwd, wide, 2, 4), wide, 2, 4, None))
+    one = costs_of(6, 2.0, 3.0)  # one device: a backward run's first recompute after the previous run
+    stages = [range(0, 3), range(3, 6)]
+    plan_1 = Plan.from_stages(stages, range(6, 8), stages[::-1], one, 1, 4)
+    out.append(("one device", plan_1, one, 1, 4, 4))
     narrow = costs_of(4, 2.0, 3.0)  # one slot: everything fused
     out.append(("fused only", Plan.from_stages([], range(0, 6), [], narrow, 4, 8), narrow, 4, 8, None))
     tight = costs_of(8, 2.0, 3.0, mem=GIB)  # stages cut by a memory limit
