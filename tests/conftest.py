@@ -11,12 +11,24 @@ import torch
 from tests.helpers import tiny_causal_lm_config
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3 config file, as `roundpipe train --model` takes it."""
+    """A tiny Qwen3 config file, as `roundpipe train --model` takes it (read, never written)."""
     path = tmp_path_factory.mktemp("model") / "config.json"
     tiny_causal_lm_config("qwen3", vocab=256).to_json_file(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def good_checkpoint(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint of a 2-step async `roundpipe train` run: every kind of file a checkpoint
+    has (in-flight weights too). One run for the session: tests damage or resume copies of it."""
+    from roundpipe.cli import main
+    from tests.helpers import train_args
+
+    out = tmp_path_factory.mktemp("runs")
+    assert main(train_args(model_config, out, "good", 2)) == 0
+    return out / "good" / "checkpoint"
 
 
 @pytest.fixture
