@@ -71,6 +71,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """After a module's last test (its module fixtures are gone then): what its tests imported
     lazily (transformers' model code, dynamo) joins the frozen heap."""
     result = yield
-    if nextitem is None or nextitem.module is not getattr(item, "module", None):
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
         _freeze_the_heap()
     return result
