@@ -7,8 +7,11 @@ all exercised here with ``--devices cpu:2`` and the tiny shape.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -68,13 +71,39 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
     assert "ours tok/s" in stdout  # the table at the end
 
 
-def test_lora_under_a_tiny_budget_reports_both_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
+def _plain_child_in_this_process(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The plain loop's command, run through the script's own ``--plain-child`` entry in this
+    process (the smoke test above starts it as a real process: this saves an interpreter start,
+    seconds of imports). Returns the commands it ran."""
+    commands: list[list[str]] = []
+
+    def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        assert cmd[:3] == [sys.executable, str(SCRIPT), "--plain-child"], cmd
+        assert kwargs["stdout"] == subprocess.PIPE and kwargs["text"], kwargs
+        commands.append(cmd)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            bench.main(cmd[2:])
+        return subprocess.CompletedProcess(cmd, 0, out.getvalue())
+
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=run, PIPE=subprocess.PIPE))
+    return commands
+
+
+def test_lora_under_a_tiny_budget_reports_both_verdicts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A --budget caps roundpipe's plan, not the plain loop (the whole model on the card as it is);
     a budget that is part of a workload's definition (C) caps both. The roundpipe side's failure
     is its line, not a crash."""
-    bench.main(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4", "--budget", "100KiB", "--sync"])
+    commands = _plain_child_in_this_process(monkeypatch)
+    argv = ["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4", "--budget", "100KiB", "--sync"]
+    bench.main([*argv, "--steps", "1", "--warmup", "1"])  # as the smoke test: 2 steps, not 7
     (line,) = _json_lines(capsys.readouterr().out)
     assert isinstance(line["plain"], dict) and line["plain"]["tokens_per_s"] > 0
+    (command,) = commands  # the plain loop ran once, on the LoRA model, without the --budget
+    assert json.loads(command[3])["workload"]["lora_r"] == 4
+    assert json.loads(command[3])["workload"]["budget"] is None
     assert bench.plain_cannot_hold(bench.WORKLOADS["C"]) == "cannot hold the base in 24GiB"
     assert line["lora_r"] == 4 and line["budget"] == "100KiB" and line["ratio"] is None
     assert line["budget_field"] in ("memory_budget", "mem_limit_bytes")

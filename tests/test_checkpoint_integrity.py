@@ -18,11 +18,9 @@ from tests.helpers import train_args
 
 
 @pytest.fixture(scope="module")
-def good(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-step async run's checkpoint (it has in-flight weights too)."""
-    out = tmp_path_factory.mktemp("runs")
-    assert main(train_args(model_config, out, "good", 2)) == 0
-    return out / "good" / "checkpoint"
+def good(good_checkpoint: Path) -> Path:
+    """A 2-step async run's checkpoint (it has in-flight weights too): conftest's, shared."""
+    return good_checkpoint
 
 
 def truncate(path: Path) -> None:

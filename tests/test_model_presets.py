@@ -88,7 +88,9 @@ def test_qwen3_tiny_learns_the_corpus() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batches = token_batches(load_corpus(), seq_len=64, batch_size=8, seed=0)
     losses = []
-    for _ in range(20):
+    # Ten steps: the loss is ~5.5 at the start and ~3.1 (the corpus's byte statistics) from the
+    # fifth step on; twenty steps only repeated that plateau.
+    for _ in range(10):
         out: Any = next(batches)
         for layer in seq.layers:
             out = layer(out)

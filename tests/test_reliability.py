@@ -56,11 +56,9 @@ def summary(out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def good(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An async run's checkpoint: every kind of file a checkpoint has."""
-    out = tmp_path_factory.mktemp("runs")
-    assert main(args(model_config, out, "good", 2)) == 0
-    return out / "good" / "checkpoint"
+def good(good_checkpoint: Path) -> Path:
+    """An async run's checkpoint: every kind of file a checkpoint has (conftest's, shared)."""
+    return good_checkpoint
 
 
 @pytest.fixture(scope="module")

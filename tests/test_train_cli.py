@@ -98,18 +98,24 @@ def interrupt_at(monkeypatch: pytest.MonkeyPatch, at_step: int, how: str) -> Non
     monkeypatch.setattr(RoundPipe, "step", step)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The metrics of the run the Ctrl-C tests cut and resume, run to the end once for both."""
+    out = tmp_path_factory.mktemp("runs")
+    assert main([*tiny_args(model_config, out, "full"), "--json"]) == 0
+    return metrics(out / "full")
+
+
 @pytest.mark.parametrize("how", ["signal", "keyboard-interrupt"])
 def test_ctrl_c_saves_and_resume_continues_exactly(
     model_config: Path,
+    uninterrupted: list[dict],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     how: str,
 ) -> None:
-    assert main([*tiny_args(model_config, tmp_path, "full"), "--json"]) == 0
-    full = metrics(tmp_path / "full")
-    capsys.readouterr()
-
+    full = uninterrupted
     interrupt_at(monkeypatch, 2, how)
     assert main([*tiny_args(model_config, tmp_path, "cut"), "--json"]) == 130
     monkeypatch.undo()
