@@ -19,7 +19,6 @@ or row, and the field, with what to change. Nothing here downloads or keeps stat
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from roundpipe.data.text import excerpt
+from roundpipe.data.text import jsonl_lines, jsonl_objects
 from roundpipe.errors import DataError
 
 IGNORE_INDEX = -100
@@ -93,29 +92,14 @@ def load_records(path: Path) -> Records:
 
 
 def _jsonl_lines(path: Path) -> list[dict[str, Any]]:
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}: "
-                    f"{excerpt(line.rstrip(), exc.pos)}); each line must be one JSON object"
-                ) from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object, got a {type(record).__name__}")
-            records.append(record)
-    return records
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return [record for _, record in jsonl_objects(path, text)]
 
 
 def _locator(path: Path, kind: str) -> Callable[[int], str]:
     """Row index -> "file:line" (jsonl: blank lines skipped; csv: after the header) or "file: row N"."""
     if path.suffix.lower() == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [n for n, line in enumerate(f, start=1) if line.strip()]
+        lines = [n for n, _ in jsonl_lines(path.read_text(encoding="utf-8", errors="replace"))]
         return lambda i: f"{path}:{lines[i]}" if i < len(lines) else f"{path}: row {i + 1}"
     if kind == "csv":
         return lambda i: f"{path}:{i + 2}"

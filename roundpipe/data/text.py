@@ -15,8 +15,11 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from roundpipe.errors import DataError
 
 BYTE_VOCAB = 256
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
@@ -89,26 +92,39 @@ def read_jsonl(path: str | os.PathLike[str], key: str = "text") -> list[str]:
     """The ``key`` field of every line of a jsonl file (blank lines are skipped)."""
     p = _existing_file(path)
     texts: list[str] = []
-    # Lines end at "\n" only, as reading the file line by line does: JSON strings may hold other
-    # line separators (U+2028) that str.splitlines would cut at.
-    for number, line in enumerate(_read_utf8(p).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{p}:{number}: not valid JSON ({exc.msg} at column {exc.colno}: "
-                f"{excerpt(line, exc.pos)}); each line must be one JSON object"
-            ) from exc
-        if not isinstance(record, dict) or not isinstance(record.get(key), str):
-            raise ValueError(
+    for number, record in jsonl_objects(p, _read_utf8(p)):
+        if not isinstance(record.get(key), str):
+            raise DataError(
                 f'{p}:{number}: expected an object with a string field {key!r}, like {{"{key}": "..."}}'
             )
         texts.append(record[key])
     if not texts:
-        raise ValueError(f'{p} contains no records; it needs one {{"{key}": ...}} object per line')
+        raise DataError(f'{p} contains no records; it needs one {{"{key}": ...}} object per line')
     return texts
+
+
+def jsonl_lines(text: str) -> list[tuple[int, str]]:
+    """The non-blank lines of a jsonl text with their 1-based line numbers. Lines end at "\n"
+    only: JSON strings may hold other line separators (U+2028) that str.splitlines would cut at."""
+    return [(number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()]
+
+
+def jsonl_objects(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
+    """Every line of a jsonl file's ``text`` parsed as a JSON object, with its line number; a
+    line that is not one is a `DataError` naming the file, the line and the reason."""
+    records = []
+    for number, line in jsonl_lines(text):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}: "
+                f"{excerpt(line.rstrip(), exc.pos)}); each line must be one JSON object"
+            ) from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number}: expected a JSON object, got a {type(record).__name__}")
+        records.append((number, record))
+    return records
 
 
 def excerpt(line: str, pos: int, width: int = 20) -> str:
