@@ -111,6 +111,12 @@ class TrainConfig(BaseModel):
         default=False, description="when the loss turns NaN/inf, save that state aside for inspection"
     )
     export: str | None = Field(default=None, description="export the model (save_pretrained) here at the end")
+    dist_timeout: float = Field(
+        default=300.0,
+        gt=0,
+        description="under torchrun: a process that waits longer than this for another one fails, naming "
+        "the ranks behind",
+    )
     out: str = Field(default="runs", description="parent directory of run directories")
     name: str | None = Field(default=None, description="run directory name; default a timestamp")
 
@@ -178,6 +184,7 @@ class TrainConfig(BaseModel):
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
+            distributed={"timeout_s": self.dist_timeout},
         )
 
     @property
