@@ -188,3 +188,29 @@ def test_the_ranks_traces_merge_into_one_perfetto_view(
     per_rank = [json.loads((run / name).read_text()) for name in ("trace.json", "trace.rank1.json")]
     assert len(tasks) == sum(sum(e["ph"] == "X" for e in d["traceEvents"]) for d in per_rank)
     assert {names[e["pid"]].split(":")[0] for e in tasks} == {"rank 0", "rank 1"}
+
+
+def test_fault_entries_can_name_a_rank_and_fire_in_the_first_attempt_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = "SIGTERM@step:3@rank:1,HANG@step:2@rank:0,SIGINT@save:2"
+    monkeypatch.setenv("RANK", "1")
+    assert faults._parse(spec) == [(faults.signal.SIGTERM, "step:3"), (faults.signal.SIGINT, "save:2")]
+    monkeypatch.setenv("RANK", "0")
+    assert faults._parse(spec) == [(faults.HANG, "step:2"), (faults.signal.SIGINT, "save:2")]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert faults._parse(spec) == []
+    with pytest.raises(ValueError, match="@rank:R"):
+        faults._parse("SIGKILL@step:1@rank:x")
+
+
+def test_the_global_batch_must_split_into_whole_shares() -> None:
+    from roundpipe.errors import ConfigError
+    from roundpipe.train import TrainConfig
+    from roundpipe.train.ranks import check_shares
+
+    check_shares(TrainConfig(batch_size=8, microbatches=4), 2)
+    with pytest.raises(ConfigError, match="must split evenly over the 3 processes"):
+        check_shares(TrainConfig(batch_size=8, microbatches=2), 3)
+    with pytest.raises(ConfigError, match="lower --microbatches to 2 or raise --batch-size to 16"):
+        check_shares(TrainConfig(batch_size=8, microbatches=4), 4)

@@ -56,7 +56,12 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ("--lora-r", "lora_r", int, "train only LoRA adapters of this rank on q/k/v/o (alpha = 2r)"),
     ("--devices", "devices", str, '"cpu:N" (default cpu:2), "cuda", "cuda:0,1", "auto", "fake:N"'),
     ("--microbatches", "microbatches", int, "microbatches per step (default 4)"),
-    ("--batch-size", "batch_size", int, "sequences per step (default 16)"),
+    (
+        "--batch-size",
+        "batch_size",
+        int,
+        "sequences per step, all processes together under torchrun (default 16)",
+    ),
     ("--seq-len", "seq_len", int, "tokens per sequence (default 64)"),
     ("--steps", "steps", int, "optimizer steps in total, resumed ones included (default 200)"),
     ("--lr", "lr", float, "peak AdamW learning rate (default 1.5e-3)"),

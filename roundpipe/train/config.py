@@ -76,7 +76,9 @@ class TrainConfig(BaseModel):
     )
     devices: str = Field(default="cpu:2", description='"auto", "cpu:N", "fake:N", "cuda", "cuda:0,1"')
     microbatches: int = Field(default=4, ge=1, description="microbatches per step")
-    batch_size: int = Field(default=16, ge=1, description="sequences per step")
+    batch_size: int = Field(
+        default=16, ge=1, description="sequences per step (the global batch under torchrun)"
+    )
     seq_len: int = Field(default=64, ge=2, description="tokens per sequence")
     steps: int = Field(default=200, ge=1, description="optimizer steps (in total, counting resumed ones)")
     lr: float = Field(default=1.5e-3, gt=0, description="peak learning rate of AdamW")

@@ -43,8 +43,13 @@ PHASES = ("forward_backward", "step", "agreement", "save", "end")
 
 
 def world_size() -> int:
-    """Processes of this job: torchrun's ``WORLD_SIZE`` (1 outside torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if torchrun_environment() else 1
+    """Processes of this job: torchrun's ``WORLD_SIZE``, else the size of a default group the
+    caller initialised, else 1."""
+    if torchrun_environment():
+        return int(os.environ["WORLD_SIZE"])
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def check_shares(config: TrainConfig, world: int) -> None:
