@@ -24,6 +24,7 @@ only from the loop's thread, in the loop's order, the same on every process.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from datetime import timedelta
@@ -34,7 +35,7 @@ import torch
 
 from roundpipe.errors import ConfigError
 from roundpipe.optim.distributed import DistributedError, torchrun_environment
-from roundpipe.train.config import TrainConfig
+from roundpipe.train.config import TrainConfig, option_name
 from roundpipe.train.result import Reporter
 from roundpipe.train.signals import StopRequest
 
@@ -230,8 +231,14 @@ class ProcessRanks(Ranks):
             if message is not None:
                 raise ConfigError(f"rank {rank} could not start: {message}")
             if options != gathered[0][1]:
+                theirs, first = json.loads(options), json.loads(gathered[0][1])
+                differ = ", ".join(
+                    f"{option_name(key)} {theirs.get(key)!r} (rank 0: {first.get(key)!r})"
+                    for key in sorted(set(theirs) | set(first))
+                    if theirs.get(key) != first.get(key)
+                )
                 raise ConfigError(
-                    f"rank {rank} was started with other options than rank 0; every process of "
+                    f"rank {rank} was started with other options than rank 0: {differ}; every process of "
                     "`torchrun ... roundpipe train` must get the same options"
                 )
 
