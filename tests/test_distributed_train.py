@@ -3,7 +3,8 @@
 What must hold: two processes, each on its half of every global batch, train exactly what one
 process trains on the whole batch (sync, fp32: weights and losses to rtol 1e-5); rank 0 alone
 writes the run directory and the other writes only its trace; a SIGTERM on rank 1 stops both after
-the same step, with the checkpoint of that step; one process resumes from the two processes'
+the same step, with the checkpoint of that step, and a NaN loss on rank 1 stops both at that
+step, keeping the last good checkpoint; one process resumes from the two processes'
 checkpoint at the same data position; a rank that hangs makes the other exit non-zero within the
 timeout, naming it; and ``torchrun --max-restarts 1`` resumes from the last checkpoint after a rank
 was killed. Process launches are shared (one module fixture starts them all at once), since
@@ -76,11 +77,13 @@ def assert_same_weights(actual: Path, expected: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """At once: two processes stopped by a SIGTERM on rank 1 at step 3; one process on the whole
-    batch for 5 steps (a checkpoint at each); two processes whose rank 1 hangs in step 2."""
+    batch for 5 steps (a checkpoint at each); two processes whose rank 1 hangs in step 2; two
+    processes whose rank 1 has a NaN loss at step 3."""
     out = tmp_path_factory.mktemp("train")
     two = launch(train_args(model_config, out, "two", 5, "--sync", "--json"), "SIGTERM@step:3@rank:1")
     hang_argv = train_args(model_config, out, "hang", 4, "--sync", "--dist-timeout", str(HANG_TIMEOUT_S))
     hang = launch(hang_argv, "HANG@step:2@rank:1")
+    nan = launch(train_args(model_config, out, "nan", 4, "--sync", "--save-every", "1"), "NAN@step:3@rank:1")
     done: dict[str, Any] = {"out": out}
     # The reference, in this process while the others run (a process start costs seconds).
     one = train_args(model_config, out, "one", 5, "--sync", "--save-every", "1", "--keep-checkpoints", "5")
@@ -89,6 +92,7 @@ def runs(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     hang[1].kill()  # it sleeps until killed, as a hung process does
     done["hang1"] = finish(hang[1])
     done["two"] = [finish(proc) for proc in two]
+    done["nan"] = [finish(proc) for proc in nan]
     return done
 
 
@@ -114,6 +118,16 @@ def test_a_signal_on_one_rank_stops_both_after_the_same_step(runs: dict[str, Any
     assert "rank 1 received SIGTERM: every process stops after step 3" in log0, log0
     assert json.loads(log0.strip().splitlines()[-1])["stop_signal"] == "SIGTERM"
     assert checkpoint_data_step(runs["out"] / "two" / "checkpoint") == 3
+
+
+def test_a_nan_loss_on_one_rank_stops_both_at_that_step_keeping_the_last_good_checkpoint(
+    runs: dict[str, Any],
+) -> None:
+    (code0, log0, _), (code1, log1, _) = runs["nan"]
+    assert (code0, code1) == (3, 3), log0 + log1
+    assert "loss is nan at step 3; stopped without saving" in log0, log0
+    assert [r["step"] for r in metrics_logged(runs["out"] / "nan")] == [1, 2, 3]
+    assert checkpoint_data_step(runs["out"] / "nan" / "checkpoint") == 2
 
 
 def test_one_process_resumes_a_two_process_checkpoint_at_the_same_data_step(
