@@ -154,7 +154,7 @@ class ProcessRanks(Ranks):
             init_group(max(timeout_s, SETUP_TIMEOUT_S))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Steps are timed by --dist-timeout; start-up, saves and exports (whose length grows with
-        # the model) by the default group's timeout, at least `SETUP_TIMEOUT_S`.
+        # the model) by a group that waits at least `SETUP_TIMEOUT_S`.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.slow_group = dist.new_group(
             backend="gloo", timeout=timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S))
