@@ -179,7 +179,37 @@ def _add_trace_parser(subparsers: Any) -> None:
         if action == "grid":
             a.add_argument("--width", type=_positive_int, default=100, help="columns (default 100)")
             a.add_argument("--all-lanes", action="store_true", help="show transfer and host lanes too")
+    merge = actions.add_parser(
+        "merge",
+        help="merge the Perfetto traces of several ranks (torchrun) into one view",
+        description="Merge Perfetto/Chrome traces of several processes into one file, a process per rank "
+        "and device ('rank 1: device 0'). Give a run directory of `roundpipe train` under torchrun (its "
+        "trace.json and trace.rank<R>.json) or the files, rank 0 first.",
+    )
+    merge.add_argument("trace_paths", nargs="+", metavar="RUN_DIR|TRACE.json")
+    merge.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="output file (default: trace.merged.json beside the first input)",
+    )
+    merge.set_defaults(run=run_merge)
     t.set_defaults(run=run_trace)
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """``roundpipe trace merge``: one Perfetto file of every rank's trace."""
+    from roundpipe.sched.merge import MERGED_FILE, merge_perfetto, rank_files
+
+    paths = [Path(p) for p in args.trace_paths]
+    inputs = rank_files(paths)
+    first = paths[0]
+    out = Path(args.output) if args.output else (first if first.is_dir() else first.parent) / MERGED_FILE
+    merge_perfetto(inputs, out)
+    print(
+        f"wrote {out}: ranks {', '.join(str(rank) for rank, _ in inputs)} (open it in https://ui.perfetto.dev)"
+    )
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from roundpipe.errors import ConfigError
@@ -24,6 +26,7 @@ from roundpipe.train.config import make_config, read_config_file
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 EXIT_NON_FINITE = 3
+RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: 0, then 1, 2... per restart
 
 # (flag, field, type, help); booleans are handled separately.
 _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
@@ -53,7 +56,12 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ("--lora-r", "lora_r", int, "train only LoRA adapters of this rank on q/k/v/o (alpha = 2r)"),
     ("--devices", "devices", str, '"cpu:N" (default cpu:2), "cuda", "cuda:0,1", "auto", "fake:N"'),
     ("--microbatches", "microbatches", int, "microbatches per step (default 4)"),
-    ("--batch-size", "batch_size", int, "sequences per step (default 16)"),
+    (
+        "--batch-size",
+        "batch_size",
+        int,
+        "sequences per step, all processes together under torchrun (default 16)",
+    ),
     ("--seq-len", "seq_len", int, "tokens per sequence (default 64)"),
     ("--steps", "steps", int, "optimizer steps in total, resumed ones included (default 200)"),
     ("--lr", "lr", float, "peak AdamW learning rate (default 1.5e-3)"),
@@ -84,6 +92,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ),
     ("--resume", "resume", str, "continue exactly from this checkpoint directory"),
     ("--export", "export", str, "at the end, save the model with save_pretrained into this directory"),
+    (
+        "--dist-timeout",
+        "dist_timeout",
+        float,
+        "under torchrun: seconds a process waits for the others before it fails naming the ranks "
+        "behind (default 300)",
+    ),
     ("--out", "out", str, "parent of the run directory (default runs)"),
     ("--name", "name", str, "run directory name (default: a timestamp)"),
 )
@@ -122,7 +137,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "Train a causal language model with roundpipe. With no arguments it trains the built-in "
             "qwen3-tiny on the shipped corpus on two CPU workers in a few minutes. Writes "
             "<out>/<name>/ with metrics.jsonl, trace.json (Perfetto), schedule.json, timeline.png and a checkpoint. "
-            "Ctrl-C saves a checkpoint; continue with --resume. See docs/train.md."
+            "Ctrl-C saves a checkpoint; continue with --resume. Under torchrun (WORLD_SIZE > 1) each "
+            "process trains on its share of every global --batch-size batch and rank 0 writes the run "
+            "directory; after a torchrun restart a run with --name resumes from its last checkpoint. "
+            "See docs/train.md and docs/distributed.md."
         ),
         argument_default=argparse.SUPPRESS,  # only flags actually given override the config
     )
@@ -179,7 +197,28 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         values.update(_saved_options(str(resume)))
     values.update(file_values)
     values.update(flags)
+    if not resume:
+        restart_from = _elastic_resume(values)
+        if restart_from is not None:
+            values = {**_saved_options(restart_from), **values, "resume": restart_from}
     return values
+
+
+def _elastic_resume(values: dict[str, Any]) -> str | None:
+    """After a torchrun restart (``TORCHELASTIC_RESTART_COUNT`` > 0) of a run with ``--name``
+    and no ``--resume``: resume from the run's last checkpoint, when it has one. Returns the path
+    (for ``values["resume"]``) or None."""
+    if int(os.environ.get(RESTART_VARIABLE, "0") or 0) < 1 or values.get("resume") or not values.get("name"):
+        return None
+    checkpoint = Path(str(values.get("out", "runs"))).expanduser() / str(values["name"]) / "checkpoint"
+    if not (checkpoint / "meta.json").is_file():
+        return None
+    print(
+        f"roundpipe train: restart {os.environ[RESTART_VARIABLE]} by torchrun: resuming from {checkpoint}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return str(checkpoint)
 
 
 def _fields(values: list[str]) -> dict[str, str]:
@@ -219,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
     from roundpipe.train.report import RichReporter
 
     result = train(config, reporter=RichReporter(console, progress=True))
+    if result.rank:  # under torchrun rank 0 reports for every process
+        return result.exit_code
     if result.interrupted and not result.non_finite:
         by = f" by {result.stop_signal}" if result.stop_signal else ""
         console.print(

@@ -76,7 +76,9 @@ class TrainConfig(BaseModel):
     )
     devices: str = Field(default="cpu:2", description='"auto", "cpu:N", "fake:N", "cuda", "cuda:0,1"')
     microbatches: int = Field(default=4, ge=1, description="microbatches per step")
-    batch_size: int = Field(default=16, ge=1, description="sequences per step")
+    batch_size: int = Field(
+        default=16, ge=1, description="sequences per step (the global batch under torchrun)"
+    )
     seq_len: int = Field(default=64, ge=2, description="tokens per sequence")
     steps: int = Field(default=200, ge=1, description="optimizer steps (in total, counting resumed ones)")
     lr: float = Field(default=1.5e-3, gt=0, description="peak learning rate of AdamW")
@@ -111,6 +113,12 @@ class TrainConfig(BaseModel):
         default=False, description="when the loss turns NaN/inf, save that state aside for inspection"
     )
     export: str | None = Field(default=None, description="export the model (save_pretrained) here at the end")
+    dist_timeout: float = Field(
+        default=300.0,
+        gt=0,
+        description="under torchrun: a process that waits longer than this for another one fails, naming "
+        "the ranks behind",
+    )
     out: str = Field(default="runs", description="parent directory of run directories")
     name: str | None = Field(default=None, description="run directory name; default a timestamp")
 
@@ -178,6 +186,7 @@ class TrainConfig(BaseModel):
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
+            distributed={"timeout_s": self.dist_timeout},
         )
 
     @property

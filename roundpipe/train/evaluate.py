@@ -11,6 +11,7 @@ optimizer state, and training after it computes what it would have computed with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,14 +25,23 @@ def label_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-def evaluate(pipe: RoundPipe, batches: list[dict[str, torch.Tensor]], step: int) -> dict[str, Any]:
-    """The metrics record of an evaluation at ``step``: eval_loss, eval_perplexity, eval_tokens."""
+def evaluate(
+    pipe: RoundPipe,
+    batches: list[dict[str, torch.Tensor]],
+    step: int,
+    add_up: Callable[[list[float]], list[float]] | None = None,
+) -> dict[str, Any]:
+    """The metrics record of an evaluation at ``step``: eval_loss, eval_perplexity, eval_tokens.
+    ``add_up`` sums (loss x tokens, tokens) over the processes that each evaluated a share."""
     total, tokens = 0.0, 0
     for batch in batches:
         count = label_tokens(batch)
         if count:
             total += pipe.evaluate(batch, microbatches=1) * count
             tokens += count
+    if add_up is not None:
+        total, summed = add_up([total, float(tokens)])
+        tokens = int(summed)
     loss = total / tokens if tokens else float("nan")
     perplexity = math.exp(loss) if loss < 700 else float("inf")
     return {"step": step, "eval_loss": loss, "eval_perplexity": perplexity, "eval_tokens": tokens}

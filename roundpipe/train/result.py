@@ -36,6 +36,7 @@ class TrainResult:
     non_finite: str | None = None  # why the run stopped at a NaN/inf loss (nothing saved then)
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the run
     eval_loss: float | None = None  # the last evaluation's loss (None without an eval set)
+    rank: int = 0  # this process's rank under torchrun (rank 0 writes the run directory)
 
     @property
     def exit_code(self) -> int:
