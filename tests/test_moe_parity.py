@@ -160,3 +160,40 @@ def test_router_aux_without_router_modules_is_refused() -> None:
     del model.num_experts
     with pytest.raises(ModelError, match="output_router_logits=True but roundpipe cannot find its router"):
         roundpipe.RoundPipe(model, config=roundpipe.RunConfig(devices="cpu:1"))
+
+
+def expert_lora(model: nn.Module) -> nn.Module:
+    """LoRA on q/v and on the experts' 3-D weights (peft ``target_parameters``: peft wraps them
+    with a parametrization for each forward, as the experts are no ``nn.Linear``)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # peft starts lora_B at zero; move it so every adapter gets a gradient
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1)
+    return peft_model
+
+
+@pytest.mark.parametrize("make", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3-moe", "gpt-oss"])
+def test_lora_on_experts_matches_peft_loop(make: Any) -> None:
+    model = expert_lora(make())
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("experts" in n for n in adapters) and all("lora_" in n for n in adapters)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    reference = copy.deepcopy(model)
+    data = token_data(2)
+    expected = reference_loop(reference, data)
+    assert pipe_loop(model, data) == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert_same_weights(model, reference)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(param, frozen[name]), f"frozen {name} changed"
