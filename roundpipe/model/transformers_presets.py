@@ -1,4 +1,5 @@
-"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE).
+"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral, Gemma 3,
+Phi-3, and the mixtures of experts Qwen3-MoE and GPT-OSS).
 
 roundpipe runs a model as a list of layers, each called with one positional argument. A transformers
 ``*ForCausalLM`` is one big module whose ``forward`` computes the rotary tables and attention masks
@@ -9,12 +10,14 @@ model and peft's LoRA layers inside the blocks keep working.
 
 Activation convention (shared with the engine): every layer after ``embed`` receives and returns a
 dict. ``"hidden"`` is the differentiable hidden state. Keys starting with ``"_"`` are constants made
-once per microbatch by ``embed`` and carried unchanged: ``"_cos"``/``"_sin"`` (rotary tables),
-``"_mask"``/``"_mask_sliding"`` (4-D attention masks, only present when attention needs one: with
-``sdpa`` and no padding the causal mask is implicit; packed rows, told by ``position_ids`` that
-restart inside a row, get a block-diagonal causal mask) and ``"_labels"`` (labels shifted for next-token
-prediction, -100 = ignored). The engine never differentiates them. ``head`` returns the scalar mean
-loss, computed in chunks of tokens so that the full logits never exist.
+once per microbatch by ``embed`` and carried unchanged: ``"_cos"``/``"_sin"`` (rotary tables; Gemma 3
+adds ``"_cos_sliding"``/``"_sin_sliding"``), ``"_mask"``/``"_mask_sliding"`` (4-D attention masks,
+only present when attention needs one: with ``sdpa`` and no padding the causal mask is implicit;
+packed rows, told by ``position_ids`` that restart inside a row, get a block-diagonal causal mask;
+built in `attention_masks`) and ``"_labels"`` (labels shifted for next-token prediction, -100 =
+ignored). The engine never differentiates them. A mixture of experts with its router auxiliary
+loss on also carries per-layer router sums, which each MoE block adds to (`moe`). ``head`` returns
+the scalar mean loss, computed in chunks of tokens so that the full logits never exist.
 
 This module must never copy weights, change the user's config, or depend on anything in the
 pipeline engine; it only knows how to call transformers' modules.
@@ -67,6 +70,8 @@ SUPPORTED_CAUSAL_LM_CLASSES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen3MoeForCausalLM",  # experts inside each decoder block; router aux loss: roundpipe.model.moe
     "GptOssForCausalLM",  # the same, plus attention sinks (inside its attention module)
+    "Gemma3ForCausalLM",  # text-only; one rotary table per layer type (attention_masks.rotary_tables)
+    "Phi3ForCausalLM",  # Phi-3 and Phi-4 (mini) text models
 )
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 INPUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
