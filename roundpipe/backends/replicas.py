@@ -110,26 +110,33 @@ class Replicas:
 class Binder:
     """Puts a run's transient tensors into a replica's parameter slots for one call, and the
     placeholders back after it. Cheaper than `torch.func.functional_call` (which rebuilds its
-    bookkeeping on every call), and only one compute lane ever calls a given replica."""
+    bookkeeping on every call), and only one compute lane ever calls a given replica.
+
+    A layer may re-register a parameter during its call: `torch.nn.utils.parametrize` (which peft's
+    ``target_parameters`` LoRA, e.g. on 3-D expert weights, applies for each forward) takes the
+    bound tensor out of the slot and, when it removes the parametrization, registers it back as
+    a buffer since it is no ``nn.Parameter``. `unbind` drops that buffer and restores the slot."""
 
     def __init__(self, module: nn.Module) -> None:
         canonical: dict[int, str] = {}
-        self.slots: list[tuple[dict[str, Any], str, str, nn.Parameter]] = []
+        self.slots: list[tuple[dict[str, Any], str, str, nn.Parameter, dict[str, Any]]] = []
         for name, param in module.named_parameters(remove_duplicate=False):
             first = canonical.setdefault(id(param), name)  # tied slots take the first name's tensor
             owner, _, leaf = name.rpartition(".")
             submodule = module.get_submodule(owner) if owner else module
-            self.slots.append((submodule._parameters, leaf, first, param))
+            self.slots.append((submodule._parameters, leaf, first, param, submodule._buffers))
 
     def bind(self, tensors: dict[str, torch.Tensor]) -> None:
-        for slots, leaf, name, _ in self.slots:
+        for slots, leaf, name, _, _ in self.slots:
             tensor = tensors.get(name)
             if tensor is not None:
                 slots[leaf] = tensor
 
     def unbind(self) -> None:
-        for slots, leaf, _, placeholder in self.slots:
+        for slots, leaf, _, placeholder, buffers in self.slots:
             slots[leaf] = placeholder
+            if leaf in buffers:  # a bound tensor that a parametrization registered back as a buffer
+                del buffers[leaf]
 
 
 class SeededSection:

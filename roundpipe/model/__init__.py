@@ -1,7 +1,8 @@
 """The layer sequence: how a user's model becomes the list of layers the pipeline runs.
 
-Supports ``nn.Sequential``, transformers Qwen3/Qwen2/Llama/Mistral causal LMs (with a chunked
-LM-head loss) and peft LoRA models around them, plus tiny named presets for examples and tests.
+Supports ``nn.Sequential``, transformers Qwen3/Qwen2/Llama/Mistral/Gemma 3/Phi-3 causal LMs and the
+Qwen3-MoE/GPT-OSS mixtures of experts (with a chunked LM-head loss, and the router auxiliary loss)
+and peft LoRA models around them, plus tiny named presets for examples and tests.
 Importing this package must stay cheap: transformers is imported only when a transformers model is
 split or built. It must never copy the user's parameters.
 """

@@ -1,4 +1,5 @@
-"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE).
+"""Layer sequences for transformers decoder-only causal LMs (Qwen3, Qwen2, Llama, Mistral, Gemma 3,
+Phi-3, and the mixtures of experts Qwen3-MoE and GPT-OSS).
 
 roundpipe runs a model as a list of layers, each called with one positional argument. A transformers
 ``*ForCausalLM`` is one big module whose ``forward`` computes the rotary tables and attention masks
@@ -9,12 +10,14 @@ model and peft's LoRA layers inside the blocks keep working.
 
 Activation convention (shared with the engine): every layer after ``embed`` receives and returns a
 dict. ``"hidden"`` is the differentiable hidden state. Keys starting with ``"_"`` are constants made
-once per microbatch by ``embed`` and carried unchanged: ``"_cos"``/``"_sin"`` (rotary tables),
-``"_mask"``/``"_mask_sliding"`` (4-D attention masks, only present when attention needs one: with
-``sdpa`` and no padding the causal mask is implicit; packed rows, told by ``position_ids`` that
-restart inside a row, get a block-diagonal causal mask) and ``"_labels"`` (labels shifted for next-token
-prediction, -100 = ignored). The engine never differentiates them. ``head`` returns the scalar mean
-loss, computed in chunks of tokens so that the full logits never exist.
+once per microbatch by ``embed`` and carried unchanged: ``"_cos"``/``"_sin"`` (rotary tables; Gemma 3
+adds ``"_cos_sliding"``/``"_sin_sliding"``), ``"_mask"``/``"_mask_sliding"`` (4-D attention masks,
+only present when attention needs one: with ``sdpa`` and no padding the causal mask is implicit;
+packed rows, told by ``position_ids`` that restart inside a row, get a block-diagonal causal mask;
+built in `attention_masks`) and ``"_labels"`` (labels shifted for next-token prediction, -100 =
+ignored). The engine never differentiates them. A mixture of experts with its router auxiliary
+loss on also carries per-layer router sums, which each MoE block adds to (`moe`). ``head`` returns
+the scalar mean loss, computed in chunks of tokens so that the full logits never exist.
 
 This module must never copy weights, change the user's config, or depend on anything in the
 pipeline engine; it only knows how to call transformers' modules.
@@ -22,15 +25,24 @@ pipeline engine; it only knows how to call transformers' modules.
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
+from roundpipe.model.attention_masks import (
+    MASK_KEYS,
+    ROTARY_KEYS,
+    block_masks,
+    layer_attention_types,
+    mask_makers,
+    packed_sequence_ids,
+    rotary_per_layer_type,
+    rotary_tables,
+    transformers_masks,
+)
 from roundpipe.model.chunked_mlp import chunk_long_sequences
 from roundpipe.model.loss import (
     DEFAULT_CHUNK_TOKENS,
@@ -38,6 +50,17 @@ from roundpipe.model.loss import (
     chunked_module_cross_entropy,
     softmax_cross_entropy_grad,
 )
+from roundpipe.model.moe import (
+    MASK_KEY,
+    TUPLE_MLPS,
+    RouterAux,
+    add_router_statistics,
+    captured_router_logits,
+    router_aux,
+    router_aux_loss,
+)
+
+__all__ = ["causal_lm_layers", "packed_sequence_ids", "supported_class_name"]
 
 # Classes whose forward this preset reproduces exactly (checked by the tests against model(..., labels=)).
 SUPPORTED_CAUSAL_LM_CLASSES: tuple[str, ...] = (
@@ -45,15 +68,14 @@ SUPPORTED_CAUSAL_LM_CLASSES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
-    "Qwen3MoeForCausalLM",  # experts inside each decoder block; see _check_router_loss
+    "Qwen3MoeForCausalLM",  # experts inside each decoder block; router aux loss: roundpipe.model.moe
+    "GptOssForCausalLM",  # the same, plus attention sinks (inside its attention module)
+    "Gemma3ForCausalLM",  # text-only; one rotary table per layer type (attention_masks.rotary_tables)
+    "Phi3ForCausalLM",  # Phi-3 and Phi-4 (mini) text models
 )
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 INPUT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 IGNORE_INDEX = -100
-
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-MASK_KEYS = {FULL_ATTENTION: "_mask", SLIDING_ATTENTION: "_mask_sliding"}
 
 
 def supported_class_name(model: nn.Module) -> str | None:
@@ -74,35 +96,23 @@ def _check_attention(config: Any) -> None:
         )
 
 
-def layer_attention_types(config: Any) -> list[str]:
-    """Per decoder layer, which mask it uses, mirroring each model's own forward."""
-    n = int(config.num_hidden_layers)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:  # Qwen2 / Qwen3: per-layer full or sliding attention
-        types = [str(t) for t in layer_types[:n]]
-    elif getattr(config, "sliding_window", None) is not None:  # Mistral: all layers slide
-        types = [SLIDING_ATTENTION] * n
-    else:  # Llama
-        types = [FULL_ATTENTION] * n
-    unknown = sorted(set(types) - set(MASK_KEYS))
-    if unknown:
-        raise ModelError(
-            f"config.layer_types contains {unknown}; roundpipe supports only {sorted(MASK_KEYS)} layers"
-        )
-    return types
-
-
 class CausalLMEmbed(nn.Module):
     """Layer ``embed``: token embedding + rotary tables + attention masks + shifted labels."""
 
     def __init__(
-        self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_types: list[str]
+        self,
+        embed_tokens: nn.Module,
+        rotary_emb: nn.Module,
+        config: Any,
+        mask_types: list[str],
+        router_mask: bool = False,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.config = config  # the model's own config object (read only)
         self.mask_types = sorted(set(mask_types))
+        self.router_mask = router_mask  # carry the padding mask for the router aux loss
 
     def roundpipe_compile(self, compiler: Any) -> None:
         """Stays eager: input checks and mask building are Python logic, and it is cheap."""
@@ -139,13 +149,15 @@ class CausalLMEmbed(nn.Module):
                 f"got {list(attention_mask.shape)}"
             )
 
-        cos, sin = self.rotary_emb(hidden, position_ids)
-        out: dict[str, torch.Tensor] = {"hidden": hidden, "_cos": cos, "_sin": sin}
+        out: dict[str, torch.Tensor] = {"hidden": hidden}
+        out.update(rotary_tables(self.rotary_emb, hidden, position_ids, self.mask_types))
         packed = packed_sequence_ids(position_ids) if "position_ids" in inputs else None
         if packed is None:
-            out.update(self._masks(hidden, attention_mask, position_ids))
+            out.update(transformers_masks(self.config, self.mask_types, hidden, attention_mask, position_ids))
         else:
-            out.update(self._block_masks(hidden, attention_mask, packed))
+            out.update(block_masks(self.config, self.mask_types, hidden, attention_mask, packed))
+        if self.router_mask and attention_mask is not None:
+            out[MASK_KEY] = attention_mask.reshape(-1).to(torch.float32)
 
         labels = inputs.get("labels")
         if labels is not None:
@@ -159,130 +171,56 @@ class CausalLMEmbed(nn.Module):
             out["_labels"] = shifted
         return out
 
-    def _masks(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        makers = _mask_makers()
-        masks: dict[str, torch.Tensor] = {}
-        for kind in self.mask_types:
-            maker = makers[kind]
-            mask = maker(**_mask_kwargs(maker, self.config, hidden, attention_mask, position_ids))
-            if mask is None:  # sdpa applies the causal mask itself (is_causal=True)
-                continue
-            if not isinstance(mask, torch.Tensor):
-                raise ModelError(
-                    f"transformers built a {type(mask).__name__} attention mask; roundpipe carries only tensors. "
-                    "Use attn_implementation='sdpa' or 'eager'"
-                )
-            masks[MASK_KEYS[kind]] = mask
-        return masks
-
-    def _block_masks(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, packed: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """4-D masks for packed rows: causal within each example, nothing across examples (and
-        the sliding window where a layer has one). Built here, not by transformers, because its
-        mask builders detect packing from position_ids only in some versions; a 4-D mask is what
-        sdpa (boolean, True = attend) and eager (additive: 0 or the dtype's minimum) take."""
-        seq_len = hidden.shape[1]
-        index = torch.arange(seq_len, device=hidden.device)
-        distance = index[:, None] - index[None, :]  # query - key
-        allowed = (packed[:, :, None] == packed[:, None, :]) & (distance >= 0)
-        if attention_mask is not None:
-            allowed = allowed & attention_mask[:, None, :].bool()
-        eager = (getattr(self.config, "_attn_implementation", None) or "eager") == "eager"
-        masks: dict[str, torch.Tensor] = {}
-        for kind in self.mask_types:
-            mask = allowed
-            window = getattr(self.config, "sliding_window", None)
-            if kind == SLIDING_ATTENTION and window is not None:
-                mask = mask & (distance < int(window))
-            mask = mask[:, None]
-            if eager:
-                mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
-                    ~mask, torch.finfo(hidden.dtype).min
-                )
-            masks[MASK_KEYS[kind]] = mask
-        return masks
-
-
-def packed_sequence_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Per token, which example of its row it belongs to, when rows are packed (positions restart
-    at some token: a position that is not the previous one + 1 starts an example); else None."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    if not bool(starts[:, 1:].any()):
-        return None
-    return starts.long().cumsum(-1)
-
-
-def _mask_makers() -> dict[str, Callable[..., Any]]:
-    try:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-    except ImportError as exc:  # transformers < 4.53 builds masks inside each model
-        raise ModelError(
-            "this transformers version has no transformers.masking_utils; roundpipe's causal-LM preset "
-            "needs transformers >= 4.53 (pip install -U transformers)"
-        ) from exc
-    return {FULL_ATTENTION: create_causal_mask, SLIDING_ATTENTION: create_sliding_window_causal_mask}
-
-
-@functools.cache
-def _mask_parameters(maker: Callable[..., Any]) -> frozenset[str]:
-    return frozenset(inspect.signature(maker).parameters)
-
-
-def _mask_kwargs(
-    maker: Callable[..., Any],
-    config: Any,
-    hidden: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor,
-) -> dict[str, Any]:
-    """Arguments for transformers' mask builders, whose parameter names changed across versions."""
-    names = _mask_parameters(maker)
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": attention_mask}
-    kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
-    for cache_name in ("cache", "past_key_values"):  # renamed past_key_values -> cache in 5.2x
-        if cache_name in names:
-            kwargs[cache_name] = None
-            break
-    if "cache_position" in names:  # 4.5x
-        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
-    if "position_ids" in names:
-        kwargs["position_ids"] = position_ids
-    return kwargs
-
 
 class CausalLMBlock(nn.Module):
-    """Layer ``block.i``: one original decoder layer; replaces ``"hidden"``, carries the constants."""
+    """Layer ``block.i``: one original decoder layer; replaces ``"hidden"``, carries the constants
+    (and, for a model with a router auxiliary loss, adds this layer's router sums: `moe`)."""
 
-    def __init__(self, layer: nn.Module, mask_key: str) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        mask_key: str,
+        rotary_keys: tuple[str, str] = ("_cos", "_sin"),
+        router: RouterAux | None = None,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.mask_key = mask_key
+        self.rotary_keys = rotary_keys
+        self.router = router
+        self.router_names = router.router_names(layer) if router is not None else []
 
     def roundpipe_compile(self, compiler: Any) -> None:
-        """The original decoder layer, tensors in and out (this wrapper's dicts stay eager)."""
-        compiler.module(self.layer)
+        """The original decoder layer, tensors in and out (this wrapper's dicts stay eager). A
+        layer whose router logits are caught by a hook per call stays eager too."""
+        if not self.router_names:
+            compiler.module(self.layer)
 
     def roundpipe_replica(self) -> None:
-        """On roundpipe's copies only: the MLP runs long sequences a slice of tokens at a time."""
+        """On roundpipe's copies only: the MLP runs long sequences a slice of tokens at a time
+        (not an MLP that returns a tuple, nor one whose router logits are caught)."""
         mlp = getattr(self.layer, "mlp", None)
-        if isinstance(mlp, nn.Module):
+        if isinstance(mlp, nn.Module) and not self.router_names and type(mlp).__name__ not in TUPLE_MLPS:
             chunk_long_sequences(mlp)
 
     def forward(self, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        result = dict(x)
+        if self.router is None or not self.router_names:
+            result["hidden"] = self._layer(x)
+            return result
+        with captured_router_logits(self.layer, self.router_names, self.router.output_index) as logits:
+            result["hidden"] = self._layer(x)
+        add_router_statistics(result, logits, self.router, x.get(MASK_KEY))
+        return result
+
+    def _layer(self, x: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        cos, sin = self.rotary_keys
         out = self.layer(
-            x["hidden"],
-            attention_mask=x.get(self.mask_key),
-            position_embeddings=(x["_cos"], x["_sin"]),
+            x["hidden"], attention_mask=x.get(self.mask_key), position_embeddings=(x[cos], x[sin])
         )
         if isinstance(out, tuple):  # transformers < 5 returns (hidden_states, ...)
             out = out[0]
-        result = dict(x)
-        result["hidden"] = out
-        return result
+        return out
 
 
 def auto_chunk_tokens(vocab_size: int, fused: bool = False) -> int:
@@ -298,10 +236,18 @@ def auto_chunk_tokens(vocab_size: int, fused: bool = False) -> int:
 
 
 class CausalLMHead(nn.Module):
-    """Layer ``head``: final norm + LM head + chunked cross-entropy -> scalar mean loss."""
+    """Layer ``head``: final norm + LM head + chunked cross-entropy -> scalar mean loss (plus the
+    router auxiliary loss for a model that adds one: `moe`)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        norm: nn.Module,
+        lm_head: nn.Module,
+        chunk_tokens: int | None = None,
+        router: RouterAux | None = None,
+    ) -> None:
         super().__init__()
+        self.router = router
         self.auto_chunk = chunk_tokens is None
         if chunk_tokens is None:
             chunk_tokens = auto_chunk_tokens(getattr(lm_head, "out_features", 0))
@@ -325,7 +271,15 @@ class CausalLMHead(nn.Module):
                 "labels are required for training: pass inputs={'input_ids': ids, 'labels': ids} "
                 "(labels are shifted inside the model; use -100 for positions that must not count)"
             )
-        hidden = self.norm(x["hidden"])
+        loss = self._lm_loss(x["hidden"], labels)
+        aux = router_aux_loss(x, self.router) if self.router is not None else None
+        if aux is not None:  # as transformers: loss + router_aux_loss_coef * aux_loss
+            assert self.router is not None
+            loss = loss + self.router.coef * aux.to(loss.device)
+        return loss
+
+    def _lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(hidden)
         flat = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
         if type(self.lm_head) is nn.Linear:
@@ -352,14 +306,17 @@ def _require(obj: Any, path: str, class_name: str) -> Any:
     return obj
 
 
-def _check_router_loss(config: Any, class_name: str) -> None:
-    """A mixture-of-experts model that asks for its router's load-balancing loss would get a
-    different loss from the layer sequence, which carries no router logits to the head."""
-    if getattr(config, "output_router_logits", False):
+def _check_loss_shape(config: Any, class_name: str) -> None:
+    """Refuse what the head's chunked loss and the causal masks do not reproduce."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
         raise ModelError(
-            f"{class_name} has config.output_router_logits=True: its router auxiliary loss is not computed "
-            "by roundpipe's layer sequence yet; set model.config.output_router_logits = False (the "
-            "language-model loss alone is then trained, as transformers does by default)"
+            f"{class_name} has config.final_logit_softcapping={cap}: roundpipe's chunked loss does not apply "
+            "logit soft-capping; set model.config.final_logit_softcapping = None to train without it"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelError(
+            f"{class_name} has config.use_bidirectional_attention=True; roundpipe trains causal LMs only"
         )
 
 
@@ -368,8 +325,9 @@ def causal_lm_layers(model: nn.Module, chunk_tokens: int | None = None) -> tuple
     class_name = type(model).__name__
     config = _require(model, "config", class_name)
     _check_attention(config)
-    _check_router_loss(config, class_name)
-    _mask_makers()  # fail early on a transformers without masking_utils
+    _check_loss_shape(config, class_name)
+    router = router_aux(model)
+    mask_makers()  # fail early on a transformers without masking_utils
     embed_tokens = _require(model, "model.embed_tokens", class_name)
     blocks = _require(model, "model.layers", class_name)
     norm = _require(model, "model.norm", class_name)
@@ -379,11 +337,15 @@ def causal_lm_layers(model: nn.Module, chunk_tokens: int | None = None) -> tuple
     if len(blocks) < n:
         raise ModelError(f"{class_name} has {len(blocks)} decoder layers but config.num_hidden_layers is {n}")
     types = layer_attention_types(config)
-    layers: list[nn.Module] = [CausalLMEmbed(embed_tokens, rotary, config, types)]
+    per_type = rotary_per_layer_type(rotary)
+    layers: list[nn.Module] = [
+        CausalLMEmbed(embed_tokens, rotary, config, types, router_mask=router is not None)
+    ]
     names = ["embed"]
     for i in range(n):
-        layers.append(CausalLMBlock(blocks[i], MASK_KEYS[types[i]]))
+        rotary_keys = ROTARY_KEYS[types[i]] if per_type else ROTARY_KEYS["full_attention"]
+        layers.append(CausalLMBlock(blocks[i], MASK_KEYS[types[i]], rotary_keys, router))
         names.append(f"block.{i}")
-    layers.append(CausalLMHead(norm, lm_head, chunk_tokens))
+    layers.append(CausalLMHead(norm, lm_head, chunk_tokens, router))
     names.append("head")
     return layers, names

@@ -112,6 +112,11 @@ _SWITCHES: tuple[tuple[str, str], ...] = (
     ),
     ("--truncation", "cut examples longer than --seq-len (default: such an example is an error)"),
     (
+        "--lora-experts",
+        "with --lora-r on a mixture-of-experts model (Qwen3-MoE, GPT-OSS): LoRA on the experts' "
+        "gate_up_proj and down_proj weights too",
+    ),
+    (
         "--packing",
         "lay short examples one after another in each row (position ids restart, no attention "
         "across examples) instead of one padded example a row",
@@ -182,6 +187,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "train_on_inputs",
         "truncation",
         "packing",
+        "lora_experts",
     ):
         if hasattr(args, name):
             flags[name] = getattr(args, name)

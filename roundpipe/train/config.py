@@ -74,6 +74,10 @@ class TrainConfig(BaseModel):
     lora_r: int | None = Field(
         default=None, ge=1, description="train LoRA adapters of this rank (alpha 2r) on q/k/v/o"
     )
+    lora_experts: bool = Field(
+        default=False,
+        description="with lora_r on a mixture-of-experts model: adapters on the experts' weights too",
+    )
     devices: str = Field(default="cpu:2", description='"auto", "cpu:N", "fake:N", "cuda", "cuda:0,1"')
     microbatches: int = Field(default=4, ge=1, description="microbatches per step")
     batch_size: int = Field(
@@ -156,6 +160,12 @@ class TrainConfig(BaseModel):
         if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> TrainConfig:
+        if self.lora_experts and self.lora_r is None:
+            raise ValueError("--lora-experts adds expert adapters to a LoRA run: give --lora-r R too")
+        return self
 
     @model_validator(mode="after")
     def _check_eval(self) -> TrainConfig:

@@ -44,7 +44,8 @@ def build_tokenizer(config: TrainConfig) -> Any:
 
 def build_model(config: TrainConfig, tokenizer: Any | None = None) -> nn.Module:
     """The model ``config`` names (random init seeded by ``config.seed`` unless it is a directory
-    with weights), wrapped in LoRA adapters on q/k/v/o (alpha = 2r) when ``lora_r`` is set. A
+    with weights), wrapped in LoRA adapters on q/k/v/o (alpha = 2r) when ``lora_r`` is set (and on
+    the experts' weights with ``lora_experts``). A
     random-init model without a tokenizer of its own gets the vocabulary of ``tokenizer``."""
     from roundpipe.model import build_model as build
     from roundpipe.model.presets import WEIGHT_FILES
@@ -66,12 +67,14 @@ def build_model(config: TrainConfig, tokenizer: Any | None = None) -> nn.Module:
     if config.lora_r is not None:
         from peft import LoraConfig, get_peft_model
 
+        experts: dict[str, Any] = expert_parameters(model, config.model) if config.lora_experts else {}
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=2 * config.lora_r,
             lora_dropout=0.0,
             target_modules=list(LORA_TARGETS),
             task_type="CAUSAL_LM",
+            **experts,
         )
         # peft draws the adapters' initial values from the global RNG: pin it to the seed so a
         # resumed run rebuilds the same model and the caller's RNG is left as it was.
@@ -84,3 +87,29 @@ def build_model(config: TrainConfig, tokenizer: Any | None = None) -> nn.Module:
                 )
                 model = get_peft_model(model, lora)
     return model
+
+
+def expert_parameters(model: nn.Module, name: str) -> dict[str, list[str]]:
+    """``target_parameters`` for peft's LoRA on a mixture-of-experts model's expert weights: the
+    3-D parameters of its ``experts`` modules (one matrix per expert), which are no ``nn.Linear``
+    and so cannot be named in ``target_modules``."""
+    from peft import LoraConfig
+
+    leaves = sorted(
+        {
+            f"experts.{leaf}"
+            for full, param in model.named_parameters()
+            for owner, _, leaf in [full.rpartition(".")]
+            if param.dim() == 3 and owner.rpartition(".")[2] == "experts"
+        }
+    )
+    if not leaves:
+        raise ModelError(
+            f"--lora-experts: model {name!r} ({type(model).__name__}) has no expert weights; it applies to "
+            "mixture-of-experts models (Qwen3MoeForCausalLM, GptOssForCausalLM)"
+        )
+    if "target_parameters" not in LoraConfig.__dataclass_fields__:
+        raise ModelError(
+            "--lora-experts needs peft >= 0.17 (LoraConfig.target_parameters): pip install -U peft"
+        )
+    return {"target_parameters": leaves}
