@@ -74,6 +74,18 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         float,
         "async only: iterations read W + k*(W - W_prev) (default k = 2; 0 = off)",
     ),
+    (
+        "--async-lr-ramp-steps",
+        "async_lr_ramp_steps",
+        int,
+        "async only: ramp the lr of the first N async steps up from the start factor (default 60; 0 = off)",
+    ),
+    (
+        "--async-lr-ramp-start",
+        "async_lr_ramp_start",
+        float,
+        "async only: the lr ramp's first factor (default 0.4)",
+    ),
     ("--seed", "seed", int, "model init, LoRA init, data order (default 0)"),
     ("--save-every", "save_every", int, "also save the checkpoint every N steps"),
     (
