@@ -29,14 +29,7 @@ from typing import Any
 import torch
 
 from roundpipe.backends.compiling import NO_COMPILE, LayerCompiler
-from roundpipe.backends.host_data import (
-    BoundaryKey,
-    IterationData,
-    LayerTimes,
-    LossFn,
-    RunKey,
-    SlotKey,
-)
+from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.replicas import Replicas
 from roundpipe.backends.stage_math import (
     Recomputed,
