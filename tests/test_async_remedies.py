@@ -89,6 +89,19 @@ def test_the_lr_ramp_leaves_the_scheduled_lr_alone() -> None:
     assert lrs == {1e-2 / 4}
 
 
+def test_the_lr_ramp_adds_no_task_and_no_dependency() -> None:
+    """The ramp is part of the step task: the schedule (what runs on which lane, after what) is
+    the one of the same run without it, so it cannot put the optimizer lane on the critical path."""
+    graphs = []
+    for ramp in [(0, 0.4), (4, 0.3)]:
+        with roundpipe.RoundPipe(
+            mlp(), optimizer=adamw, config=remedy_config("cpu:2", 1, 2.0, ramp=ramp)
+        ) as pipe:
+            train_steps(pipe, batches(4), mse)
+            graphs.append(sorted((str(t.key), t.lane, tuple(sorted(map(str, t.deps)))) for t in pipe.trace()))
+    assert graphs[0] == graphs[1]
+
+
 def test_without_remedies_the_reference_is_plain_staleness_one() -> None:
     from tests.helpers import async_reference
 
