@@ -37,8 +37,9 @@ MODES: dict[str, tuple[bool, int, float, tuple[int, float]]] = {
     "async+warmup20+predict2": (True, 20, 2.0, (0, 0.4)),
     "async+warmup20+ramp60": (True, 20, 0.0, (60, 0.4)),
     "async+warmup20+predict2+ramp60": (True, 20, 2.0, (60, 0.4)),
+    "async+warmup20+predict2+ramp120": (True, 20, 2.0, (120, 0.4)),  # the `roundpipe train` default
 }
-COMPARED = ("sync", "async", "async+warmup20+predict2", "async+warmup20+predict2+ramp60")
+COMPARED = ("sync", "async", "async+warmup20+predict2", "async+warmup20+predict2+ramp120")
 # Jobs: name -> (lr multiplier, lora rank, modes).
 JOBS: dict[str, tuple[float, int | None, tuple[str, ...]]] = {
     "main-1x": (1.0, None, tuple(MODES)),

@@ -78,7 +78,7 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "--async-lr-ramp-steps",
         "async_lr_ramp_steps",
         int,
-        "async only: ramp the lr of the first N async steps up from the start factor (default 60; 0 = off)",
+        "async only: ramp the lr of the first N async steps up from the start factor (default 120; 0 = off)",
     ),
     (
         "--async-lr-ramp-start",

@@ -28,7 +28,7 @@ DATA_FIELDS = ("text", "prompt", "completion", "messages")  # as roundpipe.data.
 # on its default job (bench/async_quality.py, docs/performance.md "Asynchronous optimizer quality").
 DEFAULT_ASYNC_WARMUP_STEPS = 20
 DEFAULT_WEIGHT_PREDICTION = 2.0
-DEFAULT_ASYNC_LR_RAMP_STEPS = 60
+DEFAULT_ASYNC_LR_RAMP_STEPS = 120
 DEFAULT_ASYNC_LR_RAMP_START = 0.4
 
 
