@@ -247,3 +247,15 @@ def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: P
         DEFAULT_ASYNC_LR_RAMP_STEPS,
         DEFAULT_ASYNC_LR_RAMP_START,
     )
+
+
+def test_a_checkpoint_saved_before_the_lr_ramp_resumes_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import roundpipe.checkpoint
+    from roundpipe.train.cli import _saved_options
+
+    old = {"extra": {"train_config": {"steps": 9, "async_warmup_steps": 20}}}
+    monkeypatch.setattr(roundpipe.checkpoint, "read_checkpoint_meta", lambda path: old)
+    assert _saved_options("ckpt")["async_lr_ramp_steps"] == 0
+    new = {"extra": {"train_config": {"steps": 9, "async_lr_ramp_steps": 120}}}
+    monkeypatch.setattr(roundpipe.checkpoint, "read_checkpoint_meta", lambda path: new)
+    assert _saved_options("ckpt")["async_lr_ramp_steps"] == 120

@@ -214,6 +214,7 @@ def _saved_options(checkpoint: str) -> dict[str, Any]:
     saved = dict(saved)
     saved.pop("resume", None)
     saved.pop("overwrite", None)  # a decision about one resume, never inherited by the next
+    saved.setdefault("async_lr_ramp_steps", 0)  # saved before the lr ramp existed: it ran without
     return saved
 
 
