@@ -28,20 +28,24 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-# Modes: (name, async_optimizer, async_warmup_steps, weight_prediction).
-MODES: dict[str, tuple[bool, int, float]] = {
-    "sync": (False, 0, 0.0),
-    "async": (True, 0, 0.0),
-    "async+warmup20": (True, 20, 0.0),
-    "async+predict2": (True, 0, 2.0),
-    "async+warmup20+predict2": (True, 20, 2.0),
+# Modes: name -> (async_optimizer, async_warmup_steps, weight_prediction, lr ramp (steps, start)).
+MODES: dict[str, tuple[bool, int, float, tuple[int, float]]] = {
+    "sync": (False, 0, 0.0, (0, 0.4)),
+    "async": (True, 0, 0.0, (0, 0.4)),
+    "async+warmup20": (True, 20, 0.0, (0, 0.4)),
+    "async+predict2": (True, 0, 2.0, (0, 0.4)),
+    "async+warmup20+predict2": (True, 20, 2.0, (0, 0.4)),
+    "async+warmup20+ramp60": (True, 20, 0.0, (60, 0.4)),
+    "async+warmup20+predict2+ramp60": (True, 20, 2.0, (60, 0.4)),
+    "async+warmup20+predict2+ramp120": (True, 20, 2.0, (120, 0.4)),  # the `roundpipe train` default
 }
+COMPARED = ("sync", "async", "async+warmup20+predict2", "async+warmup20+predict2+ramp120")
 # Jobs: name -> (lr multiplier, lora rank, modes).
 JOBS: dict[str, tuple[float, int | None, tuple[str, ...]]] = {
     "main-1x": (1.0, None, tuple(MODES)),
-    "main-2x": (2.0, None, ("sync", "async", "async+predict2", "async+warmup20+predict2")),
-    "main-4x": (4.0, None, ("sync", "async", "async+predict2", "async+warmup20+predict2")),
-    "lora-r8": (1.0, 8, ("sync", "async", "async+predict2", "async+warmup20+predict2")),
+    "main-2x": (2.0, None, COMPARED),
+    "main-4x": (4.0, None, COMPARED),
+    "lora-r8": (1.0, 8, COMPARED),
 }
 MARKS = (10, 20, 40, 60, 100, 150, 199)
 
@@ -50,7 +54,7 @@ def train_config(job: str, mode: str, steps: int) -> Any:
     from roundpipe.train.config import TrainConfig
 
     lr_mult, lora_r, _ = JOBS[job]
-    async_optimizer, warmup, prediction = MODES[mode]
+    async_optimizer, warmup, prediction, (ramp_steps, ramp_start) = MODES[mode]
     base = TrainConfig().lr
     return TrainConfig(
         steps=steps,
@@ -59,27 +63,35 @@ def train_config(job: str, mode: str, steps: int) -> Any:
         async_optimizer=async_optimizer,
         async_warmup_steps=warmup,
         weight_prediction=prediction,
+        async_lr_ramp_steps=ramp_steps,
+        async_lr_ramp_start=ramp_start,
     )
 
 
 def reference_losses(config: Any) -> list[float]:
     """The plain loop: iteration t < warmup reads W_t; later ones W_{t-1}, extrapolated by
-    ``weight_prediction`` times the update that made it once that update was asynchronous."""
+    ``weight_prediction`` times the update that made it once that update was asynchronous; the
+    async steps of the lr ramp run at its factor times the scheduled lr."""
     import torch
 
-    from roundpipe.data.text import CORPUS_PATH, batch_at, encode, load_text
+    from roundpipe.optim.lr_ramp import ramp_factor
+    from roundpipe.train.data import prepare_data
     from roundpipe.train.loop import lr_factor
-    from roundpipe.train.model import build_model
+    from roundpipe.train.model import build_model, build_tokenizer
 
     torch.set_num_threads(1)
-    model = build_model(config)
-    tokens = torch.tensor(encode(load_text(str(CORPUS_PATH))), dtype=torch.long)
+    tokenizer = build_tokenizer(config)
+    batches = prepare_data(config, tokenizer).batches(0)  # the batches `roundpipe train` draws
+    model = build_model(config, tokenizer)
     shadow = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     reads = [p for p in shadow.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(config, s))
     warmup = config.async_warmup_steps if config.async_optimizer else 0
+    ramp = config.async_lr_ramp_steps if config.async_optimizer else 0
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(config, s) * ramp_factor(s, warmup, ramp, config.async_lr_ramp_start)
+    )
     history = [[p.detach().clone() for p in params]]  # the last three versions are enough
     losses = []
     for t in range(config.steps):
@@ -92,7 +104,7 @@ def reference_losses(config: Any) -> list[float]:
                 else:
                     read.copy_(torch.lerp(history[-3][i], history[-2][i], 1.0 + config.weight_prediction))
         shadow.zero_grad(set_to_none=True)
-        loss = shadow(**batch_at(tokens, t, config.seq_len, config.batch_size, config.seed)).loss
+        loss = shadow(**next(batches)).loss
         loss.backward()
         for p, read in zip(params, reads, strict=True):
             p.grad = read.grad.clone()

@@ -12,6 +12,8 @@ It must never start threads, submit tasks or keep state: every function returns 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +23,7 @@ from roundpipe.errors import PlanError
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
+from roundpipe.optim.lr_ramp import ramp_factor
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan_eval import choose_evaluated_plan
 from roundpipe.sched.spec import ScheduleOptions
@@ -73,6 +76,7 @@ def make_runtime(
         chunk_bytes=config.chunk_bytes,
         compiler=LayerCompiler(config.compile, kind),
         predict_from=predict_from(config),
+        lr_scale=lr_ramp(config),
     )
     runtime.collectives = make_collectives(config.distributed, host)
     return runtime
@@ -97,6 +101,14 @@ def predict_from(config: RunConfig) -> int | None:
     if not config.async_optimizer or not config.weight_prediction:
         return None
     return max(0, config.async_warmup_steps - 1)
+
+
+def lr_ramp(config: RunConfig) -> Callable[[int], float]:
+    """The async lr ramp's factor per optimizer step (1 everywhere when it is off)."""
+    steps = config.async_lr_ramp_steps if config.async_optimizer else 0
+    return partial(
+        ramp_factor, first_async=config.async_warmup_steps, steps=steps, start=config.async_lr_ramp_start
+    )
 
 
 def make_backend(kind: str, indices: tuple[int, ...], runtime: Runtime, costs: LayerCosts) -> Any:

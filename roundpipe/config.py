@@ -94,6 +94,15 @@ class RunConfig(BaseModel):
         description="async remedy: iterations read the weights extrapolated by the last update, "
         "W + k * (W - W_prev), with k this factor (0: off)",
     )
+    async_lr_ramp_steps: int = Field(
+        0,
+        ge=0,
+        description="async remedy: the first N asynchronous steps run at a fraction of the learning "
+        "rate, rising linearly from async_lr_ramp_start to 1 (PipeMare-style; 0: off)",
+    )
+    async_lr_ramp_start: float = Field(
+        0.4, gt=0.0, le=1.0, description="async remedy: the lr ramp's first factor (see async_lr_ramp_steps)"
+    )
     precision: Precision = Field("fp32", description="dtype of the compute copy and of device math")
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(
@@ -171,7 +180,7 @@ class RunConfig(BaseModel):
         if not self.async_optimizer:
             given = [
                 f"{name}={getattr(self, name)}"
-                for name in ("async_warmup_steps", "weight_prediction")
+                for name in ("async_warmup_steps", "weight_prediction", "async_lr_ramp_steps")
                 if getattr(self, name)
             ]
             if given:

@@ -24,11 +24,14 @@ def remedy_reference(
     *,
     warmup_steps: int = 0,
     prediction: float = 0.0,
+    lr_ramp: tuple[int, float] = (0, 1.0),
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Iterations t < ``warmup_steps`` compute on W_t (sync). Later ones on W_{t-1}, and, when
     the step that made W_{t-1} was taken asynchronously (t-2 >= warmup_steps - 1), on
-    W_{t-1} + prediction * (W_{t-1} - W_{t-2}). Gradients are applied to the newest weights.
-    Returns the losses and the weights after every step."""
+    W_{t-1} + prediction * (W_{t-1} - W_{t-2}). Gradients are applied to the newest weights;
+    with ``lr_ramp = (R, r)`` step t >= warmup_steps runs at the lr times
+    r + (1 - r) * min(1, (t - warmup_steps + 1) / R). Returns the losses and the weights after
+    every step."""
     opt = optimizer(list(model.parameters()))
     history = [copy.deepcopy(model.state_dict())]  # history[k] = weights after k steps
     shadow = copy.deepcopy(model)
@@ -47,7 +50,18 @@ def remedy_reference(
         loss.backward()
         for p, s in zip(model.parameters(), shadow.parameters(), strict=True):
             p.grad = s.grad.clone()
+        ramp_steps, start = lr_ramp
+        factor = (
+            1.0
+            if not ramp_steps or t < warmup_steps
+            else start + (1 - start) * min(1.0, (t - warmup_steps + 1) / ramp_steps)
+        )
+        lrs = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * factor
         opt.step()
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
         opt.zero_grad()
         history.append(copy.deepcopy(model.state_dict()))
         losses.append(loss.item())

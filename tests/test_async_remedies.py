@@ -1,4 +1,4 @@
-"""Staleness remedies (async warm-up, weight prediction): the pipe equals their plain loop.
+"""Staleness remedies (async warm-up, weight prediction, lr ramp): the pipe equals their plain loop.
 
 Each remedy is defined by `tests.remedy_reference`, a naive loop over the weights after every
 step; the pipe must match it after every step on 1, 2 and 3 CPU workers, keep the five rules in
@@ -21,6 +21,8 @@ from tests.remedy_reference import remedy_reference
 
 mse = nn.functional.mse_loss
 REMEDIES = [(3, 0.0), (0, 2.0), (2, 1.5)]  # (async_warmup_steps, weight_prediction)
+# (async_warmup_steps, weight_prediction, (async_lr_ramp_steps, async_lr_ramp_start))
+RAMPS = [(0, 0.0, (3, 0.3)), (2, 2.0, (2, 0.5)), (1, 0.0, (10, 0.25))]
 
 
 def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -28,13 +30,15 @@ def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 
 
 def remedy_config(
-    devices: str, warmup: int, prediction: float, precision: str = "fp32"
+    devices: str, warmup: int, prediction: float, precision: str = "fp32", ramp: tuple[int, float] = (0, 0.4)
 ) -> roundpipe.RunConfig:
     return roundpipe.RunConfig(
         devices=devices,
         num_microbatches=4,
         async_warmup_steps=warmup,
         weight_prediction=prediction,
+        async_lr_ramp_steps=ramp[0],
+        async_lr_ramp_start=ramp[1],
         precision=precision,  # type: ignore[arg-type]
     )
 
@@ -52,6 +56,50 @@ def test_pipe_matches_the_remedy_loop_on_one_two_and_three_workers(warmup: int, 
         trace.check_rules()
         for got, want in zip(weights, ref_weights, strict=True):
             assert_weights_equal(got, want)
+
+
+@pytest.mark.parametrize(("warmup", "prediction", "ramp"), RAMPS)
+def test_pipe_matches_the_lr_ramp_loop_on_one_and_two_workers(
+    warmup: int, prediction: float, ramp: tuple[int, float]
+) -> None:
+    data = batches(6)
+    _, ref_weights = remedy_reference(
+        mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction, lr_ramp=ramp
+    )
+    for devices in ("cpu:1", "cpu:2"):
+        cfg = remedy_config(devices, warmup, prediction, ramp=ramp)
+        with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
+            weights = train_steps(pipe, data, mse)
+            trace = pipe.trace()
+        trace.check_rules()
+        for got, want in zip(weights, ref_weights, strict=True):
+            assert_weights_equal(got, want)
+
+
+def test_the_lr_ramp_leaves_the_scheduled_lr_alone() -> None:
+    """A scheduler keeps its own values: the ramp scales one step at a time and puts them back."""
+
+    def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    cfg = remedy_config("cpu:1", 0, 0.0, ramp=(2, 0.5))
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg, lr_scheduler=scheduler) as pipe:
+        train_steps(pipe, batches(3), mse)
+        lrs = {group["lr"] for opt in pipe.host.optimizers.values() for group in opt.param_groups}
+    assert lrs == {1e-2 / 4}
+
+
+def test_the_lr_ramp_adds_no_task_and_no_dependency() -> None:
+    """The ramp is part of the step task: the schedule (what runs on which lane, after what) is
+    the one of the same run without it, so it cannot put the optimizer lane on the critical path."""
+    graphs = []
+    for ramp in [(0, 0.4), (4, 0.3)]:
+        with roundpipe.RoundPipe(
+            mlp(), optimizer=adamw, config=remedy_config("cpu:2", 1, 2.0, ramp=ramp)
+        ) as pipe:
+            train_steps(pipe, batches(4), mse)
+            graphs.append(sorted((str(t.key), t.lane, tuple(sorted(map(str, t.deps)))) for t in pipe.trace()))
+    assert graphs[0] == graphs[1]
 
 
 def test_without_remedies_the_reference_is_plain_staleness_one() -> None:
@@ -78,9 +126,12 @@ def test_warmup_steps_are_synchronous_in_the_trace() -> None:
     ("warmup", "prediction", "stop", "precision"),
     [(3, 0.0, 2, "fp32"), (3, 0.0, 3, "fp32"), (0, 2.0, 3, "fp32"), (2, 1.5, 2, "fp32"), (1, 2.0, 3, "bf16")],
 )
-def test_resume_is_bit_exact(warmup: int, prediction: float, stop: int, precision: str) -> None:
+@pytest.mark.parametrize("ramp", [(0, 0.4), (4, 0.3)])
+def test_resume_is_bit_exact(
+    warmup: int, prediction: float, stop: int, precision: str, ramp: tuple[int, float]
+) -> None:
     data = batches(6)
-    cfg = remedy_config("cpu:2", warmup, prediction, precision)
+    cfg = remedy_config("cpu:2", warmup, prediction, precision, ramp)
     with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
         full = train_steps(pipe, data, mse)
     with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
@@ -112,6 +163,9 @@ def test_prediction_state_is_saved_with_the_optimizer() -> None:
         ({"weight_prediction": -1.0}, "weight_prediction"),
         ({"weight_prediction": 9.0}, "weight_prediction"),
         ({"async_warmup_steps": -2}, "async_warmup_steps"),
+        ({"async_optimizer": False, "async_lr_ramp_steps": 5}, "only applies with async_optimizer=True"),
+        ({"async_lr_ramp_start": 0.0}, "async_lr_ramp_start"),
+        ({"async_lr_ramp_start": 1.5}, "async_lr_ramp_start"),
     ],
 )
 def test_bad_remedy_settings_are_refused(values: dict[str, object], message: str) -> None:
@@ -124,8 +178,11 @@ def test_train_options_drop_remedies_in_sync_mode() -> None:
 
     sync = make_config({"async_optimizer": False, "weight_prediction": 1.0}).run_config()
     assert not sync.async_optimizer and sync.weight_prediction == 0 and sync.async_warmup_steps == 0
-    run = make_config({"async_warmup_steps": 7, "weight_prediction": 0.5}).run_config()
-    assert run.async_warmup_steps == 7 and run.weight_prediction == 0.5
+    assert sync.async_lr_ramp_steps == 0
+    run = make_config(
+        {"async_warmup_steps": 7, "weight_prediction": 0.5, "async_lr_ramp_steps": 9}
+    ).run_config()
+    assert run.async_warmup_steps == 7 and run.weight_prediction == 0.5 and run.async_lr_ramp_steps == 9
 
 
 def test_a_state_resumed_inside_a_longer_warmup_reads_the_newest_weights() -> None:

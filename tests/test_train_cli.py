@@ -11,6 +11,7 @@ import pytest
 from roundpipe.cli import main
 from roundpipe.pipe import RoundPipe
 from roundpipe.train import TrainConfig, make_config, read_config_file
+from roundpipe.train.config import DEFAULT_ASYNC_LR_RAMP_START, DEFAULT_ASYNC_LR_RAMP_STEPS
 from roundpipe.train.loop import lr_factor
 
 JSON_KEYS = {"initial_loss", "final_loss", "tokens_per_s", "bubble_ratio", "steps", "out_dir"}
@@ -228,8 +229,39 @@ def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: P
 
     args = tiny_args(model_config, tmp_path, "r", steps=2)
     chosen = make_config(
-        options(build_parser().parse_args([*args, "--async-warmup-steps", "3", "--weight-prediction", "1.5"]))
+        options(
+            build_parser().parse_args(
+                [
+                    *args,
+                    "--async-warmup-steps",
+                    "3",
+                    "--weight-prediction",
+                    "1.5",
+                    "--async-lr-ramp-steps",
+                    "7",
+                    "--async-lr-ramp-start",
+                    "0.25",
+                ]
+            )
+        )
     ).run_config()
     assert (chosen.async_warmup_steps, chosen.weight_prediction) == (3, 1.5)
+    assert (chosen.async_lr_ramp_steps, chosen.async_lr_ramp_start) == (7, 0.25)
     default = TrainConfig().run_config()  # the measured default (docs/performance.md)
     assert (default.async_warmup_steps, default.weight_prediction) == (20, 2.0)
+    assert (default.async_lr_ramp_steps, default.async_lr_ramp_start) == (
+        DEFAULT_ASYNC_LR_RAMP_STEPS,
+        DEFAULT_ASYNC_LR_RAMP_START,
+    )
+
+
+def test_a_checkpoint_saved_before_the_lr_ramp_resumes_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import roundpipe.checkpoint
+    from roundpipe.train.cli import _saved_options
+
+    old = {"extra": {"train_config": {"steps": 9, "async_warmup_steps": 20}}}
+    monkeypatch.setattr(roundpipe.checkpoint, "read_checkpoint_meta", lambda path: old)
+    assert _saved_options("ckpt")["async_lr_ramp_steps"] == 0
+    new = {"extra": {"train_config": {"steps": 9, "async_lr_ramp_steps": 120}}}
+    monkeypatch.setattr(roundpipe.checkpoint, "read_checkpoint_meta", lambda path: new)
+    assert _saved_options("ckpt")["async_lr_ramp_steps"] == 120

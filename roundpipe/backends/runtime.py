@@ -29,14 +29,7 @@ from typing import Any
 import torch
 
 from roundpipe.backends.compiling import NO_COMPILE, LayerCompiler
-from roundpipe.backends.host_data import (
-    BoundaryKey,
-    IterationData,
-    LayerTimes,
-    LossFn,
-    RunKey,
-    SlotKey,
-)
+from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.replicas import Replicas
 from roundpipe.backends.stage_math import (
     Recomputed,
@@ -90,11 +83,12 @@ class Runtime:
         chunk_bytes: int | None = None,
         compiler: LayerCompiler | None = None,
         predict_from: int | None = None,
+        lr_scale: Callable[[int], float] = lambda step: 1.0,
     ) -> None:
         self.host = host
-        # Weight prediction: P-copies of steps >= predict_from extrapolate (None: never), and
-        # those steps keep the weights they start from (`roundpipe.optim.prediction`).
-        self.predict_from = predict_from
+        # Weight prediction: P-copies of steps >= predict_from extrapolate (None: never), and those
+        # steps keep the weights they start from; lr_scale(step): the async lr ramp (optim/lr_ramp.py).
+        self.predict_from, self.lr_scale = predict_from, lr_scale
         self.layers = host.layers
         self.names = names
         self.computes_loss = computes_loss
@@ -379,7 +373,8 @@ class Runtime:
 
     def step(self, task: Task) -> None:
         self.collectives.before_step(task.step, task.layers.start)
-        self.host.step(task.layers.start, remember=self._predicts(task.step))
+        unit, step = task.layers.start, task.step
+        self.host.step(unit, remember=self._predicts(step), lr_scale=self.lr_scale(step))
         self.collectives.after_step(task.step, task.layers.start)
 
     def p_copy(self, task: Task) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
+from roundpipe.optim.lr_ramp import scaled_lr
 from roundpipe.optim.prediction import WeightPredictor
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -294,9 +295,9 @@ class HostModel:
         return norm
 
     @torch.no_grad()
-    def step(self, unit: int, *, remember: bool = False) -> None:
-        """Step ``unit``'s optimizer; ``remember``: first keep the weights it starts from, for
-        the predicting P-copy that follows."""
+    def step(self, unit: int, *, remember: bool = False, lr_scale: float = 1.0) -> None:
+        """Step ``unit``'s optimizer (at ``lr_scale`` times its lr: the async lr ramp);
+        ``remember``: first keep the weights it starts from, for the predicting P-copy after it."""
         opt = self.optimizers[unit]
         masters = [self.master[id(p)] for p in self.unit_params[unit]]
         if remember and self.predictor is not None:
@@ -307,7 +308,8 @@ class HostModel:
                 for master in masters:
                     if master.grad is not None:
                         master.grad.mul_(self.clip_coef)
-            opt.step()
+            with scaled_lr(opt, lr_scale):
+                opt.step()
             scheduler = self.schedulers.get(unit)
             if scheduler is not None:
                 scheduler.step()

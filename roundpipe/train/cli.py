@@ -82,6 +82,18 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         float,
         "async only: iterations read W + k*(W - W_prev) (default k = 2; 0 = off)",
     ),
+    (
+        "--async-lr-ramp-steps",
+        "async_lr_ramp_steps",
+        int,
+        "async only: ramp the lr of the first N async steps up from the start factor (default 120; 0 = off)",
+    ),
+    (
+        "--async-lr-ramp-start",
+        "async_lr_ramp_start",
+        float,
+        "async only: the lr ramp's first factor (default 0.4)",
+    ),
     ("--seed", "seed", int, "model init, LoRA init, data order (default 0)"),
     ("--save-every", "save_every", int, "also save the checkpoint every N steps"),
     (
@@ -247,6 +259,7 @@ def _saved_options(checkpoint: str) -> dict[str, Any]:
     saved = dict(saved)
     saved.pop("resume", None)
     saved.pop("overwrite", None)  # a decision about one resume, never inherited by the next
+    saved.setdefault("async_lr_ramp_steps", 0)  # saved before the lr ramp existed: it ran without
     return saved
 
 

@@ -28,6 +28,8 @@ DATA_FIELDS = ("text", "prompt", "completion", "messages")  # as roundpipe.data.
 # on its default job (bench/async_quality.py, docs/performance.md "Asynchronous optimizer quality").
 DEFAULT_ASYNC_WARMUP_STEPS = 20
 DEFAULT_WEIGHT_PREDICTION = 2.0
+DEFAULT_ASYNC_LR_RAMP_STEPS = 120
+DEFAULT_ASYNC_LR_RAMP_START = 0.4
 
 
 class TrainConfig(BaseModel):
@@ -102,6 +104,18 @@ class TrainConfig(BaseModel):
         ge=0.0,
         le=4.0,
         description="async only: iterations read W + k * (W - W_prev), k this factor; 0 turns it off",
+    )
+    async_lr_ramp_steps: int = Field(
+        default=DEFAULT_ASYNC_LR_RAMP_STEPS,
+        ge=0,
+        description="async only: the first N asynchronous steps ramp the lr up from "
+        "async_lr_ramp_start times its value (0 turns it off)",
+    )
+    async_lr_ramp_start: float = Field(
+        default=DEFAULT_ASYNC_LR_RAMP_START,
+        gt=0.0,
+        le=1.0,
+        description="async only: the lr ramp's first factor",
     )
     seed: int = Field(default=0, description="model init, LoRA init, data order and dropout")
     save_every: int | None = Field(default=None, ge=1, description="also save a checkpoint every N steps")
@@ -193,6 +207,8 @@ class TrainConfig(BaseModel):
             # Remedies of staleness: nothing to remedy in sync mode (RunConfig refuses them there).
             async_warmup_steps=self.async_warmup_steps if self.async_optimizer else 0,
             weight_prediction=self.weight_prediction if self.async_optimizer else 0.0,
+            async_lr_ramp_steps=self.async_lr_ramp_steps if self.async_optimizer else 0,
+            async_lr_ramp_start=self.async_lr_ramp_start,
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
