@@ -14,8 +14,8 @@ What one iteration contains, per stage run (a slot of a round on a device):
                                                   one microbatch ahead)
                                   compute      <- act_up, all param_up chunks, previous microbatch
                                   act_down     <- compute
-  (a backward run splits compute into recompute and backward, the gradient into its own
-   grad_up: `sched/backward_run.py`)
+  (the chains: `sched/forward_run.py`; a backward run splits compute into recompute and
+   backward, the gradient into its own grad_up: `sched/backward_run.py`)
   once (fused / backward runs)    grad_down    <- last compute, the previous round's grad_down
                                                   of this stage, rule 4
 then per unit a G-copy (rule 3, rule 5). An optimizer step adds per unit, shallow first, step and
@@ -34,10 +34,8 @@ from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
 from roundpipe.sched import rules
 from roundpipe.sched.backward_run import BackwardRunContext, backward_chains
+from roundpipe.sched.forward_run import forward_chains
 from roundpipe.sched.keys import (
-    ActDownKey,
-    ActUpKey,
-    ComputeKey,
     GCopyKey,
     GradDownKey,
     GradNormKey,
@@ -47,11 +45,8 @@ from roundpipe.sched.keys import (
 )
 from roundpipe.sched.rules import UnitLedger
 from roundpipe.sched.spec import ModelSpec, ScheduleOptions
-from roundpipe.sched.stage_run import IterationInProgress, StageRun, previous_act_down
+from roundpipe.sched.stage_run import IterationInProgress, StageRun
 from roundpipe.sched.task import (
-    ACT_DOWN,
-    ACT_UP,
-    COMPUTE,
     G_COPY,
     GRAD_DOWN,
     GRAD_NORM,
@@ -156,7 +151,12 @@ class GraphBuilder:
                     run, param_keys, built, self._backward_context(run)
                 )
             else:
-                last_compute = forward_done = self._microbatch_chains(run, param_keys, built)
+                history = self._device_runs.get(run.device, ())
+                two_back = history[-2] if len(history) >= 2 else None
+                down_bytes = self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0
+                last_compute = forward_done = forward_chains(
+                    run, param_keys, built, self.spec.act_bytes, down_bytes, two_back
+                )
             self._remember_on_device(run.device, last_compute)
             self._device_forward_done[run.device] = forward_done
             self._grad_download(run, last_compute, built)
@@ -248,54 +248,6 @@ class GraphBuilder:
             if self.num_devices == 1
             else None,
         )
-
-    def _microbatch_chains(self, run: StageRun, param_keys: list[Key], built: IterationInProgress) -> Key:
-        """Per microbatch of a forward or fused run: act_up (after the previous slot's act_down; at most one
-        microbatch ahead of the run's compute; and a run's first inputs only once the run two
-        before on the device has completed, as its weights: without that, every run whose input
-        was ready would upload it, and a device would hold many runs' activations), compute (after
-        its input, every parameter upload and the previous microbatch), act_down. Returns the
-        run's last compute."""
-        up_bytes = act_bytes = self.spec.act_bytes
-        down_bytes = act_bytes if run.slot < self.plan.num_slots - 1 else 0
-        fused = run.kind == SlotKind.FUSED
-        last_down = built.last_act_down
-        computes: list[Key] = []
-        history = self._device_runs.get(run.device, ())
-        two_runs_back = history[-2] if len(history) >= 2 else None
-        for position, mb in enumerate(run.microbatches):
-            up_key = ActUpKey(run.iteration, run.slot, mb)
-            up_deps: list[Key] = []
-            up_sync: list[Key] = []
-            if run.slot > 0:
-                up_deps.append(previous_act_down(last_down, run, mb))
-            # Flow control, so it waits for completion.
-            ahead = computes[position - 2] if position >= 2 else two_runs_back
-            if ahead is not None:
-                up_sync.append(ahead)
-                up_deps.append(ahead)
-            compute_key = ComputeKey(run.iteration, run.slot, mb)
-            compute_deps = [up_key, *param_keys]
-            if computes:
-                compute_deps.append(computes[-1])
-            down_key = ActDownKey(run.iteration, run.slot, mb)
-            built.tasks += (
-                run.task(up_key, ACT_UP, up_deps, microbatch=mb, nbytes=up_bytes, sync_deps=up_sync),
-                run.task(
-                    compute_key,
-                    COMPUTE,
-                    compute_deps,
-                    microbatch=mb,
-                    part=position,
-                    num_parts=len(run.microbatches),
-                ),
-                run.task(down_key, ACT_DOWN, [compute_key], microbatch=mb, nbytes=down_bytes),
-            )
-            if fused:
-                built.loss_keys.append(compute_key)
-            last_down[mb] = down_key
-            computes.append(compute_key)
-        return computes[-1]
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
         """Keep a device's two latest runs: a run's uploads wait for the one two before."""

@@ -1,0 +1,70 @@
+"""The microbatch chains of a forward or fused stage run.
+
+Why apart from the builder: with `backward_run` beside it, the builder keeps only what relates
+runs to each other (weights, versions, the device's history) and the per-microbatch shape of each
+run kind lives in one small module each. Per microbatch of a forward or fused run:
+
+  act_up   the input            <- the previous slot's act_down; the compute two microbatches
+                                   back (completed: at most one microbatch ahead); a run's first
+                                   inputs only once the device's run two before has completed,
+                                   as its weights (without that, every run whose input was ready
+                                   would upload it, and a device would hold many runs' activations)
+  compute  compute lane         <- act_up, every parameter upload, the previous microbatch
+  act_down the output           <- compute
+
+This module must never hold tensors or decide anything but these tasks and their dependencies.
+"""
+
+from __future__ import annotations
+
+from roundpipe.plan.kinds import SlotKind
+from roundpipe.sched.keys import ActDownKey, ActUpKey, ComputeKey
+from roundpipe.sched.stage_run import IterationInProgress, StageRun, previous_act_down
+from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, Key
+
+
+def forward_chains(
+    run: StageRun,
+    param_keys: list[Key],
+    built: IterationInProgress,
+    act_bytes: int,
+    down_bytes: int,
+    two_runs_back: Key | None,
+) -> Key:
+    """Append the run's per-microbatch tasks to ``built``; return the run's last compute."""
+    fused = run.kind == SlotKind.FUSED
+    last_down = built.last_act_down
+    computes: list[Key] = []
+    for position, mb in enumerate(run.microbatches):
+        up_key = ActUpKey(run.iteration, run.slot, mb)
+        up_deps: list[Key] = []
+        up_sync: list[Key] = []
+        if run.slot > 0:
+            up_deps.append(previous_act_down(last_down, run, mb))
+        # Flow control, so it waits for completion.
+        ahead = computes[position - 2] if position >= 2 else two_runs_back
+        if ahead is not None:
+            up_sync.append(ahead)
+            up_deps.append(ahead)
+        compute_key = ComputeKey(run.iteration, run.slot, mb)
+        compute_deps = [up_key, *param_keys]
+        if computes:
+            compute_deps.append(computes[-1])
+        down_key = ActDownKey(run.iteration, run.slot, mb)
+        built.tasks += (
+            run.task(up_key, ACT_UP, up_deps, microbatch=mb, nbytes=act_bytes, sync_deps=up_sync),
+            run.task(
+                compute_key,
+                COMPUTE,
+                compute_deps,
+                microbatch=mb,
+                part=position,
+                num_parts=len(run.microbatches),
+            ),
+            run.task(down_key, ACT_DOWN, [compute_key], microbatch=mb, nbytes=down_bytes),
+        )
+        if fused:
+            built.loss_keys.append(compute_key)
+        last_down[mb] = down_key
+        computes.append(compute_key)
+    return computes[-1]
