@@ -173,3 +173,34 @@ def test_train_on_a_conversation_file(tmp_path: Path, capsys: pytest.CaptureFixt
     exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     assert exported.apply_chat_template(CHATS[1], tokenize=False).startswith("<|im_start|>user")
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).config.vocab_size == len(exported)
+
+
+def test_a_hub_name_is_read_through_datasets_and_an_unreachable_hub_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, tok: Any
+) -> None:
+    """``--data owner/name`` that is no local file asks the hub through `datasets` (its cache
+    where offline); here the hub is stood in for by a patched `datasets.load_dataset`."""
+    import datasets
+
+    from roundpipe.data.examples import HubDataset, load_examples, looks_like_hub_name
+    from roundpipe.errors import DataError
+    from roundpipe.train.config import TrainConfig
+    from roundpipe.train.data import data_path
+
+    assert looks_like_hub_name("someone/chat") and looks_like_hub_name("squad")
+    assert not any(map(looks_like_hub_name, ["a/b/c", "data.jsonl", "./x", "~/x", "notes.txt"]))
+    assert data_path(TrainConfig(data="someone/chat")) == HubDataset("someone/chat")
+    asked: list[tuple[str, str]] = []
+
+    def fake_hub(name: str, split: str) -> datasets.Dataset:
+        asked.append((name, split))
+        if name != "someone/chat":
+            raise ConnectionError("Couldn't reach the Hugging Face Hub")
+        return datasets.Dataset.from_list([{"prompt": "Say hi.", "completion": " hi"}] * 3)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    examples = load_examples(HubDataset("someone/chat"), tok)
+    assert asked == [("someone/chat", "train")] and len(examples) == 3
+    assert all(example.trainable for example in examples)
+    with pytest.raises(DataError, match=r"--data 'nobody/none': no such local file.*ConnectionError"):
+        load_examples(HubDataset("nobody/none"), tok)

@@ -58,6 +58,47 @@ class Records:
     where: Callable[[int], str]
 
 
+@dataclass(frozen=True)
+class HubDataset:
+    """A dataset named on the Hugging Face hub (``owner/name``), read by `datasets` through its
+    own cache; only where the network (or that cache) allows."""
+
+    name: str
+    split: str = "train"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def looks_like_hub_name(value: str) -> bool:
+    """``owner/name`` or ``name``: no file suffix a local file of ours would have, no path parts."""
+    parts = value.split("/")
+    return (
+        0 < len(parts) <= 2
+        and all(part and part not in (".", "..") for part in parts)
+        and Path(value).suffix.lower() not in (*LOADERS, ".txt")
+        and not value.startswith(("~", "."))
+    )
+
+
+def load_hub_records(source: HubDataset) -> Records:
+    """A hub dataset's split as records; when the hub cannot be reached or has no such dataset,
+    a `DataError` that says so and what to pass instead."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(source.name, split=source.split)
+    except Exception as exc:  # offline, unknown name, gated, no such split: one line, no traceback
+        raise DataError(
+            f"--data {source.name!r}: no such local file, and the Hugging Face hub gave no dataset of that "
+            f"name ({type(exc).__name__}: {str(exc)[:200]}); pass a local .jsonl, .json, .parquet, .csv or "
+            ".txt file, or a hub name this machine can reach"
+        ) from None
+    where = lambda i: f"{source.name} ({source.split}): row {i + 1}"  # noqa: E731
+    return Records(Path(source.name), rows, list(rows.column_names), where)
+
+
 def is_records_file(path: Path) -> bool:
     return path.suffix.lower() in LOADERS
 
@@ -233,7 +274,7 @@ def _example(ids: list[int], labels: list[int]) -> Example:
 
 
 def load_examples(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | HubDataset,
     tokenizer: Any,
     *,
     fields: Mapping[str, str] | None = None,
@@ -243,7 +284,7 @@ def load_examples(
 ) -> list[Example]:
     """Every record of ``path`` as an `Example`; an example longer than ``max_len`` is an error
     unless ``truncation``; a file without any token to train on is an error."""
-    records = load_records(Path(path))
+    records = load_hub_records(path) if isinstance(path, HubDataset) else load_records(Path(path))
     if len(records.rows) == 0:
         raise DataError(f"{records.path} holds no records; it needs at least one")
     fmt = detect_format(records.columns, fields or {}, records.path)
@@ -274,8 +315,11 @@ __all__ = [
     "FIELDS",
     "IGNORE_INDEX",
     "Example",
+    "HubDataset",
     "detect_format",
     "is_records_file",
     "load_examples",
+    "load_hub_records",
     "load_records",
+    "looks_like_hub_name",
 ]

@@ -43,7 +43,12 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "a tokenizer directory or 'byte' (default: the model directory's own; for a preset or a "
         "bare config.json the BPE tokenizer shipped with roundpipe)",
     ),
-    ("--data", "data", str, "a .txt or .jsonl file to train on (default: the corpus shipped with roundpipe)"),
+    (
+        "--data",
+        "data",
+        str,
+        "a .txt, .jsonl, .json, .parquet or .csv file to train on, or a hub dataset name where reachable (default: the corpus shipped with roundpipe)",
+    ),
     ("--eval-data", "eval_data", str, "a file to evaluate on, in the formats --data takes"),
     ("--eval-split", "eval_split", float, "hold out this fraction of --data (e.g. 0.05) to evaluate on"),
     ("--eval-every", "eval_every", int, "evaluate every N steps (and always at the end)"),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from roundpipe.data.batching import ExampleBatches, epoch_order, eval_batches
-from roundpipe.data.examples import Example, is_records_file, load_examples
+from roundpipe.data.examples import Example, HubDataset, is_records_file, load_examples, looks_like_hub_name
 from roundpipe.data.text import CORPUS_PATH, DataFileNotFoundError, batch_at, load_text
 from roundpipe.errors import ConfigError
 from roundpipe.train.config import TrainConfig
@@ -37,10 +37,13 @@ class TrainData:
             step += 1
 
 
-def data_path(config: TrainConfig) -> Path:
-    """The file to train on; an existing file is required (never a literal string)."""
+def data_path(config: TrainConfig) -> Path | HubDataset:
+    """The file to train on (never a literal string), or a dataset on the Hugging Face hub when
+    no such file exists and the value is a hub name (``owner/name``)."""
     if config.data is None:
         return CORPUS_PATH
+    if not Path(config.data).expanduser().exists() and looks_like_hub_name(config.data):
+        return HubDataset(config.data)
     return existing_file(config.data, "--data")
 
 
@@ -110,7 +113,7 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def _examples(config: TrainConfig, path: Path, tokenizer: Any) -> list[Example]:
+def _examples(config: TrainConfig, path: Path | HubDataset, tokenizer: Any) -> list[Example]:
     return load_examples(
         path,
         tokenizer,
@@ -130,7 +133,7 @@ def example_eval_batches(
     )
 
 
-def example_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
+def example_data(config: TrainConfig, path: Path | HubDataset, tokenizer: Any) -> TrainData:
     """Records (jsonl, json, parquet, csv) as examples, padded or packed into rows; ``--eval-split``
     holds out a seeded sample of them."""
     examples = _examples(config, path, tokenizer)
@@ -168,7 +171,7 @@ def prepare_data(config: TrainConfig, tokenizer: Any) -> TrainData:
     path = data_path(config)
     data = (
         example_data(config, path, tokenizer)
-        if is_records_file(path)
+        if isinstance(path, HubDataset) or is_records_file(path)
         else stream_data(config, path, tokenizer)
     )
     if config.eval_data is not None:
