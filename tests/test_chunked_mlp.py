@@ -8,11 +8,16 @@ from typing import Any
 import pytest
 import torch
 
-import roundpipe
 from roundpipe.backends import compiling
 from roundpipe.model import chunked_mlp
 from roundpipe.model.chunked_mlp import chunk_long_sequences
-from tests.test_transformers_parity import assert_same_weights, reference_loop, sgd, tiny_qwen3, token_data
+from tests.test_transformers_parity import (
+    assert_same_weights,
+    pipe_loop,
+    reference_loop,
+    tiny_qwen3,
+    token_data,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,13 +91,7 @@ def test_training_through_sliced_replicas_equals_the_plain_loop(
     reference = copy.deepcopy(model)
     data = token_data(2, batch=4, seq=16)  # 32 tokens per microbatch of 2 rows: sliced
     expected = reference_loop(reference, data)
-    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=False, compile=compiled)
-    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
-        losses = []
-        for batch in data:
-            losses.append(pipe.forward_backward(batch))
-            pipe.step()
-        pipe.synchronize()
+    losses = pipe_loop(model, data, compile=compiled)
     assert small_slices, "the replicas did not slice"
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert_same_weights(model, reference)

@@ -13,11 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-import roundpipe
 from roundpipe.backends import compiling
 from roundpipe.backends.compiling import LayerCompiler, compile_enabled
 from roundpipe.model import to_layer_sequence
-from tests.test_transformers_parity import assert_same_weights, reference_loop, sgd, tiny_qwen3, token_data
+from tests.test_transformers_parity import (
+    assert_same_weights,
+    pipe_loop,
+    reference_loop,
+    tiny_qwen3,
+    token_data,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,13 +68,7 @@ def test_compiled_training_equals_the_plain_loop(eager_dynamo: None) -> None:
     reference = copy.deepcopy(model)
     data = token_data(2)
     expected = reference_loop(reference, data)
-    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=False, compile=True)
-    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
-        losses = []
-        for batch in data:
-            losses.append(pipe.forward_backward(batch))
-            pipe.step()
-        pipe.synchronize()
+    losses = pipe_loop(model, data, compile=True)
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert_same_weights(model, reference)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -81,8 +81,13 @@ def reference_loop(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> lis
     return losses
 
 
-def pipe_loop(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> list[float]:
-    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=False, precision="fp32")
+def pipe_loop(model: nn.Module, data: list[dict[str, torch.Tensor]], **options: Any) -> list[float]:
+    """The pipe's losses over ``data``, one step a batch (sync, fp32, cpu:2; ``options`` change the
+    `RunConfig`)."""
+    fields: dict[str, Any] = dict(
+        devices="cpu:2", num_microbatches=2, async_optimizer=False, precision="fp32"
+    )
+    config = roundpipe.RunConfig(**(fields | options))
     with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
         losses = []
         for batch in data:
