@@ -42,6 +42,7 @@ from gpu_throughput_run import (
     Shape,
     Workload,
     adamw,
+    allocated_memory,
     build_model,
     cuda_indices,
     device_memory,
@@ -175,8 +176,6 @@ def run_roundpipe(
     config = make_config(workload, mode, args)
     data = make_batch(workload)
     optimizers: list[str] = []
-    # What an earlier configuration of this process left on the device (should be nothing).
-    at_start = {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 2**30, 3) for i in indices}
     reset_peaks(indices)
     times: list[float] = []
     losses: list[float] = []
@@ -209,7 +208,6 @@ def run_roundpipe(
         "step_s_median": round(step_s, 4),
         "peak_gib": peaks,
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
-        "allocated_at_start_gib": at_start,
         # Allocations the caching allocator could only serve after freeing its cache (each one
         # synchronizes the device): a budget tight enough to make them frequent costs speed.
         "alloc_retries": {
@@ -271,9 +269,8 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
     lines = []
     for mode, model, build_s in _models(workload, args):
         started = time.perf_counter()
-        before = {
-            f"cuda:{i}": round(torch.cuda.memory_allocated(i) / 2**30, 3) for i in cuda_indices(args.devices)
-        }
+        # What an earlier configuration of this process left on the device (should be nothing).
+        at_start = allocated_memory(cuda_indices(args.devices))
         try:
             if model is None:
                 raise RuntimeError(f"building the {workload.name} model failed (traceback above)")
@@ -284,12 +281,12 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
             ours = {
                 "error": f"{type(exc).__name__}: {str(exc)[:800]}",
                 "peak_gib": device_memory(cuda_indices(args.devices)),
-                "allocated_before_gib": before,
             }
             del exc
         finally:
             del model
             _release_memory()
+        ours["allocated_at_start_gib"] = at_start
         ours["elapsed_s"] = round(time.perf_counter() - started, 1)
         ours["build_s"] = build_s
         lines.append(_line(workload, mode, args, ours, plain))

@@ -196,6 +196,11 @@ def sync_devices(indices: Sequence[int]) -> None:
         torch.cuda.synchronize(index)
 
 
+def allocated_memory(indices: Sequence[int]) -> dict[str, float]:
+    """GiB allocated now per CUDA device (empty on CPU)."""
+    return {f"cuda:{i}": round(torch.cuda.memory_allocated(i) / GIB, 3) for i in indices}
+
+
 def device_memory(indices: Sequence[int]) -> dict[str, float]:
     """Peak allocated GiB per CUDA device since the last reset (empty on CPU)."""
     return {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / GIB, 3) for i in indices}
