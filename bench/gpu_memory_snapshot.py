@@ -71,9 +71,14 @@ class TaskLog:
         import threading
 
         import roundpipe.backends.runtime as runtime_module
+        from roundpipe.backends.holdings import device_holdings
 
         self.events: list[tuple[str, str, str, int, int]] = []
         self.uploads: dict[int, str] = {}
+        # The runtime's own account (`device_holdings`) each time a task left the device at a new
+        # high: whose weights, activations and recomputes were alive, by run, at the highest point.
+        self.high = 0
+        self.high_holdings: dict[str, object] = {}
         self._local = threading.local()
         runtime_cls = runtime_module.Runtime
         original_run, original_finish = runtime_cls.run, runtime_cls.finish
@@ -86,15 +91,17 @@ class TaskLog:
             try:
                 return original_run(runtime, task)
             finally:
-                log.events.append(
-                    (
-                        threading.current_thread().name,
-                        task.kind,
-                        str(task.key),
-                        before,
-                        torch.cuda.memory_allocated(0),
-                    )
-                )
+                after = torch.cuda.memory_allocated(0)
+                log.events.append((threading.current_thread().name, task.kind, str(task.key), before, after))
+                if after > log.high:
+                    log.high = after
+                    held = device_holdings(runtime, torch.device("cuda", 0))
+                    log.high_holdings = {
+                        "after": f"{task.kind} {task.key}",
+                        "allocated_gib": round(after / 2**30, 3),
+                        "unnamed_gib": round((after - sum(held.values())) / 2**30, 3),
+                        "held_mib": {k: round(v / 2**20, 1) for k, v in held.items()},
+                    }
 
         def finish(runtime, task, *, failed=False):  # type: ignore[no-untyped-def]
             before = torch.cuda.memory_allocated(0)
@@ -220,6 +227,7 @@ def main() -> None:
     torch.cuda.memory._record_memory_history(enabled=None)
     summary["live_at_peak"] = live_at_peak(snapshot, log.uploads)
     summary["tasks_before_peak"] = log.around_peak()
+    summary["runtime_at_high"] = log.high_holdings
     args.out.mkdir(parents=True, exist_ok=True)
     with gzip.open(args.out / "snapshot.pickle.gz", "wb") as f:
         pickle.dump(snapshot, f)

@@ -315,6 +315,7 @@ def memory_history(name: str) -> Iterator[None]:
         summary = {
             "live_at_peak": live_at_peak(snapshot, log.uploads),
             "tasks_before_peak": log.around_peak(),
+            "runtime_at_high": log.high_holdings,
         }
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))

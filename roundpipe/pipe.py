@@ -313,6 +313,8 @@ class RoundPipe:
         self._device_plan = device_plan
         self.costs = device_plan.costs
         self.runtime.memory_prediction = device_plan.prediction
+        # Iterations already built keep running under the plan they were built for (OOM messages).
+        self.runtime.memory_predictions[self._builder.next_iteration] = device_plan.prediction
         self._trace.meta["memory_prediction"] = device_plan.prediction.to_dict()
         self._trace.meta["memory_budget_bytes"] = device_plan.budget_bytes
         if device_plan.plan != self.plan:

@@ -154,9 +154,12 @@ def test_fused_stage_holds_every_saved_activation() -> None:
 
 def test_a_gradient_computed_in_the_forward_is_not_counted_twice() -> None:
     """A chunked loss computes its weight gradient in the forward: it is among the saved bytes,
-    and the backward hands it on instead of allocating a fresh one."""
+    and the backward hands it on instead of allocating a fresh one. Its forward holds it beside
+    the working set (the weight gradient is allocated before the chunks of logits)."""
     ahead = replace(MEM, saved_bytes=(100, 200, 300, 440), saved_grad_bytes=(0, 0, 0, 40))
-    assert stage_bytes(ahead, range(2, 4), "fused") == stage_bytes(MEM, range(2, 4), "fused")
+    # parameters 70 + gradients 40 + the forward of layer 3: saved 300 + 440 + working set 8;
+    # its backward (300 + 440 + 4, no fresh gradient) is lower, and the gradient is not added twice.
+    assert stage_bytes(ahead, range(2, 4), "fused") == 70 + 40 + 748
     assert ahead.scaled(2.0).saved_bytes == (200, 400, 600, 840)  # the gradient does not scale
     with pytest.raises(PlanError, match=r"saved_grad_bytes 500 > saved_bytes 440"):
         replace(ahead, saved_grad_bytes=(0, 0, 0, 500))

@@ -245,3 +245,42 @@ def test_step_without_new_gradients_is_refused_and_changes_nothing() -> None:
         pipe.forward_backward(x, y, mse)  # still usable
         pipe.step()
         assert pipe.step_count == 2
+
+
+class RunsOutOfMemory(nn.Module):
+    """Raises the allocator's out-of-memory error once armed (as a CUDA kernel would), else the identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.switch = Switch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.switch.on:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 MiB")
+        return x
+
+
+def test_out_of_memory_names_the_stage_and_what_the_runtime_held() -> None:
+    torch.manual_seed(0)
+    oom = RunsOutOfMemory()
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), oom, nn.Linear(64, 4))
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=2, replan=False)
+    data = batches(2)
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        pipe.forward_backward(*data[0], mse)
+        pipe.step()
+        pipe.synchronize()
+        oom.switch.on = True
+        with pytest.raises(roundpipe.DeviceOutOfMemoryError) as info:
+            pipe.forward_backward(*data[1], mse)
+        message = str(info.value)
+        assert "out of memory in layer 3" in message and "of stage " in message
+        # What the runtime held when it failed: the failing run's weights (64 x 64 + 64 fp32 floats
+        # at least), labelled with their iteration and slot.
+        held = message.split("held on cpu at the failure (iteration 1): ")[1]
+        label, size, unit = held.split(";")[0].rsplit(" ", 2)
+        assert label.startswith("weights+grads it1 slot"), held
+        assert float(size) * {"B": 1, "KiB": 1024}[unit] >= (64 * 64 + 64) * 4, held
+        assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+        oom.switch.on = False
+    assert roundpipe_threads() == []

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from roundpipe.backends.compiling import NO_COMPILE, LayerCompiler
+from roundpipe.backends.holdings import out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.replicas import Replicas
 from roundpipe.backends.stage_math import (
@@ -121,6 +122,7 @@ class Runtime:
         # reads on another stream is then kept alive until the task has run (`hold`, `finish`).
         self.defer_release = False
         self.memory_prediction: Any = None  # the plan's, when the layers were measured (OOM messages)
+        self.memory_predictions: dict[int, Any] = {}  # first iteration of a plan -> its prediction
         self._holds: dict[Any, list[Any]] = {}
         self._holds_lock = threading.Lock()
         self.collectives: Collectives = LOCAL  # gradient averaging across processes, when any
@@ -167,22 +169,7 @@ class Runtime:
             raise self._out_of_memory(task, "") from exc
 
     def _out_of_memory(self, task: Task, where: str) -> DeviceOutOfMemoryError:
-        """Running out of memory on a plan that was predicted to fit is a bug in the prediction:
-        the error says what was predicted and what the device measured."""
-        device = self.device(task.device)
-        note = ""
-        if self.memory_prediction is not None:
-            note = f"; the plan's {self.memory_prediction.describe()}"
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            note += f"; measured peak on {device}: {peak / 2**30:.2f} GiB"
-        return DeviceOutOfMemoryError(
-            f"out of memory in {where}{task.kind} of stage {task.stage} on device {task.device}, "
-            f"microbatch {task.microbatch}{note}. Use more microbatches (smaller ones), "
-            'recompute_grain="layer", a shorter sequence, or a smaller RunConfig.memory_budget so the plan '
-            "makes smaller stages",
-            task.describe(),
-        )
+        return out_of_memory_error(self, task, where)
 
     def hold(self, task: Task, *items: Any) -> None:
         """Keep ``items`` alive until ``task`` has run; a callable among them runs then (host work

@@ -150,7 +150,9 @@ def _io(mem: LayerMemory, layer: int) -> int:
 def _backprop_peak(mem: LayerMemory, layers: range) -> int:
     """Forward with grad then backward over ``layers``: the most saved + transient at any point.
 
-    Recompute forward at layer j holds the saved bytes of the layers before it plus its working
+    Recompute forward at layer j holds the saved bytes of the layers before it, its own (a working
+    set is measured above what the forward keeps, and a layer may allocate what it keeps first:
+    the LM head's loss allocates its weight gradient before the chunks of logits) and its working
     set; backward at layer j still holds the saved bytes up to j (deeper ones were freed), its
     working set, and from the second microbatch of a run on a fresh gradient of layer j's
     parameters that is being added into the accumulated one (measured on an LM head: 622 MB),
@@ -158,8 +160,8 @@ def _backprop_peak(mem: LayerMemory, layers: range) -> int:
     """
     peak, before = 0, 0
     for j in layers:
-        peak = max(peak, before + mem.work_bytes[j])
         before += mem.saved_bytes[j]
+        peak = max(peak, before + mem.work_bytes[j])
         fresh = mem.grad_bytes[j] - min(mem.grad_bytes[j], mem.saved_grad_bytes[j])
         peak = max(peak, before + mem.bwd_work_bytes[j] + fresh)
     return peak

@@ -120,6 +120,11 @@ class GraphBuilder:
             "sync_steps": self.options.sync_steps,
         }
 
+    @property
+    def next_iteration(self) -> int:
+        """The number the next `forward_backward` graph will carry."""
+        return self._last_iteration + 1
+
     def set_plan(self, plan: Plan) -> None:
         """Switch to a new plan for the following iterations (costs were re-profiled)."""
         if plan.num_layers != self.plan.num_layers:
