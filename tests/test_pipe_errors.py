@@ -284,3 +284,14 @@ def test_out_of_memory_names_the_stage_and_what_the_runtime_held() -> None:
         assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
         oom.switch.on = False
     assert roundpipe_threads() == []
+
+
+def test_tensors_outside_the_runtime_state_are_grouped_by_shape() -> None:
+    from roundpipe.backends.holdings import tensors_elsewhere
+
+    kept = [torch.zeros(300, 7), torch.zeros(300, 7)]
+    named = torch.zeros(1000)
+    found = tensors_elsewhere(torch.device("cpu"), {named.untyped_storage().data_ptr()}, top=1000)
+    assert "[300, 7] float32 x2 16.41 KiB" in found, found
+    assert "[1000] float32" not in found
+    del kept

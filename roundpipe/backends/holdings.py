@@ -15,6 +15,8 @@ the error it explains.
 
 from __future__ import annotations
 
+import gc
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -98,10 +100,13 @@ def _snapshot(container: Any) -> list[tuple[Any, Any]]:
     return []
 
 
-def device_holdings(runtime: Any, device: torch.device) -> dict[str, int]:
+def device_holdings(runtime: Any, device: torch.device, seen: set[int] | None = None) -> dict[str, int]:
     """Bytes of ``device`` held by each part of ``runtime``'s state, largest first. Labels name
-    the part and its run or slot: ``weights+grads it2 slot15``, ``recompute it2 slot25 mb1``."""
+    the part and its run or slot: ``weights+grads it2 slot15``, ``recompute it2 slot25 mb1``.
+    ``seen`` (when given) receives the storages counted."""
     counter = _Counter(device)
+    if seen is not None:
+        counter.seen = seen
     for run, params in _snapshot(runtime.transient):
         counter.add(f"weights+grads it{run.iteration} slot{run.slot}", params)
     parts: Iterable[tuple[str, Any]] = (
@@ -116,6 +121,33 @@ def device_holdings(runtime: Any, device: torch.device) -> dict[str, int]:
     for key, items in _snapshot(runtime._holds):
         counter.add(f"held for {key}", [item for item in items if not callable(item)])
     return dict(sorted(counter.bytes.items(), key=lambda kv: -kv[1]))
+
+
+def tensors_elsewhere(device: torch.device, named: set[int], top: int = 6) -> str:
+    """The live tensors on ``device`` that the runtime's state does not reach (storages not in
+    ``named``), grouped by shape and dtype: what a leak or a kept autograd graph is made of. Walks
+    every object the garbage collector tracks, so only for failures."""
+    groups: dict[str, list[int]] = {}
+    seen = set(named)
+    with warnings.catch_warnings():  # isinstance on lazy module attributes warns of deprecations
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        try:
+            if obj.device != device:
+                continue
+            storage = obj.untyped_storage()
+            ptr = storage.data_ptr()
+        except Exception:  # a tensor subclass or a freed storage: not what we look for
+            continue
+        if ptr in seen or storage.nbytes() == 0:
+            continue
+        seen.add(ptr)
+        entry = groups.setdefault(f"{list(obj.shape)} {str(obj.dtype).replace('torch.', '')}", [0, 0])
+        entry[0] += 1
+        entry[1] += storage.nbytes()
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return ", ".join(f"{key} x{count} {format_bytes(size)}" for key, (count, size) in ranked) or "none"
 
 
 def describe_holdings(holdings: dict[str, int], allocated: int | None, top: int = 8) -> str:
@@ -151,7 +183,13 @@ def out_of_memory_error(runtime: Any, task: Any, where: str) -> DeviceOutOfMemor
         peak = torch.cuda.max_memory_allocated(device)
         note += f"; measured peak on {device}: {peak / 2**30:.2f} GiB"
     try:
-        held = describe_holdings(device_holdings(runtime, device), allocated)
+        named: set[int] = set()
+        held = describe_holdings(device_holdings(runtime, device, named), allocated)
+        if device.type == "cuda":
+            held += f"; live tensors outside it: {tensors_elsewhere(device, named)}"
+            gc.collect()  # what only the cycle collector would have freed (a leak, not a plan's)
+            freed = allocated - torch.cuda.memory_allocated(device) if allocated is not None else 0
+            held += f"; a garbage collection then freed {format_bytes(max(0, freed))}"
     except Exception as exc:  # the diagnostic must never hide the failure it explains
         held = f"unknown ({type(exc).__name__}: {exc})"
     note += f"; held on {device} at the failure (iteration {task.iteration}): {held}"
