@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import os
 import subprocess
@@ -99,6 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="measured steps")
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the re-plan is in them)")
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--collect-garbage",
+        action="store_true",
+        help="run Python's cycle collector after every step (is device memory held by garbage?)",
+    )
     p.add_argument("--model-dtype", choices=("auto", "bf16", "fp32"), default="auto")
     p.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     p.add_argument("--plain-child", help=argparse.SUPPRESS)  # the plain loop's own process
@@ -194,6 +200,8 @@ def run_roundpipe(
             # module (seconds for a large model in bf16). In sync mode the next iteration's
             # uploads wait for this step's P-copy, so the step still counts in the step time.
             pipe.step()
+            if args.collect_garbage:
+                gc.collect()
             times.append(time.perf_counter() - start)
         pipe.synchronize()
         wall = time.perf_counter() - measured_start

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -123,6 +123,13 @@ def device_holdings(runtime: Any, device: torch.device, seen: set[int] | None = 
     return dict(sorted(counter.bytes.items(), key=lambda kv: -kv[1]))
 
 
+def _is_tensor(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except Exception:  # a weak proxy whose referent is gone raises ReferenceError
+        return False
+
+
 def tensors_elsewhere(device: torch.device, named: set[int], top: int = 6) -> str:
     """The live tensors on ``device`` that the runtime's state does not reach (storages not in
     ``named``), grouped by shape and dtype: what a leak or a kept autograd graph is made of. Walks
@@ -131,7 +138,7 @@ def tensors_elsewhere(device: torch.device, named: set[int], top: int = 6) -> st
     seen = set(named)
     with warnings.catch_warnings():  # isinstance on lazy module attributes warns of deprecations
         warnings.simplefilter("ignore")
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        objects = [obj for obj in gc.get_objects() if _is_tensor(obj)]
     for obj in objects:
         try:
             if obj.device != device:
@@ -163,6 +170,20 @@ def describe_holdings(holdings: dict[str, int], allocated: int | None, top: int 
     return "; ".join(shown) if shown else "nothing"
 
 
+def _guarded(describe: Callable[[], str]) -> str:
+    try:
+        return describe()
+    except Exception as exc:  # the diagnostic must never hide the failure it explains
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def _collected(device: torch.device, allocated: int | None) -> str:
+    """What only the cycle collector would have freed: a leak, not the plan's memory."""
+    gc.collect()
+    freed = 0 if allocated is None else allocated - torch.cuda.memory_allocated(device)
+    return format_bytes(max(0, freed))
+
+
 def out_of_memory_error(runtime: Any, task: Any, where: str) -> DeviceOutOfMemoryError:
     """Running out of memory on a plan that was predicted to fit is a bug in the prediction: the
     error says what was predicted (for the failing slot and the plan's peak), what the device
@@ -182,17 +203,12 @@ def out_of_memory_error(runtime: Any, task: Any, where: str) -> DeviceOutOfMemor
         allocated = torch.cuda.memory_allocated(device)
         peak = torch.cuda.max_memory_allocated(device)
         note += f"; measured peak on {device}: {peak / 2**30:.2f} GiB"
-    try:
-        named: set[int] = set()
-        held = describe_holdings(device_holdings(runtime, device, named), allocated)
-        if device.type == "cuda":
-            held += f"; live tensors outside it: {tensors_elsewhere(device, named)}"
-            gc.collect()  # what only the cycle collector would have freed (a leak, not a plan's)
-            freed = allocated - torch.cuda.memory_allocated(device) if allocated is not None else 0
-            held += f"; a garbage collection then freed {format_bytes(max(0, freed))}"
-    except Exception as exc:  # the diagnostic must never hide the failure it explains
-        held = f"unknown ({type(exc).__name__}: {exc})"
+    named: set[int] = set()
+    held = _guarded(lambda: describe_holdings(device_holdings(runtime, device, named), allocated))
     note += f"; held on {device} at the failure (iteration {task.iteration}): {held}"
+    if device.type == "cuda":
+        note += f"; live tensors outside it: {_guarded(lambda: tensors_elsewhere(device, named))}"
+        note += f"; a garbage collection then freed {_guarded(lambda: _collected(device, allocated))}"
     return DeviceOutOfMemoryError(
         f"out of memory in {where}{task.kind} of stage {task.stage} on device {task.device}, "
         f"microbatch {task.microbatch}{note}. Use more microbatches (smaller ones), "
