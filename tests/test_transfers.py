@@ -54,3 +54,23 @@ def test_training_with_tiny_chunks_matches_the_plain_loop() -> None:
     assert max(t.num_parts for t in uploads) > 1  # the weights really travelled in pieces
     for got, want in zip(weights, ref_weights, strict=True):
         assert_weights_equal(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fresh_leaves_are_freed_without_a_garbage_collection() -> None:
+    """The stage input's leaves (and the input gradient they receive) go as soon as nothing uses
+    them: a reference cycle here kept every one on the device until a full collection."""
+    import gc
+    import weakref
+
+    from roundpipe.backends.tensors import with_leaves
+
+    gc.disable()
+    try:
+        rebuilt, leaves = with_leaves({"hidden": torch.randn(2, 3), "_cos": torch.randn(3)})
+        leaf = leaves[0]
+        assert leaf is not None and leaf.requires_grad and rebuilt["hidden"] is leaf
+        alive = weakref.ref(leaf)
+        del rebuilt, leaves, leaf
+        assert alive() is None
+    finally:
+        gc.enable()

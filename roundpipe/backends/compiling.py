@@ -20,7 +20,9 @@ without grad and one with). This module only prepares modules; it never runs the
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -88,6 +90,40 @@ class LayerCompiler:
         elif self.explicit:
             self.compiler.module(module)
         return module
+
+
+class CompileGarbage:
+    """Frees the cyclic garbage that compiling leaves behind, as soon as compiling happened.
+
+    Why: tracing and compiling a layer (its forward at the first call, its backward at the first
+    backward) builds thousands of Python objects in reference cycles that also hold the real
+    tensors of that call: activations, gradients, weights. Only a full collection frees them,
+    and the interpreter runs one rarely. On an H200, A under a 4 GiB budget ran out of memory in
+    its second iteration with 129 activation-sized tensors (2 GiB) held that way; a CPU run of a
+    4-layer model keeps 135 of its 171 activation-shaped tensors after the first iteration until
+    a full collection. The dynamo/inductor counters move only while compiling, so a changed total
+    after a task means that task compiled something: collect then, never otherwise.
+    """
+
+    def __init__(self) -> None:
+        self._seen = self._activity()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _activity() -> int:
+        from torch._dynamo.utils import counters
+
+        return sum(sum(kinds.values()) for kinds in list(counters.values()))
+
+    def collect_if_compiled(self) -> bool:
+        """A full collection if anything was compiled since the last call; whether one ran."""
+        with self._lock:
+            activity = self._activity()
+            if activity == self._seen:
+                return False
+            gc.collect()
+            self._seen = self._activity()
+            return True
 
 
 NO_COMPILE = LayerCompiler(False, "cpu")

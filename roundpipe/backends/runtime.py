@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.backends.compiling import NO_COMPILE, LayerCompiler
+from roundpipe.backends.compiling import NO_COMPILE, CompileGarbage, LayerCompiler
 from roundpipe.backends.holdings import out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.replicas import Replicas
@@ -110,6 +110,8 @@ class Runtime:
         self.outbox: dict[SlotKey, Any] = {}  # stage outputs to download
         self.transient: dict[RunKey, dict[int, dict[str, torch.Tensor]]] = {}  # run -> layer -> params
         self.compiler = compiler or NO_COMPILE
+        # Compiling leaves device tensors in cyclic garbage: freed right after the task that compiled.
+        self.compile_garbage = CompileGarbage() if self.compiler.enabled else None
         self.replicas = Replicas(
             self.layers, names, self.device, self._out_of_memory, seed=seed, prepare=self.compiler.prepare
         )
@@ -167,6 +169,8 @@ class Runtime:
             handler(self, task)
         except torch.OutOfMemoryError as exc:
             raise self._out_of_memory(task, "") from exc
+        if self.compile_garbage is not None and task.kind in (COMPUTE, RECOMPUTE):
+            self.compile_garbage.collect_if_compiled()
 
     def _out_of_memory(self, task: Task, where: str) -> DeviceOutOfMemoryError:
         return out_of_memory_error(self, task, where)

@@ -42,27 +42,29 @@ def differentiable_leaves(obj: Any) -> list[torch.Tensor | None]:
 def with_leaves(obj: Any) -> tuple[Any, list[torch.Tensor | None]]:
     """A copy of the activation whose differentiable tensors are fresh leaves requiring grad."""
     leaves: list[torch.Tensor | None] = []
+    return _rebuild(obj, False, leaves), leaves
 
-    def rebuild(value: Any, constant: bool) -> Any:
-        if isinstance(value, torch.Tensor):
-            if constant:
-                return value
-            if value.is_floating_point():
-                leaf = value.detach().requires_grad_(True)
-                leaves.append(leaf)
-                return leaf
-            leaves.append(None)
+
+def _rebuild(value: Any, constant: bool, leaves: list[torch.Tensor | None]) -> Any:
+    # A module function, not a closure that calls itself: such a closure is a reference cycle that
+    # kept every stage input and its gradient on the device until a full garbage collection.
+    if isinstance(value, torch.Tensor):
+        if constant:
             return value
-        if isinstance(value, Mapping):
-            return {
-                k: rebuild(v, constant or (isinstance(k, str) and k.startswith("_")))
-                for k, v in value.items()
-            }
-        if isinstance(value, tuple | list):
-            return type(value)(rebuild(v, constant) for v in value)
+        if value.is_floating_point():
+            leaf = value.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf
+        leaves.append(None)
         return value
-
-    return rebuild(obj, False), leaves
+    if isinstance(value, Mapping):
+        return {
+            k: _rebuild(v, constant or (isinstance(k, str) and k.startswith("_")), leaves)
+            for k, v in value.items()
+        }
+    if isinstance(value, tuple | list):
+        return type(value)(_rebuild(v, constant, leaves) for v in value)
+    return value
 
 
 def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
