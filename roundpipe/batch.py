@@ -24,22 +24,7 @@ Batch = Any  # a tensor, or a (nested) dict / tuple / list of tensors; other lea
 def batch_size(batch: Batch, what: str = "inputs") -> int:
     """The common dim-0 size of every tensor in ``batch``."""
     sizes: dict[str, int] = {}
-
-    def visit(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            if obj.dim() == 0:
-                raise InputError(
-                    f"{what}{path} is a 0-d tensor; it cannot be split into microbatches on dim 0"
-                )
-            sizes[path or "<tensor>"] = obj.shape[0]
-        elif isinstance(obj, Mapping):
-            for key, value in obj.items():
-                visit(value, f"{path}[{key!r}]")
-        elif isinstance(obj, tuple | list):
-            for i, value in enumerate(obj):
-                visit(value, f"{path}[{i}]")
-
-    visit(batch, "")
+    _collect_sizes(batch, "", what, sizes)
     if not sizes:
         raise InputError(f"{what} holds no tensor; pass a tensor or a dict/tuple of tensors")
     distinct = set(sizes.values())
@@ -47,6 +32,21 @@ def batch_size(batch: Batch, what: str = "inputs") -> int:
         listing = ", ".join(f"{what}{k} has {v}" for k, v in sizes.items())
         raise InputError(f"{what} tensors disagree on the batch size (dim 0): {listing}")
     return distinct.pop()
+
+
+def _collect_sizes(obj: Any, path: str, what: str, sizes: dict[str, int]) -> None:
+    # Module functions, not closures that call themselves: those are reference cycles that only
+    # the garbage collector frees (every call, for the life of a training run).
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0:
+            raise InputError(f"{what}{path} is a 0-d tensor; it cannot be split into microbatches on dim 0")
+        sizes[path or "<tensor>"] = obj.shape[0]
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _collect_sizes(value, f"{path}[{key!r}]", what, sizes)
+    elif isinstance(obj, tuple | list):
+        for i, value in enumerate(obj):
+            _collect_sizes(value, f"{path}[{i}]", what, sizes)
 
 
 def split_sizes(total: int, num_microbatches: int, what: str = "inputs") -> list[int]:
@@ -62,19 +62,15 @@ def split_sizes(total: int, num_microbatches: int, what: str = "inputs") -> list
 
 def split_batch(batch: Batch, sizes: list[int]) -> list[Batch]:
     """Split every tensor of ``batch`` on dim 0 into pieces of ``sizes``."""
-
-    def split(obj: Any) -> list[Any]:
-        if isinstance(obj, torch.Tensor):
-            return list(torch.split(obj, sizes, dim=0))
-        if isinstance(obj, Mapping):
-            parts = {key: split(value) for key, value in obj.items()}
-            return [{k: v[i] for k, v in parts.items()} for i in range(len(sizes))]
-        if isinstance(obj, tuple | list):
-            columns = [split(value) for value in obj]
-            return [type(obj)(col[i] for col in columns) for i in range(len(sizes))]
-        return [obj] * len(sizes)
-
-    return split(batch)
+    if isinstance(batch, torch.Tensor):
+        return list(torch.split(batch, sizes, dim=0))
+    if isinstance(batch, Mapping):
+        parts = {key: split_batch(value, sizes) for key, value in batch.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(len(sizes))]
+    if isinstance(batch, tuple | list):
+        columns = [split_batch(value, sizes) for value in batch]
+        return [type(batch)(col[i] for col in columns) for i in range(len(sizes))]
+    return [batch] * len(sizes)
 
 
 def microbatches(
