@@ -119,9 +119,9 @@ class _Builder:
         self.m = num_microbatches
         self.ledgers = [_Ledger() for _ in range(plan.num_layers)]
         self.history: dict[int, list[int]] = {}  # device -> last computes of its two latest runs
-        # On one device, the latest run's last task needing no gradient (`GraphBuilder`'s
-        # `_device_forward_done`): a backward run's first recompute waits for it.
-        self.forward_done = -1
+        # On one device, the latest run's last compute (`GraphBuilder`'s `_device_last_compute`):
+        # a backward run's first recompute waits for it.
+        self.last_compute = -1
         self.one_device = num_devices == 1
         self.durations = [_slot_ms(costs, s.kind, s.layers) for s in plan.slots]
         stages = plan.fwd_stages
@@ -147,7 +147,7 @@ class _Builder:
             if run.slot.kind == SlotKind.BWD:
                 last = self._backward_chains(run, params, two_back)
             else:
-                last = self.forward_done = self._chains(run, params, two_back)
+                last = self.last_compute = self._chains(run, params, two_back)
             history.append(last)
             if len(history) > 2:
                 del history[0]
@@ -211,15 +211,15 @@ class _Builder:
                 deps.append(self.act_up[read_by][mb])
             up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
             before = [up, *self._uploads(params, backwards)]
-            if not backwards and self.one_device and self.forward_done >= 0:
-                before.append(self.forward_done)
+            if not backwards and self.one_device and self.last_compute >= 0:
+                before.append(self.last_compute)
             recompute = add(d + COMPUTE_RES, MID, recompute_ms, before)
-            self.forward_done = recompute
             grad = add(d + H2D_RES, HIGH, 0.0, [self.act_down[slot - 1][mb], *flow])
             backward = add(d + COMPUTE_RES, MID, ms, [recompute, grad])
             self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [backward])
             backwards.append(backward)
         self.computes += backwards
+        self.last_compute = backwards[-1]
         return backwards[-1]
 
     def _grad_download(self, it: int, run: SlotRun, last: int) -> None:

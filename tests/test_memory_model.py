@@ -197,10 +197,10 @@ def test_predict_peak_one_device() -> None:
     ]
     # F1 prefetches FB's params, FB prefetches B1's, B1 the next iteration's F1; two microbatches
     # of stage inputs and outputs are in flight besides the computing one; the device's previous
-    # fused or backward stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20,
-    # and its last recompute, saved 100 + 200, may await its gradient; FB before B1: 30 + 40 + 0
-    # + 40; F1 before FB has no gradients).
-    assert totals == [(156, 70, 2 * 120, 60 + 300), (854, 30, 2 * 70, 0), (382, 30, 2 * 120, 110)]
+    # fused or backward stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20;
+    # FB before B1: 30 + 40 + 0 + 40; F1 before FB has no gradients). On one device B1's last
+    # recompute is gone by then: the next run's first recompute waits for B1's last backward.
+    assert totals == [(156, 70, 2 * 120, 60), (854, 30, 2 * 70, 0), (382, 30, 2 * 120, 110)]
     assert prediction.peak_bytes == 854 + 30 + 140 and prediction.peak_slot.index == 1
     assert not prediction.fits(1023) and prediction.fits(1024) and prediction.fits(None)
     assert "slot 1 (fused, layers [2, 4))" in prediction.describe()
@@ -213,6 +213,13 @@ def test_predict_peak_one_device() -> None:
         d["peak_bytes"] == 1024 and d["slots"][1]["total_bytes"] == 1024 and d["slots"][1]["layers"] == [2, 4]
     )
     assert predict_peak(plan.slots, MEM).peak_bytes == 1024  # the slots alone work too
+
+
+def test_on_several_devices_a_backward_stage_drains_with_its_last_recompute() -> None:
+    plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),), devices=2)
+    # FB's device ran B1 two slots before it (cyclically): its weights and gradients (60) and its
+    # last recompute (saved 100 + 200), which may still await a gradient from the other device.
+    assert predict_peak(plan, MEM, "stage", num_devices=2).slots[1].draining_bytes == 60 + 300
 
 
 def test_predict_peak_prefetches_what_the_same_device_runs_next() -> None:

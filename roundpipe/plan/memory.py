@@ -288,7 +288,9 @@ def predict_peak(
         draining = 0
         if before.kind != "fwd":
             draining = sum(mem.param_bytes[j] + mem.grad_bytes[j] for j in before.layers)
-        if before.kind == "bwd":  # its last recompute may still await its gradient
+        # Its last recompute may still await its gradient, except on one device, where this
+        # stage's first recompute waits for that backward (`sched/backward_run.py`).
+        if before.kind == "bwd" and num_devices > 1:
             recomputed = sum(mem.saved_bytes[j] for j in before.layers)
             draining += recomputed if grain == "stage" else _held_inputs(mem, before.layers)
         out.append(

@@ -10,8 +10,8 @@ recomputes while the gradient is still on its way. Per microbatch:
                                        takes it off the host); the backward two microbatches
                                        back (completed: flow control)
   recompute  compute lane           <- act_up, every param_up of the run, the run's previous
-                                       backward; the first one also the device's previous run's
-                                       last recompute (or last compute, for a forward or fused run)
+                                       backward; on one device the first one also the device's
+                                       previous run's last compute
   grad_up    the incoming gradient  <- the previous slot's act_down (critical path); flow
              (act_up lane)             control as act_up
   backward   compute lane           <- recompute, grad_up   (a `COMPUTE` task: its key, its
@@ -19,17 +19,18 @@ recomputes while the gradient is still on its way. Per microbatch:
   act_down   the input gradient     <- backward
 
 The recompute waits for the run's previous backward, so at most one recomputed microbatch of a run
-waits for its gradient (its activations stay on the device until the backward runs). A device may
-hold two runs at once (one drains while the next starts, `graph`), so two recomputed microbatches
-can wait on one device. A run's first recompute also waits until the device's previous run has
-done everything that needs no gradient (its last recompute, or the last compute of a forward or
-fused run): without that, a run whose weights and activation arrive early (a backward run after
-the fused one, whose head weights wait for the optimizer) recomputes before the previous run has
-even started, and its activations stay on the device through all of it, which the memory model
-(one draining run beside the current one) does not count. Making the next run's first recompute wait for the previous run's last
-backward would keep it to one, but takes from the next run the gap while the previous run's last
-gradient is on its way: on 28-64-layer LLM profiles (8 devices, 16 microbatches) it raised the
-asynchronous steady bubble from about 2% to 5-10%.
+waits for its gradient (its activations stay on the device until the backward runs). On one
+device a run's first recompute also waits for the previous run's last backward: without that, a
+run whose weights and activation arrive early (a backward run after the fused one, whose head
+weights wait for the optimizer) recomputed before the previous run had even started, and its
+activations stayed on the device through all of it (an H200 ran out of memory so). Waiting for
+the previous run's last backward, not just its last recompute, means the two runs' recomputed
+activations never meet, so the memory model counts one. It costs nothing on one device: the
+previous run's last gradient came from the run before it, long done (the fake engine's iteration
+times were unchanged on every 1-device plan tried). On several devices the next run's gradient
+comes from another device: waiting there raised the asynchronous steady bubble of 28-64-layer LLM
+profiles (8 devices, 16 microbatches) from about 2% to 5-10%, so several devices keep no such
+dependency and the memory model counts the previous run's last recompute beside the current one.
 This module must never hold tensors or decide anything but these tasks and their dependencies.
 """
 
@@ -51,14 +52,14 @@ class BackwardRunContext:
     saved_by: int | None  # the forward slot whose act_down saved the entering activation
     read_by: int | None  # the forward slot whose act_up reads it too (the act_up here takes it)
     two_runs_back: Key | None  # the device's run two before: its last compute (flow control)
-    previous_forward_done: Key | None = None  # the device's previous run's last task needing no gradient
+    previous_run_done: Key | None = None  # one device: the previous run's last compute
 
 
 def backward_chains(
     run: StageRun, param_keys: list[Key], built: IterationInProgress, context: BackwardRunContext
-) -> tuple[Key, Key]:
+) -> Key:
     """Append the run's per-microbatch tasks to ``built``, in dependency order; return its last
-    backward (the run's last compute) and its last recompute."""
+    backward (the run's last compute)."""
     last_down = built.last_act_down
     backwards: list[Key] = []
     t, slot = run.iteration, run.slot
@@ -77,8 +78,8 @@ def backward_chains(
         recompute_deps = [up_key, *param_keys]
         if backwards:
             recompute_deps.append(backwards[-1])
-        elif context.previous_forward_done is not None:
-            recompute_deps.append(context.previous_forward_done)
+        elif context.previous_run_done is not None:
+            recompute_deps.append(context.previous_run_done)
         grad_deps = [previous_act_down(last_down, run, mb), *flow]
         down_key = ActDownKey(t, slot, mb)
         count = len(run.microbatches)
@@ -98,4 +99,4 @@ def backward_chains(
         )
         last_down[mb] = down_key
         backwards.append(backward_key)
-    return backwards[-1], recompute_key
+    return backwards[-1]

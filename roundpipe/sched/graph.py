@@ -98,9 +98,6 @@ class GraphBuilder:
         self.options = options
         self.ledgers: dict[int, UnitLedger] = {u: UnitLedger() for u in spec.units}
         self._device_runs: dict[int, list[Key]] = {}
-        # Per device, the latest run's last compute-lane task that needs no gradient (a forward or
-        # fused run's last compute, a backward run's last recompute): see `backward_run`.
-        self._device_forward_done: dict[int, Key] = {}
         self._lanes: dict[int, dict[str, str]] = {}  # device -> lane kind -> lane name
         self._first_device = 0
         self._iterations_of_step: dict[int, list[int]] = {}
@@ -152,18 +149,15 @@ class GraphBuilder:
             run = self._stage_run(slot_run, built)
             param_keys = self._param_uploads(run, built)
             if run.kind == SlotKind.BWD:
-                last_compute, forward_done = backward_chains(
-                    run, param_keys, built, self._backward_context(run)
-                )
+                last_compute = backward_chains(run, param_keys, built, self._backward_context(run))
             else:
                 history = self._device_runs.get(run.device, ())
                 two_back = history[-2] if len(history) >= 2 else None
                 down_bytes = self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0
-                last_compute = forward_done = forward_chains(
+                last_compute = forward_chains(
                     run, param_keys, built, self.spec.act_bytes, down_bytes, two_back
                 )
             self._remember_on_device(run.device, last_compute)
-            self._device_forward_done[run.device] = forward_done
             self._grad_download(run, last_compute, built)
         done_keys: list[Key] = list(built.last_grad_down.values())
         done_keys += self._g_copies(built)
@@ -249,9 +243,7 @@ class GraphBuilder:
             saved_by=saved_by,
             read_by=read_by,
             two_runs_back=history[-2] if len(history) >= 2 else None,
-            previous_forward_done=self._device_forward_done.get(run.device)
-            if self.num_devices == 1
-            else None,
+            previous_run_done=history[-1] if history and self.num_devices == 1 else None,
         )
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
