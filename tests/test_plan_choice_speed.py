@@ -3,14 +3,17 @@
 - `even_plan` is `Plan.from_stages` for the candidates' chains, field for field;
 - the sync ranking bound `device_bound` never exceeds the stream model it prunes for;
 - `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included;
-- the steady plan built with shared splits is ``partition(steady=True)``.
+- the steady plan built with shared splits is ``partition(steady=True)``;
+- the stream model given up past a bound was past it, and stopped at its window's end gives the
+  window of the whole run.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
-from roundpipe.plan import LayerCosts, Plan, _candidates, _search, partition
+from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
 from roundpipe.plan._candidates import _nearest_target
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.choose import _steady_plan, device_bound, even_plan
@@ -79,3 +82,39 @@ def test_steady_plan_with_shared_splits_is_partitions() -> None:
         base = partition(costs, n, m, async_optimizer=True)
         steady = partition(costs, n, m, async_optimizer=True, steady=True, round_size=rs)
         assert _steady_plan(chains_of(costs), base, m, rs, costs) == steady
+
+
+def test_stream_model_gives_up_only_past_its_bound() -> None:
+    rng = random.Random(5)
+    gave_up = 0
+    for _ in range(400):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        slots = tuple(
+            rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 20))
+        )
+        full = stream_ms(slots, n, rounds)
+        bound = full * rng.choice([0.9, 0.99, 1.0, 1.01])
+        cut = stream_ms(slots, n, rounds, give_up=bound)
+        assert cut == full or (cut == math.inf and full > bound)
+        gave_up += cut == math.inf
+    assert gave_up > 50
+
+
+def test_stream_model_window_stops_where_the_whole_run_agrees() -> None:
+    rng = random.Random(6)
+    for _ in range(200):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        s_count = rng.randint(1, 16)
+        slots = [rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(s_count)]
+        waits = tuple(
+            tuple(sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count))))) for _ in slots
+        )
+        slot, device, unmet, after, run_start = _stream._structure(s_count, n, rounds, 4, waits)
+        duration = [slots[i] for i in slot]
+        _, whole = _stream._list_schedule(duration, device, list(unmet), after, n)
+        per = len(rounds) * s_count
+        expected = (whole[run_start[3 * per]] - whole[run_start[per]]) / 2
+        got = stream_ms(slots, n, rounds, iterations=4, window=(1, 3), weight_waits=waits)
+        assert got == expected

@@ -81,7 +81,7 @@ def choose_plan(
         default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
     )
     rounds = round_sizes(num_microbatches, num_devices, round_size)
-    ranked, extra = _ranked_candidates(costs, proxies, chains, rounds, async_optimizer)
+    ranked, extra = _ranked_candidates(costs, proxies, chains, rounds, async_optimizer, max(count, 2))
     # The proxies' choice always runs in the comparison: evaluation never does worse than it.
     chosen = {_stages(proxies[0]): proxies[0]}
     for _, plan in ranked:
@@ -143,6 +143,7 @@ def _ranked_candidates(
     chains: _candidates.EvenChains,
     rounds: tuple[int, ...],
     async_optimizer: bool,
+    needed: int,
 ) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]]]:
     """Even plans around each proxy plan (and the proxies), best modelled first; and apart, the
     best modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot.
@@ -151,7 +152,7 @@ def _ranked_candidates(
     fastest on several grid shapes (up to 11% faster than the others), but the ranking model is
     off by up to 20% on async plans: ranked with the rest they displace, on other shapes, the plan
     the engine prefers. So the best of them is timed in addition, and only when the model puts it
-    first of all."""
+    first of all. ``needed``: how many of the ranked plans the caller reads, best first."""
     n, m = proxies[0].num_devices, proxies[0].num_microbatches
     plans = {_stages(p): p for p in proxies}
     around = (
@@ -169,11 +170,12 @@ def _ranked_candidates(
         key = (tuple(stages[0]), stages[1], tuple(stages[2]))
         if key not in plans and key not in wider:
             wider[key] = even_plan(*stages, costs, n, m)
-    ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=4)
+    ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=4, first_only=needed <= 4)
     # Sync bounds are true lower bounds of the model: a wider plan whose bound is past the best
     # modelled plan above could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
-    return ranked, _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff)[:1]
+    extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, first_only=True)
+    return ranked, extra[:1]
 
 
 def even_plan(
@@ -201,10 +203,12 @@ def _rank(
     async_optimizer: bool,
     keep: int,
     cutoff: float = math.inf,
+    first_only: bool = False,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
-    (4: as many as may be evaluated)."""
+    (4: as many as may be evaluated). With ``first_only`` (the caller reads only the first
+    ``keep``), a sync plan the model shows to be past them on its way is left out as well."""
     n = num_devices
     m = sum(rounds)
 
@@ -219,7 +223,8 @@ def _rank(
 
     modelled: list[tuple[float, float, int, Plan]] = []
     for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
-        if len(modelled) >= keep and lower > sorted(x[0] for x in modelled)[keep - 1] * (1 + 1e-9):
+        kept = sorted(x[0] for x in modelled)[keep - 1] if len(modelled) >= keep else math.inf
+        if lower > kept * (1 + 1e-9):
             break
         if lower > cutoff * (1 + 1e-9):
             break
@@ -229,7 +234,11 @@ def _rank(
                 p.slot_ms, n, rounds, iterations=MODEL_ITERATIONS, window=MODEL_WINDOW, weight_waits=waits
             )
         else:
-            ms = stream_ms(p.slot_ms, n, rounds)
+            # A plan past the keep-th best (or the cutoff) is never among the first ``keep``:
+            # modelled only as far as it takes to see that, then left out.
+            ms = stream_ms(p.slot_ms, n, rounds, give_up=min(kept, cutoff) if first_only else math.inf)
+            if ms == math.inf:
+                continue
         modelled.append((ms, spread(p), i, p))
     modelled.sort(key=lambda x: x[:3])
     return [(x[0], x[3]) for x in modelled]
