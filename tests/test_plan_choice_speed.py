@@ -3,7 +3,8 @@
 - `even_plan` is `Plan.from_stages` for the candidates' chains, field for field;
 - the sync ranking bound `device_bound` never exceeds the stream model it prunes for;
 - `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included;
-- the steady plan built with shared splits is ``partition(steady=True)``;
+- the steady plan built with shared splits is ``partition(steady=True)``, and the steady search
+  that cuts chains only where a work bound lets a plan come first is the search over all of them;
 - the stream model given up past a bound was past it, and stopped at its window's end gives the
   window of the whole run.
 """
@@ -15,6 +16,7 @@ import random
 
 from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
 from roundpipe.plan._candidates import _nearest_target
+from roundpipe.plan._steady import steady_bound, steady_period
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.choose import _steady_plan, device_bound, even_plan
 from roundpipe.plan.rounds import round_sizes
@@ -118,3 +120,50 @@ def test_stream_model_window_stops_where_the_whole_run_agrees() -> None:
         expected = (whole[run_start[3 * per]] - whole[run_start[per]]) / 2
         got = stream_ms(slots, n, rounds, iterations=4, window=(1, 3), weight_waits=waits)
         assert got == expected
+
+
+def all_bounded_steady_search(ticks: _search.Ticks, n: int, rounds: tuple[int, ...]) -> object:
+    """`steady_search` as it was: every candidate cut and bounded, sorted, then timed in order."""
+    fwd, fb, layers = ticks.fwd, ticks.fb, ticks.n
+    total = fwd[layers] + fb[layers]
+    chains = _candidates.EvenChains(ticks)
+    lowest = max(n, ticks.probe(ticks.t_top)[0])
+    found = []
+    for s_count in range(lowest, max(3 * n, lowest + 2 * n) + 1):
+        for p in range(layers - 1, ticks.p_mem - 1, -1):
+            fused_t = fb[layers] - fb[p]
+            if fused_t > _candidates.STEADY_MAX_SPREAD * total / s_count:
+                break
+            for slots, stages in chains.plans(s_count, p):
+                others = slots[: len(stages[0])] + slots[len(stages[0]) + 1 :]
+                if (p and fused_t > max(others)) or max(slots) * len(
+                    slots
+                ) > _candidates.STEADY_MAX_SPREAD * sum(slots):
+                    continue
+                found.append((steady_bound(slots, n, rounds), len(slots), p, slots, stages))
+    found.sort(key=lambda c: c[:3])
+    best, tie, plan = math.inf, (0, 0), None
+    for bound, s_count, p, slots, stages in found:
+        if bound > best * (1 + 1e-9):
+            break
+        period = steady_period(slots, n, rounds)
+        if period < best * (1 - 1e-9) or (period <= best * (1 + 1e-9) and (s_count, p) < tie):
+            best, tie, plan = period, (s_count, p), stages
+    return plan
+
+
+def test_lazy_steady_search_is_the_search_over_all_candidates() -> None:
+    rng = random.Random(9)
+    for _ in range(120):
+        layers = rng.randint(2, 40)
+        fwd = [rng.choice([0.0, 0.1, 0.5, 1.0, 1.0, 2.0]) for _ in range(layers)]
+        fwd[0] = fwd[0] or 1.0
+        bwd = [x * rng.choice([1.3, 2.0, 3.0]) for x in fwd]
+        mem = [rng.randint(0, 5) for _ in fwd]
+        cap = rng.choice([None, max(mem) + rng.randint(0, 10)])
+        n = rng.choice([1, 2, 4, 8])
+        rounds = round_sizes(rng.choice([n, 2 * n, 3 * n + 1]), n)
+        rounds = rounds[:1] if len(set(rounds)) == 1 else rounds
+        f, fb = _search.to_ticks(fwd, bwd)
+        expected = all_bounded_steady_search(_search.Ticks(f, fb, mem, cap), n, rounds)
+        assert _candidates.steady_search(_search.Ticks(f, fb, mem, cap), n, rounds) == expected
