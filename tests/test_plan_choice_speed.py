@@ -5,6 +5,8 @@
 - `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included;
 - the steady plan built with shared splits is ``partition(steady=True)``, and the steady search
   that cuts chains only where a work bound lets a plan come first is the search over all of them;
+- `balanced_split`'s least start for the rest's parts (greedy from the right) is the one it
+  found counting the parts of every rest;
 - the stream model given up past a bound was past it, and stopped at its window's end gives the
   window of the whole run.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_right
+from collections.abc import Sequence
 
 from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
 from roundpipe.plan._candidates import _nearest_target
@@ -167,3 +171,82 @@ def test_lazy_steady_search_is_the_search_over_all_candidates() -> None:
         f, fb = _search.to_ticks(fwd, bwd)
         expected = all_bounded_steady_search(_search.Ticks(f, fb, mem, cap), n, rounds)
         assert _candidates.steady_search(_search.Ticks(f, fb, mem, cap), n, rounds) == expected
+
+
+def split_with_cover(
+    pre: Sequence[int], stop: int, parts: int, reach: Sequence[int], *, larger_last: bool = False
+) -> list[range] | None:
+    """`balanced_split` as it was, with the parts each rest needs counted item by item.
+
+    Items [0, stop) (prefix sums ``pre``, memory ``reach``) in exactly ``parts`` consecutive
+    parts whose largest is as small as possible, then as even as possible (each part the length
+    closest to an equal share of what is left, among those that let the rest fit), then ordered:
+    cut again aiming at the same part sizes, largest first (or last with ``larger_last``).
+    None when there are fewer items than parts, or memory needs more parts."""
+    if not 1 <= parts <= stop:
+        return None
+
+    def nxt(i: int, t: int) -> int:
+        return min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i])
+
+    def count(t: int) -> int:
+        i = used = 0
+        while i < stop:
+            i, used = nxt(i, t), used + 1
+        return used
+
+    t = _candidates._least_largest_part(pre, stop, parts, reach, nxt, count)
+    if count(t) > parts:
+        return None  # memory cuts the chain into more parts than asked for
+    cover = [0] * (stop + 1)  # cover[i]: parts the rest [i, stop) needs at t (greedy is least)
+    j = stop
+    for i in range(stop - 1, -1, -1):  # nxt(i, t) only moves left as i does: one sweep
+        while pre[j] - pre[i] > t:
+            j -= 1
+        r = reach[i]
+        cover[i] = 1 + cover[j if j < r else r]
+
+    def cut(targets: Sequence[float] | None) -> list[range]:
+        """Left to right, each part as close as it can be to its target (default: an equal share
+        of what is left) while the rest still fits in the parts left."""
+        remaining = list(targets) if targets is not None else []
+        out: list[range] = []
+        i = 0
+        for left in range(parts, 1, -1):
+            j_max = min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i], stop - left + 1)  # nxt
+            j_min = i + 1
+            while cover[j_min] >= left:
+                j_min += 1  # a shorter part would leave the rest more than left-1 parts
+            goal = remaining[0] if remaining else (pre[stop] - pre[i]) / left
+            j = _candidates._nearest(pre, i, goal, j_min, j_max)
+            if remaining:  # this part used up the target nearest to what it got
+                del remaining[_candidates._nearest_target(remaining, pre[j] - pre[i], descending)]
+            out.append(range(i, j))
+            i = j
+        out.append(range(i, stop))
+        return out
+
+    # Even parts first; then the same sizes again, in order (largest first, or last).
+    descending = not larger_last
+    even = cut(None)
+    sizes = sorted((pre[r.stop] - pre[r.start] for r in even), reverse=not larger_last)
+    return cut(sizes)
+
+
+def test_balanced_split_is_the_split_that_counted_every_rest() -> None:
+    rng = random.Random(10)
+    for _ in range(300):
+        layers = rng.randint(1, 50)
+        fwd = [rng.choice([0.0, 0.1, 0.5, 1.0, 1.0, 2.0, 3.0]) for _ in range(layers)]
+        bwd = [x * rng.choice([1.3, 2.0, 3.8]) for x in fwd]
+        mem = [rng.randint(0, 6) for _ in fwd]
+        ticks = _search.Ticks(
+            *_search.to_ticks(fwd, bwd), mem, rng.choice([None, max(mem) + rng.randint(0, 12)])
+        )
+        for _ in range(5):
+            pre, stop = rng.choice([ticks.fwd, ticks.fb]), rng.randint(1, layers)
+            parts, larger_last = rng.randint(1, stop + 1), rng.random() < 0.5
+            expected = split_with_cover(pre, stop, parts, ticks.reach, larger_last=larger_last)
+            assert (
+                _candidates.balanced_split(pre, stop, parts, ticks.reach, larger_last=larger_last) == expected
+            )

@@ -54,13 +54,12 @@ def balanced_split(
     t = _least_largest_part(pre, stop, parts, reach, nxt, count)
     if count(t) > parts:
         return None  # memory cuts the chain into more parts than asked for
-    cover = [0] * (stop + 1)  # cover[i]: parts the rest [i, stop) needs at t (greedy is least)
-    j = stop
-    for i in range(stop - 1, -1, -1):  # nxt(i, t) only moves left as i does: one sweep
-        while pre[j] - pre[i] > t:
-            j -= 1
-        r = reach[i]
-        cover[i] = 1 + cover[j if j < r else r]
+    # fits[k]: the least start from which the rest [start, stop) fits in k parts at t. Greedy from
+    # the right gives it (each part as long as t and memory allow: sub-parts of a part fit too).
+    fits = [stop]
+    for _ in range(parts - 1):
+        end = fits[-1]
+        fits.append(max(bisect_left(pre, pre[end] - t, 0, end), bisect_left(reach, end, 0, end)))
 
     def cut(targets: Sequence[float] | None) -> list[range]:
         """Left to right, each part as close as it can be to its target (default: an equal share
@@ -70,9 +69,7 @@ def balanced_split(
         i = 0
         for left in range(parts, 1, -1):
             j_max = min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i], stop - left + 1)  # nxt
-            j_min = i + 1
-            while cover[j_min] >= left:
-                j_min += 1  # a shorter part would leave the rest more than left-1 parts
+            j_min = max(i + 1, fits[left - 1])  # a shorter part would leave the rest more than left-1 parts
             goal = remaining[0] if remaining else (pre[stop] - pre[i]) / left
             j = _nearest(pre, i, goal, j_min, j_max)
             if remaining:  # this part used up the target nearest to what it got

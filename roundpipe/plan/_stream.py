@@ -20,8 +20,8 @@ only: it must never build plans or import torch or the scheduler.
 
 from __future__ import annotations
 
-import functools
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -33,17 +33,20 @@ _PARAM_HOPS = 1  # param_up (one stage of prefetch)
 _WEIGHT_HOPS = 5  # grad_down, G-copy, step, P-copy, param_up
 
 
-@functools.lru_cache(maxsize=64)
+Shape = tuple[list[int], list[int], tuple[int, ...], list[list[tuple[int, int]]], list[int]]
+"""`_structure`'s answer: per task its slot, device, unmet deps and dependents; where runs begin."""
+
+
 def _structure(
     s_count: int,
     num_devices: int,
     rounds: tuple[int, ...],
     iterations: int,
     weight_waits: tuple[tuple[int, ...], ...] | None,
-) -> tuple[list[int], list[int], tuple[int, ...], list[list[tuple[int, int]]], list[int]]:
+) -> Shape:
     """Every microbatch task in dispatch order: its slot, device, unmet deps, dependents, and
     where each run's tasks begin. Only the slot count shapes it, not the slot times, so candidates
-    of one slot count share it (read only: callers copy ``unmet``)."""
+    of one slot count share it (`stream_ms`'s ``shapes``; read only: callers copy ``unmet``)."""
     n = num_devices
     slot: list[int] = []
     device: list[int] = []
@@ -94,6 +97,7 @@ def stream_ms(
     window: tuple[int, int] | None = None,
     weight_waits: Sequence[Sequence[int]] | None = None,
     give_up: float = math.inf,
+    shapes: dict[object, Shape] | None = None,
 ) -> float:
     """Modelled ms per iteration: the makespan of ``iterations`` chained iterations (fill and drain
     included), or with ``window=(a, b)`` the time from iteration a's first compute to iteration b's,
@@ -103,13 +107,20 @@ def stream_ms(
     iterations back (the backward and fused slots that hold slot i's layers).
 
     ``give_up`` (makespans only): once the makespan is sure to exceed it, inf instead (a ranking
-    that keeps the best few needs no more about a plan that cannot be one of them)."""
+    that keeps the best few needs no more about a plan that cannot be one of them). ``shapes``: the
+    task graphs of earlier calls by slot count, for calls that rank many plans."""
     waits = None if weight_waits is None else tuple(tuple(w) for w in weight_waits)
     s_count = len(slot_ms)
-    slot, device, unmet, after, run_start = _structure(s_count, num_devices, tuple(rounds), iterations, waits)
+    key = (s_count, num_devices, tuple(rounds), iterations, waits)
+    shape = shapes.get(key) if shapes is not None else None
+    if shape is None:
+        shape = _structure(*key)
+        if shapes is not None:
+            shapes[key] = shape
+    slot, device, unmet, after, run_start = shape
     duration = [slot_ms[i] for i in slot]
     if window is None:
-        left = _tails(slot_ms, slot, device, num_devices) if give_up < math.inf else None
+        left = _tails(slot_ms, slot, device, run_start, num_devices) if give_up < math.inf else None
         # float sums: the bound must never pass the makespan by rounding, hence the margin
         margin = give_up * (1 + 1e-9)
         now, _ = _list_schedule(duration, device, list(unmet), after, num_devices, give_up=margin, left=left)
@@ -121,7 +132,9 @@ def stream_ms(
     return (start[watched[1]] - start[watched[0]]) / (b - a)
 
 
-def _tails(slot_ms: Sequence[float], slot: list[int], device: list[int], num_devices: int) -> list[float]:
+def _tails(
+    slot_ms: Sequence[float], slot: list[int], device: list[int], run_start: list[int], num_devices: int
+) -> list[float]:
     """Per device, a lower bound of the makespan beyond the start of its work: all of that work,
     then the fewest slots after any of its tasks (whichever ends last still goes through them)."""
     after_slot = [0.0] * len(slot_ms)
@@ -129,10 +142,10 @@ def _tails(slot_ms: Sequence[float], slot: list[int], device: list[int], num_dev
         after_slot[i] = after_slot[i + 1] + slot_ms[i + 1]
     tail = [math.inf] * num_devices
     work = [0.0] * num_devices
-    for t, i in enumerate(slot):
-        d = device[t]
+    for first, stop in itertools.pairwise(run_start):  # run by run: one slot, one device each
+        d, i = device[first], slot[first]
         tail[d] = min(tail[d], after_slot[i])
-        work[d] += slot_ms[i]
+        work[d] += slot_ms[i] * (stop - first)
     return [w + x if x < math.inf else 0.0 for w, x in zip(work, tail, strict=True)]
 
 

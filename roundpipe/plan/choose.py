@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from roundpipe.plan import _candidates, _search
+from roundpipe.plan import _candidates, _search, _stream
 from roundpipe.plan._stream import stream_ms, weight_waits
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
@@ -222,6 +222,7 @@ def _rank(
         return max(work + fill / n, device_bound(s, n, rounds))
 
     modelled: list[tuple[float, float, int, Plan]] = []
+    shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
     for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
         kept = sorted(x[0] for x in modelled)[keep - 1] if len(modelled) >= keep else math.inf
         if lower > kept * (1 + 1e-9):
@@ -231,12 +232,19 @@ def _rank(
         if async_optimizer:
             waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages)
             ms = stream_ms(
-                p.slot_ms, n, rounds, iterations=MODEL_ITERATIONS, window=MODEL_WINDOW, weight_waits=waits
+                p.slot_ms,
+                n,
+                rounds,
+                iterations=MODEL_ITERATIONS,
+                window=MODEL_WINDOW,
+                weight_waits=waits,
+                shapes=shapes,
             )
         else:
             # A plan past the keep-th best (or the cutoff) is never among the first ``keep``:
             # modelled only as far as it takes to see that, then left out.
-            ms = stream_ms(p.slot_ms, n, rounds, give_up=min(kept, cutoff) if first_only else math.inf)
+            give_up = min(kept, cutoff) if first_only else math.inf
+            ms = stream_ms(p.slot_ms, n, rounds, give_up=give_up, shapes=shapes)
             if ms == math.inf:
                 continue
         modelled.append((ms, spread(p), i, p))
