@@ -1,7 +1,8 @@
 """The shortcuts that make `choose_plan` fast change no plan: each equals what it replaced.
 
 - `even_plan` is `Plan.from_stages` for the candidates' chains, field for field;
-- the sync ranking bound `device_bound` never exceeds the stream model it prunes for;
+- the sync ranking bound `device_bound` never exceeds the stream model it prunes for, and adding
+  up each device's slots by stride gives what adding them run by run gave, bit for bit;
 - `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included;
 - the steady plan built with shared splits is ``partition(steady=True)``, and the steady search
   that cuts chains only where a work bound lets a plan come first is the search over all of them;
@@ -250,3 +251,29 @@ def test_balanced_split_is_the_split_that_counted_every_rest() -> None:
             assert (
                 _candidates.balanced_split(pre, stop, parts, ticks.reach, larger_last=larger_last) == expected
             )
+
+
+def device_bound_run_by_run(slot_ms: tuple[float, ...], n: int, rounds: tuple[int, ...]) -> float:
+    pre = [0.0]
+    for ms in slot_ms:
+        pre.append(pre[-1] + ms)
+    work, head, tail = [0.0] * n, [math.inf] * n, [math.inf] * n
+    k = 0
+    for size in rounds:
+        for i, ms in enumerate(slot_ms):
+            d, k = k % n, k + 1
+            work[d] += size * ms
+            head[d] = min(head[d], pre[i])
+            tail[d] = min(tail[d], pre[-1] - pre[i + 1])
+    return max(work[d] + head[d] + tail[d] for d in range(n) if head[d] < math.inf) * (1 - 1e-6)
+
+
+def test_device_bound_by_stride_is_run_by_run() -> None:
+    rng = random.Random(11)
+    for _ in range(2000):
+        n = rng.choice([1, 2, 3, 4, 5, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        slots = tuple(
+            rng.choice([0.0, 0.01, 0.1, 0.5, 1.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 30))
+        )
+        assert device_bound(slots, n, rounds) == device_bound_run_by_run(slots, n, rounds)

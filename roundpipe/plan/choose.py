@@ -103,7 +103,7 @@ def default_evaluations(plan: Plan, num_microbatches: int, iterations: int) -> i
     return max(2, min(4, 1200 // max(computes, 1)))
 
 
-def spread(plan: Plan) -> float:
+def spread(plan: Plan | _Candidate) -> float:
     """How uneven a plan is: its slowest slot over its mean slot (1 is perfectly even)."""
     mean = math.fsum(plan.slot_ms) / plan.num_slots
     return plan.t_max / mean if mean > 0 else 1.0
@@ -154,22 +154,23 @@ def _ranked_candidates(
     the engine prefers. So the best of them is timed in addition, and only when the model puts it
     first of all. ``needed``: how many of the ranked plans the caller reads, best first."""
     n, m = proxies[0].num_devices, proxies[0].num_microbatches
-    plans = {_stages(p): p for p in proxies}
+    plans = {_stages(p): _Candidate(p) for p in proxies}
     around = (
         _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
         for proxy in proxies
     )
     few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
+    times = _StageTimes(costs)
     for family in (*around, few_slots):
         for _, stages in family:
             key = (tuple(stages[0]), stages[1], tuple(stages[2]))
             if key not in plans:
-                plans[key] = even_plan(*stages, costs, n, m)
-    wider: dict[object, Plan] = {}
+                plans[key] = _Candidate(None, key, times.of(*key), n, m)
+    wider: dict[object, _Candidate] = {}
     for _, stages in _candidates.balanced_fused(chains, range(n + 1, 2 * n + 1)):
         key = (tuple(stages[0]), stages[1], tuple(stages[2]))
         if key not in plans and key not in wider:
-            wider[key] = even_plan(*stages, costs, n, m)
+            wider[key] = _Candidate(None, key, times.of(*key), n, m)
     ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=4, first_only=needed <= 4)
     # Sync bounds are true lower bounds of the model: a wider plan whose bound is past the best
     # modelled plan above could not be timed (see `choose_plan`), so it need not be modelled.
@@ -188,16 +189,77 @@ def even_plan(
 ) -> Plan:
     """`Plan.from_stages` for the candidates' chains (valid by construction, no memory check), the
     same plan built without its second pass: slot times summed as `Plan.stage_ms` sums them."""
-    fwd_ms, bwd_ms = costs.fwd_ms, costs.bwd_ms
-    times = [math.fsum(fwd_ms[r.start : r.stop]) for r in fwd]
-    times += [
-        math.fsum(fwd_ms[r.start : r.stop]) + math.fsum(bwd_ms[r.start : r.stop]) for r in (fused, *bwd)
-    ]
-    return Plan(tuple(fwd), fused, tuple(bwd), max(times), num_devices, num_microbatches, tuple(times))
+    times = _StageTimes(costs).of(tuple(fwd), fused, tuple(bwd))
+    return Plan(tuple(fwd), fused, tuple(bwd), max(times), num_devices, num_microbatches, times)
+
+
+class _StageTimes:
+    """Slot times of even plans as `Plan.stage_ms` sums them, each stage summed once: candidates
+    share most of their stages."""
+
+    def __init__(self, costs: LayerCosts) -> None:
+        self.fwd_ms, self.bwd_ms = costs.fwd_ms, costs.bwd_ms
+        self.sums: dict[tuple[bool, int, int], float] = {}
+
+    def stage(self, r: range, backward: bool) -> float:
+        key = (backward, r.start, r.stop)
+        if key not in self.sums:
+            ms = math.fsum(self.fwd_ms[r.start : r.stop])
+            self.sums[key] = ms + math.fsum(self.bwd_ms[r.start : r.stop]) if backward else ms
+        return self.sums[key]
+
+    def of(self, fwd: tuple[range, ...], fused: range, bwd: tuple[range, ...]) -> tuple[float, ...]:
+        return tuple([self.stage(r, False) for r in fwd] + [self.stage(r, True) for r in (fused, *bwd)])
+
+
+class _Candidate:
+    """A plan to rank: its stages and slot times, the `Plan` itself built only if it is modelled
+    (most candidates are pruned by their bound, and building a plan checks all of it)."""
+
+    __slots__ = (
+        "_plan",
+        "bwd_stages",
+        "fused",
+        "fwd_stages",
+        "num_devices",
+        "num_microbatches",
+        "slot_ms",
+        "t_max",
+    )
+
+    def __init__(
+        self,
+        plan: Plan | None,
+        stages: tuple[tuple[range, ...], range, tuple[range, ...]] | None = None,
+        slot_ms: tuple[float, ...] = (),
+        num_devices: int = 0,
+        num_microbatches: int = 0,
+    ) -> None:
+        self._plan = plan
+        if plan is not None:
+            stages, slot_ms = _stages(plan), plan.slot_ms
+            num_devices, num_microbatches = plan.num_devices, plan.num_microbatches
+        assert stages is not None
+        self.fwd_stages, self.fused, self.bwd_stages = stages
+        self.slot_ms = slot_ms
+        self.t_max = plan.t_max if plan is not None else max(slot_ms)
+        self.num_devices, self.num_microbatches = num_devices, num_microbatches
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.fwd_stages) + 1 + len(self.bwd_stages)
+
+    def plan(self) -> Plan:
+        if self._plan is None:
+            self._plan = Plan(
+                *(self.fwd_stages, self.fused, self.bwd_stages, self.t_max),
+                *(self.num_devices, self.num_microbatches, self.slot_ms),
+            )
+        return self._plan
 
 
 def _rank(
-    plans: list[Plan],
+    plans: list[_Candidate],
     num_devices: int,
     rounds: tuple[int, ...],
     async_optimizer: bool,
@@ -212,7 +274,7 @@ def _rank(
     n = num_devices
     m = sum(rounds)
 
-    def bound(p: Plan) -> float:
+    def bound(p: _Candidate) -> float:
         work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
         if async_optimizer:
             return work
@@ -221,7 +283,7 @@ def _rank(
         # device d starts after d slots and stops d slots before the end
         return max(work + fill / n, device_bound(s, n, rounds))
 
-    modelled: list[tuple[float, float, int, Plan]] = []
+    modelled: list[tuple[float, float, int, _Candidate]] = []
     shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
     for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
         kept = sorted(x[0] for x in modelled)[keep - 1] if len(modelled) >= keep else math.inf
@@ -249,7 +311,7 @@ def _rank(
                 continue
         modelled.append((ms, spread(p), i, p))
     modelled.sort(key=lambda x: x[:3])
-    return [(x[0], x[3]) for x in modelled]
+    return [(x[0], x[3].plan()) for x in modelled]
 
 
 def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int, ...]) -> float:
@@ -265,14 +327,19 @@ def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int
     work = [0.0] * num_devices
     head = [math.inf] * num_devices
     tail = [math.inf] * num_devices
-    k = 0
-    for size in rounds:
-        for i, ms in enumerate(slot_ms):
-            d = k % num_devices
-            k += 1
-            work[d] += size * ms
-            head[d] = min(head[d], pre[i])
-            tail[d] = min(tail[d], total - pre[i + 1])
+    n, s_count, k = num_devices, len(slot_ms), 0
+    for size in rounds:  # device d runs slots first, first + N, ... of the round (k: its first run)
+        for d in range(n):
+            first = (d - k) % n
+            if first >= s_count:
+                continue
+            w = work[d]
+            for ms in slot_ms[first::n]:  # in run order, as the runs are added up one by one
+                w += size * ms
+            work[d] = w
+            head[d] = min(head[d], pre[first])  # prefix sums never fall: the first slot is least
+            tail[d] = min(tail[d], total - pre[first + (s_count - 1 - first) // n * n + 1])
+        k += s_count
     busy = [d for d in range(num_devices) if head[d] < math.inf]
     # Float sums: shaded by a millionth so that rounding never lifts the bound over the model.
     return max(work[d] + head[d] + tail[d] for d in busy) * (1 - 1e-6)
