@@ -51,8 +51,8 @@ def balanced_split(
             i, used = nxt(i, t), used + 1
         return used
 
-    t = _least_largest_part(pre, stop, parts, reach, nxt, count)
-    if count(t) > parts:
+    t, fits_parts = _least_largest_part(pre, stop, parts, reach, nxt, count)
+    if not fits_parts:
         return None  # memory cuts the chain into more parts than asked for
     # fits[k]: the least start from which the rest [start, stop) fits in k parts at t. Greedy from
     # the right gives it (each part as long as t and memory allow: sub-parts of a part fit too).
@@ -125,9 +125,9 @@ def _least_largest_part(
     reach: Sequence[int],
     nxt: Callable[[int, int], int],
     count: Callable[[int], int],
-) -> int:
+) -> tuple[int, bool]:
     """The least t at which greedy packing of [0, stop) needs at most ``parts`` parts (``count``),
-    or the total when none does. Greedy's cuts stay put until t reaches the least "part + the item
+    or the total when none does; and whether that t needs at most ``parts``. Greedy's cuts stay put until t reaches the least "part + the item
     after it" of a part that memory did not end, so jumping t there skips only infeasible values:
     with near-even items a few jumps land on the answer. Bisection (on integers) takes over after
     JUMPS jumps, from the last infeasible t."""
@@ -137,12 +137,16 @@ def _least_largest_part(
         i = used = 0
         step = hi
         while i < stop:
-            j = nxt(i, lo)
-            if j < stop and j < reach[i]:  # the part could take one more item at a larger t
-                step = min(step, pre[j + 1] - pre[i])
+            base = pre[i]
+            j = bisect_right(pre, base + lo, i + 1, stop + 1) - 1  # nxt(i, lo), inline: the hot loop
+            r = reach[i]
+            if j >= r:
+                j = r
+            elif j < stop and pre[j + 1] - base < step:  # the part could take one more item
+                step = pre[j + 1] - base
             i, used = j, used + 1
         if used <= parts:
-            return lo
+            return lo, True
         if step <= lo:  # (cannot happen: kept for safety) fall back to bisection
             break
         lo = step
@@ -152,7 +156,7 @@ def _least_largest_part(
             hi = mid
         else:
             lo = mid + 1
-    return lo
+    return lo, count(lo) <= parts
 
 
 _JUMPS = 8
