@@ -196,7 +196,7 @@ def split_with_cover(
             i, used = nxt(i, t), used + 1
         return used
 
-    t = _candidates._least_largest_part(pre, stop, parts, reach, nxt, count)
+    t, _ = _candidates._least_largest_part(pre, stop, parts, reach, nxt, count)
     if count(t) > parts:
         return None  # memory cuts the chain into more parts than asked for
     cover = [0] * (stop + 1)  # cover[i]: parts the rest [i, stop) needs at t (greedy is least)
