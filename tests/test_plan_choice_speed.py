@@ -1,17 +1,27 @@
 """The shortcuts that make `choose_plan` fast change no plan: each equals what it replaced.
 
 - `even_plan` is `Plan.from_stages` for the candidates' chains, field for field;
-- the sync ranking bound `device_bound` never exceeds the stream model it prunes for;
+- the sync ranking bound `device_bound` never exceeds the stream model it prunes for, and adding
+  up each device's slots by stride gives what adding them run by run gave, bit for bit;
 - `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included;
-- the steady plan built with shared splits is ``partition(steady=True)``.
+- the steady plan built with shared splits is ``partition(steady=True)``, and the steady search
+  that cuts chains only where a work bound lets a plan come first is the search over all of them;
+- `balanced_split`'s least start for the rest's parts (greedy from the right) is the one it
+  found counting the parts of every rest;
+- the stream model given up past a bound was past it, and stopped at its window's end gives the
+  window of the whole run.
 """
 
 from __future__ import annotations
 
+import math
 import random
+from bisect import bisect_right
+from collections.abc import Sequence
 
-from roundpipe.plan import LayerCosts, Plan, _candidates, _search, partition
+from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
 from roundpipe.plan._candidates import _nearest_target
+from roundpipe.plan._steady import steady_bound, steady_period
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.choose import _steady_plan, device_bound, even_plan
 from roundpipe.plan.rounds import round_sizes
@@ -79,3 +89,191 @@ def test_steady_plan_with_shared_splits_is_partitions() -> None:
         base = partition(costs, n, m, async_optimizer=True)
         steady = partition(costs, n, m, async_optimizer=True, steady=True, round_size=rs)
         assert _steady_plan(chains_of(costs), base, m, rs, costs) == steady
+
+
+def test_stream_model_gives_up_only_past_its_bound() -> None:
+    rng = random.Random(5)
+    gave_up = 0
+    for _ in range(400):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        slots = tuple(
+            rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 20))
+        )
+        full = stream_ms(slots, n, rounds)
+        bound = full * rng.choice([0.9, 0.99, 1.0, 1.01])
+        cut = stream_ms(slots, n, rounds, give_up=bound)
+        assert cut == full or (cut == math.inf and full > bound)
+        gave_up += cut == math.inf
+    assert gave_up > 50
+
+
+def test_stream_model_window_stops_where_the_whole_run_agrees() -> None:
+    rng = random.Random(6)
+    for _ in range(200):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        s_count = rng.randint(1, 16)
+        slots = [rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(s_count)]
+        waits = tuple(
+            tuple(sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count))))) for _ in slots
+        )
+        slot, device, unmet, after, run_start = _stream._structure(s_count, n, rounds, 4, waits)
+        duration = [slots[i] for i in slot]
+        _, whole = _stream._list_schedule(duration, device, list(unmet), after, n)
+        per = len(rounds) * s_count
+        expected = (whole[run_start[3 * per]] - whole[run_start[per]]) / 2
+        got = stream_ms(slots, n, rounds, iterations=4, window=(1, 3), weight_waits=waits)
+        assert got == expected
+
+
+def all_bounded_steady_search(ticks: _search.Ticks, n: int, rounds: tuple[int, ...]) -> object:
+    """`steady_search` as it was: every candidate cut and bounded, sorted, then timed in order."""
+    fwd, fb, layers = ticks.fwd, ticks.fb, ticks.n
+    total = fwd[layers] + fb[layers]
+    chains = _candidates.EvenChains(ticks)
+    lowest = max(n, ticks.probe(ticks.t_top)[0])
+    found = []
+    for s_count in range(lowest, max(3 * n, lowest + 2 * n) + 1):
+        for p in range(layers - 1, ticks.p_mem - 1, -1):
+            fused_t = fb[layers] - fb[p]
+            if fused_t > _candidates.STEADY_MAX_SPREAD * total / s_count:
+                break
+            for slots, stages in chains.plans(s_count, p):
+                others = slots[: len(stages[0])] + slots[len(stages[0]) + 1 :]
+                if (p and fused_t > max(others)) or max(slots) * len(
+                    slots
+                ) > _candidates.STEADY_MAX_SPREAD * sum(slots):
+                    continue
+                found.append((steady_bound(slots, n, rounds), len(slots), p, slots, stages))
+    found.sort(key=lambda c: c[:3])
+    best, tie, plan = math.inf, (0, 0), None
+    for bound, s_count, p, slots, stages in found:
+        if bound > best * (1 + 1e-9):
+            break
+        period = steady_period(slots, n, rounds)
+        if period < best * (1 - 1e-9) or (period <= best * (1 + 1e-9) and (s_count, p) < tie):
+            best, tie, plan = period, (s_count, p), stages
+    return plan
+
+
+def test_lazy_steady_search_is_the_search_over_all_candidates() -> None:
+    rng = random.Random(9)
+    for _ in range(120):
+        layers = rng.randint(2, 40)
+        fwd = [rng.choice([0.0, 0.1, 0.5, 1.0, 1.0, 2.0]) for _ in range(layers)]
+        fwd[0] = fwd[0] or 1.0
+        bwd = [x * rng.choice([1.3, 2.0, 3.0]) for x in fwd]
+        mem = [rng.randint(0, 5) for _ in fwd]
+        cap = rng.choice([None, max(mem) + rng.randint(0, 10)])
+        n = rng.choice([1, 2, 4, 8])
+        rounds = round_sizes(rng.choice([n, 2 * n, 3 * n + 1]), n)
+        rounds = rounds[:1] if len(set(rounds)) == 1 else rounds
+        f, fb = _search.to_ticks(fwd, bwd)
+        expected = all_bounded_steady_search(_search.Ticks(f, fb, mem, cap), n, rounds)
+        assert _candidates.steady_search(_search.Ticks(f, fb, mem, cap), n, rounds) == expected
+
+
+def split_with_cover(
+    pre: Sequence[int], stop: int, parts: int, reach: Sequence[int], *, larger_last: bool = False
+) -> list[range] | None:
+    """`balanced_split` as it was, with the parts each rest needs counted item by item.
+
+    Items [0, stop) (prefix sums ``pre``, memory ``reach``) in exactly ``parts`` consecutive
+    parts whose largest is as small as possible, then as even as possible (each part the length
+    closest to an equal share of what is left, among those that let the rest fit), then ordered:
+    cut again aiming at the same part sizes, largest first (or last with ``larger_last``).
+    None when there are fewer items than parts, or memory needs more parts."""
+    if not 1 <= parts <= stop:
+        return None
+
+    def nxt(i: int, t: int) -> int:
+        return min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i])
+
+    def count(t: int) -> int:
+        i = used = 0
+        while i < stop:
+            i, used = nxt(i, t), used + 1
+        return used
+
+    t, _ = _candidates._least_largest_part(pre, stop, parts, reach, nxt, count)
+    if count(t) > parts:
+        return None  # memory cuts the chain into more parts than asked for
+    cover = [0] * (stop + 1)  # cover[i]: parts the rest [i, stop) needs at t (greedy is least)
+    j = stop
+    for i in range(stop - 1, -1, -1):  # nxt(i, t) only moves left as i does: one sweep
+        while pre[j] - pre[i] > t:
+            j -= 1
+        r = reach[i]
+        cover[i] = 1 + cover[j if j < r else r]
+
+    def cut(targets: Sequence[float] | None) -> list[range]:
+        """Left to right, each part as close as it can be to its target (default: an equal share
+        of what is left) while the rest still fits in the parts left."""
+        remaining = list(targets) if targets is not None else []
+        out: list[range] = []
+        i = 0
+        for left in range(parts, 1, -1):
+            j_max = min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i], stop - left + 1)  # nxt
+            j_min = i + 1
+            while cover[j_min] >= left:
+                j_min += 1  # a shorter part would leave the rest more than left-1 parts
+            goal = remaining[0] if remaining else (pre[stop] - pre[i]) / left
+            j = _candidates._nearest(pre, i, goal, j_min, j_max)
+            if remaining:  # this part used up the target nearest to what it got
+                del remaining[_candidates._nearest_target(remaining, pre[j] - pre[i], descending)]
+            out.append(range(i, j))
+            i = j
+        out.append(range(i, stop))
+        return out
+
+    # Even parts first; then the same sizes again, in order (largest first, or last).
+    descending = not larger_last
+    even = cut(None)
+    sizes = sorted((pre[r.stop] - pre[r.start] for r in even), reverse=not larger_last)
+    return cut(sizes)
+
+
+def test_balanced_split_is_the_split_that_counted_every_rest() -> None:
+    rng = random.Random(10)
+    for _ in range(300):
+        layers = rng.randint(1, 50)
+        fwd = [rng.choice([0.0, 0.1, 0.5, 1.0, 1.0, 2.0, 3.0]) for _ in range(layers)]
+        bwd = [x * rng.choice([1.3, 2.0, 3.8]) for x in fwd]
+        mem = [rng.randint(0, 6) for _ in fwd]
+        ticks = _search.Ticks(
+            *_search.to_ticks(fwd, bwd), mem, rng.choice([None, max(mem) + rng.randint(0, 12)])
+        )
+        for _ in range(5):
+            pre, stop = rng.choice([ticks.fwd, ticks.fb]), rng.randint(1, layers)
+            parts, larger_last = rng.randint(1, stop + 1), rng.random() < 0.5
+            expected = split_with_cover(pre, stop, parts, ticks.reach, larger_last=larger_last)
+            assert (
+                _candidates.balanced_split(pre, stop, parts, ticks.reach, larger_last=larger_last) == expected
+            )
+
+
+def device_bound_run_by_run(slot_ms: tuple[float, ...], n: int, rounds: tuple[int, ...]) -> float:
+    pre = [0.0]
+    for ms in slot_ms:
+        pre.append(pre[-1] + ms)
+    work, head, tail = [0.0] * n, [math.inf] * n, [math.inf] * n
+    k = 0
+    for size in rounds:
+        for i, ms in enumerate(slot_ms):
+            d, k = k % n, k + 1
+            work[d] += size * ms
+            head[d] = min(head[d], pre[i])
+            tail[d] = min(tail[d], pre[-1] - pre[i + 1])
+    return max(work[d] + head[d] + tail[d] for d in range(n) if head[d] < math.inf) * (1 - 1e-6)
+
+
+def test_device_bound_by_stride_is_run_by_run() -> None:
+    rng = random.Random(11)
+    for _ in range(2000):
+        n = rng.choice([1, 2, 3, 4, 5, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        slots = tuple(
+            rng.choice([0.0, 0.01, 0.1, 0.5, 1.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 30))
+        )
+        assert device_bound(slots, n, rounds) == device_bound_run_by_run(slots, n, rounds)

@@ -12,6 +12,7 @@ objects, raise on user input (partition validates first), or import torch.
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
@@ -50,16 +51,15 @@ def balanced_split(
             i, used = nxt(i, t), used + 1
         return used
 
-    t = _least_largest_part(pre, stop, parts, reach, nxt, count)
-    if count(t) > parts:
+    t, fits_parts = _least_largest_part(pre, stop, parts, reach, nxt, count)
+    if not fits_parts:
         return None  # memory cuts the chain into more parts than asked for
-    cover = [0] * (stop + 1)  # cover[i]: parts the rest [i, stop) needs at t (greedy is least)
-    j = stop
-    for i in range(stop - 1, -1, -1):  # nxt(i, t) only moves left as i does: one sweep
-        while pre[j] - pre[i] > t:
-            j -= 1
-        r = reach[i]
-        cover[i] = 1 + cover[j if j < r else r]
+    # fits[k]: the least start from which the rest [start, stop) fits in k parts at t. Greedy from
+    # the right gives it (each part as long as t and memory allow: sub-parts of a part fit too).
+    fits = [stop]
+    for _ in range(parts - 1):
+        end = fits[-1]
+        fits.append(max(bisect_left(pre, pre[end] - t, 0, end), bisect_left(reach, end, 0, end)))
 
     def cut(targets: Sequence[float] | None) -> list[range]:
         """Left to right, each part as close as it can be to its target (default: an equal share
@@ -69,9 +69,7 @@ def balanced_split(
         i = 0
         for left in range(parts, 1, -1):
             j_max = min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i], stop - left + 1)  # nxt
-            j_min = i + 1
-            while cover[j_min] >= left:
-                j_min += 1  # a shorter part would leave the rest more than left-1 parts
+            j_min = max(i + 1, fits[left - 1])  # a shorter part would leave the rest more than left-1 parts
             goal = remaining[0] if remaining else (pre[stop] - pre[i]) / left
             j = _nearest(pre, i, goal, j_min, j_max)
             if remaining:  # this part used up the target nearest to what it got
@@ -127,9 +125,9 @@ def _least_largest_part(
     reach: Sequence[int],
     nxt: Callable[[int, int], int],
     count: Callable[[int], int],
-) -> int:
+) -> tuple[int, bool]:
     """The least t at which greedy packing of [0, stop) needs at most ``parts`` parts (``count``),
-    or the total when none does. Greedy's cuts stay put until t reaches the least "part + the item
+    or the total when none does; and whether that t needs at most ``parts``. Greedy's cuts stay put until t reaches the least "part + the item
     after it" of a part that memory did not end, so jumping t there skips only infeasible values:
     with near-even items a few jumps land on the answer. Bisection (on integers) takes over after
     JUMPS jumps, from the last infeasible t."""
@@ -139,12 +137,16 @@ def _least_largest_part(
         i = used = 0
         step = hi
         while i < stop:
-            j = nxt(i, lo)
-            if j < stop and j < reach[i]:  # the part could take one more item at a larger t
-                step = min(step, pre[j + 1] - pre[i])
+            base = pre[i]
+            j = bisect_right(pre, base + lo, i + 1, stop + 1) - 1  # nxt(i, lo), inline: the hot loop
+            r = reach[i]
+            if j >= r:
+                j = r
+            elif j < stop and pre[j + 1] - base < step:  # the part could take one more item
+                step = pre[j + 1] - base
             i, used = j, used + 1
         if used <= parts:
-            return lo
+            return lo, True
         if step <= lo:  # (cannot happen: kept for safety) fall back to bisection
             break
         lo = step
@@ -154,7 +156,7 @@ def _least_largest_part(
             hi = mid
         else:
             lo = mid + 1
-    return lo
+    return lo, count(lo) <= parts
 
 
 _JUMPS = 8
@@ -264,37 +266,63 @@ def steady_search(
     # From N (or the fewest slots memory allows) up to 2N more: beyond, stages only get smaller
     # while the transfers per slot (not in the model) grow.
     lowest = max(num_devices, ticks.probe(ticks.t_top)[0])
-    candidates = []
+    pairs: list[tuple[float, int, int, int]] = []  # (work bound, order, slot count, fused start)
     for s_count in range(lowest, max(3 * num_devices, lowest + 2 * num_devices) + 1):
         for p in range(n - 1, ticks.p_mem - 1, -1):
-            fused_t = fb[n] - fb[p]
-            if fused_t > STEADY_MAX_SPREAD * total / s_count:
+            if fb[n] - fb[p] > STEADY_MAX_SPREAD * total / s_count:
                 break  # longer suffixes are slower still
-            for slots, stages in chains.plans(s_count, p):
-                others = slots[: len(stages[0])] + slots[len(stages[0]) + 1 :]
-                if p and fused_t > max(others):
-                    continue  # a fused stage slower than all others starves the backward stages behind it
-                if max(slots) * len(slots) > STEADY_MAX_SPREAD * sum(slots):
-                    continue
-                candidates.append((steady_bound(slots, num_devices, rounds), len(slots), p, slots, stages))
-    return _least_period(candidates, num_devices, rounds)
+            # `steady_bound`'s first term, exactly: every plan of p has the work fwd[p] + fb[n]
+            work = sum(rounds) * math.fsum([fwd[p] + fb[n]]) / num_devices
+            pairs.append((work, len(pairs), s_count, p))
+    pairs.sort()
+
+    def candidates(pair: tuple[float, int, int, int]) -> Iterable[Candidate]:
+        _, order, s_count, p = pair
+        fused_t = fb[n] - fb[p]
+        for k, (slots, stages) in enumerate(chains.plans(s_count, p)):
+            others = slots[: len(stages[0])] + slots[len(stages[0]) + 1 :]
+            if p and fused_t > max(others):
+                continue  # a fused stage slower than all others starves the backward stages behind it
+            if max(slots) * len(slots) > STEADY_MAX_SPREAD * sum(slots):
+                continue
+            yield steady_bound(slots, num_devices, rounds), len(slots), p, order, k, slots, stages
+
+    return _least_period(pairs, candidates, num_devices, rounds)
+
+
+Candidate = tuple[float, int, int, int, int, list[int], Stages]
+"""A plan of `steady_search`: its bound, slot count, fused start, place in the search's order, then
+its slot times and stages."""
 
 
 def _least_period(
-    candidates: list[tuple[float, int, int, list[int], Stages]], num_devices: int, rounds: Sequence[int]
+    pairs: list[tuple[float, int, int, int]],
+    candidates: Callable[[tuple[float, int, int, int]], Iterable[Candidate]],
+    num_devices: int,
+    rounds: Sequence[int],
 ) -> Stages | None:
-    """Exact periods in order of the lower bounds, until no bound can beat (or tie) the best.
-    Periods within float noise of each other tie: then fewer slots, then a longer fused stage."""
-    candidates.sort(key=lambda c: c[:3])
+    """Exact periods in order of the lower bounds (then fewer slots, a longer fused stage, search
+    order), until no bound can beat (or tie) the best. Periods within float noise of each other
+    tie: then fewer slots, then a longer fused stage. The plans of a (slot count, fused start) pair
+    are cut only once the pair's work bound (``pairs``, ascending) could come first: each of its
+    plans' bounds is at least that, so the order is that of all plans bounded and sorted."""
     best_period = math.inf
     best_tie = (0, 0)
     best_plan: Stages | None = None
-    for bound, s_count, p, slots, plan in candidates:
+    heap: list[Candidate] = []
+    at = 0
+    while True:
+        while at < len(pairs) and (not heap or pairs[at][0] <= heap[0][0]):
+            for candidate in candidates(pairs[at]):
+                heapq.heappush(heap, candidate)
+            at += 1
+        if not heap:
+            return best_plan
+        bound, s_count, p, _, _, slots, plan = heapq.heappop(heap)
         if bound > best_period * (1 + 1e-9):
-            break
+            return best_plan
         period = steady_period(slots, num_devices, rounds)
         if period < best_period * (1 - 1e-9) or (
             period <= best_period * (1 + 1e-9) and (s_count, p) < best_tie
         ):
             best_period, best_tie, best_plan = period, (s_count, p), plan
-    return best_plan

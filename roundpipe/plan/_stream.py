@@ -10,12 +10,19 @@ starts its ready task that comes first in dispatch order. It is a model, not the
 engine's graphs can hold more (transfers, a backward stage's recompute ahead of its gradient,
 which makes the engine up to ~2.5% faster than this model on backward-heavy sync plans), which is
 why the engine has the last word. Splitting a backward microbatch here into its recompute and the
-rest was tried: it ranked 7 of 48 grid shapes (28 layers, sync) better and 3 worse. Plain floats only: it must never build plans or import torch or the scheduler.
+rest was tried: it ranked 7 of 48 grid shapes (28 layers, sync) better and 3 worse.
+
+Cheap where it can be without changing a result: the task graph depends on the slot count, not
+the slot times, so candidates of one count share it; a windowed run stops once the window's last
+compute has started; a makespan can be given up once it is sure to pass a bound. Plain floats
+only: it must never build plans or import torch or the scheduler.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from collections.abc import Sequence
 
 # Between two computes the engine runs transfer and optimizer tasks, which take no time here but
@@ -26,32 +33,36 @@ _PARAM_HOPS = 1  # param_up (one stage of prefetch)
 _WEIGHT_HOPS = 5  # grad_down, G-copy, step, P-copy, param_up
 
 
-def _build(
-    slot_ms: Sequence[float],
+Shape = tuple[list[int], list[int], tuple[int, ...], list[list[tuple[int, int]]], list[int]]
+"""`_structure`'s answer: per task its slot, device, unmet deps and dependents; where runs begin."""
+
+
+def _structure(
+    s_count: int,
     num_devices: int,
-    rounds: Sequence[int],
+    rounds: tuple[int, ...],
     iterations: int,
-    weight_waits: Sequence[Sequence[int]] | None,
-) -> tuple[list[float], list[int], list[int], list[list[tuple[int, int]]], list[int]]:
-    """Every microbatch task in dispatch order: duration, device, unmet deps, dependents, and
-    where each run's tasks begin."""
+    weight_waits: tuple[tuple[int, ...], ...] | None,
+) -> Shape:
+    """Every microbatch task in dispatch order: its slot, device, unmet deps, dependents, and
+    where each run's tasks begin. Only the slot count shapes it, not the slot times, so candidates
+    of one slot count share it (`stream_ms`'s ``shapes``; read only: callers copy ``unmet``)."""
     n = num_devices
-    duration: list[float] = []
+    slot: list[int] = []
     device: list[int] = []
     run_start: list[int] = []
     k = 0
     for _ in range(iterations):
         for size in rounds:
-            for ms in slot_ms:
-                run_start.append(len(duration))
-                duration.extend([ms] * size)
+            for i in range(s_count):
+                run_start.append(len(slot))
+                slot.extend([i] * size)
                 device.extend([k % n] * size)
                 k += 1
-    run_start.append(len(duration))
-    count = len(duration)
+    run_start.append(len(slot))
+    count = len(slot)
     unmet = [0] * count
     after: list[list[tuple[int, int]]] = [[] for _ in range(count)]
-    s_count = len(slot_ms)
     for run in range(k):
         first, stop = run_start[run], run_start[run + 1]
         for t in range(first + 1, stop):  # the run's previous microbatch
@@ -70,11 +81,11 @@ def _build(
         for run in range(2 * per, k):
             first = run_start[run]
             base = (run // per - 2) * per
-            for slot in weight_waits[run % s_count]:
+            for waited in weight_waits[run % s_count]:
                 for r in range(len(rounds)):
-                    after[run_start[base + r * s_count + slot + 1] - 1].append((first, _WEIGHT_HOPS))
+                    after[run_start[base + r * s_count + waited + 1] - 1].append((first, _WEIGHT_HOPS))
                     unmet[first] += 1
-    return duration, device, unmet, after, run_start
+    return slot, device, tuple(unmet), after, run_start
 
 
 def stream_ms(
@@ -85,20 +96,57 @@ def stream_ms(
     iterations: int = 1,
     window: tuple[int, int] | None = None,
     weight_waits: Sequence[Sequence[int]] | None = None,
+    give_up: float = math.inf,
+    shapes: dict[object, Shape] | None = None,
 ) -> float:
     """Modelled ms per iteration: the makespan of ``iterations`` chained iterations (fill and drain
     included), or with ``window=(a, b)`` the time from iteration a's first compute to iteration b's,
     over b - a (the steady time of an async run; needs ``iterations > b``).
 
     ``weight_waits[i]`` (async runs): the slots whose gradients slot i's weights wait for, two
-    iterations back (the backward and fused slots that hold slot i's layers)."""
-    duration, device, unmet, after, run_start = _build(slot_ms, num_devices, rounds, iterations, weight_waits)
-    now, start = _list_schedule(duration, device, unmet, after, num_devices)
+    iterations back (the backward and fused slots that hold slot i's layers).
+
+    ``give_up`` (makespans only): once the makespan is sure to exceed it, inf instead (a ranking
+    that keeps the best few needs no more about a plan that cannot be one of them). ``shapes``: the
+    task graphs of earlier calls by slot count, for calls that rank many plans."""
+    waits = None if weight_waits is None else tuple(tuple(w) for w in weight_waits)
+    s_count = len(slot_ms)
+    key = (s_count, num_devices, tuple(rounds), iterations, waits)
+    shape = shapes.get(key) if shapes is not None else None
+    if shape is None:
+        shape = _structure(*key)
+        if shapes is not None:
+            shapes[key] = shape
+    slot, device, unmet, after, run_start = shape
+    duration = [slot_ms[i] for i in slot]
     if window is None:
+        left = _tails(slot_ms, slot, device, run_start, num_devices) if give_up < math.inf else None
+        # float sums: the bound must never pass the makespan by rounding, hence the margin
+        margin = give_up * (1 + 1e-9)
+        now, _ = _list_schedule(duration, device, list(unmet), after, num_devices, give_up=margin, left=left)
         return now
-    per = len(rounds) * len(slot_ms)
+    per = len(rounds) * s_count
     a, b = window
-    return (start[run_start[b * per]] - start[run_start[a * per]]) / (b - a)
+    watched = (run_start[a * per], run_start[b * per])
+    _, start = _list_schedule(duration, device, list(unmet), after, num_devices, watched=watched)
+    return (start[watched[1]] - start[watched[0]]) / (b - a)
+
+
+def _tails(
+    slot_ms: Sequence[float], slot: list[int], device: list[int], run_start: list[int], num_devices: int
+) -> list[float]:
+    """Per device, a lower bound of the makespan beyond the start of its work: all of that work,
+    then the fewest slots after any of its tasks (whichever ends last still goes through them)."""
+    after_slot = [0.0] * len(slot_ms)
+    for i in range(len(slot_ms) - 2, -1, -1):
+        after_slot[i] = after_slot[i + 1] + slot_ms[i + 1]
+    tail = [math.inf] * num_devices
+    work = [0.0] * num_devices
+    for first, stop in itertools.pairwise(run_start):  # run by run: one slot, one device each
+        d, i = device[first], slot[first]
+        tail[d] = min(tail[d], after_slot[i])
+        work[d] += slot_ms[i] * (stop - first)
+    return [w + x if x < math.inf else 0.0 for w, x in zip(work, tail, strict=True)]
 
 
 def _list_schedule(
@@ -107,24 +155,23 @@ def _list_schedule(
     unmet: list[int],
     after: list[list[tuple[int, int]]],
     num_devices: int,
+    *,
+    give_up: float = math.inf,
+    left: list[float] | None = None,
+    watched: tuple[int, ...] = (),
 ) -> tuple[float, list[float]]:
-    """Run the tasks of `_build`: a free device starts its ready task first in dispatch order.
-    Returns when the last ends and when each started."""
-    ready: list[list[int]] = [[] for _ in range(num_devices)]
-    busy = [False] * num_devices
-    start = [0.0] * len(duration)
+    """Run the tasks of `_structure`: a free device starts its ready task first in dispatch order.
+    Returns when the last ends and when each started; early (inf) once device d, starting a task at
+    ``now`` with ``left[d]`` to do, shows the makespan past ``give_up``, or once ``watched`` started."""
+    ready, left = _ready_heaps(device, unmet, num_devices), list(left or [0.0] * num_devices)
+    watch, waiting = _flags(len(duration), watched), len(set(watched)) or -1
+    busy, start = [False] * num_devices, [-1.0] * len(duration)
     # Computes that end: (time, task). Dependencies met after the transfers in between (hops) come
-    # at the time of the compute they follow, after every compute ending then, by (hops, task):
-    # they wait in `met` as hops * K + task.
+    # at the time of their compute, after all computes ending then, by (hops, task): hops * K + task.
     ends: list[tuple[float, int]] = []
-    met: list[int] = []
-    k = len(duration)
-    heappush, heappop = heapq.heappush, heapq.heappop
-    for t, left in enumerate(unmet):
-        if not left:
-            heappush(ready[device[t]], t)
-    now = 0.0
-    touched = list(range(num_devices))
+    met: list[int] = []  # those dependencies
+    k, heappush, heappop = len(duration), heapq.heappush, heapq.heappop
+    now, touched = 0.0, list(range(num_devices))
     while True:
         for d in touched:
             if not busy[d] and ready[d]:
@@ -132,6 +179,13 @@ def _list_schedule(
                 busy[d] = True
                 start[t] = now
                 heappush(ends, (now + duration[t], t))
+                if now + left[d] > give_up:
+                    return math.inf, start
+                left[d] -= duration[t]
+                if watch[t]:
+                    waiting -= 1
+                    if not waiting:
+                        return now, start
         touched = []
         if ends and (ends[0][0] == now or not met):
             now, t = heappop(ends)
@@ -149,12 +203,28 @@ def _list_schedule(
         for u, hops in after[t]:
             if hops:
                 heappush(met, hops * k + u)
-                continue
-            unmet[u] -= 1
-            if not unmet[u]:
-                heappush(ready[device[u]], u)
-                touched.append(device[u])
+            else:
+                unmet[u] -= 1
+                if not unmet[u]:
+                    heappush(ready[device[u]], u)
+                    touched.append(device[u])
     return now, start
+
+
+def _ready_heaps(device: list[int], unmet: list[int], num_devices: int) -> list[list[int]]:
+    """Per device, a heap of its tasks ready at the start (nothing unmet), by dispatch order."""
+    ready: list[list[int]] = [[] for _ in range(num_devices)]
+    for t, count in enumerate(unmet):
+        if not count:
+            ready[device[t]].append(t)  # ascending: already a heap
+    return ready
+
+
+def _flags(count: int, tasks: tuple[int, ...]) -> bytearray:
+    flags = bytearray(count)
+    for t in tasks:
+        flags[t] = 1
+    return flags
 
 
 def weight_waits(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> list[list[int]]:

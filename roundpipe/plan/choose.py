@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from roundpipe.plan import _candidates, _search
+from roundpipe.plan import _candidates, _search, _stream
 from roundpipe.plan._stream import stream_ms, weight_waits
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
@@ -81,7 +81,7 @@ def choose_plan(
         default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
     )
     rounds = round_sizes(num_microbatches, num_devices, round_size)
-    ranked, extra = _ranked_candidates(costs, proxies, chains, rounds, async_optimizer)
+    ranked, extra = _ranked_candidates(costs, proxies, chains, rounds, async_optimizer, max(count, 2))
     # The proxies' choice always runs in the comparison: evaluation never does worse than it.
     chosen = {_stages(proxies[0]): proxies[0]}
     for _, plan in ranked:
@@ -103,7 +103,7 @@ def default_evaluations(plan: Plan, num_microbatches: int, iterations: int) -> i
     return max(2, min(4, 1200 // max(computes, 1)))
 
 
-def spread(plan: Plan) -> float:
+def spread(plan: Plan | _Candidate) -> float:
     """How uneven a plan is: its slowest slot over its mean slot (1 is perfectly even)."""
     mean = math.fsum(plan.slot_ms) / plan.num_slots
     return plan.t_max / mean if mean > 0 else 1.0
@@ -143,6 +143,7 @@ def _ranked_candidates(
     chains: _candidates.EvenChains,
     rounds: tuple[int, ...],
     async_optimizer: bool,
+    needed: int,
 ) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]]]:
     """Even plans around each proxy plan (and the proxies), best modelled first; and apart, the
     best modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot.
@@ -151,29 +152,31 @@ def _ranked_candidates(
     fastest on several grid shapes (up to 11% faster than the others), but the ranking model is
     off by up to 20% on async plans: ranked with the rest they displace, on other shapes, the plan
     the engine prefers. So the best of them is timed in addition, and only when the model puts it
-    first of all."""
+    first of all. ``needed``: how many of the ranked plans the caller reads, best first."""
     n, m = proxies[0].num_devices, proxies[0].num_microbatches
-    plans = {_stages(p): p for p in proxies}
+    plans = {_stages(p): _Candidate(p) for p in proxies}
     around = (
         _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
         for proxy in proxies
     )
     few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
+    times = _StageTimes(costs)
     for family in (*around, few_slots):
         for _, stages in family:
             key = (tuple(stages[0]), stages[1], tuple(stages[2]))
             if key not in plans:
-                plans[key] = even_plan(*stages, costs, n, m)
-    wider: dict[object, Plan] = {}
+                plans[key] = _Candidate(None, key, times.of(*key), n, m)
+    wider: dict[object, _Candidate] = {}
     for _, stages in _candidates.balanced_fused(chains, range(n + 1, 2 * n + 1)):
         key = (tuple(stages[0]), stages[1], tuple(stages[2]))
         if key not in plans and key not in wider:
-            wider[key] = even_plan(*stages, costs, n, m)
-    ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=4)
+            wider[key] = _Candidate(None, key, times.of(*key), n, m)
+    ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=4, first_only=needed <= 4)
     # Sync bounds are true lower bounds of the model: a wider plan whose bound is past the best
     # modelled plan above could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
-    return ranked, _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff)[:1]
+    extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, first_only=True)
+    return ranked, extra[:1]
 
 
 def even_plan(
@@ -186,29 +189,92 @@ def even_plan(
 ) -> Plan:
     """`Plan.from_stages` for the candidates' chains (valid by construction, no memory check), the
     same plan built without its second pass: slot times summed as `Plan.stage_ms` sums them."""
-    fwd_ms, bwd_ms = costs.fwd_ms, costs.bwd_ms
-    times = [math.fsum(fwd_ms[r.start : r.stop]) for r in fwd]
-    times += [
-        math.fsum(fwd_ms[r.start : r.stop]) + math.fsum(bwd_ms[r.start : r.stop]) for r in (fused, *bwd)
-    ]
-    return Plan(tuple(fwd), fused, tuple(bwd), max(times), num_devices, num_microbatches, tuple(times))
+    times = _StageTimes(costs).of(tuple(fwd), fused, tuple(bwd))
+    return Plan(tuple(fwd), fused, tuple(bwd), max(times), num_devices, num_microbatches, times)
+
+
+class _StageTimes:
+    """Slot times of even plans as `Plan.stage_ms` sums them, each stage summed once: candidates
+    share most of their stages."""
+
+    def __init__(self, costs: LayerCosts) -> None:
+        self.fwd_ms, self.bwd_ms = costs.fwd_ms, costs.bwd_ms
+        self.sums: dict[tuple[bool, int, int], float] = {}
+
+    def stage(self, r: range, backward: bool) -> float:
+        key = (backward, r.start, r.stop)
+        if key not in self.sums:
+            ms = math.fsum(self.fwd_ms[r.start : r.stop])
+            self.sums[key] = ms + math.fsum(self.bwd_ms[r.start : r.stop]) if backward else ms
+        return self.sums[key]
+
+    def of(self, fwd: tuple[range, ...], fused: range, bwd: tuple[range, ...]) -> tuple[float, ...]:
+        return tuple([self.stage(r, False) for r in fwd] + [self.stage(r, True) for r in (fused, *bwd)])
+
+
+class _Candidate:
+    """A plan to rank: its stages and slot times, the `Plan` itself built only if it is modelled
+    (most candidates are pruned by their bound, and building a plan checks all of it)."""
+
+    __slots__ = (
+        "_plan",
+        "bwd_stages",
+        "fused",
+        "fwd_stages",
+        "num_devices",
+        "num_microbatches",
+        "slot_ms",
+        "t_max",
+    )
+
+    def __init__(
+        self,
+        plan: Plan | None,
+        stages: tuple[tuple[range, ...], range, tuple[range, ...]] | None = None,
+        slot_ms: tuple[float, ...] = (),
+        num_devices: int = 0,
+        num_microbatches: int = 0,
+    ) -> None:
+        self._plan = plan
+        if plan is not None:
+            stages, slot_ms = _stages(plan), plan.slot_ms
+            num_devices, num_microbatches = plan.num_devices, plan.num_microbatches
+        assert stages is not None
+        self.fwd_stages, self.fused, self.bwd_stages = stages
+        self.slot_ms = slot_ms
+        self.t_max = plan.t_max if plan is not None else max(slot_ms)
+        self.num_devices, self.num_microbatches = num_devices, num_microbatches
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.fwd_stages) + 1 + len(self.bwd_stages)
+
+    def plan(self) -> Plan:
+        if self._plan is None:
+            self._plan = Plan(
+                *(self.fwd_stages, self.fused, self.bwd_stages, self.t_max),
+                *(self.num_devices, self.num_microbatches, self.slot_ms),
+            )
+        return self._plan
 
 
 def _rank(
-    plans: list[Plan],
+    plans: list[_Candidate],
     num_devices: int,
     rounds: tuple[int, ...],
     async_optimizer: bool,
     keep: int,
     cutoff: float = math.inf,
+    first_only: bool = False,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
-    (4: as many as may be evaluated)."""
+    (4: as many as may be evaluated). With ``first_only`` (the caller reads only the first
+    ``keep``), a sync plan the model shows to be past them on its way is left out as well."""
     n = num_devices
     m = sum(rounds)
 
-    def bound(p: Plan) -> float:
+    def bound(p: _Candidate) -> float:
         work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
         if async_optimizer:
             return work
@@ -217,22 +283,35 @@ def _rank(
         # device d starts after d slots and stops d slots before the end
         return max(work + fill / n, device_bound(s, n, rounds))
 
-    modelled: list[tuple[float, float, int, Plan]] = []
+    modelled: list[tuple[float, float, int, _Candidate]] = []
+    shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
     for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
-        if len(modelled) >= keep and lower > sorted(x[0] for x in modelled)[keep - 1] * (1 + 1e-9):
+        kept = sorted(x[0] for x in modelled)[keep - 1] if len(modelled) >= keep else math.inf
+        if lower > kept * (1 + 1e-9):
             break
         if lower > cutoff * (1 + 1e-9):
             break
         if async_optimizer:
             waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages)
             ms = stream_ms(
-                p.slot_ms, n, rounds, iterations=MODEL_ITERATIONS, window=MODEL_WINDOW, weight_waits=waits
+                p.slot_ms,
+                n,
+                rounds,
+                iterations=MODEL_ITERATIONS,
+                window=MODEL_WINDOW,
+                weight_waits=waits,
+                shapes=shapes,
             )
         else:
-            ms = stream_ms(p.slot_ms, n, rounds)
+            # A plan past the keep-th best (or the cutoff) is never among the first ``keep``:
+            # modelled only as far as it takes to see that, then left out.
+            give_up = min(kept, cutoff) if first_only else math.inf
+            ms = stream_ms(p.slot_ms, n, rounds, give_up=give_up, shapes=shapes)
+            if ms == math.inf:
+                continue
         modelled.append((ms, spread(p), i, p))
     modelled.sort(key=lambda x: x[:3])
-    return [(x[0], x[3]) for x in modelled]
+    return [(x[0], x[3].plan()) for x in modelled]
 
 
 def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int, ...]) -> float:
@@ -248,14 +327,19 @@ def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int
     work = [0.0] * num_devices
     head = [math.inf] * num_devices
     tail = [math.inf] * num_devices
-    k = 0
-    for size in rounds:
-        for i, ms in enumerate(slot_ms):
-            d = k % num_devices
-            k += 1
-            work[d] += size * ms
-            head[d] = min(head[d], pre[i])
-            tail[d] = min(tail[d], total - pre[i + 1])
+    n, s_count, k = num_devices, len(slot_ms), 0
+    for size in rounds:  # device d runs slots first, first + N, ... of the round (k: its first run)
+        for d in range(n):
+            first = (d - k) % n
+            if first >= s_count:
+                continue
+            w = work[d]
+            for ms in slot_ms[first::n]:  # in run order, as the runs are added up one by one
+                w += size * ms
+            work[d] = w
+            head[d] = min(head[d], pre[first])  # prefix sums never fall: the first slot is least
+            tail[d] = min(tail[d], total - pre[first + (s_count - 1 - first) // n * n + 1])
+        k += s_count
     busy = [d for d in range(num_devices) if head[d] < math.inf]
     # Float sums: shaded by a millionth so that rounding never lifts the bound over the model.
     return max(work[d] + head[d] + tail[d] for d in busy) * (1 - 1e-6)
