@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,26 @@ def good_checkpoint(model_config: Path, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("runs")
     assert main(train_args(model_config, out, "good", 2)) == 0
     return out / "good" / "checkpoint"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def distributed_train_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """The processes of tests/test_distributed_train.py's runs, started before the first test so
+    they run beside the suite (tests/distributed_train_runs.py); None when no selected test needs
+    them."""
+    items = [item for item in request.session.items if item.path.name == "test_distributed_train.py"]
+    if not any("runs" in getattr(item, "fixturenames", ()) for item in items):
+        yield None
+        return
+    from tests import distributed_train_runs as runs
+
+    elastic = any(item.name == runs.ELASTIC_TEST for item in items)
+    model = request.getfixturevalue("model_config")
+    started = runs.start_runs(model, tmp_path_factory.mktemp("train"), elastic)
+    yield started
+    runs.stop(started)
 
 
 @pytest.fixture

@@ -7,18 +7,14 @@ the same step, with the checkpoint of that step, and a NaN loss on rank 1 stops 
 step, keeping the last good checkpoint; one process resumes from the two processes'
 checkpoint at the same data position; a rank that hangs makes the other exit non-zero within the
 timeout, naming it; and ``torchrun --max-restarts 1`` resumes from the last checkpoint after a rank
-was killed. Process launches are shared (one module fixture starts them all at once), since
-starting a process costs seconds.
+was killed. Each run serves several tests, and its processes start before the session's first
+test (tests/distributed_train_runs.py), since starting a process costs seconds.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,38 +23,8 @@ import torch
 
 from roundpipe import faults
 from roundpipe.cli import main
-from tests.helpers import checkpoint_data_step, metrics_logged, train_args
-from tests.test_distributed import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-HANG_TIMEOUT_S = 5
-
-
-def launch(argv: list[str], env_faults: str, world: int = 2) -> list[subprocess.Popen[str]]:
-    """``roundpipe ARGV`` as ``world`` processes with the variables torchrun sets."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", faults.ENV: env_faults})
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "roundpipe.cli", *argv],
-            cwd=ROOT,
-            env=dict(env, RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, float]:
-    """Exit code, output and the time it ended."""
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"{proc.args} did not end within {timeout} s: {proc.communicate()[0]}")
-    return proc.returncode, out, time.time()
+from tests.distributed_train_runs import HANG_TIMEOUT_S, Started, collect
+from tests.helpers import checkpoint_data_step, metrics_logged
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -75,25 +41,13 @@ def assert_same_weights(actual: Path, expected: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """At once: two processes stopped by a SIGTERM on rank 1 at step 3; one process on the whole
-    batch for 5 steps (a checkpoint at each); two processes whose rank 1 hangs in step 2; two
-    processes whose rank 1 has a NaN loss at step 3."""
-    out = tmp_path_factory.mktemp("train")
-    two = launch(train_args(model_config, out, "two", 5, "--sync", "--json"), "SIGTERM@step:3@rank:1")
-    hang_argv = train_args(model_config, out, "hang", 4, "--sync", "--dist-timeout", str(HANG_TIMEOUT_S))
-    hang = launch(hang_argv, "HANG@step:2@rank:1")
-    nan = launch(train_args(model_config, out, "nan", 4, "--sync", "--save-every", "1"), "NAN@step:3@rank:1")
-    done: dict[str, Any] = {"out": out}
-    # The reference, in this process while the others run (a process start costs seconds).
-    one = train_args(model_config, out, "one", 5, "--sync", "--save-every", "1", "--keep-checkpoints", "5")
-    done["one"] = main(one)
-    done["hang0"] = finish(hang[0])
-    hang[1].kill()  # it sleeps until killed, as a hung process does
-    done["hang1"] = finish(hang[1])
-    done["two"] = [finish(proc) for proc in two]
-    done["nan"] = [finish(proc) for proc in nan]
-    return done
+def runs(distributed_train_runs: Started | None, model_config: Path) -> dict[str, Any]:
+    """The runs' outcomes: two processes stopped by a SIGTERM on rank 1 at step 3; one process on
+    the whole batch for 5 steps (a checkpoint at each, run here); two processes whose rank 1 hangs
+    in step 2; two whose rank 1 has a NaN loss at step 3; the torchrun job whose rank 1 is killed.
+    The processes were started at the session's start (tests/distributed_train_runs.py)."""
+    assert distributed_train_runs is not None, "tests/conftest.py starts them for the selected tests"
+    return collect(distributed_train_runs, model_config)
 
 
 def test_two_processes_train_what_one_trains_on_the_global_batch(runs: dict[str, Any]) -> None:
@@ -164,29 +118,15 @@ def test_a_hung_rank_makes_the_other_fail_within_the_timeout_naming_it(runs: dic
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(model_config: Path, tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(runs: dict[str, Any]) -> None:
+    if runs["elastic"] is None:
         pytest.skip("torchrun is not installed")
-    argv = train_args(model_config, tmp_path, "elastic", 4, "--sync", "--save-every", "2", "--json")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env[faults.ENV] = "SIGKILL@step:3@rank:1"  # in the first attempt only
-    command = [
-        torchrun,
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "-m",
-        "roundpipe.cli",
-    ]
-    done = subprocess.run([*command, *argv], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "restart 1 by torchrun: resuming from" in done.stderr, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1])["start_step"] == 2
-    assert [r["step"] for r in metrics_logged(tmp_path / "elastic")] == [1, 2, 3, 4]
-    assert checkpoint_data_step(tmp_path / "elastic" / "checkpoint") == 4
+    code, stdout, stderr = runs["elastic"]
+    assert code == 0, stdout + stderr
+    assert "restart 1 by torchrun: resuming from" in stderr, stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["start_step"] == 2
+    assert [r["step"] for r in metrics_logged(runs["out"] / "elastic")] == [1, 2, 3, 4]
+    assert checkpoint_data_step(runs["out"] / "elastic" / "checkpoint") == 4
 
 
 def test_the_ranks_traces_merge_into_one_perfetto_view(
