@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from roundpipe.backends.stage_math import Recomputed
+from roundpipe.backends.storages import storage_bytes, storage_key
 from roundpipe.errors import DeviceOutOfMemoryError
 from roundpipe.plan.sizes import format_bytes
 
@@ -81,12 +82,11 @@ class _Counter:
         for tensor in _tensors(obj):
             if tensor.device != self.device:
                 continue
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in self.seen or storage.nbytes() == 0:
+            key, size = storage_key(tensor), storage_bytes(tensor)
+            if key in self.seen or size == 0:
                 continue
-            self.seen.add(ptr)
-            total += storage.nbytes()
+            self.seen.add(key)
+            total += size
         if total:
             self.bytes[label] = self.bytes.get(label, 0) + total
 
@@ -143,16 +143,15 @@ def tensors_elsewhere(device: torch.device, named: set[int], top: int = 6) -> st
         try:
             if obj.device != device:
                 continue
-            storage = obj.untyped_storage()
-            ptr = storage.data_ptr()
+            key, size = storage_key(obj), storage_bytes(obj)
         except Exception:  # a tensor subclass or a freed storage: not what we look for
             continue
-        if ptr in seen or storage.nbytes() == 0:
+        if key in seen or size == 0:
             continue
-        seen.add(ptr)
+        seen.add(key)
         entry = groups.setdefault(f"{list(obj.shape)} {str(obj.dtype).replace('torch.', '')}", [0, 0])
         entry[0] += 1
-        entry[1] += storage.nbytes()
+        entry[1] += size
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
     return ", ".join(f"{key} x{count} {format_bytes(size)}" for key, (count, size) in ranked) or "none"
 
