@@ -107,6 +107,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model-dtype", choices=("auto", "bf16", "fp32"), default="auto")
     p.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    p.add_argument(
+        "--save-trace",
+        type=Path,
+        metavar="DIR",
+        help="write each roundpipe run's trace to DIR/<workload>-<mode>.trace.json.gz (with the plan and layer costs)",
+    )
     p.add_argument("--plain-child", help=argparse.SUPPRESS)  # the plain loop's own process
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -205,7 +211,10 @@ def run_roundpipe(
             times.append(time.perf_counter() - start)
         pipe.synchronize()
         wall = time.perf_counter() - measured_start
-        report = breakdown(pipe.trace(), range(first, pipe.iteration_count))
+        trace = pipe.trace()
+        report = breakdown(trace, range(first, pipe.iteration_count))
+        if args.save_trace is not None:
+            save_trace(trace, args.save_trace / f"{workload.name}-{mode}.trace.json.gz")
         predicted = predicted_memory(pipe)
         plan = pipe.plan
     peaks = device_memory(indices)
@@ -226,6 +235,7 @@ def run_roundpipe(
         "plan": str(plan).splitlines()[0],
         "bubble": round(report.bubble, 5),
         "exposed_transfer": round(report.exposed_transfer, 5),
+        "host_bound": round(report.host_bound, 5),
         "busy_ms_per_step": {k: round(v, 2) for k, v in sorted(report.busy_ms_per_iteration.items())},
         "breakdown": report.to_dict(),
         "host_rss_gib": rss.report(),
@@ -233,6 +243,15 @@ def run_roundpipe(
         "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
+
+
+def save_trace(trace: Any, path: Path) -> None:
+    """The trace as gzipped JSON (`Trace.from_dict` reads it back): a long run's trace is tens of MB."""
+    import gzip
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        json.dump(trace.to_dict(), fh)
 
 
 # --------------------------------------------------------------------- plain side (own process)

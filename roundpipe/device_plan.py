@@ -189,13 +189,24 @@ def plan_from(
     return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
 
 
-def refined_costs(trace: Trace, costs: LayerCosts) -> LayerCosts | None:
-    """Costs scaled so that each stage kind's compute tasks, as the device timed them in
-    ``trace``, match what the costs predict for them; None when nothing was timed."""
+REPLAN_AFTER_ITERATIONS = 2
+"""A plan made from measured layers is re-planned once this many iterations have run: the first
+compiles and warms up, so the timings come from the second (`refined_costs`)."""
+
+
+def refined_costs(trace: Trace, costs: LayerCosts, since_iteration: int = 1) -> LayerCosts | None:
+    """Costs scaled so that each stage kind's compute tasks of iterations >= ``since_iteration``,
+    as the device timed them in ``trace``, match what the costs predict for them; None when
+    nothing was timed. The first iteration never counts: it compiles each layer kind's graphs and
+    warms the allocator (on an H200, A's first-iteration forward tasks took 9x their steady time
+    and its backward tasks 2x, and a re-plan from them took forward stages for ten times dearer
+    than they are)."""
     measured: dict[str, float] = {}
     predicted: dict[str, float] = {}
     for task in trace:
         if task.kind not in ("compute", "recompute") or task.end_t < task.start_t or not len(task.layers):
+            continue
+        if task.iteration < since_iteration:
             continue
         kind = str(task.stage_kind)
         if kind == "fwd":

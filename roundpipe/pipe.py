@@ -29,6 +29,7 @@ from roundpipe.assembly import (
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
 from roundpipe.device_plan import (
+    REPLAN_AFTER_ITERATIONS,
     DevicePlan,
     budget_release,
     plan_from,
@@ -277,7 +278,9 @@ class RoundPipe:
         """Let go of what the retention policy no longer keeps; re-plan once from measured times
         (off the loop thread: planning times candidate plans on the fake engine)."""
         self._retention.tidy(self._engine, self.runtime, self._trace, self._iteration, self._step)
-        if self.config.replan and not self._replanned and self._iteration >= 1:
+        # Measured on the device: the first iteration compiles, so re-plan from the second.
+        after = 1 if self._device_plan is None else REPLAN_AFTER_ITERATIONS
+        if self.config.replan and not self._replanned and self._iteration >= after:
             await asyncio.get_running_loop().run_in_executor(None, self._maybe_replan)
 
     @property
@@ -317,6 +320,9 @@ class RoundPipe:
         self.runtime.memory_predictions[self._builder.next_iteration] = device_plan.prediction
         self._trace.meta["memory_prediction"] = device_plan.prediction.to_dict()
         self._trace.meta["memory_budget_bytes"] = device_plan.budget_bytes
+        # What the planner saw: the profiled layer costs first, then the refined ones it re-planned from.
+        self._trace.meta.setdefault("profiled_layer_costs", device_plan.costs.to_dict())
+        self._trace.meta["layer_costs"] = device_plan.costs.to_dict()
         if device_plan.plan != self.plan:
             self.plan = device_plan.plan
             self._builder.set_plan(device_plan.plan)

@@ -8,6 +8,7 @@ all exercised here with ``--devices cpu:2`` and the tiny shape.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import importlib.util
 import io
 import json
@@ -19,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from roundpipe.sched.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_throughput.py"
@@ -48,7 +51,7 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     out = tmp_path / "runs.jsonl"
     argv = ["--devices", "cpu:2", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
-    bench.main([*argv, "--out", str(out)])
+    bench.main([*argv, "--out", str(out), "--save-trace", str(tmp_path / "traces")])
     stdout = capsys.readouterr().out
     lines = _json_lines(stdout)
     assert [(line["workload"], line["mode"]) for line in lines] == [("tiny", "sync"), ("tiny", "async")]
@@ -66,6 +69,10 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
         assert line["ratio"] == pytest.approx(ours["tokens_per_s"] / plain["tokens_per_s"], rel=1e-2)
         assert line["tokens_per_step"] == 4 * 16 and line["budget_field"] is None
         assert ours["model_dtype"] == "float32" and ours["build_s"] >= 0 and ours["elapsed_s"] > 0
+        assert ours["host_bound"] == 0.0  # CPU workers complete on return: nothing issued ahead
+        with gzip.open(tmp_path / "traces" / f"tiny-{line['mode']}.trace.json.gz", "rt") as fh:
+            saved = Trace.from_dict(json.load(fh))
+        assert {t.kind for t in saved} >= {"compute", "param_up"}
     # The model is built once: sync trains a copy, async the original, from the same weights.
     assert lines[0]["roundpipe"]["loss_first_last"][0] == lines[1]["roundpipe"]["loss_first_last"][0]
     assert "ours tok/s" in stdout  # the table at the end

@@ -76,6 +76,21 @@ def test_hand_made_trace_is_broken_down_by_the_definition() -> None:
     assert report.exposed_transfer == pytest.approx((1.0 / 8.0 + 2.0 / 8.0) / 2)
 
 
+def test_host_bound_is_device_time_before_the_host_finished_issuing() -> None:
+    trace = _hand_made()
+    by_key = {t.key: t for t in trace}
+    by_key[("c1",)].issue_t = 3.5  # the GPU ran c1 from 2.0 while the host issued until 3.5
+    by_key[("c2",)].issue_t = 5.0  # issued before its device start at 6.0: the host was ahead
+    by_key[("c3",)].issue_t = 12.0  # still issuing after the end: the whole task, clipped to W
+    by_key[("d",)].issue_t = 8.0
+    report = breakdown(trace, iterations=[1])
+    assert report.devices[0].host_bound_ms == pytest.approx(1.5 + 1.0)
+    assert report.devices[0].host_bound == pytest.approx(2.5 / 8.0)
+    assert report.devices[1].host_bound_ms == pytest.approx(1.0)
+    assert report.host_bound == pytest.approx((2.5 / 8.0 + 1.0 / 8.0) / 2)
+    assert breakdown(_hand_made(), iterations=[1]).host_bound == 0.0  # no issue times: none counted
+
+
 def test_busy_per_kind_counts_the_steps_the_iterations_feed() -> None:
     busy = breakdown(_hand_made(), iterations=[1]).busy_ms_per_iteration
     assert busy["compute"] == pytest.approx(3.0 + 2.0 + 1.0 + 2.0)

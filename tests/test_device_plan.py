@@ -76,21 +76,40 @@ def test_gpus_default_to_one_round_per_iteration() -> None:
     assert planning_config(chosen, "cuda").round_size == 4
 
 
-def _timed(kind: str, layers: range, start: float, end: float) -> Task:
-    task = Task(("compute", 0, 0, 0), "compute", "d0.compute", device=0, layers=layers, stage_kind=kind)
+def _timed(kind: str, layers: range, start: float, end: float, iteration: int = 1) -> Task:
+    task = Task(
+        ("compute", iteration, 0, 0),
+        "compute",
+        "d0.compute",
+        device=0,
+        layers=layers,
+        stage_kind=kind,
+        iteration=iteration,
+    )
     task.start_t, task.end_t = start, end
     return task
 
 
 def test_refined_costs_match_the_device_timings() -> None:
     costs = LayerCosts((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (0, 0, 0))
-    # The device ran the forward stage twice as slowly and the fused stage as predicted.
-    trace = Trace([_timed("fwd", range(0, 2), 0.0, 4.0), _timed("fused", range(2, 3), 4.0, 7.0)])
+    # The device ran the forward stage twice as slowly and the fused stage as predicted; the
+    # first iteration (compiling) was ten times slower and does not count.
+    trace = Trace(
+        [
+            _timed("fwd", range(0, 2), -60.0, -20.0, iteration=0),
+            _timed("fused", range(2, 3), -20.0, 10.0, iteration=0),
+            _timed("fwd", range(0, 2), 0.0, 4.0),
+            _timed("fused", range(2, 3), 4.0, 7.0),
+        ]
+    )
     refined = refined_costs(trace, costs)
     assert refined is not None
     assert refined.fwd_ms == pytest.approx((2.0, 2.0, 2.0))
+    assert refined.bwd_ms == pytest.approx((2.0, 2.0, 2.0))  # the fused stage ran as predicted
     assert refined.fwd_stage_ms(range(0, 2)) == pytest.approx(4.0)
     assert refined_costs(Trace([]), costs) is None
+    only_first = Trace([_timed("fwd", range(0, 2), 0.0, 4.0, iteration=0)])
+    assert refined_costs(only_first, costs) is None
 
 
 def test_a_head_larger_than_half_the_budget_still_leaves_small_stages_beside_it() -> None:

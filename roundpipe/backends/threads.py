@@ -98,6 +98,9 @@ class LaneThreadBackend:
         if waiter is None:
             self._complete(task, None)
             return
+        # When the host finished issuing, on the lane (the loop may see it later): a device task
+        # whose work on the GPU ends soon after this was waiting for the host, not the host for it.
+        task.issue_t = self.now()
         self._pipe.put_issued(task)
         self._waiter_queue(task.lane).put((task, waiter))
 

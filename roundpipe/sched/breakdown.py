@@ -1,4 +1,4 @@
-"""Where a run's time went, per device, from its trace: busy, bubble and exposed transfer.
+"""Where a run's time went, per device, from its trace: busy, bubble, exposed transfer, host-bound.
 
 The bubble says how long a GPU sat idle; it does not say why. The one cause a schedule is built
 to hide is transfer time, so this module separates it out: the share of the time a device's
@@ -6,8 +6,14 @@ compute lane sat idle while a transfer its next compute task was waiting for was
 A benchmark reads these numbers after its measured iterations; a test reads them on simulated
 traces, where the link speed is known.
 
+Busy is not the same as useful on a backend that issues ahead (CUDA): a compute task's device
+interval opens when its stream reaches it, and if the host is still issuing its kernels then, the
+device runs them as they arrive, at the host's pace. ``host_bound`` is the share of the window in
+which a device ran a compute task the host had not finished issuing: time the GPU waited for the
+host inside a task, which the bubble does not see.
+
 It reads tasks only through their public fields (kind, lane, device, iteration, step, deps,
-key, start_t, end_t) and must never import torch or know how a task ran.
+key, start_t, end_t, issue_t) and must never import torch or know how a task ran.
 """
 
 from __future__ import annotations
@@ -43,10 +49,14 @@ class DeviceBreakdown:
     exposed_transfer_ms: float
     exposed_transfer: float
     exposed_ms_by_kind: dict[str, float] = field(default_factory=dict)
+    host_bound_ms: float = 0.0
+    host_bound: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "busy_ms": round(self.busy_ms, 3),
+            "host_bound_ms": round(self.host_bound_ms, 3),
+            "host_bound": round(self.host_bound, 5),
             "bubble": round(self.bubble, 5),
             "exposed_transfer_ms": round(self.exposed_transfer_ms, 3),
             "exposed_transfer": round(self.exposed_transfer, 5),
@@ -64,6 +74,7 @@ class TraceBreakdown:
     bubble: float
     exposed_transfer: float
     busy_ms_per_iteration: dict[str, float]
+    host_bound: float = 0.0
 
     @property
     def span_ms(self) -> float:
@@ -75,6 +86,7 @@ class TraceBreakdown:
             "window_ms": round(self.span_ms, 3),
             "bubble": round(self.bubble, 5),
             "exposed_transfer": round(self.exposed_transfer, 5),
+            "host_bound": round(self.host_bound, 5),
             "devices": {str(d): b.to_dict() for d, b in sorted(self.devices.items())},
             "busy_ms_per_iteration": {k: round(v, 3) for k, v in sorted(self.busy_ms_per_iteration.items())},
         }
@@ -99,8 +111,11 @@ def breakdown(trace: Iterable[Task], iterations: Iterable[int] | None = None) ->
         ran was waiting for bytes still moving. exposed_transfer = exposed ms / |W|, at most
         the bubble. Transfers feeding later computes (prefetch) never count: the gap did not
         wait for them. ``exposed_ms_by_kind`` is the same per transfer kind (kinds that ran
-        at the same moment each count it, so these may sum to more than the total).
-    Overall bubble and exposed_transfer: the mean over devices.
+        at the same moment each count it, so these may sum to more than the total);
+      - host_bound: the union over d's compute tasks of [start_t, min(end_t, issue_t)) inside W,
+        over |W|: the device was running a task whose issuing the host had not finished (tasks
+        without an issue time, from backends that complete on return, count nothing).
+    Overall bubble, exposed_transfer and host_bound: the mean over devices.
 
     busy_ms_per_iteration, per task kind: the summed durations of the tasks of those iterations,
     plus the optimizer-lane tasks without an iteration (step, p_copy, grad_norm) of the optimizer
@@ -125,6 +140,7 @@ def breakdown(trace: Iterable[Task], iterations: Iterable[int] | None = None) ->
         bubble=sum(b.bubble for b in per_device.values()) / len(per_device),
         exposed_transfer=sum(b.exposed_transfer for b in per_device.values()) / len(per_device),
         busy_ms_per_iteration=_busy_per_kind(tasks, wanted),
+        host_bound=sum(b.host_bound for b in per_device.values()) / len(per_device),
     )
 
 
@@ -154,6 +170,8 @@ def _device(device: int, computes: list[Task], by_key: dict[Key, Task], window: 
                 by_kind.setdefault(feeder.kind, []).append(piece)
     exposed_ms = _measure(_union(exposed))
     busy = min(busy, span)
+    waiting = _union((t.start_t, min(t.end_t, t.issue_t)) for t in computes if t.issue_t >= 0)
+    host_bound_ms = _measure(_clip(waiting, window))
     return DeviceBreakdown(
         device=device,
         busy_ms=busy,
@@ -161,6 +179,8 @@ def _device(device: int, computes: list[Task], by_key: dict[Key, Task], window: 
         exposed_transfer_ms=exposed_ms,
         exposed_transfer=min(1.0, exposed_ms / span),
         exposed_ms_by_kind={k: _measure(_union(v)) for k, v in by_kind.items()},
+        host_bound_ms=host_bound_ms,
+        host_bound=min(1.0, host_bound_ms / span),
     )
 
 

@@ -241,7 +241,8 @@ class Engine(EngineUpkeep):
             return  # failed or cancelled meanwhile
         now = self.backend.now()
         task.state = _ISSUED
-        task.issue_t = now
+        if task.issue_t < 0:  # a lane thread stamps the moment it finished issuing; else now
+            task.issue_t = now
         res = self._resource_of_lane[task.lane]
         res.busy = False
         touched = [res]
