@@ -106,10 +106,6 @@ def _qwen3(layers: int = 4, hidden: int = 1024, vocab: int = 32768) -> nn.Module
 
 def _peak_run(budget: str | None, batch: dict, *, async_optimizer: bool = True) -> tuple[int, int, int]:
     """Train two steps; return (predicted peak, measured peak, slots)."""
-    # Graphs compiled by the module's other tests (other shapes) would make dynamo recompile this
-    # model's layers with dynamic shapes inside the budgeted run, and compiling benchmarks its
-    # kernels in scratch memory the plan does not count: start from no compiled code, as a run does.
-    torch._dynamo.reset()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     config = roundpipe.RunConfig(
