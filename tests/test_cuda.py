@@ -108,6 +108,8 @@ def _peak_run(budget: str | None, batch: dict, *, async_optimizer: bool = True) 
     """Train two steps; return (predicted peak, measured peak, slots)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    # Nothing of the module's earlier runs may stay allocated (their lanes' cuBLAS workspaces were).
+    print(f"allocated before the run: {torch.cuda.memory_allocated(0)}")
     config = roundpipe.RunConfig(
         devices="cuda:0",
         num_microbatches=4,
@@ -194,3 +196,16 @@ def test_cuda_compiled_layers_match_eager() -> None:
             pipe.synchronize()
             pipe.trace().check_rules()
     assert losses["auto"] == pytest.approx(losses[False], rel=2e-2)
+
+
+def test_cuda_closed_pipe_leaves_nothing_allocated() -> None:
+    """A closed pipe gives back every byte it allocated on the device, including the cuBLAS
+    workspaces its lane streams got: a process that builds pipe after pipe must not run out."""
+    data = batches(2)
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(0)
+    for _ in range(2):
+        run(mlp(), data, devices="cuda:0", async_optimizer=True)
+        gc.collect()
+        assert torch.cuda.memory_allocated(0) == before

@@ -121,3 +121,15 @@ class CudaBackend(LaneThreadBackend):
         super().close()
         self._events.clear()
         self._streams.clear()
+        _release_cublas_workspaces()
+
+
+def _release_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps per (thread handle, stream): every lane stream this
+    backend created got one (32 MiB or more on a Hopper card) from the caching allocator, and torch
+    frees none of them while the process lives, so each pipe closed and replaced in one process
+    would leave its workspaces allocated on the device. Called once every lane has finished; a
+    stream still in use elsewhere gets a new workspace at its next matrix product."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
