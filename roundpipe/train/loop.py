@@ -174,6 +174,7 @@ def _run(
         elapsed = time.perf_counter() - progress.t0
         metrics.close()
         bubble, notes = _write_trace_files(pipe, out_dir, files, ranks)
+        host_bound = _host_bound(pipe)
         last_good = progress.last_good() if progress.non_finite else progress.save() or progress.last_good()
         if last_good is not None:
             files["checkpoint"] = last_good
@@ -189,6 +190,7 @@ def _run(
         losses=progress.losses,
         tokens_per_s=(step - start) * config.tokens_per_step / elapsed if elapsed > 0 else 0.0,
         bubble_ratio=bubble,
+        host_bound=host_bound,
         elapsed_s=elapsed,
         checkpoint=last_good,
         files=files,
@@ -251,6 +253,16 @@ def _steps(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop:
         progress.step = settled
         return True
     return False
+
+
+def _host_bound(pipe: RoundPipe) -> float | None:
+    """The trace's host-bound share (None when no task was issued ahead of its completion)."""
+    from roundpipe.sched.breakdown import breakdown
+
+    trace = pipe.trace()
+    if not any(t.issue_t >= 0 and t.kind in ("compute", "recompute") for t in trace):
+        return None
+    return breakdown(trace).host_bound
 
 
 def _write_trace_files(

@@ -121,6 +121,9 @@ class RichReporter:
         table.add_row("steps", steps)
         table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
         table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
+        if result.host_bound is not None:
+            # GPU time spent running kernels as the host issued them: larger microbatches help
+            table.add_row("GPU waiting on host", f"{result.host_bound:.1%}")
         table.add_row("time", f"{result.elapsed_s:.1f} s")
         labels = {
             "metrics": "metrics",

@@ -37,6 +37,9 @@ class TrainResult:
     stop_signal: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped the run
     eval_loss: float | None = None  # the last evaluation's loss (None without an eval set)
     rank: int = 0  # this process's rank under torchrun (rank 0 writes the run directory)
+    # Share of the run in which a GPU ran work the host was still issuing (`sched.breakdown`);
+    # None where no task was issued ahead of its completion (CPU workers).
+    host_bound: float | None = None
 
     @property
     def exit_code(self) -> int:
@@ -70,6 +73,7 @@ class TrainResult:
             "eval_perplexity": self.eval_perplexity,
             "tokens_per_s": self.tokens_per_s,
             "bubble_ratio": self.bubble_ratio,
+            "host_bound": self.host_bound,
             "steps": self.steps,
             "start_step": self.start_step,
             "elapsed_s": self.elapsed_s,
