@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 
 import pytest
 import torch
@@ -40,6 +41,25 @@ def eager_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_compiles_on_cuda_only() -> None:
     assert not compile_enabled("auto", "cpu") and not compile_enabled(False, "cuda")
     assert compile_enabled(True, "cpu")
+
+
+def test_cuda_layers_launch_from_the_cpp_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA compiled layers launch their kernels from inductor's C++ wrapper (the host issued
+    A's kernels no faster than the GPU ran them with the Python one), unless the environment or
+    the tests chose; elsewhere torch.compile's defaults."""
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
+    monkeypatch.setenv("CXX", sys.executable)  # stands in for an installed compiler
+    assert compiling.default_options("cuda") == {"options": {"cpp_wrapper": True}}
+    assert LayerCompiler("auto", "cuda").compiler.options == {"options": {"cpp_wrapper": True}}
+    assert compiling.default_options("cpu") == {} and LayerCompiler(True, "cpu").compiler.options == {}
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
+    assert compiling.default_options("cuda") == {}
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # no compiler to build the wrapper with
+    assert compiling.default_options("cuda") == {}
+    monkeypatch.setenv("CXX", sys.executable)
+    monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
+    assert compiling.default_options("cuda") == {"backend": "eager"}
 
 
 def test_layers_say_how_they_compile() -> None:

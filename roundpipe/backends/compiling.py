@@ -12,6 +12,15 @@ to the fused kernel, the embedding stays eager because it validates inputs and b
 Python logic). Layers without the hook are compiled whole only when compiling was asked for
 explicitly (``compile=True``); "auto" leaves a user's own layers as they are.
 
+On CUDA the compiled code launches its kernels from a C++ wrapper (inductor's ``cpp_wrapper``)
+instead of generated Python. With 4,096-token microbatches (workload A of docs/performance.md) a
+Qwen3-1.7B layer's kernels are short enough that the GPU ran them as fast as the host issued them
+for 73-82% of the step (`roundpipe.sched.breakdown`'s ``host_bound``); a stack sampler put the
+compute lane's time in the generated Python launch code. With the C++ wrapper the same run went
+from 19.7-24.2K to 29.5K tokens/s and 16% host-bound, for about a minute more of compiling on the
+first run (the compiled code is cached on disk for the next). Setting ``TORCHINDUCTOR_CPP_WRAPPER``
+in the environment (to 0 or 1) leaves the choice to inductor's own setting.
+
 Compiled code is shared: replicas are structural copies whose parameter slots are rebound for
 every call, and `torch.compile` treats module parameters as graph inputs, so every layer of one
 class runs the same graph (measured: four copies rebound for eight calls built two graphs, one
@@ -22,6 +31,8 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
+import shutil
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
@@ -54,6 +65,23 @@ class Compiler:
         return compiled
 
 
+def default_options(device_type: str) -> dict[str, Any]:
+    """torch.compile's options for the layers of a run on ``device_type`` (see the module
+    docstring): `DEFAULT_OPTIONS` when set (tests choose a backend), else on CUDA the C++
+    wrapper unless the environment chose for inductor or no C++ compiler is installed."""
+    if DEFAULT_OPTIONS:
+        return dict(DEFAULT_OPTIONS)
+    if device_type == "cuda" and "TORCHINDUCTOR_CPP_WRAPPER" not in os.environ and _cpp_compiler():
+        return {"options": {"cpp_wrapper": True}}
+    return {}
+
+
+def _cpp_compiler() -> bool:
+    """Whether a C++ compiler is there to build the wrapper (without one, the Python wrapper)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return any(shutil.which(name) for name in names)
+
+
 def compile_enabled(setting: CompileSetting, device_type: str) -> bool:
     """Whether layers on ``device_type`` are compiled for ``RunConfig.compile=setting``."""
     if setting is False:
@@ -76,7 +104,7 @@ class LayerCompiler:
     def __init__(self, setting: CompileSetting, device_type: str, compiler: Compiler | None = None) -> None:
         self.enabled = compile_enabled(setting, device_type)
         self.explicit = setting is True
-        self.compiler = compiler or Compiler()
+        self.compiler = compiler or Compiler(**default_options(device_type))
 
     def prepare(self, module: nn.Module) -> nn.Module:
         adapt: Any = getattr(module, "roundpipe_replica", None)
