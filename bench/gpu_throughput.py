@@ -424,6 +424,7 @@ def table(lines: list[dict[str, Any]]) -> str:
             "ratio",
             "bubble",
             "exposed",
+            "host-bound",
         )
     ]
     for line in lines:
@@ -439,6 +440,7 @@ def table(lines: list[dict[str, Any]]) -> str:
                 "-" if line["ratio"] is None else f"{line['ratio']:.2f}",
                 num(ours, "bubble", ".1%"),
                 num(ours, "exposed_transfer", ".1%"),
+                num(ours, "host_bound", ".1%"),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

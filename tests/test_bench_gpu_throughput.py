@@ -219,6 +219,10 @@ def test_table_shows_errors_and_verdicts() -> None:
     }
     text = bench.table([line])
     assert "error" in text and "cannot hold the base in 24GiB" in text and "23.5" in text
+    ours = {"tokens_per_s": 29453.8, "peak_gib": {"cuda:0": 3.13}, "bubble": 0.023, "exposed_transfer": 0.003}
+    measured = {**line, "workload": "A", "roundpipe": {**ours, "host_bound": 0.1636}, "plain": None}
+    assert "host-bound" in text and text.splitlines()[1].split()[-1] == "-"
+    assert bench.table([measured]).splitlines()[1].split()[-4:] == ["-", "2.3%", "0.3%", "16.4%"]
 
 
 def test_cuda_probes_ask_each_device(monkeypatch: pytest.MonkeyPatch) -> None:
