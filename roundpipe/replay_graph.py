@@ -119,9 +119,6 @@ class _Builder:
         self.m = num_microbatches
         self.ledgers = [_Ledger() for _ in range(plan.num_layers)]
         self.history: dict[int, list[int]] = {}  # device -> last computes of its two latest runs
-        # On one device, the latest run's last compute (`GraphBuilder`'s `_device_last_compute`):
-        # a backward run's first recompute waits for it.
-        self.last_compute = -1
         self.one_device = num_devices == 1
         self.durations = [_slot_ms(costs, s.kind, s.layers) for s in plan.slots]
         stages = plan.fwd_stages
@@ -145,9 +142,12 @@ class _Builder:
             two_back = history[-2] if len(history) >= 2 else -1
             params = self._param_uploads(run, version, two_back)
             if run.slot.kind == SlotKind.BWD:
-                last = self._backward_chains(run, params, two_back)
+                # On one device a backward run's first recompute waits for the previous run's last
+                # compute (`GraphBuilder._backward_context`).
+                previous = history[-1] if history and self.one_device else -1
+                last = self._backward_chains(run, params, two_back, previous)
             else:
-                last = self.last_compute = self._chains(run, params, two_back)
+                last = self._chains(run, params, two_back)
             history.append(last)
             if len(history) > 2:
                 del history[0]
@@ -195,8 +195,9 @@ class _Builder:
         self.computes += computes
         return computes[-1]
 
-    def _backward_chains(self, run: SlotRun, params: list[int], two_back: int) -> int:
-        """A backward run (`sched/backward_run.py`): act_up, recompute, grad_up, backward, act_down."""
+    def _backward_chains(self, run: SlotRun, params: list[int], two_back: int, previous: int) -> int:
+        """A backward run (`sched/backward_run.py`): act_up, recompute, grad_up, backward, act_down;
+        ``previous`` (or -1): what its first recompute also waits for."""
         add, d, slot = self.graph.add, 3 * run.device, run.slot.index
         ms, recompute_ms = self.durations[slot]
         saved_by, read_by = self.saved[slot]
@@ -211,15 +212,14 @@ class _Builder:
                 deps.append(self.act_up[read_by][mb])
             up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
             before = [up, *self._uploads(params, backwards)]
-            if not backwards and self.one_device and self.last_compute >= 0:
-                before.append(self.last_compute)
+            if not backwards and previous >= 0:
+                before.append(previous)
             recompute = add(d + COMPUTE_RES, MID, recompute_ms, before)
             grad = add(d + H2D_RES, HIGH, 0.0, [self.act_down[slot - 1][mb], *flow])
             backward = add(d + COMPUTE_RES, MID, ms, [recompute, grad])
             self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [backward])
             backwards.append(backward)
         self.computes += backwards
-        self.last_compute = backwards[-1]
         return backwards[-1]
 
     def _grad_download(self, it: int, run: SlotRun, last: int) -> None:
