@@ -214,7 +214,7 @@ def run_roundpipe(
         trace = pipe.trace()
         report = breakdown(trace, range(first, pipe.iteration_count))
         if args.save_trace is not None:
-            save_trace(trace, args.save_trace / f"{workload.name}-{mode}.trace.json.gz")
+            trace.save(args.save_trace / f"{workload.name}-{mode}.trace.json.gz")
         predicted = predicted_memory(pipe)
         plan = pipe.plan
     peaks = device_memory(indices)
@@ -243,15 +243,6 @@ def run_roundpipe(
         "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
-
-
-def save_trace(trace: Any, path: Path) -> None:
-    """The trace as gzipped JSON (`Trace.from_dict` reads it back): a long run's trace is tens of MB."""
-    import gzip
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt", encoding="utf-8") as fh:
-        json.dump(trace.to_dict(), fh)
 
 
 # --------------------------------------------------------------------- plain side (own process)

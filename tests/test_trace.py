@@ -113,6 +113,17 @@ def test_save_load_round_trip_keeps_every_field(fake_trace: Trace, tmp_path: Pat
         assert isinstance(b.layers, range)
     assert loaded.meta == json.loads(json.dumps(fake_trace.meta))
     assert loaded.meta["owners"] == [[u] for u in range(5)]
+
+
+def test_a_gz_path_saves_and_loads_gzipped_json(fake_trace: Trace, tmp_path: Path) -> None:
+    import gzip
+
+    path = fake_trace.save(tmp_path / "run.trace.json.gz")
+    assert [p.name for p in tmp_path.iterdir()] == ["run.trace.json.gz"]  # no temp file left
+    with gzip.open(path, "rt") as f:
+        assert json.load(f) == fake_trace.to_dict()
+    loaded = Trace.load(path)
+    assert [_fields(t) for t in loaded] == [_fields(t) for t in fake_trace]
     assert loaded.to_dict() == json.loads(json.dumps(fake_trace.to_dict()))
     # Derived views agree too.
     assert loaded.order() == fake_trace.order()

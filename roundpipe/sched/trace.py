@@ -12,13 +12,14 @@ module stays free of optional dependencies.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from roundpipe.sched.task import COMPUTE_KINDS, Task
 
@@ -149,11 +150,13 @@ class Trace:
         return cls(records, meta)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the trace as JSON, atomically (temp file + rename)."""
+        """Write the trace as JSON, atomically (temp file + rename); gzipped when ``path`` ends in
+        ``.gz`` (a long GPU run's trace is tens of MB)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
+        os.close(fd)
+        with _open_text(tmp, "w", gzipped=path.suffix == ".gz") as f:
             json.dump(self.to_dict(), f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
@@ -161,7 +164,8 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trace:
-        with open(path) as f:
+        """Read a trace `save` wrote (gzipped when ``path`` ends in ``.gz``)."""
+        with _open_text(path, "r", gzipped=Path(path).suffix == ".gz") as f:
             return cls.from_dict(json.load(f))
 
     # ------------------------------------------------------------------ views
@@ -190,3 +194,9 @@ class Trace:
         return f"{len(self)} tasks, makespan {report.makespan_ms:.2f} ms, bubble {report.overall:.2%}" + (
             f" ({per_device})" if per_device else ""
         )
+
+
+def _open_text(path: str | os.PathLike[str], mode: str, *, gzipped: bool) -> IO[str]:
+    if gzipped:
+        return cast(IO[str], gzip.open(path, mode + "t", encoding="utf-8"))
+    return open(path, mode, encoding="utf-8")
