@@ -222,6 +222,21 @@ def test_on_several_devices_a_backward_stage_drains_with_its_last_recompute() ->
     assert predict_peak(plan, MEM, "stage", num_devices=2).slots[1].draining_bytes == 60 + 300
 
 
+def test_a_stage_with_small_gradients_drains_only_over_the_next_stages_start() -> None:
+    # Frozen weights with adapters: 1000 B of parameters and 10 B of gradients per layer.
+    frozen = replace(MEM, param_bytes=(1000,) * 4, grad_bytes=(10,) * 4)
+    plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),))
+    fused, backward = predict_peak(plan, frozen, "stage").slots[1:]
+    # FB follows F1 (no drain); B1 follows FB, whose 2020 B of weights and gradients drain over
+    # B1's start, where B1 holds its own 2020 B but not yet the 312 B its recompute builds up.
+    assert fused.draining_bytes == 0
+    assert stage_bytes(frozen, range(0, 2), "bwd") == 2020 + 312
+    assert backward.draining_bytes == 2020 - 312
+    # A stage trained in full (gradients as large as its weights) keeps its whole drain.
+    trained = replace(frozen, grad_bytes=(1000,) * 4)
+    assert predict_peak(plan, trained, "stage").slots[2].draining_bytes == 4000
+
+
 def test_predict_peak_prefetches_what_the_same_device_runs_next() -> None:
     plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),), devices=2)
     prediction = predict_peak(plan, MEM, num_devices=2)

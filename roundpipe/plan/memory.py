@@ -193,8 +193,10 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
 class SlotMemory:
     """One slot's predicted peak: its stage, the prefetched stages' parameters, activations in flight,
     and the device's previous fused or backward stage, whose weights and gradients stay until the
-    gradients' download completes (while this stage's first microbatch already runs), and, for a
-    backward stage, its last recomputed microbatch, which may still await its gradient."""
+    gradients' download completes (while this stage's first microbatch already runs; when those
+    gradients are small, only the part that exceeds this stage's activations: it overlaps the
+    stage's start, not its peak), and, for a backward stage, its last recomputed microbatch, which
+    may still await its gradient."""
 
     index: int
     kind: str
@@ -258,6 +260,13 @@ def _in_flight(mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight:
     return act_in_flight * edge
 
 
+SMALL_GRADIENTS_RATIO = 20
+"""A stage whose gradients are at most 1/20 of its parameters (frozen base weights, adapters
+trained) downloads them at once: measured on the 14B LoRA benchmark (docs/performance.md), its
+weights were gone before the next stage's peak, while a fully trained stage's (20 ms of
+gradient download on the 1.7B benchmark) were still there."""
+
+
 def predict_peak(
     plan: Sequence[Any] | Any,
     mem: LayerMemory,
@@ -285,9 +294,17 @@ def predict_peak(
         # The same slot may come back (one slot, or as many devices as slots): another run, another copy.
         ahead = [(i + k * num_devices) % len(slots) for k in range(1, prefetch + 1)]
         before = slots[(i - num_devices) % len(slots)]
+        own = stage_bytes(mem, slot.layers, slot.kind, grain)  # type: ignore[arg-type]
         draining = 0
         if before.kind != "fwd":
-            draining = sum(mem.param_bytes[j] + mem.grad_bytes[j] for j in before.layers)
+            before_params = sum(mem.param_bytes[j] for j in before.layers)
+            before_grads = sum(mem.grad_bytes[j] for j in before.layers)
+            draining = before_params + before_grads
+            if before_grads * SMALL_GRADIENTS_RATIO <= before_params:
+                # Adapters only: its download ends before this stage has built its activations,
+                # so the drain only overlaps this stage's start (its weights and gradients).
+                weights = sum(mem.param_bytes[j] + mem.grad_bytes[j] for j in slot.layers)
+                draining = max(0, draining - (own - weights))
         # Its last recompute may still await its gradient, except on one device, where this
         # stage's first recompute waits for that backward (`sched/backward_run.py`).
         if before.kind == "bwd" and num_devices > 1:
@@ -298,7 +315,7 @@ def predict_peak(
                 i,
                 slot.kind,
                 slot.layers,
-                stage_bytes(mem, slot.layers, slot.kind, grain),  # type: ignore[arg-type]
+                own,
                 sum(params[j] for j in ahead),
                 _in_flight(mem, slot, held, act_in_flight),
                 draining,
