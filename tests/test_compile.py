@@ -49,9 +49,15 @@ def test_cuda_layers_launch_from_the_cpp_wrapper(monkeypatch: pytest.MonkeyPatch
     the tests chose; elsewhere torch.compile's defaults."""
     monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
     monkeypatch.setenv("CXX", sys.executable)  # stands in for an installed compiler
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.triton, "store_cubin", False)
     assert compiling.default_options("cuda") == {"options": {"cpp_wrapper": True}}
-    assert LayerCompiler("auto", "cuda").compiler.options == {"options": {"cpp_wrapper": True}}
     assert compiling.default_options("cpu") == {} and LayerCompiler(True, "cpu").compiler.options == {}
+    assert not inductor_config.triton.store_cubin
+    # A C++-wrapped backward, compiled lazily, needs the kernels' binaries (pytorch#178845).
+    assert LayerCompiler("auto", "cuda").compiler.options == {"options": {"cpp_wrapper": True}}
+    assert inductor_config.triton.store_cubin
     monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
     assert compiling.default_options("cuda") == {}
     monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER")

@@ -54,6 +54,8 @@ class Compiler:
     def __init__(self, **options: Any) -> None:
         self.options = options or dict(DEFAULT_OPTIONS)
         self._functions: dict[Callable[..., Any], Callable[..., Any]] = {}
+        if self.options.get("options", {}).get("cpp_wrapper"):
+            _keep_kernel_binaries()
 
     def module(self, module: nn.Module) -> None:
         module.compile(**self.options)
@@ -74,6 +76,20 @@ def default_options(device_type: str) -> dict[str, Any]:
     if device_type == "cuda" and "TORCHINDUCTOR_CPP_WRAPPER" not in os.environ and _cpp_compiler():
         return {"options": {"cpp_wrapper": True}}
     return {}
+
+
+def _keep_kernel_binaries() -> None:
+    """Let the lazily compiled backward of a C++-wrapped graph find its kernels' binaries.
+
+    Why: inductor compiles a graph's backward at its first backward call, after the per-compile
+    options (``cpp_wrapper``) are no longer in force. torch before the fix of pytorch#178845 (the
+    lent H200s run 2.11) then generates the C++ wrapper without keeping the Triton binaries it
+    needs and fails with "CudaKernelParamCache not populated" (measured: every compiled decoder
+    layer's first backward). Keeping binaries is what inductor itself sets for a C++-wrapped
+    compile; it only keeps each compiled kernel's binary in memory, so it is set process-wide."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.store_cubin = True
 
 
 def _cpp_compiler() -> bool:
