@@ -9,7 +9,8 @@
 - `balanced_split`'s least start for the rest's parts (greedy from the right) is the one it
   found counting the parts of every rest;
 - the stream model given up past a bound was past it, and stopped at its window's end gives the
-  window of the whole run.
+  window of the whole run; its task graph built run by run (weight waits on a copy of the graph
+  without them) is the graph built task by task.
 """
 
 from __future__ import annotations
@@ -118,11 +119,10 @@ def test_stream_model_window_stops_where_the_whole_run_agrees() -> None:
         waits = tuple(
             tuple(sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count))))) for _ in slots
         )
-        slot, device, unmet, after, run_start = _stream._structure(s_count, n, rounds, 4, waits)
-        duration = [slots[i] for i in slot]
-        _, whole = _stream._list_schedule(duration, device, list(unmet), after, n)
+        shape = _stream._structure(s_count, n, rounds, 4, waits)
+        _, whole = _stream._list_schedule([slots[i] for i in shape.slot], shape)
         per = len(rounds) * s_count
-        expected = (whole[run_start[3 * per]] - whole[run_start[per]]) / 2
+        expected = (whole[shape.run_start[3 * per]] - whole[shape.run_start[per]]) / 2
         got = stream_ms(slots, n, rounds, iterations=4, window=(1, 3), weight_waits=waits)
         assert got == expected
 
@@ -277,3 +277,73 @@ def test_device_bound_by_stride_is_run_by_run() -> None:
             rng.choice([0.0, 0.01, 0.1, 0.5, 1.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 30))
         )
         assert device_bound(slots, n, rounds) == device_bound_run_by_run(slots, n, rounds)
+
+
+def structure_task_by_task(
+    s_count: int, n: int, rounds: tuple[int, ...], iterations: int, waits: tuple[tuple[int, ...], ...] | None
+) -> tuple[list[int], list[int], list[int], list[list[tuple[int, int]]]]:
+    """The stream model's graph as `_stream._structure` built it before: (slot, device, unmet,
+    dependents as (task, hops))."""
+    slot: list[int] = []
+    device: list[int] = []
+    run_start: list[int] = []
+    k = 0
+    for _ in range(iterations):
+        for size in rounds:
+            for i in range(s_count):
+                run_start.append(len(slot))
+                slot.extend([i] * size)
+                device.extend([k % n] * size)
+                k += 1
+    run_start.append(len(slot))
+    unmet = [0] * len(slot)
+    after: list[list[tuple[int, int]]] = [[] for _ in slot]
+    for run in range(k):
+        first, stop = run_start[run], run_start[run + 1]
+        for t in range(first + 1, stop):
+            after[t - 1].append((t, 0))
+            unmet[t] += 1
+        if run % s_count:
+            for j in range(stop - first):
+                after[run_start[run - 1] + j].append((first + j, 2))
+                unmet[first + j] += 1
+        if run >= 2 * n:
+            after[run_start[run - 2 * n + 1] - 1].append((first, 1))
+            unmet[first] += 1
+    per = s_count * len(rounds)
+    if waits is not None:
+        for run in range(2 * per, k):
+            base = (run // per - 2) * per
+            for waited in waits[run % s_count]:
+                for r in range(len(rounds)):
+                    after[run_start[base + r * s_count + waited + 1] - 1].append((run_start[run], 5))
+                    unmet[run_start[run]] += 1
+    return slot, device, unmet, after
+
+
+def test_stream_graph_by_runs_is_the_graph_task_by_task() -> None:
+    rng = random.Random(12)
+    for _ in range(300):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        s_count, iterations = rng.randint(1, 16), rng.choice([1, 2, 4])
+        waits = rng.choice(
+            [
+                None,
+                tuple(
+                    tuple(sorted(rng.sample(range(s_count), rng.randint(0, min(2, s_count)))))
+                    for _ in range(s_count)
+                ),
+            ]
+        )
+        bare = _stream._runs_structure(s_count, n, rounds, iterations)
+        for base in (None, bare):
+            shape = _stream._structure(s_count, n, rounds, iterations, waits, base=base)
+            slot, device, unmet, after = structure_task_by_task(s_count, n, rounds, iterations, waits)
+            assert (shape.slot, shape.device, shape.unmet) == (slot, device, unmet)
+            k = shape.count
+            assert [sorted(divmod(code, k)[::-1] for code in a) for a in shape.after] == [
+                sorted((u, hops) for u, hops in a) for a in after
+            ]
+            assert shape.ready == [[t for t in range(k) if not unmet[t] and device[t] == d] for d in range(n)]
+        assert bare.unmet == structure_task_by_task(s_count, n, rounds, iterations, None)[2]  # not changed

@@ -82,7 +82,12 @@ def balanced_split(
     # Even parts first; then the same sizes again, in order (largest first, or last).
     descending = not larger_last
     even = cut(None)
-    sizes = sorted((pre[r.stop] - pre[r.start] for r in even), reverse=not larger_last)
+    got = [pre[r.stop] - pre[r.start] for r in even]
+    sizes = sorted(got, reverse=not larger_last)
+    if got == sizes:
+        # Already in order: aiming at these sizes cuts the same parts again (each part's end hits
+        # its target exactly, the largest such end as the even cut chose it, and uses it up first).
+        return even
     return cut(sizes)
 
 

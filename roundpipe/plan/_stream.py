@@ -33,8 +33,32 @@ _PARAM_HOPS = 1  # param_up (one stage of prefetch)
 _WEIGHT_HOPS = 5  # grad_down, G-copy, step, P-copy, param_up
 
 
-Shape = tuple[list[int], list[int], tuple[int, ...], list[list[tuple[int, int]]], list[int]]
-"""`_structure`'s answer: per task its slot, device, unmet deps and dependents; where runs begin."""
+class Shape:
+    """The task graph of `_structure`: per task its slot, device, unmet deps and dependents, where
+    each run's tasks begin, and per device its tasks ready at the start. Read only: a run copies
+    ``unmet`` and ``ready``.
+
+    A dependent is one int, ``hops * count + task`` (count: the number of tasks): no tuple to
+    unpack in the list schedule's loop, and the key by which `_list_schedule` orders dependencies
+    met after transfers."""
+
+    __slots__ = ("after", "count", "device", "ready", "run_start", "slot", "unmet")
+
+    def __init__(
+        self,
+        slot: list[int],
+        device: list[int],
+        unmet: list[int],
+        after: list[list[int]],
+        run_start: list[int],
+        num_devices: int,
+    ) -> None:
+        self.slot, self.device, self.unmet, self.after, self.run_start = slot, device, unmet, after, run_start
+        self.count = len(slot)
+        self.ready: list[list[int]] = [[] for _ in range(num_devices)]
+        for t, waiting in enumerate(unmet):
+            if not waiting:
+                self.ready[device[t]].append(t)  # ascending: already a heap
 
 
 def _structure(
@@ -43,49 +67,74 @@ def _structure(
     rounds: tuple[int, ...],
     iterations: int,
     weight_waits: tuple[tuple[int, ...], ...] | None,
+    base: Shape | None = None,
 ) -> Shape:
-    """Every microbatch task in dispatch order: its slot, device, unmet deps, dependents, and
-    where each run's tasks begin. Only the slot count shapes it, not the slot times, so candidates
-    of one slot count share it (`stream_ms`'s ``shapes``; read only: callers copy ``unmet``)."""
+    """Every microbatch task in dispatch order (see `Shape`). Only the slot count shapes it, not
+    the slot times, so candidates of one slot count share it (`stream_ms`'s ``shapes``). The async
+    weight waits differ between plans of one count, so they go on a copy of ``base`` (the same
+    graph without them, built here if not given) that copies only the lists they change."""
+    if base is None:
+        base = _runs_structure(s_count, num_devices, rounds, iterations)
+    if weight_waits is None:
+        return base
+    run_start, count = base.run_start, base.count
+    after, unmet = list(base.after), list(base.unmet)
+    extra: dict[int, list[int]] = {}
+    per = s_count * len(rounds)
+    for run in range(2 * per, len(run_start) - 1):  # iteration t reads the weights stepped after t-2
+        first = run_start[run]
+        earlier = (run // per - 2) * per
+        for waited in weight_waits[run % s_count]:
+            for r in range(len(rounds)):
+                source = run_start[earlier + r * s_count + waited + 1] - 1
+                extra.setdefault(source, []).append(_WEIGHT_HOPS * count + first)
+                unmet[first] += 1
+    for source, codes in extra.items():
+        after[source] = after[source] + codes
+    return Shape(base.slot, base.device, unmet, after, run_start, num_devices)
+
+
+def _runs_structure(s_count: int, num_devices: int, rounds: tuple[int, ...], iterations: int) -> Shape:
+    """`_structure` without weight waits, built run by run: a run's tasks are consecutive and the
+    next run of its round (the next slot) follows right after, so a task's dependents are the run's
+    next task and the same microbatch at the next slot, ``size`` tasks on."""
     n = num_devices
     slot: list[int] = []
     device: list[int] = []
     run_start: list[int] = []
+    sizes: list[int] = []
     k = 0
     for _ in range(iterations):
         for size in rounds:
             for i in range(s_count):
                 run_start.append(len(slot))
+                sizes.append(size)
                 slot.extend([i] * size)
                 device.extend([k % n] * size)
                 k += 1
     run_start.append(len(slot))
     count = len(slot)
-    unmet = [0] * count
-    after: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+    activation, param = _ACTIVATION_HOPS * count, _PARAM_HOPS * count
+    unmet: list[int] = []
+    after: list[list[int]] = []
     for run in range(k):
-        first, stop = run_start[run], run_start[run + 1]
-        for t in range(first + 1, stop):  # the run's previous microbatch
-            after[t - 1].append((t, 0))
-            unmet[t] += 1
-        if run % s_count:  # the same microbatch at the previous slot of the round
-            prev = run_start[run - 1]
-            for j in range(stop - first):
-                after[prev + j].append((first + j, _ACTIVATION_HOPS))
-                unmet[first + j] += 1
-        if run >= 2 * n:  # one stage of prefetch: the device's run before last has ended
-            after[run_start[run - 2 * n + 1] - 1].append((first, _PARAM_HOPS))
-            unmet[first] += 1
-    per = s_count * len(rounds)
-    if weight_waits is not None:  # async: iteration t reads the weights stepped after iteration t-2
-        for run in range(2 * per, k):
-            first = run_start[run]
-            base = (run // per - 2) * per
-            for waited in weight_waits[run % s_count]:
-                for r in range(len(rounds)):
-                    after[run_start[base + r * s_count + waited + 1] - 1].append((first, _WEIGHT_HOPS))
-                    unmet[first] += 1
-    return slot, device, tuple(unmet), after, run_start
+        first, size = run_start[run], sizes[run]
+        stop = first + size
+        i = run % s_count
+        if i < s_count - 1:  # the same microbatch at the next slot of the round
+            after += [[t + 1, activation + t + size] for t in range(first, stop - 1)]
+            last = [activation + stop - 1 + size]
+        else:
+            after += [[t + 1] for t in range(first, stop - 1)]
+            last = []
+        if run + 2 * n < k:  # one stage of prefetch: the device's run after next waits for this one
+            last.append(param + run_start[run + 2 * n])
+        after.append(last)
+        # a task waits for the run's previous microbatch and the same one at the previous slot;
+        # the first, instead of the former, for the device's run before last
+        unmet.append((i > 0) + (run >= 2 * n))
+        unmet += [1 + (i > 0)] * (size - 1)
+    return Shape(slot, device, unmet, after, run_start, n)
 
 
 def stream_ms(
@@ -114,27 +163,30 @@ def stream_ms(
     key = (s_count, num_devices, tuple(rounds), iterations, waits)
     shape = shapes.get(key) if shapes is not None else None
     if shape is None:
-        shape = _structure(*key)
+        base = None
+        if shapes is not None and waits is not None:  # the graph without waits, shared
+            bare = (s_count, num_devices, tuple(rounds), iterations, None)
+            base = shapes.get(bare)
+            if base is None:
+                base = shapes[bare] = _runs_structure(*bare[:4])
+        shape = _structure(*key, base=base)
         if shapes is not None:
             shapes[key] = shape
-    slot, device, unmet, after, run_start = shape
-    duration = [slot_ms[i] for i in slot]
+    duration = [slot_ms[i] for i in shape.slot]
     if window is None:
-        left = _tails(slot_ms, slot, device, run_start, num_devices) if give_up < math.inf else None
+        left = _tails(slot_ms, shape, num_devices) if give_up < math.inf else None
         # float sums: the bound must never pass the makespan by rounding, hence the margin
         margin = give_up * (1 + 1e-9)
-        now, _ = _list_schedule(duration, device, list(unmet), after, num_devices, give_up=margin, left=left)
+        now, _ = _list_schedule(duration, shape, give_up=margin, left=left)
         return now
     per = len(rounds) * s_count
     a, b = window
-    watched = (run_start[a * per], run_start[b * per])
-    _, start = _list_schedule(duration, device, list(unmet), after, num_devices, watched=watched)
+    watched = (shape.run_start[a * per], shape.run_start[b * per])
+    _, start = _list_schedule(duration, shape, watched=watched)
     return (start[watched[1]] - start[watched[0]]) / (b - a)
 
 
-def _tails(
-    slot_ms: Sequence[float], slot: list[int], device: list[int], run_start: list[int], num_devices: int
-) -> list[float]:
+def _tails(slot_ms: Sequence[float], shape: Shape, num_devices: int) -> list[float]:
     """Per device, a lower bound of the makespan beyond the start of its work: all of that work,
     then the fewest slots after any of its tasks (whichever ends last still goes through them)."""
     after_slot = [0.0] * len(slot_ms)
@@ -142,7 +194,8 @@ def _tails(
         after_slot[i] = after_slot[i + 1] + slot_ms[i + 1]
     tail = [math.inf] * num_devices
     work = [0.0] * num_devices
-    for first, stop in itertools.pairwise(run_start):  # run by run: one slot, one device each
+    slot, device = shape.slot, shape.device
+    for first, stop in itertools.pairwise(shape.run_start):  # run by run: one slot, one device each
         d, i = device[first], slot[first]
         tail[d] = min(tail[d], after_slot[i])
         work[d] += slot_ms[i] * (stop - first)
@@ -151,10 +204,7 @@ def _tails(
 
 def _list_schedule(
     duration: list[float],
-    device: list[int],
-    unmet: list[int],
-    after: list[list[tuple[int, int]]],
-    num_devices: int,
+    shape: Shape,
     *,
     give_up: float = math.inf,
     left: list[float] | None = None,
@@ -163,14 +213,19 @@ def _list_schedule(
     """Run the tasks of `_structure`: a free device starts its ready task first in dispatch order.
     Returns when the last ends and when each started; early (inf) once device d, starting a task at
     ``now`` with ``left[d]`` to do, shows the makespan past ``give_up``, or once ``watched`` started."""
-    ready, left = _ready_heaps(device, unmet, num_devices), list(left or [0.0] * num_devices)
-    watch, waiting = _flags(len(duration), watched), len(set(watched)) or -1
-    busy, start = [False] * num_devices, [-1.0] * len(duration)
+    device, after, k = shape.device, shape.after, shape.count
+    unmet = list(shape.unmet)
+    ready = [list(r) for r in shape.ready]
+    num_devices = len(ready)
+    left = list(left or [0.0] * num_devices)
+    watch, waiting = _flags(k, watched), len(set(watched)) or -1
+    busy, start = [False] * num_devices, [-1.0] * k
     # Computes that end: (time, task). Dependencies met after the transfers in between (hops) come
-    # at the time of their compute, after all computes ending then, by (hops, task): hops * K + task.
+    # at the time of their compute, after all computes ending then, by (hops, task): `Shape`'s
+    # hops * K + task.
     ends: list[tuple[float, int]] = []
     met: list[int] = []  # those dependencies
-    k, heappush, heappop = len(duration), heapq.heappush, heapq.heappop
+    heappush, heappop = heapq.heappush, heapq.heappop
     now, touched = 0.0, list(range(num_devices))
     while True:
         for d in touched:
@@ -200,24 +255,15 @@ def _list_schedule(
             break
         busy[device[t]] = False
         touched.append(device[t])
-        for u, hops in after[t]:
-            if hops:
-                heappush(met, hops * k + u)
+        for u in after[t]:
+            if u >= k:  # met after transfers
+                heappush(met, u)
             else:
                 unmet[u] -= 1
                 if not unmet[u]:
                     heappush(ready[device[u]], u)
                     touched.append(device[u])
     return now, start
-
-
-def _ready_heaps(device: list[int], unmet: list[int], num_devices: int) -> list[list[int]]:
-    """Per device, a heap of its tasks ready at the start (nothing unmet), by dispatch order."""
-    ready: list[list[int]] = [[] for _ in range(num_devices)]
-    for t, count in enumerate(unmet):
-        if not count:
-            ready[device[t]].append(t)  # ascending: already a heap
-    return ready
 
 
 def _flags(count: int, tasks: tuple[int, ...]) -> bytearray:
