@@ -49,23 +49,42 @@ def test_cuda_layers_launch_from_the_cpp_wrapper(monkeypatch: pytest.MonkeyPatch
     the tests chose; elsewhere torch.compile's defaults."""
     monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
     monkeypatch.setenv("CXX", sys.executable)  # stands in for an installed compiler
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config.triton, "store_cubin", False)
-    assert compiling.default_options("cuda") == {"options": {"cpp_wrapper": True}}
-    assert compiling.default_options("cpu") == {} and LayerCompiler(True, "cpu").compiler.options == {}
-    assert not inductor_config.triton.store_cubin
-    # A C++-wrapped backward, compiled lazily, needs the kernels' binaries (pytorch#178845).
-    assert LayerCompiler("auto", "cuda").compiler.options == {"options": {"cpp_wrapper": True}}
-    assert inductor_config.triton.store_cubin
+    assert compiling.wants_cpp_wrapper("cuda") and not compiling.wants_cpp_wrapper("cpu")
+    assert compiling.default_options("cuda") == {} == compiling.default_options("cpu")
+    assert LayerCompiler(True, "cuda").cpp_wrapper and not LayerCompiler(True, "cpu").cpp_wrapper
+    assert not LayerCompiler(False, "cuda").cpp_wrapper
     monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
-    assert compiling.default_options("cuda") == {}
+    assert not compiling.wants_cpp_wrapper("cuda")
     monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER")
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # no compiler to build the wrapper with
-    assert compiling.default_options("cuda") == {}
+    assert not compiling.wants_cpp_wrapper("cuda")
     monkeypatch.setenv("CXX", sys.executable)
     monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
     assert compiling.default_options("cuda") == {"backend": "eager"}
+    assert not compiling.wants_cpp_wrapper("cuda")
+
+
+def test_the_cpp_wrapper_is_on_while_a_compiling_cuda_run_is_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lazily compiled backward reads inductor's global setting (torch 2.11 failed with a
+    per-compile option), so the setting is on from the first open run to the last close, and
+    then what the user had."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
+    monkeypatch.setenv("CXX", sys.executable)
+    monkeypatch.setattr(inductor_config, "cpp_wrapper", False)
+    first, second = LayerCompiler(True, "cuda"), LayerCompiler(True, "cuda")
+    first.open()
+    first.open()  # once per run, however often asked
+    second.open()
+    assert inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 2
+    first.close()
+    first.close()
+    assert inductor_config.cpp_wrapper  # the second run is still open
+    second.close()
+    assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
+    LayerCompiler(True, "cpu").open()  # nothing to turn on for a CPU run
+    assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
 
 
 def test_layers_say_how_they_compile() -> None:

@@ -21,6 +21,14 @@ from 19.7-24.2K to 29.5K tokens/s and 16% host-bound, for about a minute more of
 first run (the compiled code is cached on disk for the next). Setting ``TORCHINDUCTOR_CPP_WRAPPER``
 in the environment (to 0 or 1) leaves the choice to inductor's own setting.
 
+The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
+compiles is open (`CppWrapper`), not as a per-compile option: inductor compiles a graph's
+backward lazily, at its first backward call, and torch 2.11 (the lent H200s' version) applies a
+per-compile ``cpp_wrapper`` to the forward only, so every compiled decoder layer's first
+backward failed there with "CudaKernelParamCache not populated" (also with
+``triton.store_cubin`` set). The process-wide setting is what ``TORCHINDUCTOR_CPP_WRAPPER=1``
+sets, and the figures above were measured with it.
+
 Compiled code is shared: replicas are structural copies whose parameter slots are rebound for
 every call, and `torch.compile` treats module parameters as graph inputs, so every layer of one
 class runs the same graph (measured: four copies rebound for eight calls built two graphs, one
@@ -54,8 +62,6 @@ class Compiler:
     def __init__(self, **options: Any) -> None:
         self.options = options or dict(DEFAULT_OPTIONS)
         self._functions: dict[Callable[..., Any], Callable[..., Any]] = {}
-        if self.options.get("options", {}).get("cpp_wrapper"):
-            _keep_kernel_binaries()
 
     def module(self, module: nn.Module) -> None:
         module.compile(**self.options)
@@ -68,28 +74,62 @@ class Compiler:
 
 
 def default_options(device_type: str) -> dict[str, Any]:
-    """torch.compile's options for the layers of a run on ``device_type`` (see the module
-    docstring): `DEFAULT_OPTIONS` when set (tests choose a backend), else on CUDA the C++
-    wrapper unless the environment chose for inductor or no C++ compiler is installed."""
-    if DEFAULT_OPTIONS:
-        return dict(DEFAULT_OPTIONS)
-    if device_type == "cuda" and "TORCHINDUCTOR_CPP_WRAPPER" not in os.environ and _cpp_compiler():
-        return {"options": {"cpp_wrapper": True}}
-    return {}
+    """torch.compile's options for the layers of a run on ``device_type``: `DEFAULT_OPTIONS`
+    (tests choose a backend there), else torch.compile's defaults."""
+    del device_type  # one answer for every device today; the C++ wrapper is `CppWrapper`'s
+    return dict(DEFAULT_OPTIONS)
 
 
-def _keep_kernel_binaries() -> None:
-    """Let the lazily compiled backward of a C++-wrapped graph find its kernels' binaries.
+def wants_cpp_wrapper(device_type: str) -> bool:
+    """Whether compiled layers on ``device_type`` launch from the C++ wrapper (see the module
+    docstring): on CUDA, unless the environment chose for inductor, the tests chose options, or
+    no C++ compiler is installed to build it."""
+    return (
+        device_type == "cuda"
+        and not DEFAULT_OPTIONS
+        and "TORCHINDUCTOR_CPP_WRAPPER" not in os.environ
+        and _cpp_compiler()
+    )
 
-    Why: inductor compiles a graph's backward at its first backward call, after the per-compile
-    options (``cpp_wrapper``) are no longer in force. torch before the fix of pytorch#178845 (the
-    lent H200s run 2.11) then generates the C++ wrapper without keeping the Triton binaries it
-    needs and fails with "CudaKernelParamCache not populated" (measured: every compiled decoder
-    layer's first backward). Keeping binaries is what inductor itself sets for a C++-wrapped
-    compile; it only keeps each compiled kernel's binary in memory, so it is set process-wide."""
-    import torch._inductor.config as inductor_config
 
-    inductor_config.triton.store_cubin = True
+class CppWrapper:
+    """Inductor's process-wide ``cpp_wrapper`` setting, on while at least one holder is open.
+
+    Why process-wide and counted: see the module docstring (a lazily compiled backward reads
+    the global setting). Each open CUDA pipe that compiles holds it once; the setting it found
+    comes back when the last one closes, so compiling outside roundpipe is as the user left it
+    before and after (while a pipe is open, their own compiles use the C++ wrapper too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._previous = False
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    def acquire(self) -> None:
+        import torch._inductor.config as inductor_config
+
+        with self._lock:
+            if self._holders == 0:
+                self._previous = bool(inductor_config.cpp_wrapper)
+                inductor_config.cpp_wrapper = True
+            self._holders += 1
+
+    def release(self) -> None:
+        import torch._inductor.config as inductor_config
+
+        with self._lock:
+            if self._holders == 0:
+                return
+            self._holders -= 1
+            if self._holders == 0:
+                inductor_config.cpp_wrapper = self._previous
+
+
+CPP_WRAPPER = CppWrapper()
 
 
 def _cpp_compiler() -> bool:
@@ -121,6 +161,21 @@ class LayerCompiler:
         self.enabled = compile_enabled(setting, device_type)
         self.explicit = setting is True
         self.compiler = compiler or Compiler(**default_options(device_type))
+        # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`).
+        self.cpp_wrapper = self.enabled and wants_cpp_wrapper(device_type)
+        self._holding = False
+
+    def open(self) -> None:
+        """Turn on what compiling this run needs beyond its options (the C++ wrapper); once."""
+        if self.cpp_wrapper and not self._holding:
+            CPP_WRAPPER.acquire()
+            self._holding = True
+
+    def close(self) -> None:
+        """Give back what `open` turned on. Idempotent."""
+        if self._holding:
+            self._holding = False
+            CPP_WRAPPER.release()
 
     def prepare(self, module: nn.Module) -> nn.Module:
         adapt: Any = getattr(module, "roundpipe_replica", None)

@@ -69,6 +69,7 @@ class CudaBackend(LaneThreadBackend):
                 base.synchronize()
                 self._base[d] = (base, self.now())
         self._limit_host_threads(host_threads)
+        runtime.compiler.open()
 
     def _limit_host_threads(self, host_threads: int | None) -> None:
         """Keep cores free for the lane threads that launch kernels: torch's intra-op pool (the
@@ -122,6 +123,7 @@ class CudaBackend(LaneThreadBackend):
         self._events.clear()
         self._streams.clear()
         _release_cublas_workspaces()
+        self.runtime.compiler.close()
 
 
 def _release_cublas_workspaces() -> None:
