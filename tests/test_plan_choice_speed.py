@@ -8,9 +8,9 @@
   that cuts chains only where a work bound lets a plan come first is the search over all of them;
 - `balanced_split`'s least start for the rest's parts (greedy from the right) is the one it
   found counting the parts of every rest;
-- the stream model given up past a bound was past it, and stopped at its window's end gives the
-  window of the whole run; its task graph built run by run (weight waits on a copy of the graph
-  without them) is the graph built task by task.
+- the stream model given up past a bound (a makespan's or a window's) was past it, and stopped at
+  its window's end gives the window of the whole run; its task graph built run by run (weight
+  waits on a copy of the graph without them) is the graph built task by task.
 """
 
 from __future__ import annotations
@@ -104,6 +104,24 @@ def test_stream_model_gives_up_only_past_its_bound() -> None:
         full = stream_ms(slots, n, rounds)
         bound = full * rng.choice([0.9, 0.99, 1.0, 1.01])
         cut = stream_ms(slots, n, rounds, give_up=bound)
+        assert cut == full or (cut == math.inf and full > bound)
+        gave_up += cut == math.inf
+    assert gave_up > 50
+
+
+def test_stream_model_window_gives_up_only_past_its_bound() -> None:
+    rng = random.Random(13)
+    gave_up = 0
+    for _ in range(300):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        s_count = rng.randint(1, 16)
+        slots = [rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(s_count)]
+        waits = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
+        args = (slots, n, rounds)
+        full = stream_ms(*args, iterations=4, window=(1, 3), weight_waits=waits)
+        bound = full * rng.choice([0.5, 0.9, 0.99, 1.0, 1.01])
+        cut = stream_ms(*args, iterations=4, window=(1, 3), weight_waits=waits, give_up=bound)
         assert cut == full or (cut == math.inf and full > bound)
         gave_up += cut == math.inf
     assert gave_up > 50

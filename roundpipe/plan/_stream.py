@@ -155,9 +155,10 @@ def stream_ms(
     ``weight_waits[i]`` (async runs): the slots whose gradients slot i's weights wait for, two
     iterations back (the backward and fused slots that hold slot i's layers).
 
-    ``give_up`` (makespans only): once the makespan is sure to exceed it, inf instead (a ranking
-    that keeps the best few needs no more about a plan that cannot be one of them). ``shapes``: the
-    task graphs of earlier calls by slot count, for calls that rank many plans."""
+    ``give_up``: once the answer is sure to exceed it, inf instead (a ranking that keeps the best
+    few needs no more about a plan that cannot be one of them): for a window, once iteration b's
+    first compute has not started ``(b - a) * give_up`` after iteration a's. ``shapes``: the task
+    graphs of earlier calls by slot count, for calls that rank many plans."""
     waits = None if weight_waits is None else tuple(tuple(w) for w in weight_waits)
     s_count = len(slot_ms)
     key = (s_count, num_devices, tuple(rounds), iterations, waits)
@@ -182,7 +183,10 @@ def stream_ms(
     per = len(rounds) * s_count
     a, b = window
     watched = (shape.run_start[a * per], shape.run_start[b * per])
-    _, start = _list_schedule(duration, shape, watched=watched)
+    span = give_up * (1 + 1e-9) * (b - a)  # the margin as above
+    now, start = _list_schedule(duration, shape, watched=watched, span=span)
+    if now == math.inf:
+        return now
     return (start[watched[1]] - start[watched[0]]) / (b - a)
 
 
@@ -209,16 +213,20 @@ def _list_schedule(
     give_up: float = math.inf,
     left: list[float] | None = None,
     watched: tuple[int, ...] = (),
+    span: float = math.inf,
 ) -> tuple[float, list[float]]:
     """Run the tasks of `_structure`: a free device starts its ready task first in dispatch order.
     Returns when the last ends and when each started; early (inf) once device d, starting a task at
-    ``now`` with ``left[d]`` to do, shows the makespan past ``give_up``, or once ``watched`` started."""
+    ``now`` with ``left[d]`` to do, shows the makespan past ``give_up``, or once ``watched`` started
+    (early, inf, once a compute ends ``span`` after the first of them started while the other has
+    not: it can start no earlier than that)."""
     device, after, k = shape.device, shape.after, shape.count
     unmet = list(shape.unmet)
     ready = [list(r) for r in shape.ready]
     num_devices = len(ready)
     left = list(left or [0.0] * num_devices)
     watch, waiting = _flags(k, watched), len(set(watched)) or -1
+    opening, deadline = (watched[0] if watched else -1), math.inf
     busy, start = [False] * num_devices, [-1.0] * k
     # Computes that end: (time, task). Dependencies met after the transfers in between (hops) come
     # at the time of their compute, after all computes ending then, by (hops, task): `Shape`'s
@@ -241,9 +249,13 @@ def _list_schedule(
                     waiting -= 1
                     if not waiting:
                         return now, start
+                    if t == opening:
+                        deadline = now + span
         touched = []
         if ends and (ends[0][0] == now or not met):
             now, t = heappop(ends)
+            if now > deadline:
+                return math.inf, start
         elif met:
             t = heappop(met) % k
             unmet[t] -= 1

@@ -176,7 +176,7 @@ def _ranked_candidates(
     # ``keep=needed``; the async window's time per iteration can fall under its bound (iterations
     # overlap), so there the margin of 4 stays.
     keep = 4 if async_optimizer else needed
-    ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=keep)
+    ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=keep, reads=max(keep, needed))
     # Sync bounds are true lower bounds of the model: a wider plan whose bound is past the best
     # modelled plan above could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
@@ -270,11 +270,15 @@ def _rank(
     async_optimizer: bool,
     keep: int,
     cutoff: float = math.inf,
+    reads: int = 0,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
-    (4: as many as may be evaluated). A sync plan the model shows to be past them on its way is
-    left out as well (the caller reads only the first ``keep`` of a sync ranking)."""
+    (4: as many as may be evaluated). The caller reads only the first ``reads`` (at least
+    ``keep``): a plan the model shows on its way to be past the ``reads``-th best so far (or the
+    cutoff) is left out as well. It could be none of them, and as it is past the ``keep``-th best
+    too, its time would change no later pruning: the first ``reads`` are those of modelling every
+    plan to the end."""
     n = num_devices
     m = sum(rounds)
 
@@ -293,11 +297,13 @@ def _rank(
 
     modelled: list[tuple[float, float, int, _Candidate]] = []
     shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
+    reads = max(reads, keep)
     best: list[float] = []  # every modelled time so far, ascending
     for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
         kept = best[keep - 1] if len(best) >= keep else math.inf
         if lower > min(kept, cutoff) * (1 + 1e-9):
             break
+        give_up = min(best[reads - 1] if len(best) >= reads else math.inf, cutoff)
         if async_optimizer:
             waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages)
             ms = stream_ms(
@@ -307,14 +313,13 @@ def _rank(
                 iterations=MODEL_ITERATIONS,
                 window=MODEL_WINDOW,
                 weight_waits=waits,
+                give_up=give_up,
                 shapes=shapes,
             )
         else:
-            # A plan past the keep-th best (or the cutoff) is never among the first ``keep``:
-            # modelled only as far as it takes to see that, then left out.
-            ms = stream_ms(p.slot_ms, n, rounds, give_up=min(kept, cutoff), shapes=shapes)
-            if ms == math.inf:
-                continue
+            ms = stream_ms(p.slot_ms, n, rounds, give_up=give_up, shapes=shapes)
+        if ms == math.inf:
+            continue  # past the reads-th best (or the cutoff): modelled only as far as that shows
         modelled.append((ms, spread(p), i, p))
         insort(best, ms)
     modelled.sort(key=lambda x: x[:3])
