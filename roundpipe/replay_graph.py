@@ -73,8 +73,18 @@ def build_graph(
 ) -> ReplayGraph:
     """The tasks `GraphBuilder` makes for ``iterations`` chained iterations, each followed by its
     optimizer step, in `run_fake`'s submission batches (an iteration's graph, then its step).
-    ``lean`` leaves out dependencies that never decide anything (see `_Builder._uploads`);
-    ``lean=False`` gives exactly `GraphBuilder`'s edges."""
+    ``lean=False`` gives exactly `GraphBuilder`'s tasks and edges. ``lean`` (for a replay that
+    ends with the last iteration: sync at its makespan, async where its first compute starts)
+    leaves out what never decides a compute's start there:
+
+    - dependencies met before another one of the same task (see `_Builder._uploads`);
+    - the last iteration's gradient downloads, G-copies and optimizer step. A zero-time task holds
+      its lane for one wave, and only back from tasks that were ready with it and come after it in
+      the lane's order (anything ready later finds the lane free again); these come after every
+      other task of their lanes (gradient downloads after the activation downloads by priority,
+      the host lane's tasks by age), and nothing else waits for them: in sync, they end when some
+      compute does, so the makespan stays; in async, all but the step's P-copies wait for the
+      last iteration's computes, after the replay's end."""
     builder = _Builder(plan, costs, num_devices, num_microbatches, async_optimizer, lean)
     first_device = 0
     for it in range(iterations):
@@ -86,10 +96,12 @@ def build_graph(
             first_device=first_device,
             round_size=round_size,
         )
-        builder.iteration(it, runs)
+        last = lean and it == iterations - 1
+        builder.iteration(it, runs, gradients=not last)
         builder.graph.end_batch()
-        builder.optimizer_step(it)
-        builder.graph.end_batch()
+        if not last:
+            builder.optimizer_step(it)
+            builder.graph.end_batch()
     return builder.graph
 
 
@@ -131,7 +143,8 @@ class _Builder:
                 read_by = saved_by + 1 if stages[saved_by].stop == start else -1
             self.saved.append((saved_by, read_by))
 
-    def iteration(self, it: int, runs: list[SlotRun]) -> None:
+    def iteration(self, it: int, runs: list[SlotRun], gradients: bool = True) -> None:
+        """The iteration's graph; without ``gradients``, no gradient downloads and G-copies."""
         version = max(0, it - 1) if self.asynch else it
         self.act_down = [[-1] * self.m for _ in range(self.plan.num_slots)]
         self.act_up = [[-1] * self.m for _ in range(self.plan.num_slots)]
@@ -151,10 +164,11 @@ class _Builder:
             history.append(last)
             if len(history) > 2:
                 del history[0]
-            if run.slot.kind != SlotKind.FWD:
+            if run.slot.kind != SlotKind.FWD and gradients:
                 self._grad_download(it, run, last)
         self.graph.computes.append(self.computes)
-        self._g_copies(it)
+        if gradients:
+            self._g_copies(it)
 
     def _param_uploads(self, run: SlotRun, version: int, two_back: int) -> list[int]:
         add, ledgers, h2d = self.graph.add, self.ledgers, 3 * run.device + H2D_RES

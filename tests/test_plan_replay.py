@@ -4,16 +4,21 @@ Two checks, each on plans of every dispatch kind (one round and several, uneven 
 size, few slots and more slots than devices, a plan cut by memory, sync and async): the flat graph
 of `roundpipe.replay_graph` is the graph `GraphBuilder` makes, task for task (resource, priority,
 duration, dependencies, submission batches); and the iteration times the replay gives equal, to
-the last bit, what the engine gives on the fake backend.
+the last bit, what the engine gives on the fake backend. And on random plans (zero-time stages
+among them) the lean graph the evaluator replays gives the times of the full one.
 """
 
 from __future__ import annotations
+
+import itertools
+import random
 
 import pytest
 
 from roundpipe.backends.fake import FakeBackend, FakeCostModel
 from roundpipe.plan import LayerCosts, Plan, partition
 from roundpipe.plan_eval import engine_evaluator
+from roundpipe.plan_replay import replay_starts
 from roundpipe.replay_graph import COMPUTE_RES, D2H_RES, H2D_RES, build_graph
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import PRIORITY, Task
@@ -108,3 +113,43 @@ def test_replay_times_equal_the_engine(
                 *args, async_optimizer=asynch, round_size=rs, window=window, engine=True
             )
             assert replay(plan) == engine(plan), (name, asynch, window)
+
+
+def replayed_ms(
+    plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, window: tuple[int, int] | None, lean: bool
+) -> float:
+    """`replay_iteration_ms` on the lean or the full graph (``window`` None: sync)."""
+    graph = build_graph(
+        plan, costs, n, m, 1 if window is None else window[1] + 1, window is not None, rs, lean=lean
+    )
+    if window is None:
+        starts = replay_starts(graph)
+        return max(s + d for s, d in zip(starts, graph.dur, strict=True)) - min(starts)
+    stop = bytearray(len(graph.res))
+    for task in graph.computes[window[1]]:
+        stop[task] = 1
+    starts = replay_starts(graph, stop)
+    at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in window]
+    return (at[1] - at[0]) / (window[1] - window[0])
+
+
+def random_chain(rng: random.Random, stop: int) -> list[range]:
+    ends = [0, *sorted(rng.sample(range(1, stop), rng.randint(0, stop - 1))), stop]
+    return [range(a, b) for a, b in itertools.pairwise(ends)]
+
+
+def test_the_lean_graph_gives_the_full_graphs_times() -> None:
+    rng = random.Random(7)
+    for _ in range(150):
+        layers = rng.randint(1, 10)
+        fwd = [rng.choice([0.0, 0.5, 1.0, 1.0, 2.0]) for _ in range(layers)]
+        bwd = [x * rng.choice([0.0, 1.3, 2.0]) for x in fwd]
+        costs = LayerCosts(tuple(fwd), tuple(bwd), (0,) * layers)
+        n = rng.choice([1, 2, 3, 4])
+        m, rs = rng.choice([n, n + 1, 2 * n, 3 * n]), rng.choice([None, None, n])
+        p = rng.randint(0, layers - 1)
+        fwd_stages, bwd_stages = (random_chain(rng, p), random_chain(rng, p)[::-1]) if p else ([], [])
+        plan = Plan.from_stages(fwd_stages, range(p, layers), bwd_stages, costs, n, m)
+        window = rng.choice([None, (1, 5), (1, 3), (0, 2)])
+        args = (plan, costs, n, m, rs, window)
+        assert replayed_ms(*args, lean=True) == replayed_ms(*args, lean=False), args
