@@ -93,7 +93,7 @@ class Started:
     def processes(self) -> dict[str, list[forked_cli.CliProcess]]:
         """The forked runs' processes by run name, once all are started."""
         self.launcher.join()
-        if len(self.launched) != 3:
+        if len(self.launched) != 4:
             pytest.fail("starting the forked runs failed (the traceback is in the captured output above)")
         return self.launched
 
@@ -108,7 +108,8 @@ def _lower_this_threads_priority() -> None:
 
 def start_runs(model_config: Path, out: Path, elastic: bool) -> Started:
     """Two processes stopped by a SIGTERM on rank 1 at step 3; two whose rank 1 hangs in step 2;
-    two whose rank 1 has a NaN loss at step 3; and, if ``elastic``, the torchrun job."""
+    two whose rank 1 has a NaN loss at step 3; two training asynchronously from the first step;
+    and, if ``elastic``, the torchrun job."""
 
     def launch_all() -> None:
         _lower_this_threads_priority()
@@ -119,27 +120,39 @@ def start_runs(model_config: Path, out: Path, elastic: bool) -> Started:
         started.launched["hang"] = launch(hang_argv, "HANG@step:2@rank:1", out / "hang")
         nan_argv = train_args(model_config, out, "nan", 4, "--sync", "--save-every", "1")
         started.launched["nan"] = launch(nan_argv, "NAN@step:3@rank:1", out / "nan")
+        started.launched["two-async"] = launch(
+            async_args(model_config, out, "two-async"), "", out / "two-async"
+        )
 
     started = Started(out, threading.Thread(target=launch_all, name="start the runs", daemon=True))
     started.launcher.start()
     return started
 
 
+def async_args(model_config: Path, out: Path, name: str) -> list[str]:
+    """4 asynchronous steps from the first (no synchronous warm-up, which would cover them all),
+    with the default weight prediction and lr ramp."""
+    return train_args(model_config, out, name, 4, "--async", "--async-warmup-steps", "0", "--json")
+
+
 def collect(started: Started, model_config: Path) -> dict[str, Any]:
-    """The reference run (one process on the whole batch for 5 steps, a checkpoint at each) in
-    this process, then every started run's outcome: exit codes, logs, end times."""
+    """The reference runs (one process on the whole batch: 5 sync steps with a checkpoint at
+    each, and the asynchronous run) in this process, then every started run's outcome: exit
+    codes, logs, end times."""
     if started.collected:
         return started.collected
     out = started.out
     done: dict[str, Any] = {"out": out, "elastic": None}
     one = train_args(model_config, out, "one", 5, "--sync", "--save-every", "1", "--keep-checkpoints", "5")
     done["one"] = main(one)
+    done["one-async"] = main(async_args(model_config, out, "one-async"))
     runs = started.processes()
     done["hang0"] = finish(runs["hang"][0])
     runs["hang"][1].kill()  # it sleeps until killed, as a hung process does
     done["hang1"] = finish(runs["hang"][1])
     done["two"] = [finish(proc) for proc in runs["two"]]
     done["nan"] = [finish(proc) for proc in runs["nan"]]
+    done["two-async"] = [finish(proc) for proc in runs["two-async"]]
     if started.elastic is not None:
         try:
             started.elastic.wait(timeout=240)

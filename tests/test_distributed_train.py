@@ -1,7 +1,8 @@
 """`roundpipe train` as several processes (torchrun's variables, gloo, ``--devices cpu:1`` each).
 
 What must hold: two processes, each on its half of every global batch, train exactly what one
-process trains on the whole batch (sync, fp32: weights and losses to rtol 1e-5); rank 0 alone
+process trains on the whole batch (sync, and async with the default remedies; fp32: weights and
+losses to rtol 1e-5); rank 0 alone
 writes the run directory and the other writes only its trace; a SIGTERM on rank 1 stops both after
 the same step, with the checkpoint of that step, and a NaN loss on rank 1 stops both at that
 step, keeping the last good checkpoint; one process resumes from the two processes'
@@ -64,6 +65,29 @@ def test_two_processes_train_what_one_trains_on_the_global_batch(runs: dict[str,
     assert (out / "two" / "trace.json").is_file() and (out / "two" / "trace.rank1.json").is_file()
     assert "writing to" in log0 and "summary" in log0
     assert "writing to" not in log1 and "summary" not in log1 and "{" not in log1, log1
+
+
+def test_two_asynchronous_processes_train_what_one_trains_on_the_global_batch(runs: dict[str, Any]) -> None:
+    """Staleness 1 with weight prediction and the lr ramp, through the command line: two processes
+    averaging each step's gradients on the optimizer lane equal one process on the whole batch."""
+    out = runs["out"]
+    assert runs["one-async"] == 0
+    assert [code for code, _, _ in runs["two-async"]] == [0, 0], runs["two-async"]
+    assert_same_weights(out / "two-async" / "checkpoint", out / "one-async" / "checkpoint")
+    two, one = metrics_logged(out / "two-async"), metrics_logged(out / "one-async")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for mine, theirs in zip(two, one, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    # The asynchronous steps' weights in flight are part of the checkpoint, on both sides alike.
+    from safetensors.torch import load_file
+
+    flight = [
+        load_file(str(out / run / "checkpoint" / "in_flight_weights.safetensors"))
+        for run in ("two-async", "one-async")
+    ]
+    assert flight[0].keys() == flight[1].keys() and flight[1]
+    for name in flight[1]:
+        torch.testing.assert_close(flight[0][name], flight[1][name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_signal_on_one_rank_stops_both_after_the_same_step(runs: dict[str, Any]) -> None:
