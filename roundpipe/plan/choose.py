@@ -15,9 +15,10 @@ Pure: no torch, no devices, no scheduler (the evaluator is passed in).
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import insort
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from roundpipe.plan import _candidates, _search, _stream
 from roundpipe.plan._stream import stream_ms, weight_waits
@@ -282,7 +283,7 @@ def _rank(
     n = num_devices
     m = sum(rounds)
 
-    def bound(p: _Candidate) -> float:
+    def shared(p: _Candidate) -> float:
         work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
         if async_optimizer:
             return work
@@ -293,13 +294,16 @@ def _rank(
         # on a device whose first round-0 slot comes later), so the order of the plans decides
         # what it prunes there; kept as it is: bounding exactly changes 2 of the profile grid's
         # sync choices (28 layers bwd 3.8x head 4x: 430.8 -> 430.6 ms; 32/2.0/4: 339.3 -> 346.0)
-        return max(work + fill / n, device_bound(s, n, rounds))
+        return work + fill / n
+
+    def bound(p: _Candidate, least: float) -> float:  # ``least``: shared(p)
+        return least if async_optimizer else max(least, device_bound(p.slot_ms, n, rounds))
 
     modelled: list[tuple[float, float, int, _Candidate]] = []
     shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
     reads = max(reads, keep)
     best: list[float] = []  # every modelled time so far, ascending
-    for lower, i, p in sorted((bound(p), i, p) for i, p in enumerate(plans)):
+    for lower, i, p in _by_bound(plans, shared, bound):
         kept = best[keep - 1] if len(best) >= keep else math.inf
         if lower > min(kept, cutoff) * (1 + 1e-9):
             break
@@ -324,6 +328,25 @@ def _rank(
         insort(best, ms)
     modelled.sort(key=lambda x: x[:3])
     return [(x[0], x[3].plan()) for x in modelled]
+
+
+def _by_bound(
+    plans: list[_Candidate],
+    least: Callable[[_Candidate], float],
+    bound: Callable[[_Candidate, float], float],
+) -> Iterator[tuple[float, int, _Candidate]]:
+    """``sorted((bound(p, least(p)), i, p) for i, p in enumerate(plans))``, lazily: ``bound`` (at
+    least ``least``) is taken only for the plans the caller reaches, as a plan waits in the heap
+    under ``least`` until it comes first (then under its bound, which is no less: it comes out in
+    its place). `_rank` stops early; a sync bound's `device_bound` costs more than the rest."""
+    heap = [(least(p), i, False, p) for i, p in enumerate(plans)]
+    heapq.heapify(heap)
+    while heap:
+        value, i, done, p = heapq.heappop(heap)
+        if done:
+            yield value, i, p
+        else:
+            heapq.heappush(heap, (bound(p, value), i, True, p))
 
 
 def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int, ...]) -> float:
