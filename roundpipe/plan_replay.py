@@ -34,7 +34,7 @@ import heapq
 
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
-from roundpipe.replay_graph import SEQ, ReplayGraph, build_graph
+from roundpipe.replay_graph import ReplayGraph, build_graph
 
 
 def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[float]:
@@ -42,7 +42,7 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[flo
     where a task did not start. With ``stop`` (a flag per task), the replay ends at the first
     instant a flagged task starts: later starts cannot come earlier."""
     count = len(graph.res)
-    res, rank, dur, dependents = graph.res, graph.rank, graph.dur, graph.dependents
+    res, rank, dur, dependents, seq = graph.res, graph.rank, graph.dur, graph.dependents, graph.seq
     unmet = list(graph.unmet)
     start = [-1.0] * count
     heaps: list[list[int]] = [[] for _ in range(graph.host + 1)]
@@ -82,7 +82,7 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[flo
         stopped = False
         for r in touched:
             if free[r] and heaps[r]:
-                task = heappop(heaps[r]) % SEQ
+                task = heappop(heaps[r]) % seq
                 free[r] = False
                 start[task] = now
                 stopped = stopped or bool(flags[task])

@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from roundpipe import replay_graph
 from roundpipe.backends.fake import FakeBackend, FakeCostModel
 from roundpipe.plan import LayerCosts, Plan, partition
 from roundpipe.plan_eval import engine_evaluator
@@ -92,7 +93,8 @@ def test_the_flat_graph_is_the_engine_graph(
             device, _, lane = resource.partition(".")
             expected = graph.host if task.device < 0 else 3 * int(device[1:]) + offset[lane]
             assert graph.res[i] == expected, (name, task.describe())
-            assert graph.rank[i] // (1 << 40) == 100 - PRIORITY[task.kind], task.describe()
+            assert graph.rank[i] // graph.seq == 100 - PRIORITY[task.kind], task.describe()
+            assert graph.rank[i] % graph.seq == i
             assert graph.dur[i] == backend.duration(task), task.describe()
             assert graph.unmet[i] == len(task.deps), task.describe()
             for dep in task.deps:
@@ -153,3 +155,13 @@ def test_the_lean_graph_gives_the_full_graphs_times() -> None:
         window = rng.choice([None, (1, 5), (1, 3), (0, 2)])
         args = (plan, costs, n, m, rs, window)
         assert replayed_ms(*args, lean=True) == replayed_ms(*args, lean=False), args
+
+
+def test_heap_keys_grow_with_a_graph_past_seq(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph of more tasks than ``SEQ`` widens its keys (here SEQ is made 4 to see it)."""
+    name, plan, costs, n, m, rs = CASES[0]
+    expected = replayed_ms(plan, costs, n, m, rs, (1, 5), lean=True)
+    monkeypatch.setattr(replay_graph, "SEQ", 4)
+    graph = build_graph(plan, costs, n, m, 6, True, rs)
+    assert graph.seq > len(graph.res) > 4
+    assert replayed_ms(plan, costs, n, m, rs, (1, 5), lean=True) == expected, name
