@@ -3,7 +3,8 @@
 - `even_plan` is `Plan.from_stages` for the candidates' chains, field for field;
 - the sync ranking bound `device_bound` never exceeds the stream model it prunes for, and adding
   up each device's slots by stride gives what adding them run by run gave, bit for bit;
-- `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included;
+- `_nearest_target` is the ``min(..., key=...)`` it replaced, ties included, and `_nearest`
+  (two ends where the gap changes sign) the window search it shortcuts;
 - the steady plan built with shared splits is ``partition(steady=True)``, and the steady search
   that cuts chains only where a work bound lets a plan come first is the search over all of them;
 - `balanced_split`'s least start for the rest's parts (greedy from the right) is the one it
@@ -15,9 +16,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
 from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
@@ -62,6 +64,34 @@ def test_device_bound_never_exceeds_the_sync_stream_model() -> None:
             rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 20))
         )
         assert device_bound(slots, n, rounds) <= stream_ms(slots, n, rounds)
+
+
+def nearest_by_window(pre: Sequence[int], i: int, goal: float, j_min: int, j_max: int) -> int:
+    """`_candidates._nearest` as it was: every end of a window around the goal compared."""
+    at = bisect_left(pre, pre[i] + goal, j_min, j_max + 1)
+    best, best_gap = j_max, math.inf
+    for k in range(min(at + 1, j_max), max(at - 2, j_min) - 1, -1):
+        while k < j_max and pre[k + 1] == pre[k]:
+            k += 1
+        gap = abs(pre[k] - pre[i] - goal)
+        if gap < best_gap or (gap == best_gap and k > best):
+            best, best_gap = k, gap
+    return best
+
+
+def test_nearest_is_the_window_search() -> None:
+    rng = random.Random(14)
+    for _ in range(20000):
+        scale = rng.choice([1, 3, 2**40])  # large ticks: the goal's rounding is coarse
+        items = [rng.choice([0, 0, 1, 2, 3]) * scale for _ in range(rng.randint(1, 30))]
+        pre = list(itertools.accumulate(items, initial=0))
+        i = rng.randrange(len(items))
+        j_min = rng.randint(i + 1, len(items))
+        j_max = rng.randint(j_min, len(items))
+        goal = rng.choice([rng.uniform(0, pre[-1] - pre[i] + 1), float(rng.choice(pre) - pre[i])])
+        goal = goal + rng.choice([0.0, 1e-3, -1e-3, 0.5])
+        args = (pre, i, goal, j_min, j_max)
+        assert _candidates._nearest(*args) == nearest_by_window(*args), args
 
 
 def test_nearest_target_is_the_first_nearest() -> None:

@@ -113,6 +113,17 @@ def _nearest(pre: Sequence[int], i: int, goal: float, j_min: int, j_max: int) ->
     """The end k in [j_min, j_max] whose part [i, k) is nearest ``goal`` (the largest k on ties):
     only the ends around where ``goal`` falls can be nearest (prefix sums never fall)."""
     at = bisect_left(pre, pre[i] + goal, j_min, j_max + 1)
+    if j_min < at <= j_max:
+        below, above = pre[at - 1] - pre[i] - goal, pre[at] - pre[i] - goal
+        if below < 0.0 <= above:
+            # The part's gap to the goal changes sign between at - 1 and at (it never falls with
+            # k, rounding included), so the ends further out are no nearer and tie only with an
+            # equal sum, which the window below moves to the same end: only these two are left.
+            if above > -below:
+                return at - 1
+            while at < j_max and pre[at + 1] == pre[at]:
+                at += 1  # equal sums: the largest such end
+            return at
     best, best_gap = j_max, math.inf
     for k in range(min(at + 1, j_max), max(at - 2, j_min) - 1, -1):
         while k < j_max and pre[k + 1] == pre[k]:
