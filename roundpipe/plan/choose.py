@@ -173,13 +173,14 @@ def _ranked_candidates(
         key = (tuple(stages[0]), stages[1], tuple(stages[2]))
         if key not in plans and key not in wider:
             wider[key] = _Candidate(None, key, times.of(*key), n, m)
-    # Sync bounds are true lower bounds of the model, so the first ``needed`` are exact with
-    # ``keep=needed``; the async window's time per iteration can fall under its bound (iterations
-    # overlap), so there the margin of 4 stays.
+    # Sync bounds are meant as true lower bounds of the model, so that the first ``needed`` are
+    # exact with ``keep=needed`` (they are not quite: see `_rank`'s shared bound); the async
+    # window's time per iteration can fall under its bound (iterations overlap), so there the
+    # margin of 4 stays.
     keep = 4 if async_optimizer else needed
     ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=keep, reads=max(keep, needed))
-    # Sync bounds are true lower bounds of the model: a wider plan whose bound is past the best
-    # modelled plan above could not be timed (see `choose_plan`), so it need not be modelled.
+    # With sync bounds (as above) a wider plan whose bound is past the best modelled plan above
+    # could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
     extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff)
     return ranked, extra[:1]
