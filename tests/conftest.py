@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,36 @@ def distributed_train_runs(
     started = runs.start_runs(model, tmp_path_factory.mktemp("train"), elastic)
     yield started
     runs.stop(started)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def distributed_workers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """The two processes of tests/test_distributed.py, started before the first test from a
+    thread of lower priority (as the train runs above), so their interpreters start and train on
+    the core the suite leaves idle; None when no selected test needs them."""
+    items = [item for item in request.session.items if item.path.name == "test_distributed.py"]
+    if not any("run" in getattr(item, "fixturenames", ()) for item in items):
+        yield None
+        return
+    from tests import distributed_train_runs as runs
+    from tests.test_distributed import start_workers
+
+    out = tmp_path_factory.mktemp("distributed")
+    started: list[Any] = []
+
+    def launch() -> None:
+        runs.lower_this_threads_priority()
+        started.extend(start_workers(out))
+
+    launcher = threading.Thread(target=launch, name="start the distributed workers", daemon=True)
+    launcher.start()
+    launcher.join()  # Popen returns at once; the thread only gives the processes its priority
+    yield out, started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.fixture

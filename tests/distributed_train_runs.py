@@ -98,7 +98,7 @@ class Started:
         return self.launched
 
 
-def _lower_this_threads_priority() -> None:
+def lower_this_threads_priority() -> None:
     """Below the suite's (Linux: niceness is per thread, and a process started from this thread
     inherits it): the runs take the core the suite leaves idle, never the suite's own."""
     if sys.platform == "linux":
@@ -112,7 +112,7 @@ def start_runs(model_config: Path, out: Path, elastic: bool) -> Started:
     and, if ``elastic``, the torchrun job."""
 
     def launch_all() -> None:
-        _lower_this_threads_priority()
+        lower_this_threads_priority()
         started.elastic = start_elastic(model_config, out) if elastic else None  # the longest: first
         two_argv = train_args(model_config, out, "two", 5, "--sync", "--json")
         started.launched["two"] = launch(two_argv, "SIGTERM@step:3@rank:1", out / "two")

@@ -99,8 +99,11 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    train(rank, world, out)
-    fail(rank, world, out)
+    try:
+        train(rank, world, out)
+        fail(rank, world, out)
+    finally:  # when it ended, for the test that times how soon a failure stops the other
+        (out / f"ended{rank}.txt").write_text(str(time.time()))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,38 +47,48 @@ def clipped_reference() -> dict[str, torch.Tensor]:
     return weights
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Start both processes, compute the single-process references meanwhile, wait for both."""
-    out = tmp_path_factory.mktemp("distributed")
+def start_workers(out: Path) -> list[subprocess.Popen[str]]:
+    """Both processes of tests/distributed_worker.py, writing to ``out`` (started before the
+    session's first test by tests/conftest.py, so they run on the core the suite leaves idle)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed_worker", str(out)],
-            cwd=ROOT,
-            env=dict(env, RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    procs = []
+    for rank in range(2):
+        # To a file: a pipe that nobody reads until the module's tests run could fill and stop it.
+        with open(out / f"log{rank}.txt", "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.distributed_worker", str(out)],
+                    cwd=ROOT,
+                    env=dict(env, RANK=str(rank)),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+    return procs
+
+
+@pytest.fixture(scope="module")
+def run(distributed_workers: tuple[Path, list[subprocess.Popen[str]]] | None) -> dict[str, Any]:
+    """Compute the single-process references while the processes run, then wait for both."""
+    assert distributed_workers is not None, "tests/conftest.py starts them for the selected tests"
+    out, procs = distributed_workers
     references = {
         "sync": sync_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
         "async": async_reference(mlp(seed=0), adamw(), global_data(), nn.functional.mse_loss)[1][-1],
         "clip": clipped_reference(),
     }
-    logs, codes = [], []
+    codes = []
     for proc in procs:
         try:
-            logs.append(proc.communicate(timeout=120)[0])
+            codes.append(proc.wait(timeout=120))
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
             pytest.fail("a distributed worker hung for 120 s")
-        codes.append(proc.returncode)
-    return {"out": out, "logs": logs, "codes": codes, "ended": time.time(), "references": references}
+    logs = [(out / f"log{rank}.txt").read_text() for rank in range(2)]
+    return {"out": out, "logs": logs, "codes": codes, "references": references}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -120,7 +129,8 @@ def test_a_failed_process_stops_the_other(run: dict[str, Any]) -> None:
     assert run["codes"][0] != 0, log0
     assert "DistributedError: rank 0" in log0 and "Another process probably stopped" in log0, log0
     started = float((run["out"] / "failing0.txt").read_text())
-    assert run["ended"] - started < TIMEOUT_S + 20, "rank 0 took too long to stop"
+    ended = float((run["out"] / "ended0.txt").read_text())
+    assert ended - started < TIMEOUT_S + 20, "rank 0 took too long to stop"
 
 
 @pytest.mark.parametrize("async_optimizer", [False, True])
