@@ -10,7 +10,9 @@ This module must never import torch at import time or touch devices.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,13 +40,15 @@ class DeviceSpec:
 
 def parse_devices(value: str) -> DeviceSpec:
     """``"cpu:2"`` -> cpu workers 0,1; ``"cuda:0,2"`` -> cuda 0 and 2; ``"auto"`` -> every CUDA
-    device when there is one, else two CPU workers."""
+    device when there is one, else two CPU workers. ``"cuda"`` and ``"auto"`` started by torchrun
+    with several processes on this machine take this process's share of the visible GPUs
+    (`local_share`); devices named by index are used as named."""
     text = value.strip().lower()
     if text == "auto":
         import torch
 
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return DeviceSpec("cuda", tuple(range(torch.cuda.device_count())))
+            return DeviceSpec("cuda", local_share(torch.cuda.device_count(), value))
         return DeviceSpec("cpu", (0, 1))
     match = re.fullmatch(r"(cpu|fake):(\d+)", text)
     if match:
@@ -60,7 +64,7 @@ def parse_devices(value: str) -> DeviceSpec:
             raise ConfigError(
                 'devices="cuda" but no CUDA device is visible; use devices="cpu:2" to run on CPU'
             )
-        return DeviceSpec("cuda", tuple(range(count)))
+        return DeviceSpec("cuda", local_share(count, value))
     match = re.fullmatch(r"cuda:(\d+(?:\s*,\s*\d+)*)", text)
     if match:
         indices = tuple(int(i) for i in match.group(1).split(","))
@@ -68,6 +72,27 @@ def parse_devices(value: str) -> DeviceSpec:
             raise ConfigError(f"devices={value!r} names a device twice")
         return DeviceSpec("cuda", indices)
     raise ConfigError(f"devices={value!r} is not understood; use {_DEVICES_HELP}")
+
+
+def local_share(count: int, value: str, environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """This process's GPUs among ``count`` visible ones: all of them, or, under torchrun with
+    ``LOCAL_WORLD_SIZE`` > 1 processes on this machine, the ``LOCAL_RANK``-th of that many equal,
+    contiguous groups. Why: every process of ``torchrun --nproc-per-node 2`` sees every GPU of the
+    machine, and two processes driving the same GPUs would share their memory and compute while
+    each plans as if it had them alone."""
+    env = os.environ if environ is None else environ
+    processes = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if processes <= 1:
+        return tuple(range(count))
+    rank = int(env.get("LOCAL_RANK", "0") or 0)
+    if count < processes or count % processes:
+        raise ConfigError(
+            f"devices={value!r}: {processes} processes on this machine (torchrun's LOCAL_WORLD_SIZE) "
+            f"cannot share {count} visible GPU(s) equally; start a number of processes that divides "
+            f'{count}, or name each process\'s GPUs (devices="cuda:0" on one, "cuda:1" on the other)'
+        )
+    share = count // processes
+    return tuple(range(rank * share, (rank + 1) * share))
 
 
 class RunConfig(BaseModel):
