@@ -12,6 +12,14 @@ also appended to ``--out``; a short table at the end.
 
 A configuration that fails (out of memory, a plan that cannot fit) prints its line with the
 error and the run goes on: this script must never lose the figures of the other workloads.
+
+Under torchrun it measures data parallel across processes (docs/distributed.md): every process
+trains the workload's batch as its share of a global batch P times larger, on its share of the
+machine's GPUs (``--devices cuda``), averaging gradients with the others; rank 0 alone prints,
+with ``tokens_per_s`` over all processes. The plain loop is then not run (it is one process: run
+the same command without torchrun for it and for the one-process figure).
+
+    torchrun --standalone --nproc-per-node 2 bench/gpu_throughput.py --workload A --async --no-plain
 """
 
 from __future__ import annotations
@@ -219,9 +227,14 @@ def run_roundpipe(
         plan = pipe.plan
     peaks = device_memory(indices)
     step_s = sorted(times[args.warmup :])[len(times[args.warmup :]) // 2]
+    # Every process trains the workload's tokens per step, and they step together (each step
+    # waits for the gradients of all): the global rate is the processes' count times one's.
+    world = processes()[1]
     return {
-        "tokens_per_s": round(workload.tokens / step_s, 1),
-        "tokens_per_s_wall": round(workload.tokens * args.steps / wall, 1),  # + one final synchronize
+        "tokens_per_s": round(world * workload.tokens / step_s, 1),
+        "tokens_per_s_wall": round(world * workload.tokens * args.steps / wall, 1),  # + one final synchronize
+        "processes": world,
+        "tokens_per_process_step": workload.tokens,
         "step_s_median": round(step_s, 4),
         "peak_gib": peaks,
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
@@ -248,6 +261,15 @@ def run_roundpipe(
 # --------------------------------------------------------------------- plain side (own process)
 
 
+def processes() -> tuple[int, int]:
+    """(this process's rank, how many processes average gradients): (0, 1) outside torchrun."""
+    from roundpipe.optim.distributed import torchrun_environment
+
+    if not torchrun_environment():
+        return 0, 1
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
 def plain_in_subprocess(workload: Workload, args: argparse.Namespace) -> dict[str, Any] | str:
     # The plain loop is the whole model on the card as it is: a budget that is part of the workload
     # (C, long: "under 24 GiB") caps it too, a --budget given for roundpipe's plan does not.
@@ -256,6 +278,8 @@ def plain_in_subprocess(workload: Workload, args: argparse.Namespace) -> dict[st
     reason = plain_cannot_hold(workload)
     if reason is not None:
         return reason
+    if processes()[1] > 1:
+        return "not run under torchrun: the plain loop is one process (run it without torchrun)"
     job = {"workload": asdict(workload), "devices": args.devices, "warmup": args.warmup, "steps": args.steps}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--plain-child", json.dumps(job)]
     started = time.perf_counter()
@@ -377,7 +401,8 @@ def _line(
         "shape": asdict(workload.shape),
         "params_m": round(workload.shape.param_count() / 1e6, 1),
         **{k: v for k, v in asdict(workload).items() if k not in ("name", "shape")},
-        "tokens_per_step": workload.tokens,
+        "processes": processes()[1],
+        "tokens_per_step": processes()[1] * workload.tokens,  # the global batch
         **budget_route(workload),
         "steps": args.steps,
         "warmup": args.warmup,
@@ -443,16 +468,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.plain_child is not None:
         plain_child(args.plain_child)
         return
+    rank, _ = processes()
+    indices = cuda_indices(args.devices)
+    if indices:  # models are built on the current device: this process's first GPU
+        torch.cuda.set_device(indices[0])
     lines: list[dict[str, Any]] = []
     for workload in args.workloads:
         for line in run_workload(workload, args):
+            lines.append(line)
+            if rank != 0:  # one writer; every rank's figures are the same global step
+                continue
             text = json.dumps(line, default=str)
             print(text, flush=True)
             if args.out is not None:
                 with args.out.open("a") as f:
                     f.write(text + "\n")
-            lines.append(line)
-    print(table(lines), flush=True)
+    if rank == 0:
+        print(table(lines), flush=True)
 
 
 if __name__ == "__main__":

@@ -270,3 +270,21 @@ def test_budget_reaches_memory_budget_where_run_config_has_it(
     config = bench.make_config(workload, "async", args)
     assert config.memory_budget == ("24GiB" if field_type is str else 24 << 30)
     assert config.mem_limit_bytes is None and config.recompute_grain == "stage"
+
+
+def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data parallel (`torchrun ... bench/gpu_throughput.py`): the rank and the process count come
+    from torchrun's variables, and the plain loop, one process, is not run beside the processes
+    (checked by hand end to end: `torchrun --standalone --nproc-per-node 2 bench/gpu_throughput.py
+    --workload tiny --devices cpu:1 --steps 2 --warmup 1 --async` prints rank 0's line alone,
+    "processes": 2 and the global batch)."""
+    assert bench.processes() == (0, 1)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert bench.processes() == (1, 2)
+    args = bench.parse_args(["--devices", "cpu:1", "--workload", "tiny"])
+    plain = bench.plain_in_subprocess(args.workloads[0], args)
+    assert isinstance(plain, str) and "not run under torchrun" in plain
+    line = bench._line(args.workloads[0], "async", args, {"tokens_per_s": 1.0}, plain)
+    assert line["processes"] == 2 and line["tokens_per_step"] == 2 * args.workloads[0].tokens
