@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +211,34 @@ def test_cuda_closed_pipe_leaves_nothing_allocated() -> None:
         run(mlp(), data, devices="cuda:0", async_optimizer=True)
         gc.collect()
         assert torch.cuda.memory_allocated(0) == before
+
+
+def test_cuda_main_job_trains_through_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`roundpipe train --devices cuda:0` on the built-in job (qwen3-tiny, the shipped corpus):
+    the user's path onto a GPU, compiled layers and the C++ launch wrapper included, learns and
+    reports the GPU's figures; the C++ wrapper setting is given back when the run ends."""
+    import torch._inductor.config as inductor_config
+
+    from roundpipe.cli import main
+
+    before = inductor_config.cpp_wrapper
+    argv = [
+        "train",
+        "--devices",
+        "cuda:0",
+        "--steps",
+        "30",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "gpu",
+        "--json",
+    ]
+    assert main(argv) == 0, capsys.readouterr().err
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["final_loss"] < summary["initial_loss"] and summary["steps"] == 30
+    assert summary["tokens_per_s"] > 0 and summary["host_bound"] is not None
+    assert (tmp_path / "gpu" / "checkpoint").is_dir()
+    assert inductor_config.cpp_wrapper == before
