@@ -11,7 +11,9 @@
   found counting the parts of every rest;
 - the stream model given up past a bound (a makespan's or a window's) was past it, and stopped at
   its window's end gives the window of the whole run; its task graph built run by run (weight
-  waits on a copy of the graph without them) is the graph built task by task.
+  waits on a copy of the graph without them) is the graph built task by task;
+- the sync split model (`split_ms`) given up past a bound was past it, `device_bound` with its
+  heads and tails never exceeds it, and modelling the proxies first ranks the same plans first.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import random
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
+import pytest
+
 from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
 from roundpipe.plan._candidates import _nearest_target
 from roundpipe.plan._steady import steady_bound, steady_period
-from roundpipe.plan._stream import stream_ms
-from roundpipe.plan.choose import _steady_plan, device_bound, even_plan
+from roundpipe.plan._stream import split_ms, stream_ms
+from roundpipe.plan.choose import _Candidate, _rank, _StageTimes, _steady_plan, device_bound, even_plan
 from roundpipe.plan.rounds import round_sizes
 
 
@@ -395,3 +399,63 @@ def test_stream_graph_by_runs_is_the_graph_task_by_task() -> None:
             ]
             assert shape.ready == [[t for t in range(k) if not unmet[t] and device[t] == d] for d in range(n)]
         assert bare.unmet == structure_task_by_task(s_count, n, rounds, iterations, None)[2]  # not changed
+
+
+def random_even_plans(rng: random.Random, count: int) -> list[tuple[LayerCosts, Plan, int, tuple[int, ...]]]:
+    """Even plans (chains cut by `EvenChains`) over random costs, with (N, rounds) to model them."""
+    out: list[tuple[LayerCosts, Plan, int, tuple[int, ...]]] = []
+    while len(out) < count:
+        layers = rng.randint(2, 16)
+        fwd = tuple(rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) for _ in range(layers))
+        costs = LayerCosts(fwd, tuple(f * rng.choice([1.0, 1.3, 2.0, 3.8]) for f in fwd), (0,) * layers)
+        n = rng.choice([1, 2, 3, 4, 8])
+        m = rng.choice([n, n + 1, 2 * n, 3 * n + 1])
+        p = rng.randrange(layers)
+        for _, stages in chains_of(costs).plans(rng.randint(1, 2 * p + 1), p):
+            out.append((costs, even_plan(*stages, costs, n, m), n, round_sizes(m, n)))
+    return out
+
+
+def test_split_bounds_never_exceed_the_split_model() -> None:
+    """`device_bound` with `Split.heads`/`Split.tails` is a lower bound of `split_ms`, and the
+    shared bound's fill (`_StageTimes.split_fill`) is the sum of those heads and tails."""
+    for costs, plan, n, rounds in random_even_plans(random.Random(21), 400):
+        times = _StageTimes(costs)
+        split = times.split(plan.fwd_stages, plan.fused, plan.bwd_stages)
+        heads, tails = split.heads(plan.slot_ms), split.tails(plan.slot_ms)
+        model = split_ms(plan.slot_ms, split, n, rounds)
+        assert device_bound(plan.slot_ms, n, rounds, heads, tails) <= model
+        s = plan.num_slots
+        fill = sum(heads[d] + tails[s - 1 - d] for d in range(min(n, s)))
+        assert times.split_fill(plan.fwd_stages, plan.bwd_stages, plan.slot_ms, n) == pytest.approx(fill)
+
+
+def test_split_model_gives_up_only_past_its_bound() -> None:
+    gave_up = 0
+    rng = random.Random(22)
+    for costs, plan, n, rounds in random_even_plans(rng, 400):
+        split = _StageTimes(costs).split(plan.fwd_stages, plan.fused, plan.bwd_stages)
+        full = split_ms(plan.slot_ms, split, n, rounds)
+        bound = full * rng.choice([0.9, 0.99, 1.0, 1.01])
+        cut = split_ms(plan.slot_ms, split, n, rounds, give_up=bound)
+        assert cut == full or (cut == math.inf and full > bound)
+        gave_up += cut == math.inf
+    assert gave_up > 50
+
+
+def test_modelling_the_proxies_first_ranks_the_same() -> None:
+    """`_rank`'s ``first``: plans modelled ahead of the bound order change what is pruned, never
+    the first ``reads`` plans (each pruned plan was past a modelled ``keep``-th best)."""
+    for layers, ratio, head, n, m in [(24, 2.0, 3.0, 4, 8), (28, 1.3, 1.0, 8, 16), (12, 3.8, 4.0, 2, 4)]:
+        costs = grid_costs(layers, ratio, head)
+        times = _StageTimes(costs)
+        chains = chains_of(costs)
+        proxy = partition(costs, n, m)
+        plans = [_Candidate(proxy)]
+        for _, stages in _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, 3, 3):
+            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
+            plans.append(_Candidate(None, key, times.of(*key), n, m))
+        rounds = round_sizes(m, n)
+        for keep in (1, 2, 4):
+            ranked = [_rank(plans, n, rounds, False, keep, reads=keep, times=times, first=f) for f in (0, 1)]
+            assert ranked[0][:keep] == ranked[1][:keep]

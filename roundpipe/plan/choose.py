@@ -7,8 +7,8 @@ ones, and the steady model can be wrong on shapes it was not checked on. So when
 an ``evaluate`` function (ms per iteration of a plan, e.g. `roundpipe.plan_eval.engine_evaluator`:
 the real engine on the fake backend), `choose_plan` generates candidates around the proxies' plans
 (slot counts and fused stages nearby, chains cut evenly), ranks them with a fast model of the
-stream (`_stream.stream_ms`), evaluates the best few exactly and runs the fastest; equal times go
-to the more even plan. Without ``evaluate`` it keeps the proxies' choice.
+stream (`_stream.split_ms` for sync runs, `_stream.stream_ms` for async), evaluates the best few
+exactly and runs the fastest; equal times go to the more even plan. Without ``evaluate`` it keeps the proxies' choice.
 
 Pure: no torch, no devices, no scheduler (the evaluator is passed in).
 """
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import insort
-from collections.abc import Callable, Iterator
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterator, Sequence
 
 from roundpipe.plan import _candidates, _search, _stream
-from roundpipe.plan._stream import stream_ms, weight_waits
+from roundpipe.plan._stream import Split, split_ms, stream_ms, weight_waits
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
 from roundpipe.plan.partition import Plan, partition
@@ -178,11 +178,20 @@ def _ranked_candidates(
     # window's time per iteration can fall under its bound (iterations overlap), so there the
     # margin of 4 stays.
     keep = 4 if async_optimizer else needed
-    ranked = _rank(list(plans.values()), n, rounds, async_optimizer, keep=keep, reads=max(keep, needed))
+    ranked = _rank(
+        list(plans.values()),
+        *(n, rounds, async_optimizer),
+        keep=keep,
+        reads=max(keep, needed),
+        times=times,
+        # Sync: the proxies first (a good plan, whose time then prunes the rest sooner: 3 of 40 ms
+        # at 94 layers); the order changes what is pruned, not the first ``reads`` (see `_rank`).
+        first=0 if async_optimizer else len(proxies),
+    )
     # With sync bounds (as above) a wider plan whose bound is past the best modelled plan above
     # could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
-    extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff)
+    extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, times=times)
     return ranked, extra[:1]
 
 
@@ -217,6 +226,39 @@ class _StageTimes:
 
     def of(self, fwd: tuple[range, ...], fused: range, bwd: tuple[range, ...]) -> tuple[float, ...]:
         return tuple([self.stage(r, False) for r in fwd] + [self.stage(r, True) for r in (fused, *bwd)])
+
+    def split_fill(
+        self, fwd: tuple[range, ...], bwd: tuple[range, ...], slot_ms: tuple[float, ...], num_devices: int
+    ) -> float:
+        """``sum(heads[d] + tails[S - 1 - d] for d < min(N, S))`` of `split` (`Split.heads`,
+        `Split.tails`) without the rest of them: every candidate's shared sync bound needs it."""
+        s_count, first_backward = len(slot_ms), len(fwd) + 1
+        count = min(num_devices, s_count)
+        pre = [0.0]  # as `Split.heads` adds them
+        for ms in slot_ms[: first_backward if count > first_backward else count]:
+            pre.append(pre[-1] + ms)
+        fill = 0.0
+        for d in range(count):
+            if d < first_backward:
+                fill += pre[d]
+            elif (r := bwd[d - first_backward]).start > 0:  # rare: fewer forward slots than devices
+                fill += pre[bisect_left([f.stop for f in fwd], r.start) + 1]
+        tail = 0.0
+        for i in range(s_count - 1, s_count - count, -1):  # tails[i - 1], from the last slot down
+            tail += slot_ms[i] - (self.stage(bwd[i - first_backward], False) if i >= first_backward else 0.0)
+            fill += tail
+        return fill
+
+    def split(self, fwd: tuple[range, ...], fused: range, bwd: tuple[range, ...]) -> Split:
+        """What `split_ms` needs of the plan besides its slot times."""
+        stops = [r.stop for r in fwd]
+        return Split(
+            len(fwd) + 1,
+            [0.0] * (len(fwd) + 1) + [self.stage(r, False) for r in bwd],
+            # the forward stage that saved the activation entering r: the first to end at or past it
+            [-1] * (len(fwd) + 1) + [bisect_left(stops, r.start) if r.start > 0 else -1 for r in bwd],
+            [len(r) for r in (*fwd, fused, *bwd)],
+        )
 
 
 class _Candidate:
@@ -273,6 +315,8 @@ def _rank(
     keep: int,
     cutoff: float = math.inf,
     reads: int = 0,
+    times: _StageTimes | None = None,
+    first: int = 0,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
@@ -280,16 +324,34 @@ def _rank(
     ``keep``): a plan the model shows on its way to be past the ``reads``-th best so far (or the
     cutoff) is left out as well. It could be none of them, and as it is past the ``keep``-th best
     too, its time would change no later pruning: the first ``reads`` are those of modelling every
-    plan to the end."""
+    plan to the end. The first ``first`` plans are modelled before the others, whatever their
+    bound: a plan is still pruned only past a modelled ``keep``-th best, so the first ``reads``
+    are the same.
+
+    Sync plans with ``times`` are modelled by `split_ms` (a backward stage's recompute ahead of
+    its gradient, as the engine runs it: the whole-microbatch `stream_ms` is up to 16% slow on
+    plans whose backward runs wait for gradients, and often left the engine's best out of the few
+    timed), and bounded for it."""
     n = num_devices
     m = sum(rounds)
+    splits: dict[int, Split] = {}  # by id of the candidate: sync plans with ``times``
+
+    def split_of(p: _Candidate) -> Split | None:
+        if async_optimizer or times is None:
+            return None
+        if id(p) not in splits:
+            splits[id(p)] = times.split(p.fwd_stages, p.fused, p.bwd_stages)
+        return splits[id(p)]
 
     def shared(p: _Candidate) -> float:
         work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
         if async_optimizer:
             return work
         s = p.slot_ms
-        fill = sum(math.fsum(s[:d]) + math.fsum(s[len(s) - d :]) for d in range(min(n, len(s))))
+        if times is None:
+            fill = sum(math.fsum(s[:d]) + math.fsum(s[len(s) - d :]) for d in range(min(n, len(s))))
+        else:  # `split_ms`: `Split.heads` of the first N slots, `Split.tails` of the last N
+            fill = times.split_fill(p.fwd_stages, p.bwd_stages, s, n)
         # device d starts after d slots and stops d slots before the end. Not a true lower bound
         # with S < 2N slots and several rounds (a later round's first slots can start at time 0
         # on a device whose first round-0 slot comes later), so the order of the plans decides
@@ -298,13 +360,19 @@ def _rank(
         return work + fill / n
 
     def bound(p: _Candidate, least: float) -> float:  # ``least``: shared(p)
-        return least if async_optimizer else max(least, device_bound(p.slot_ms, n, rounds))
+        if async_optimizer:
+            return least
+        split = split_of(p)
+        if split is None:
+            return max(least, device_bound(p.slot_ms, n, rounds))
+        return max(least, device_bound(p.slot_ms, n, rounds, split.heads(p.slot_ms), split.tails(p.slot_ms)))
 
     modelled: list[tuple[float, float, int, _Candidate]] = []
     shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
+    graphs: dict[object, _stream.SplitGraph] = {}  # so do split models (`split_ms`)
     reads = max(reads, keep)
     best: list[float] = []  # every modelled time so far, ascending
-    for lower, i, p in _by_bound(plans, shared, bound):
+    for lower, i, p in _by_bound(plans, shared, bound, first=first):
         kept = best[keep - 1] if len(best) >= keep else math.inf
         if lower > min(kept, cutoff) * (1 + 1e-9):
             break
@@ -321,6 +389,8 @@ def _rank(
                 give_up=give_up,
                 shapes=shapes,
             )
+        elif (split := split_of(p)) is not None:
+            ms = split_ms(p.slot_ms, split, n, rounds, give_up=give_up, graphs=graphs)
         else:
             ms = stream_ms(p.slot_ms, n, rounds, give_up=give_up, shapes=shapes)
         if ms == math.inf:
@@ -335,12 +405,17 @@ def _by_bound(
     plans: list[_Candidate],
     least: Callable[[_Candidate], float],
     bound: Callable[[_Candidate, float], float],
+    first: int = 0,
 ) -> Iterator[tuple[float, int, _Candidate]]:
     """``sorted((bound(p, least(p)), i, p) for i, p in enumerate(plans))``, lazily: ``bound`` (at
     least ``least``) is taken only for the plans the caller reaches, as a plan waits in the heap
     under ``least`` until it comes first (then under its bound, which is no less: it comes out in
-    its place). `_rank` stops early; a sync bound's `device_bound` costs more than the rest."""
-    heap = [(least(p), i, False, p) for i, p in enumerate(plans)]
+    its place). `_rank` stops early; a sync bound's `device_bound` costs more than the rest.
+    The first ``first`` plans come out first, in their order (each with its bound)."""
+    for i, p in enumerate(plans[:first]):
+        value = least(p)
+        yield bound(p, value), i, p
+    heap = [(least(p), i, False, p) for i, p in enumerate(plans) if i >= first]
     heapq.heapify(heap)
     while heap:
         value, i, done, p = heapq.heappop(heap)
@@ -350,12 +425,20 @@ def _by_bound(
             heapq.heappush(heap, (bound(p, value), i, True, p))
 
 
-def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int, ...]) -> float:
+def device_bound(
+    slot_ms: tuple[float, ...],
+    num_devices: int,
+    rounds: tuple[int, ...],
+    heads: Sequence[float] | None = None,
+    tails: Sequence[float] | None = None,
+) -> float:
     """A lower bound of the sync `stream_ms` (one iteration), per device: its runs' work, plus
     the least time before any of them can start (a microbatch reaches slot i after slots 0..i-1)
     and after any of them ends (it still goes through the slots after i). Run k of the stream
     goes to device k mod N. Few slots (S < N) leave most of the work on a few devices, which the
-    shared bound above does not see: with it, `_rank` models those plans first and late prunes."""
+    shared bound above does not see: with it, `_rank` models those plans first and late prunes.
+    With ``heads`` and ``tails`` (`Split.heads`, `Split.tails`: per slot, the least time before
+    its first task and after its last) the same bound of `split_ms`."""
     pre = [0.0]
     for ms in slot_ms:
         pre.append(pre[-1] + ms)
@@ -373,8 +456,13 @@ def device_bound(slot_ms: tuple[float, ...], num_devices: int, rounds: tuple[int
             for ms in slot_ms[first::n]:  # in run order, as the runs are added up one by one
                 w += size * ms
             work[d] = w
-            head[d] = min(head[d], pre[first])  # prefix sums never fall: the first slot is least
-            tail[d] = min(tail[d], total - pre[first + (s_count - 1 - first) // n * n + 1])
+            last = first + (s_count - 1 - first) // n * n
+            if heads is None or tails is None:
+                head[d] = min(head[d], pre[first])  # prefix sums never fall: the first slot is least
+                tail[d] = min(tail[d], total - pre[last + 1])
+            else:  # a backward slot's head can be less than an earlier slot's; tails never rise
+                head[d] = min(head[d], *heads[first::n])
+                tail[d] = min(tail[d], tails[last])
         k += s_count
     busy = [d for d in range(num_devices) if head[d] < math.inf]
     # Float sums: shaded by a millionth so that rounding never lifts the bound over the model.
