@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from roundpipe.plan import LayerCosts, Plan, _candidates, _search, analytic_bubble, choose_plan, partition
-from roundpipe.plan._stream import split_ms
+from roundpipe.plan._split_stream import split_ms
 from roundpipe.plan.choose import _StageTimes, spread
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import engine_evaluator, iteration_starts
@@ -90,7 +90,7 @@ def test_chosen_plan_is_near_the_exhaustive_best(
 
 
 def test_sync_split_model_is_near_the_engine() -> None:
-    """The sync ranking model (`_stream.split_ms`: a backward stage's recompute ahead of its
+    """The sync ranking model (`_split_stream.split_ms`: a backward stage's recompute ahead of its
     gradient, one upload per layer) gives the engine's iteration time on nearly every even plan of
     a profile-grid shape, within 2% on all (the whole-microbatch `stream_ms` is off by up to 16%)."""
     rounds_of = {(n, m): round_sizes(m, n) for n, m in [(2, 4), (4, 8), (8, 16)]}

@@ -7,7 +7,7 @@ ones, and the steady model can be wrong on shapes it was not checked on. So when
 an ``evaluate`` function (ms per iteration of a plan, e.g. `roundpipe.plan_eval.engine_evaluator`:
 the real engine on the fake backend), `choose_plan` generates candidates around the proxies' plans
 (slot counts and fused stages nearby, chains cut evenly), ranks them with a fast model of the
-stream (`_stream.split_ms` for sync runs, `_stream.stream_ms` for async), evaluates the best few
+stream (`_split_stream.split_ms` for sync runs, `_stream.stream_ms` for async), evaluates the best few
 exactly and runs the fastest; equal times go to the more even plan. Without ``evaluate`` it keeps the proxies' choice.
 
 Pure: no torch, no devices, no scheduler (the evaluator is passed in).
@@ -20,8 +20,9 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Sequence
 
-from roundpipe.plan import _candidates, _search, _stream
-from roundpipe.plan._stream import Split, split_ms, stream_ms, weight_waits
+from roundpipe.plan import _candidates, _search, _split_stream, _stream
+from roundpipe.plan._split_stream import Split, split_ms
+from roundpipe.plan._stream import stream_ms, weight_waits
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
 from roundpipe.plan.partition import Plan, partition
@@ -369,7 +370,7 @@ def _rank(
 
     modelled: list[tuple[float, float, int, _Candidate]] = []
     shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
-    graphs: dict[object, _stream.SplitGraph] = {}  # so do split models (`split_ms`)
+    graphs: dict[object, _split_stream.SplitGraph] = {}  # so do split models (`split_ms`)
     reads = max(reads, keep)
     best: list[float] = []  # every modelled time so far, ascending
     for lower, i, p in _by_bound(plans, shared, bound, first=first):

@@ -1,0 +1,279 @@
+"""`split_ms`: the round-robin stream model of `_stream` with a backward microbatch in two tasks.
+
+Sync plans are ranked by `split_ms`, the same list schedule with a backward microbatch in two
+tasks, its recompute ahead of its gradient as the engine runs it (and the saved activation and
+one parameter upload per layer that the recompute waits for): on the profile grid's even plans
+`stream_ms` is up to 16% slower than the engine (and 36% faster on a few), `split_ms` gives the
+engine's time on most of them and stays within 2%. Ranking by it put 6 more of the grid's 288
+sync shapes on the bubble target and shortened 82 chosen iterations (none got longer). It costs
+about 1.7 times `stream_ms` per plan; async ranking keeps `stream_ms` (not tried there).
+
+A backward run's recompute waits for its saved activation and one parameter upload per layer,
+never for the gradient; its backward waits for the gradient and its own recompute. It shares the
+heap-of-events shape of `_stream._list_schedule` and its bounds' reasoning; it must never build
+plans or import torch or the scheduler.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from roundpipe.plan._stream import _ACTIVATION_HOPS
+
+
+class Split:
+    """What `split_ms` needs of a plan besides its slot times. ``first_backward``: the first
+    backward slot (the one after the fused slot); per slot, ``recompute_ms`` (a backward stage's
+    forward, 0 elsewhere), ``saved`` (the forward slot whose saved activation a backward slot
+    recomputes from; -1 elsewhere and for the stage that starts at layer 0, which reads the
+    batch) and ``layers`` (its layer count: a run's parameters go up one layer at a time)."""
+
+    __slots__ = ("first_backward", "layers", "recompute_ms", "saved")
+
+    def __init__(
+        self, first_backward: int, recompute_ms: Sequence[float], saved: Sequence[int], layers: Sequence[int]
+    ) -> None:
+        self.first_backward = first_backward
+        self.recompute_ms, self.saved, self.layers = recompute_ms, saved, layers
+
+    def heads(self, slot_ms: Sequence[float]) -> list[float]:
+        """Per slot, the least time before its first task can start: after the slots before it
+        (forward and fused slots), or after the forward slot it recomputes from (backward slots:
+        the recompute need not wait for the gradient)."""
+        pre = [0.0]
+        for ms in slot_ms[: self.first_backward]:
+            pre.append(pre[-1] + ms)
+        return pre[: self.first_backward] + [
+            pre[f + 1] if f >= 0 else 0.0 for f in self.saved[self.first_backward :]
+        ]
+
+    def tails(self, slot_ms: Sequence[float]) -> list[float]:
+        """Per slot, the least time after any of its tasks ends until the makespan: its
+        microbatch still goes through the later slots, less their recomputes (which may have run
+        ahead). Never rises along the slots."""
+        after = [0.0] * len(slot_ms)
+        for i in range(len(slot_ms) - 2, -1, -1):
+            after[i] = after[i + 1] + (slot_ms[i + 1] - self.recompute_ms[i + 1])
+        return after
+
+
+def split_ms(
+    slot_ms: Sequence[float],
+    split: Split,
+    num_devices: int,
+    rounds: Sequence[int],
+    *,
+    give_up: float = math.inf,
+    graphs: dict[object, SplitGraph] | None = None,
+) -> float:
+    """The sync makespan (one iteration) with each backward microbatch in two tasks, as the engine
+    runs it: the recompute, after the run's previous microbatch, the saved activation (the forward
+    slot's compute, then its download and upload) and the run's parameters (one upload per layer
+    after the device's run before last); then the rest, after the recompute and the gradient from
+    the slot before. The engine keeps a device busy with recomputes while gradients are on their
+    way; the whole-microbatch model (`stream_ms`) cannot, and is up to 16% slow on plans whose
+    first backward runs wait for gradients (measured on the profile grid's even plans; this model
+    gives the engine's time on most of them and is within 2% on all, never under it).
+
+    ``give_up`` as in `stream_ms`; ``graphs``: the `SplitGraph`s of earlier calls, by slot count."""
+    s_count, first_backward, n = len(slot_ms), split.first_backward, num_devices
+    # the graph gives every backward slot but the last (the one starting at layer 0) a saved input
+    assert split.saved[-1] < 0 and min(split.saved[first_backward:-1], default=0) >= 0
+    key = (s_count, n, tuple(rounds))
+    graph = graphs.get(key) if graphs is not None else None
+    if graph is None:
+        graph = SplitGraph(s_count, n, tuple(rounds))
+        if graphs is not None:
+            graphs[key] = graph
+    count, pos, sizes, layers = graph.count, graph.pos, graph.sizes, split.layers
+    runs = len(sizes)
+    after: list[list[int]] = []
+    unmet: list[int] = []
+    duration: list[float] = []
+    saving = [-1] * count
+    ready: list[list[int]] = [[] for _ in range(n)]
+    bound = graph.bound
+    for run, size in enumerate(sizes):
+        i = run % s_count
+        backward = i >= first_backward
+        run_after, run_unmet = graph.run(run, backward, n == 1 and first_backward <= i + 1 < s_count)
+        first = len(unmet)  # 2 * pos[run]
+        after += run_after
+        unmet += run_unmet
+        if backward:  # its recompute and the rest, microbatch by microbatch
+            duration += [split.recompute_ms[i], slot_ms[i] - split.recompute_ms[i]] * size
+        else:
+            duration += [0.0, slot_ms[i]] * size
+            if i < first_backward - 1:  # a forward run: the plan says which recomputes read it
+                saving[first + 1 : first + 2 * size : 2] = range(run * bound, run * bound + size)
+            first += 1
+        if not unmet[first]:
+            ready[run % n].append(first)
+    # the uploads of run q + 2N (one hop per layer) and the recomputes reading forward run q
+    uploads = []
+    for q in range(2 * n, runs):
+        i = q % s_count
+        uploads.append(layers[i] * count + 2 * pos[q] + (i < first_backward))
+    readers: list[list[int]] = [[] for _ in range(runs)]
+    hops = _ACTIVATION_HOPS * count
+    for at in range(0, runs, s_count):
+        for i in range(first_backward, s_count - 1):
+            readers[at + split.saved[i]].append(hops + 2 * pos[at + i])
+    left = _split_tails(slot_ms, split, graph, n) if give_up < math.inf else None
+    margin = give_up * (1 + 1e-9)  # as in `stream_ms`
+    return _split_schedule(duration, graph, after, unmet, ready, saving, uploads, readers, margin, left)
+
+
+class SplitGraph:
+    """`split_ms`'s task graph for one slot count: two task numbers per microbatch of each run in
+    dispatch order (2p: a backward run's recompute; 2p + 1: the microbatch's last task, a forward
+    or fused run's only one, whose 2p never runs), so that every plan of the count, wherever its
+    backward slots begin, numbers its tasks alike. A run's dependents and waits depend on its kind
+    (forward or backward): each is built once, when a plan first asks for it (`run`); plans of one
+    count differ in the kind of a few runs only.
+
+    A microbatch's last task waits for its last task at the slot before (activation or gradient);
+    a run's microbatch for the run's previous one; a run's first task for the device's run before
+    last (uploads, `split_ms`); a recompute for its saved activation (every backward slot but the
+    last, which starts at layer 0; `split_ms` adds which forward run) and on a single device for
+    the device's previous run (`GraphBuilder._backward_context`)."""
+
+    __slots__ = (
+        "_runs",
+        "bound",
+        "count",
+        "device",
+        "num_devices",
+        "pos",
+        "s_count",
+        "sizes",
+        "uploads_after",
+    )
+
+    def __init__(self, s_count: int, num_devices: int, rounds: tuple[int, ...]) -> None:
+        n = num_devices
+        self.s_count, self.num_devices = s_count, n
+        self.sizes = [size for size in rounds for _ in range(s_count)]
+        self.pos = [0]
+        self.device: list[int] = []
+        for k, size in enumerate(self.sizes):
+            self.pos.append(self.pos[-1] + size)
+            self.device += [k % n] * (2 * size)
+        self.count = 2 * self.pos[-1]
+        self.bound = max(rounds)  # `split_ms`'s ``saving``: run * bound + microbatch
+        # per task, the run whose uploads wait for it (its last task), -1: none
+        self.uploads_after = [-1] * self.count
+        for q in range(len(self.sizes) - 2 * n):
+            self.uploads_after[2 * self.pos[q + 1] - 1] = q
+        self._runs: dict[tuple[int, bool, bool], tuple[list[list[int]], list[int]]] = {}
+
+    def run(self, run: int, backward: bool, before_backward: bool) -> tuple[list[list[int]], list[int]]:
+        """The dependents and unmet waits of the run's tasks (read only), as a forward or a
+        backward run; ``before_backward`` (one device only): the next run is a backward run, whose
+        first recompute also waits for this run's last task."""
+        key = (run, backward, before_backward)
+        if key in self._runs:
+            return self._runs[key]
+        s_count, n, size = self.s_count, self.num_devices, self.sizes[run]
+        i, first, stop = run % s_count, 2 * self.pos[run], 2 * self.pos[run + 1]
+        uploads = int(run >= 2 * n)
+        # microbatch j's last task (first + 2j + 1): to the next slot's last task of j, to + 2j
+        to = _ACTIVATION_HOPS * self.count + stop + 1
+        lasts = [[to + 2 * j] for j in range(size)] if i < s_count - 1 else [[] for _ in range(size)]
+        for j in range(size - 1):
+            lasts[j].append(first + 2 * j + 2 + (not backward))  # the run's next microbatch
+        if before_backward:
+            lasts[-1].append(stop)
+        after: list[list[int]] = [[]] * (2 * size)
+        after[1::2] = lasts
+        unmet = [0] * (2 * size)
+        if backward:  # a recompute, then the rest (after it and the gradient: i > 0)
+            after[0::2] = [[t + 1] for t in range(first, stop, 2)]
+            saved = int(i < s_count - 1)
+            unmet[0::2] = [uploads + saved + int(n == 1 and run > 0)] + [1 + saved] * (size - 1)
+            unmet[1::2] = [2] * size
+        else:  # one task per microbatch; its number 2p waits for nothing that ever comes
+            unmet[0::2] = [1] * size
+            unmet[1::2] = [int(i > 0) + uploads] + [1 + (i > 0)] * (size - 1)
+        self._runs[key] = after, unmet
+        return after, unmet
+
+
+def _split_tails(slot_ms: Sequence[float], split: Split, graph: SplitGraph, num_devices: int) -> list[float]:
+    """`_tails` for `split_ms`: per device all its work, then the least `Split.tails` of its runs."""
+    after_slot = split.tails(slot_ms)
+    tail = [math.inf] * num_devices
+    work = [0.0] * num_devices
+    s_count = graph.s_count
+    for run, size in enumerate(graph.sizes):
+        d, i = run % num_devices, run % s_count
+        tail[d] = min(tail[d], after_slot[i])
+        work[d] += slot_ms[i] * size
+    return [w + x if x < math.inf else 0.0 for w, x in zip(work, tail, strict=True)]
+
+
+def _split_schedule(
+    duration: list[float],
+    graph: SplitGraph,
+    after: list[list[int]],
+    unmet: list[int],
+    ready: list[list[int]],
+    saving: list[int],
+    uploads: list[int],
+    readers: list[list[int]],
+    give_up: float,
+    left: list[float] | None,
+) -> float:
+    """`_list_schedule` (no window) for `split_ms` on a plan's ``after``, ``unmet`` and ``ready``
+    (used up): when a task ends, also the plan's own dependents, the code of the uploads after
+    run q (``uploads[q - 2N]``, for its last task) and, for microbatch j of a forward run q,
+    ``readers[q]`` (a recompute's code for microbatch 0; microbatch j's is 2j on)."""
+    device, k = graph.device, graph.count
+    uploads_after, bound = graph.uploads_after, graph.bound
+    num_devices = len(ready)
+    left = list(left or [0.0] * num_devices)
+    busy = [False] * num_devices
+    ends: list[tuple[float, int]] = []
+    met: list[int] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
+    now, touched = 0.0, list(range(num_devices))
+    while True:
+        for d in touched:
+            if not busy[d] and ready[d]:
+                t = heappop(ready[d])
+                busy[d] = True
+                heappush(ends, (now + duration[t], t))
+                if now + left[d] > give_up:
+                    return math.inf
+                left[d] -= duration[t]
+        touched = []
+        if ends and (ends[0][0] == now or not met):
+            now, t = heappop(ends)
+        elif met:
+            t = heappop(met) % k
+            unmet[t] -= 1
+            if not unmet[t]:
+                heappush(ready[device[t]], t)
+                touched.append(device[t])
+            continue
+        else:
+            break
+        busy[device[t]] = False
+        touched.append(device[t])
+        for u in after[t]:
+            if u >= k:  # met after transfers
+                heappush(met, u)
+            else:
+                unmet[u] -= 1
+                if not unmet[u]:
+                    heappush(ready[device[u]], u)
+                    touched.append(device[u])
+        if uploads_after[t] >= 0:
+            heappush(met, uploads[uploads_after[t]])
+        if saving[t] >= 0:
+            q, j = divmod(saving[t], bound)
+            for code in readers[q]:
+                heappush(met, code + 2 * j)
+    return now
