@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from roundpipe.plan import LayerCosts, Plan, _candidates, _search, analytic_bubble, choose_plan, partition
+from roundpipe.plan._ranking import _StageTimes, spread
 from roundpipe.plan._split_stream import split_ms
-from roundpipe.plan.choose import _StageTimes, spread
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import engine_evaluator, iteration_starts
 from roundpipe.simulate import simulate

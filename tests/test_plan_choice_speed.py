@@ -28,10 +28,11 @@ import pytest
 
 from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
 from roundpipe.plan._candidates import _nearest_target
+from roundpipe.plan._ranking import _Candidate, _rank, _StageTimes, device_bound
 from roundpipe.plan._split_stream import split_ms
 from roundpipe.plan._steady import steady_bound, steady_period
 from roundpipe.plan._stream import stream_ms
-from roundpipe.plan.choose import _Candidate, _rank, _StageTimes, _steady_plan, device_bound, even_plan
+from roundpipe.plan.choose import _steady_plan, even_plan
 from roundpipe.plan.rounds import round_sizes
 
 
