@@ -154,10 +154,11 @@ def test_stream_model_window_gives_up_only_past_its_bound() -> None:
         s_count = rng.randint(1, 16)
         slots = [rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(s_count)]
         waits = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
+        shares = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
         args = (slots, n, rounds)
-        full = stream_ms(*args, iterations=4, window=(1, 3), weight_waits=waits)
+        full = stream_ms(*args, iterations=4, window=(1, 3), weight_waits=waits, sharers=shares)
         bound = full * rng.choice([0.5, 0.9, 0.99, 1.0, 1.01])
-        cut = stream_ms(*args, iterations=4, window=(1, 3), weight_waits=waits, give_up=bound)
+        cut = stream_ms(*args, iterations=4, window=(1, 3), weight_waits=waits, sharers=shares, give_up=bound)
         assert cut == full or (cut == math.inf and full > bound)
         gave_up += cut == math.inf
     assert gave_up > 50
@@ -173,11 +174,12 @@ def test_stream_model_window_stops_where_the_whole_run_agrees() -> None:
         waits = tuple(
             tuple(sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count))))) for _ in slots
         )
-        shape = _stream._structure(s_count, n, rounds, 4, waits)
+        shares = rng.choice([None, tuple(tuple(sorted(rng.sample(range(s_count), 1))) for _ in slots)])
+        shape = _stream._structure(s_count, n, rounds, 4, waits, sharers=shares)
         _, whole = _stream._list_schedule([slots[i] for i in shape.slot], shape)
         per = len(rounds) * s_count
         expected = (whole[shape.run_start[3 * per]] - whole[shape.run_start[per]]) / 2
-        got = stream_ms(slots, n, rounds, iterations=4, window=(1, 3), weight_waits=waits)
+        got = stream_ms(slots, n, rounds, iterations=4, window=(1, 3), weight_waits=waits, sharers=shares)
         assert got == expected
 
 

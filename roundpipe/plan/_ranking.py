@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from roundpipe.plan import _split_stream, _stream
 from roundpipe.plan._split_stream import Split, split_ms
-from roundpipe.plan._stream import stream_ms, weight_waits
+from roundpipe.plan._stream import sharers, stream_ms, weight_waits
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 
@@ -213,6 +213,7 @@ def _rank(
                 iterations=MODEL_ITERATIONS,
                 window=MODEL_WINDOW,
                 weight_waits=waits,
+                sharers=sharers(p.fwd_stages, p.fused, p.bwd_stages),
                 give_up=give_up,
                 shapes=shapes,
             )

@@ -5,7 +5,8 @@ must be cheap: one heap event per microbatch of each stage run, no transfers, no
 mirrors the engine's compute lanes: run k of the stream (slot k mod S of its round) goes to device
 k mod N; microbatch j of a run is ready when the run's microbatch j-1 is done, microbatch j has
 left the previous slot, (prefetch of one stage) the device's run k-2N has ended and (async) the
-gradients of its layers two iterations back are in; a free device
+gradients of its layers two iterations back are in and so are the previous iteration's uploads of
+its layers (the P-copy that brings its weights in overwrites what they read); a free device
 starts its ready task that comes first in dispatch order. It is a model, not the engine: the
 engine's graphs can hold more (transfers, a backward stage's recompute ahead of its gradient),
 which is why the engine has the last word.
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 _ACTIVATION_HOPS = 2  # act_down, act_up
 _PARAM_HOPS = 1  # param_up (one stage of prefetch)
 _WEIGHT_HOPS = 5  # grad_down, G-copy, step, P-copy, param_up
+_UPLOAD_HOPS = 3  # param_up, P-copy, param_up: an upload of the weights before, then this one's
 
 
 class Shape:
@@ -69,6 +71,7 @@ def _structure(
     iterations: int,
     weight_waits: tuple[tuple[int, ...], ...] | None,
     base: Shape | None = None,
+    sharers: tuple[tuple[int, ...], ...] | None = None,
 ) -> Shape:
     """Every microbatch task in dispatch order (see `Shape`). Only the slot count shapes it, not
     the slot times, so candidates of one slot count share it (`stream_ms`'s ``shapes``). The async
@@ -90,6 +93,22 @@ def _structure(
                 source = run_start[earlier + r * s_count + waited + 1] - 1
                 extra.setdefault(source, []).append(_WEIGHT_HOPS * count + first)
                 unmet[first] += 1
+    if sharers is not None:
+        # An iteration's weights are copied in (P-copy) only once every upload of the weights
+        # before them is done: iteration t's run of slot i waits for the uploads of iteration
+        # t - 1's runs of the slots sharing a layer with it (iteration 2 also iteration 0's: both
+        # read the first weights), each after the device's run 2N before it (none: at the start).
+        n2 = 2 * num_devices
+        for run in range(2 * per, len(run_start) - 1):
+            t, first = run // per, run_start[run]
+            code = _UPLOAD_HOPS * count + first
+            for at in range(0 if t == 2 else (t - 1) * per, t * per, per):
+                for sharer in sharers[run % s_count]:
+                    for r in range(len(rounds)):
+                        q = at + r * s_count + sharer - n2
+                        if q >= 0:
+                            extra.setdefault(run_start[q + 1] - 1, []).append(code)
+                            unmet[first] += 1
     for source, codes in extra.items():
         after[source] = after[source] + codes
     return Shape(base.slot, base.device, unmet, after, run_start, num_devices)
@@ -146,6 +165,7 @@ def stream_ms(
     iterations: int = 1,
     window: tuple[int, int] | None = None,
     weight_waits: Sequence[Sequence[int]] | None = None,
+    sharers: Sequence[Sequence[int]] | None = None,
     give_up: float = math.inf,
     shapes: dict[object, Shape] | None = None,
 ) -> float:
@@ -154,24 +174,27 @@ def stream_ms(
     over b - a (the steady time of an async run; needs ``iterations > b``).
 
     ``weight_waits[i]`` (async runs): the slots whose gradients slot i's weights wait for, two
-    iterations back (the backward and fused slots that hold slot i's layers).
+    iterations back (the backward and fused slots that hold slot i's layers). ``sharers[i]`` (async
+    runs, with ``weight_waits``): the slots sharing a layer with slot i (`sharers`), whose uploads
+    of the iteration before slot i's weights wait for (the P-copy overwrites what they read).
 
     ``give_up``: once the answer is sure to exceed it, inf instead (a ranking that keeps the best
     few needs no more about a plan that cannot be one of them): for a window, once iteration b's
     first compute has not started ``(b - a) * give_up`` after iteration a's. ``shapes``: the task
     graphs of earlier calls by slot count, for calls that rank many plans."""
     waits = None if weight_waits is None else tuple(tuple(w) for w in weight_waits)
+    shares = None if sharers is None or waits is None else tuple(tuple(w) for w in sharers)
     s_count = len(slot_ms)
-    key = (s_count, num_devices, tuple(rounds), iterations, waits)
+    key = (s_count, num_devices, tuple(rounds), iterations, waits, shares)
     shape = shapes.get(key) if shapes is not None else None
     if shape is None:
         base = None
         if shapes is not None and waits is not None:  # the graph without waits, shared
-            bare = (s_count, num_devices, tuple(rounds), iterations, None)
+            bare = (s_count, num_devices, tuple(rounds), iterations, None, None)
             base = shapes.get(bare)
             if base is None:
                 base = shapes[bare] = _runs_structure(*bare[:4])
-        shape = _structure(*key, base=base)
+        shape = _structure(*key[:5], base=base, sharers=shares)
         if shapes is not None:
             shapes[key] = shape
     duration = [slot_ms[i] for i in shape.slot]
@@ -294,4 +317,13 @@ def weight_waits(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> li
     return [
         [slot for slot, held in grads if held.start < layers.stop and layers.start < held.stop]
         for layers in (*fwd, fused, *bwd)
+    ]
+
+
+def sharers(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> list[list[int]]:
+    """For each slot (dispatch order ``fwd, fused, bwd``), the slots that hold one of its layers,
+    itself included: the runs whose uploads of those layers an async iteration's P-copy waits for."""
+    stages = (*fwd, fused, *bwd)
+    return [
+        [j for j, held in enumerate(stages) if held.start < r.stop and r.start < held.stop] for r in stages
     ]
