@@ -128,15 +128,21 @@ def test_steady_plan_with_shared_splits_is_partitions() -> None:
         assert _steady_plan(chains_of(costs), base, m, rs, costs) == steady
 
 
+def random_stream(rng: random.Random, max_slots: int) -> tuple[int, tuple[int, ...], list[float]]:
+    """A device count, its rounds and 1 to ``max_slots`` slot times, for the give-up tests."""
+    n = rng.choice([1, 2, 3, 4, 8])
+    rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+    slots = [
+        rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, max_slots))
+    ]
+    return n, rounds, slots
+
+
 def test_stream_model_gives_up_only_past_its_bound() -> None:
     rng = random.Random(5)
     gave_up = 0
     for _ in range(400):
-        n = rng.choice([1, 2, 3, 4, 8])
-        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
-        slots = tuple(
-            rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 20))
-        )
+        n, rounds, slots = random_stream(rng, 20)
         full = stream_ms(slots, n, rounds)
         bound = full * rng.choice([0.9, 0.99, 1.0, 1.01])
         cut = stream_ms(slots, n, rounds, give_up=bound)
@@ -149,10 +155,8 @@ def test_stream_model_window_gives_up_only_past_its_bound() -> None:
     rng = random.Random(13)
     gave_up = 0
     for _ in range(300):
-        n = rng.choice([1, 2, 3, 4, 8])
-        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
-        s_count = rng.randint(1, 16)
-        slots = [rng.choice([0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(s_count)]
+        n, rounds, slots = random_stream(rng, 16)
+        s_count = len(slots)
         waits = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
         shares = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
         args = (slots, n, rounds)
