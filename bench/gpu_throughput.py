@@ -389,6 +389,7 @@ def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str,
 def _line(
     workload: Workload, mode: str, args: argparse.Namespace, ours: dict[str, Any], plain: Any
 ) -> dict[str, Any]:
+    world = processes()[1]
     ratio = None
     if isinstance(plain, dict) and "tokens_per_s" in plain and "tokens_per_s" in ours:
         ratio = round(ours["tokens_per_s"] / plain["tokens_per_s"], 3)
@@ -401,8 +402,8 @@ def _line(
         "shape": asdict(workload.shape),
         "params_m": round(workload.shape.param_count() / 1e6, 1),
         **{k: v for k, v in asdict(workload).items() if k not in ("name", "shape")},
-        "processes": processes()[1],
-        "tokens_per_step": processes()[1] * workload.tokens,  # the global batch
+        "processes": world,
+        "tokens_per_step": world * workload.tokens,  # the global batch
         **budget_route(workload),
         "steps": args.steps,
         "warmup": args.warmup,

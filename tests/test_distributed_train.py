@@ -28,15 +28,15 @@ from tests.distributed_train_runs import HANG_TIMEOUT_S, Started, collect
 from tests.helpers import checkpoint_data_step, metrics_logged
 
 
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+def weights(checkpoint: Path, file: str = "weights.safetensors") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(checkpoint / "weights.safetensors"))
+    return load_file(str(checkpoint / file))
 
 
-def assert_same_weights(actual: Path, expected: Path) -> None:
-    a, b = weights(actual), weights(expected)
-    assert a.keys() == b.keys()
+def assert_same_weights(actual: Path, expected: Path, file: str = "weights.safetensors") -> None:
+    a, b = weights(actual, file), weights(expected, file)
+    assert a.keys() == b.keys() and b, file
     for name in b:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -79,15 +79,9 @@ def test_two_asynchronous_processes_train_what_one_trains_on_the_global_batch(ru
     for mine, theirs in zip(two, one, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
     # The asynchronous steps' weights in flight are part of the checkpoint, on both sides alike.
-    from safetensors.torch import load_file
-
-    flight = [
-        load_file(str(out / run / "checkpoint" / "in_flight_weights.safetensors"))
-        for run in ("two-async", "one-async")
-    ]
-    assert flight[0].keys() == flight[1].keys() and flight[1]
-    for name in flight[1]:
-        torch.testing.assert_close(flight[0][name], flight[1][name], rtol=1e-5, atol=1e-6)
+    assert_same_weights(
+        out / "two-async" / "checkpoint", out / "one-async" / "checkpoint", "in_flight_weights.safetensors"
+    )
 
 
 def test_a_signal_on_one_rank_stops_both_after_the_same_step(runs: dict[str, Any]) -> None:
