@@ -142,7 +142,8 @@ def _rank(
     keep: int,
     cutoff: float = math.inf,
     reads: int = 0,
-    times: _StageTimes | None = None,
+    *,
+    times: _StageTimes,
     first: int = 0,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
@@ -155,17 +156,15 @@ def _rank(
     bound: a plan is still pruned only past a modelled ``keep``-th best, so the first ``reads``
     are the same.
 
-    Sync plans with ``times`` are modelled by `split_ms` (a backward stage's recompute ahead of
+    Sync plans are modelled by `split_ms` (a backward stage's recompute ahead of
     its gradient, as the engine runs it: the whole-microbatch `stream_ms` is up to 16% slow on
     plans whose backward runs wait for gradients, and often left the engine's best out of the few
     timed), and bounded for it."""
     n = num_devices
     m = sum(rounds)
-    splits: dict[int, Split] = {}  # by id of the candidate: sync plans with ``times``
+    splits: dict[int, Split] = {}  # by id of the candidate (sync plans)
 
-    def split_of(p: _Candidate) -> Split | None:
-        if async_optimizer or times is None:
-            return None
+    def split_of(p: _Candidate) -> Split:
         if id(p) not in splits:
             splits[id(p)] = times.split(p.fwd_stages, p.fused, p.bwd_stages)
         return splits[id(p)]
@@ -174,11 +173,8 @@ def _rank(
         work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
         if async_optimizer:
             return work
-        s = p.slot_ms
-        if times is None:
-            fill = sum(math.fsum(s[:d]) + math.fsum(s[len(s) - d :]) for d in range(min(n, len(s))))
-        else:  # `split_ms`: `Split.heads` of the first N slots, `Split.tails` of the last N
-            fill = times.split_fill(p.fwd_stages, p.bwd_stages, s, n)
+        # `split_ms`: `Split.heads` of the first N slots, `Split.tails` of the last N
+        fill = times.split_fill(p.fwd_stages, p.bwd_stages, p.slot_ms, n)
         # device d starts after d slots and stops d slots before the end. Not a true lower bound
         # with S < 2N slots and several rounds (a later round's first slots can start at time 0
         # on a device whose first round-0 slot comes later), so the order of the plans decides
@@ -190,8 +186,6 @@ def _rank(
         if async_optimizer:
             return least
         split = split_of(p)
-        if split is None:
-            return max(least, device_bound(p.slot_ms, n, rounds))
         return max(least, device_bound(p.slot_ms, n, rounds, split.heads(p.slot_ms), split.tails(p.slot_ms)))
 
     modelled: list[tuple[float, float, int, _Candidate]] = []
@@ -217,10 +211,8 @@ def _rank(
                 give_up=give_up,
                 shapes=shapes,
             )
-        elif (split := split_of(p)) is not None:
-            ms = split_ms(p.slot_ms, split, n, rounds, give_up=give_up, graphs=graphs)
         else:
-            ms = stream_ms(p.slot_ms, n, rounds, give_up=give_up, shapes=shapes)
+            ms = split_ms(p.slot_ms, split_of(p), n, rounds, give_up=give_up, graphs=graphs)
         if ms == math.inf:
             continue  # past the reads-th best (or the cutoff): modelled only as far as that shows
         modelled.append((ms, spread(p), i, p))
@@ -271,6 +263,8 @@ def device_bound(
     for ms in slot_ms:
         pre.append(pre[-1] + ms)
     total = pre[-1]
+    if heads is None or tails is None:  # `stream_ms`: a microbatch goes through every slot in turn
+        heads, tails = pre[:-1], [total - after for after in pre[1:]]
     work = [0.0] * num_devices
     head = [math.inf] * num_devices
     tail = [math.inf] * num_devices
@@ -285,12 +279,9 @@ def device_bound(
                 w += size * ms
             work[d] = w
             last = first + (s_count - 1 - first) // n * n
-            if heads is None or tails is None:
-                head[d] = min(head[d], pre[first])  # prefix sums never fall: the first slot is least
-                tail[d] = min(tail[d], total - pre[last + 1])
-            else:  # a backward slot's head can be less than an earlier slot's; tails never rise
-                head[d] = min(head[d], *heads[first::n])
-                tail[d] = min(tail[d], tails[last])
+            # A backward slot's head can be less than an earlier slot's; tails never rise.
+            head[d] = min(head[d], *heads[first::n])
+            tail[d] = min(tail[d], tails[last])
         k += s_count
     busy = [d for d in range(num_devices) if head[d] < math.inf]
     # Float sums: shaded by a millionth so that rounding never lifts the bound over the model.

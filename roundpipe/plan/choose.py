@@ -7,8 +7,9 @@ ones, and the steady model can be wrong on shapes it was not checked on. So when
 an ``evaluate`` function (ms per iteration of a plan, e.g. `roundpipe.plan_eval.engine_evaluator`:
 the real engine on the fake backend), `choose_plan` generates candidates around the proxies' plans
 (slot counts and fused stages nearby, chains cut evenly), ranks them with a fast model of the
-stream (`_ranking`: `_split_stream.split_ms` for sync runs, `_stream.stream_ms` for async), evaluates the best few
-exactly and runs the fastest; equal times go to the more even plan. Without ``evaluate`` it keeps the proxies' choice.
+stream (`_ranking`: `_split_stream.split_ms` for sync runs, `_stream.stream_ms` for async),
+evaluates the best few exactly and runs the fastest; equal times go to the more even plan.
+Without ``evaluate`` it keeps the proxies' choice.
 
 Pure: no torch, no devices, no scheduler (the evaluator is passed in).
 """
