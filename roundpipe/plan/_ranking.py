@@ -199,7 +199,8 @@ def _rank(
             break
         give_up = min(best[reads - 1] if len(best) >= reads else math.inf, cutoff)
         if async_optimizer:
-            waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages)
+            shares = sharers(p.fwd_stages, p.fused, p.bwd_stages)
+            waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages, shares)
             ms = stream_ms(
                 p.slot_ms,
                 n,
@@ -207,7 +208,7 @@ def _rank(
                 iterations=MODEL_ITERATIONS,
                 window=MODEL_WINDOW,
                 weight_waits=waits,
-                sharers=sharers(p.fwd_stages, p.fused, p.bwd_stages),
+                sharers=shares,
                 give_up=give_up,
                 shapes=shapes,
             )

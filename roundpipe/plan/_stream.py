@@ -309,15 +309,16 @@ def _flags(count: int, tasks: tuple[int, ...]) -> bytearray:
     return flags
 
 
-def weight_waits(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> list[list[int]]:
+def weight_waits(
+    fwd: Sequence[range], fused: range, bwd: Sequence[range], shares: list[list[int]] | None = None
+) -> list[list[int]]:
     """For each slot (dispatch order ``fwd, fused, bwd``), the fused and backward slots that hold
     one of its layers: an async iteration's upload of a layer waits for the step of two iterations
-    back, which waits for that layer's gradients."""
-    grads = [(len(fwd), fused)] + [(len(fwd) + 1 + j, r) for j, r in enumerate(bwd)]
-    return [
-        [slot for slot, held in grads if held.start < layers.stop and layers.start < held.stop]
-        for layers in (*fwd, fused, *bwd)
-    ]
+    back, which waits for that layer's gradients. ``shares``: `sharers` of the same stages, if at
+    hand (these are its slots from the fused one on)."""
+    if shares is None:
+        shares = sharers(fwd, fused, bwd)
+    return [[slot for slot in row if slot >= len(fwd)] for row in shares]
 
 
 def sharers(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> list[list[int]]:
