@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,23 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 10  # the worker's RunConfig.distributed.timeout_s
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now and never handed out before in this session. Why remembered: the port
+    is free again once this socket closes, and until the job's rank 0 binds it (seconds later,
+    after its imports) another caller, such as the train runs started from another thread at the
+    same moment, would be handed the same one."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
 
 
 def clipped_reference() -> dict[str, torch.Tensor]:
