@@ -8,6 +8,7 @@ backend would use, for a Qwen3-1.7B-sized model (28 units of 50M parameters plus
 embedding) by default. One JSON line per thread count.
 
     python bench/host_optimizer.py [--units 28] [--unit-params 50.3e6] [--embed-params 311e6]
+        [--prediction 2,-1]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from roundpipe.config import prediction_factors
 from roundpipe.optim.prediction import WeightPredictor
 
 
@@ -38,7 +40,8 @@ def run(args: argparse.Namespace, threads: int) -> dict[str, object]:
     landing = [[torch.randn_like(p).pin_memory() if pin else torch.randn_like(p) for p in u] for u in masters]
     opts = [torch.optim.AdamW(u, lr=1e-4, fused=True) for u in masters]
     step_s, p_copy_s, g_copy_s, remember_s, predict_s = [], [], [], [], []
-    predictor = WeightPredictor(2.0)  # the async remedy's extra work (roundpipe/optim/prediction.py)
+    # the async remedy's extra work (roundpipe/optim/prediction.py)
+    predictor = WeightPredictor(prediction_factors(args.prediction))
     for _ in range(args.repeats + 1):
         started = time.perf_counter()
         for unit in masters:
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace, threads: int) -> dict[str, object]:
         # extrapolates instead of copying; the extra host work is remember + (predict - p_copy).
         "remember_ms": round(statistics.median(remember_s[1:]) * 1e3, 1),
         "predict_p_copy_ms": round(statistics.median(predict_s[1:]) * 1e3, 1),
+        "prediction": args.prediction,
         "pinned": pin,
     }
 
@@ -88,6 +92,9 @@ def main() -> None:
     parser.add_argument("--unit-params", type=float, default=50.3e6)
     parser.add_argument("--embed-params", type=float, default=311e6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--prediction", default="2,-1", help="weight_prediction factors (roundpipe train's default: 2,-1)"
+    )
     parser.add_argument(
         "--threads", type=str, default="", help="comma list; default: all cores and all but 3"
     )

@@ -95,6 +95,41 @@ def local_share(count: int, value: str, environ: Mapping[str, str] | None = None
     return tuple(range(rank * share, (rank + 1) * share))
 
 
+MAX_PREDICTION_FACTORS = 3
+PredictionFactors = float | tuple[float, ...]
+
+
+def prediction_factors(value: Any) -> PredictionFactors:
+    """``weight_prediction`` as given (a number, a sequence of numbers, or ``"2,-1"``) in its one
+    form: 0.0 when off, a float for one factor, a tuple for several. Raises ValueError naming
+    what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = tuple(float(part) for part in value.split(","))
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is no factor (2) or list of factors of the last updates, newest first (2,-1)"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int | float | tuple | list):
+        raise ValueError(f"give a number or a sequence of numbers, not {value!r}")
+    factors = (float(value),) if isinstance(value, int | float) else tuple(float(k) for k in value)
+    if not any(factors):
+        return 0.0
+    if len(factors) > MAX_PREDICTION_FACTORS:
+        raise ValueError(
+            f"at most {MAX_PREDICTION_FACTORS} factors, not {len(factors)} (each keeps one more fp32 copy of "
+            "the trainable weights on the host)"
+        )
+    if not 0.0 < factors[0] <= 4.0:
+        raise ValueError(
+            f"the factor of the last update must be in (0, 4], not {factors[0]:g} (0 alone turns "
+            "prediction off)"
+        )
+    if any(not -4.0 <= k <= 4.0 for k in factors[1:]):
+        raise ValueError(f"the factors of earlier updates must be in [-4, 4], not {factors[1:]}")
+    return factors[0] if len(factors) == 1 else factors
+
+
 class RunConfig(BaseModel):
     """How a `RoundPipe` runs. Every field has a default; see docs/api.md for each."""
 
@@ -112,12 +147,11 @@ class RunConfig(BaseModel):
         ge=0,
         description="async remedy: run the first N optimizer steps synchronously, then staleness 1",
     )
-    weight_prediction: float = Field(
+    weight_prediction: float | tuple[float, ...] = Field(
         0.0,
-        ge=0.0,
-        le=4.0,
-        description="async remedy: iterations read the weights extrapolated by the last update, "
-        "W + k * (W - W_prev), with k this factor (0: off)",
+        description="async remedy: iterations read the weights extrapolated by the last updates, "
+        "W + k * (W - W_prev) with k this factor, or with factors (k1, k2) also + k2 * (W_prev - "
+        "W_prev2) (up to 3; 0: off)",
     )
     async_lr_ramp_steps: int = Field(
         0,
@@ -199,6 +233,11 @@ class RunConfig(BaseModel):
         if isinstance(value, float | int) and not isinstance(value, bool) and value <= 0:
             raise ValueError("a fixed loss scale must be > 0")
         return value
+
+    @field_validator("weight_prediction", mode="before")
+    @classmethod
+    def _one_form_of_prediction(cls, value: Any) -> PredictionFactors:
+        return prediction_factors(value)
 
     @model_validator(mode="after")
     def _check_async_remedies(self) -> RunConfig:

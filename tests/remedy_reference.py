@@ -23,12 +23,14 @@ def remedy_reference(
     loss_fn: LossFn,
     *,
     warmup_steps: int = 0,
-    prediction: float = 0.0,
+    prediction: float | tuple[float, ...] = 0.0,
     lr_ramp: tuple[int, float] = (0, 1.0),
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Iterations t < ``warmup_steps`` compute on W_t (sync). Later ones on W_{t-1}, and, when
     the step that made W_{t-1} was taken asynchronously (t-2 >= warmup_steps - 1), on
-    W_{t-1} + prediction * (W_{t-1} - W_{t-2}). Gradients are applied to the newest weights;
+    W_{t-1} + prediction * (W_{t-1} - W_{t-2}); with factors (k_1, k_2, ...) on
+    W_{t-1} + sum_j k_j (W_{t-j} - W_{t-j-1}), each term only when the step that made W_{t-j}
+    was asynchronous (t-1-j >= warmup_steps - 1). Gradients are applied to the newest weights;
     with ``lr_ramp = (R, r)`` step t >= warmup_steps runs at the lr times
     r + (1 - r) * min(1, (t - warmup_steps + 1) / R). Returns the losses and the weights after
     every step."""
@@ -42,8 +44,14 @@ def remedy_reference(
         elif t < 2 or t - 2 < warmup_steps - 1 or not prediction:
             read = history[max(0, t - 1)]
         else:
-            new, old = history[t - 1], history[t - 2]
-            read = {k: torch.lerp(old[k], new[k], 1.0 + prediction) for k in new}
+            factors = (prediction,) if isinstance(prediction, float) else prediction
+            read = {k: v.clone() for k, v in history[t - 1].items()}
+            for j, factor in enumerate(factors, start=1):
+                if t - 1 - j < max(0, warmup_steps - 1):
+                    break
+                newer, older = history[t - j], history[t - j - 1]
+                for k in read:
+                    read[k] += factor * (newer[k] - older[k])
         shadow.load_state_dict(read)
         shadow.zero_grad()
         loss = loss_fn(shadow(x), y)

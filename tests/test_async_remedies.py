@@ -20,9 +20,17 @@ from tests.helpers import assert_weights_equal, batches, mlp, train_steps
 from tests.remedy_reference import remedy_reference
 
 mse = nn.functional.mse_loss
-REMEDIES = [(3, 0.0), (0, 2.0), (2, 1.5)]  # (async_warmup_steps, weight_prediction)
+Prediction = float | tuple[float, ...]
+# (async_warmup_steps, weight_prediction)
+REMEDIES: list[tuple[int, Prediction]] = [
+    (3, 0.0),
+    (0, 2.0),
+    (2, 1.5),
+    (0, (2.0, -1.0)),
+    (2, (1.5, -1.25, 0.25)),
+]
 # (async_warmup_steps, weight_prediction, (async_lr_ramp_steps, async_lr_ramp_start))
-RAMPS = [(0, 0.0, (3, 0.3)), (2, 2.0, (2, 0.5)), (1, 0.0, (10, 0.25))]
+RAMPS = [(0, 0.0, (3, 0.3)), (2, 2.0, (2, 0.5)), (1, 0.0, (10, 0.25)), (2, (2.0, -1.0), (3, 0.4))]
 
 
 def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -30,7 +38,11 @@ def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 
 
 def remedy_config(
-    devices: str, warmup: int, prediction: float, precision: str = "fp32", ramp: tuple[int, float] = (0, 0.4)
+    devices: str,
+    warmup: int,
+    prediction: Prediction,
+    precision: str = "fp32",
+    ramp: tuple[int, float] = (0, 0.4),
 ) -> roundpipe.RunConfig:
     return roundpipe.RunConfig(
         devices=devices,
@@ -44,7 +56,9 @@ def remedy_config(
 
 
 @pytest.mark.parametrize(("warmup", "prediction"), REMEDIES)
-def test_pipe_matches_the_remedy_loop_on_one_two_and_three_workers(warmup: int, prediction: float) -> None:
+def test_pipe_matches_the_remedy_loop_on_one_two_and_three_workers(
+    warmup: int, prediction: Prediction
+) -> None:
     data = batches(6)
     _, ref_weights = remedy_reference(mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction)
     for devices in ("cpu:1", "cpu:2", "cpu:3"):
@@ -60,7 +74,7 @@ def test_pipe_matches_the_remedy_loop_on_one_two_and_three_workers(warmup: int, 
 
 @pytest.mark.parametrize(("warmup", "prediction", "ramp"), RAMPS)
 def test_pipe_matches_the_lr_ramp_loop_on_one_and_two_workers(
-    warmup: int, prediction: float, ramp: tuple[int, float]
+    warmup: int, prediction: Prediction, ramp: tuple[int, float]
 ) -> None:
     data = batches(6)
     _, ref_weights = remedy_reference(
@@ -124,11 +138,22 @@ def test_warmup_steps_are_synchronous_in_the_trace() -> None:
 
 @pytest.mark.parametrize(
     ("warmup", "prediction", "stop", "precision"),
-    [(3, 0.0, 2, "fp32"), (3, 0.0, 3, "fp32"), (0, 2.0, 3, "fp32"), (2, 1.5, 2, "fp32"), (1, 2.0, 3, "bf16")],
+    [
+        (3, 0.0, 2, "fp32"),
+        (3, 0.0, 3, "fp32"),
+        (0, 2.0, 3, "fp32"),
+        (2, 1.5, 2, "fp32"),
+        (1, 2.0, 3, "bf16"),
+        # saved with one update remembered of the two the factors read, and with both
+        (1, (2.0, -1.0), 1, "fp32"),
+        (2, (2.0, -1.0), 4, "fp32"),
+        (1, (2.0, -1.0), 2, "bf16"),
+        (0, (1.5, -1.25, 0.25), 4, "bf16"),
+    ],
 )
 @pytest.mark.parametrize("ramp", [(0, 0.4), (4, 0.3)])
 def test_resume_is_bit_exact(
-    warmup: int, prediction: float, stop: int, precision: str, ramp: tuple[int, float]
+    warmup: int, prediction: Prediction, stop: int, precision: str, ramp: tuple[int, float]
 ) -> None:
     data = batches(6)
     cfg = remedy_config("cpu:2", warmup, prediction, precision, ramp)
@@ -153,6 +178,19 @@ def test_prediction_state_is_saved_with_the_optimizer() -> None:
         train_steps(pipe, batches(2), mse)
         state = pipe.state_dict()
     assert set(state["host"]["previous_weights"]) == {n for n, _ in mlp().named_parameters()}
+    assert "earlier_weights" not in state["host"]
+
+
+def test_each_further_factor_saves_the_weights_before_one_more_step() -> None:
+    config = remedy_config("cpu:1", 0, (2.0, -1.0, 0.5))
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=config) as pipe:
+        train_steps(pipe, batches(1), mse)
+        after_one = pipe.state_dict()["host"]["earlier_weights"]
+        train_steps(pipe, batches(3), mse)
+        after_four = pipe.state_dict()["host"]["earlier_weights"]
+    names = {n for n, _ in mlp().named_parameters()}
+    assert [set(d) for d in after_one] == [set(), set()]  # one step: only the newest weights
+    assert [set(d) for d in after_four] == [names, names]
 
 
 @pytest.mark.parametrize(
@@ -162,6 +200,14 @@ def test_prediction_state_is_saved_with_the_optimizer() -> None:
         ({"async_optimizer": False, "async_warmup_steps": 5}, "only applies with async_optimizer=True"),
         ({"weight_prediction": -1.0}, "weight_prediction"),
         ({"weight_prediction": 9.0}, "weight_prediction"),
+        ({"weight_prediction": (0.0, 1.0)}, "the factor of the last update must be in"),
+        ({"weight_prediction": (2.0, -1.0, 0.5, 0.1)}, "at most 3 factors"),
+        ({"weight_prediction": (2.0, 5.0)}, "earlier updates must be in"),
+        ({"weight_prediction": "2;-1"}, "newest first"),
+        (
+            {"async_optimizer": False, "weight_prediction": (2.0, -1.0)},
+            "only applies with async_optimizer=True",
+        ),
         ({"async_warmup_steps": -2}, "async_warmup_steps"),
         ({"async_optimizer": False, "async_lr_ramp_steps": 5}, "only applies with async_optimizer=True"),
         ({"async_lr_ramp_start": 0.0}, "async_lr_ramp_start"),
@@ -200,3 +246,44 @@ def test_a_state_resumed_inside_a_longer_warmup_reads_the_newest_weights() -> No
         with torch.no_grad():
             want = mse(model(x), y).item()  # the module holds the weights after step 2
         assert pipe.forward_backward(x, y, mse) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [(2, 2.0), ("1.5", 1.5), ((2.0,), 2.0), ([2, -1], (2.0, -1.0)), ("2,-1", (2.0, -1.0)), ((0, 0), 0.0)],
+)
+def test_weight_prediction_has_one_form(given: object, stored: object) -> None:
+    """One factor is a float however it is given, several a tuple, none 0.0: configs that mean
+    the same compare (and save) the same."""
+    assert roundpipe.RunConfig(weight_prediction=given).weight_prediction == stored  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("factors", [(2.0,), (2.0, -1.0), (1.5, -1.25, 0.25)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prediction_is_the_sum_of_the_remembered_updates(
+    factors: tuple[float, ...], dtype: torch.dtype
+) -> None:
+    """Against the definition, on every step from the first remembered one on (fewer updates
+    than factors: the missing terms are left out), and the low-precision path, which forms the
+    sum in the oldest buffer, predicts the next steps as if it had not."""
+    from roundpipe.optim.prediction import WeightPredictor
+
+    gen = torch.Generator().manual_seed(0)
+    versions = [torch.randn(5, 3, generator=gen)]
+    predictor = WeightPredictor(factors)
+    master = versions[0].clone()
+    compute = torch.empty(5, 3, dtype=dtype)
+    predictor.predict_into(0, compute, master)
+    assert torch.equal(compute, master.to(dtype))  # nothing remembered: a plain copy
+    for _ in range(5):
+        predictor.remember(0, master)
+        master += torch.randn(5, 3, generator=gen) * 0.1  # the step
+        versions.append(master.clone())
+        predictor.predict_into(0, compute, master)
+        want = versions[-1].clone()
+        for j, factor in enumerate(factors, start=1):
+            if len(versions) - j - 1 < 0:
+                break
+            want += factor * (versions[-j] - versions[-j - 1])
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(compute.float(), want, rtol=tolerance, atol=tolerance)

@@ -171,7 +171,8 @@ def test_config_file_and_flag_precedence(model_config: Path, tmp_path: Path) -> 
         (["--microbatches", "64", "--batch-size", "4"], "microbatches=64 exceeds batch_size=4"),
         (["--resume", "no/such/checkpoint"], "checkpoint no/such/checkpoint does not exist"),
         (["--config", "missing.yaml"], "config file 'missing.yaml' does not exist"),
-        (["--weight-prediction", "-1"], "--weight-prediction: Input should be greater than or equal to 0"),
+        (["--weight-prediction", "-1"], "--weight-prediction: the factor of the last update must be in"),
+        (["--weight-prediction", "2,x"], "--weight-prediction: '2,x' is no factor"),
         (["--async-warmup-steps", "-3"], "--async-warmup-steps: Input should be greater than or equal to 0"),
     ],
 )
@@ -249,7 +250,7 @@ def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: P
     assert (chosen.async_warmup_steps, chosen.weight_prediction) == (3, 1.5)
     assert (chosen.async_lr_ramp_steps, chosen.async_lr_ramp_start) == (7, 0.25)
     default = TrainConfig().run_config()  # the measured default (docs/performance.md)
-    assert (default.async_warmup_steps, default.weight_prediction) == (20, 2.0)
+    assert (default.async_warmup_steps, default.weight_prediction) == (20, (2.0, -1.0))
     assert (default.async_lr_ramp_steps, default.async_lr_ramp_start) == (
         DEFAULT_ASYNC_LR_RAMP_STEPS,
         DEFAULT_ASYNC_LR_RAMP_START,

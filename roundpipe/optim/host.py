@@ -87,7 +87,7 @@ class HostModel:
         optimizer: OptimizerFactory | None = None,
         lr_scheduler: SchedulerFactory | None = None,
         pin_memory: bool = False,
-        weight_prediction: float = 0.0,
+        weight_prediction: float | tuple[float, ...] = 0.0,
     ) -> None:
         self.layers = layers
         self.source = source
@@ -114,7 +114,7 @@ class HostModel:
         self._pinned_lock = threading.Lock()
         self.clip_coef = 1.0
         self.found_inf = False
-        # Async remedy: deferred P-copies extrapolate by the last update (optim/prediction.py).
+        # Async remedy: deferred P-copies extrapolate by the last updates (optim/prediction.py).
         self.predictor = WeightPredictor(weight_prediction) if weight_prediction else None
 
     def _find_units(self) -> None:
@@ -373,6 +373,8 @@ class HostModel:
         if self.predictor is not None:
             names = {id(param): name for name, param, _ in self.named_masters()}
             state["previous_weights"] = self.predictor.state_dict(names)
+            if len(self.predictor.factors) > 1:
+                state["earlier_weights"] = self.predictor.earlier_state_dict(names)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -389,4 +391,6 @@ class HostModel:
         if self.predictor is not None:
             keys = {name: id(param) for name, param, _ in self.named_masters()}
             masters = {id(param): master for _, param, master in self.named_masters()}
-            self.predictor.load_state_dict(state.get("previous_weights", {}), keys, masters)
+            self.predictor.load_state_dict(
+                state.get("previous_weights", {}), keys, masters, state.get("earlier_weights")
+            )

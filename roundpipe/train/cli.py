@@ -84,8 +84,9 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     (
         "--weight-prediction",
         "weight_prediction",
-        float,
-        "async only: iterations read W + k*(W - W_prev) (default k = 2; 0 = off)",
+        str,
+        "async only: iterations read W + k1*(W - W_prev) + k2*(W_prev - W_prev2), factors newest "
+        "first (default 2,-1; one factor k: W + k*(W - W_prev); 0 = off)",
     ),
     (
         "--async-lr-ramp-steps",

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from roundpipe.config import RunConfig
+from roundpipe.config import PredictionFactors, RunConfig, prediction_factors
 from roundpipe.errors import ConfigError
 
 DEFAULT_MODEL = "qwen3-tiny"
@@ -27,7 +27,7 @@ DATA_FIELDS = ("text", "prompt", "completion", "messages")  # as roundpipe.data.
 # The async remedies `roundpipe train` uses unless told otherwise: the best combination measured
 # on its default job (bench/async_quality.py, docs/performance.md "Asynchronous optimizer quality").
 DEFAULT_ASYNC_WARMUP_STEPS = 20
-DEFAULT_WEIGHT_PREDICTION = 2.0
+DEFAULT_WEIGHT_PREDICTION: PredictionFactors = (2.0, -1.0)  # W + 2 (W - W_prev) - (W_prev - W_prev2)
 DEFAULT_ASYNC_LR_RAMP_STEPS = 120
 DEFAULT_ASYNC_LR_RAMP_START = 0.4
 
@@ -99,11 +99,10 @@ class TrainConfig(BaseModel):
         ge=0,
         description="async only: the first N steps run synchronously (docs/train.md, staleness remedies)",
     )
-    weight_prediction: float = Field(
+    weight_prediction: float | tuple[float, ...] = Field(
         default=DEFAULT_WEIGHT_PREDICTION,
-        ge=0.0,
-        le=4.0,
-        description="async only: iterations read W + k * (W - W_prev), k this factor; 0 turns it off",
+        description="async only: iterations read W + k1 * (W - W_prev) + k2 * (W_prev - W_prev2), "
+        "the factors newest first (one factor: W + k * (W - W_prev)); 0 turns it off",
     )
     async_lr_ramp_steps: int = Field(
         default=DEFAULT_ASYNC_LR_RAMP_STEPS,
@@ -139,6 +138,11 @@ class TrainConfig(BaseModel):
     )
     out: str = Field(default="runs", description="parent directory of run directories")
     name: str | None = Field(default=None, description="run directory name; default a timestamp")
+
+    @field_validator("weight_prediction", mode="before")
+    @classmethod
+    def _one_form_of_prediction(cls, value: Any) -> PredictionFactors:
+        return prediction_factors(value)
 
     @field_validator("devices")
     @classmethod
