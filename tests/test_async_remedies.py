@@ -287,3 +287,25 @@ def test_a_prediction_is_the_sum_of_the_remembered_updates(
             want += factor * (versions[-j] - versions[-j - 1])
         tolerance = 1e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(compute.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_a_skipped_step_predicts_no_movement_with_any_number_of_factors() -> None:
+    """An fp16 overflow skips the step: the next P-copy hands out the weights as they are, not
+    an extrapolation of the updates before the skip (which would move them backwards)."""
+    from roundpipe.optim.prediction import WeightPredictor
+
+    predictor = WeightPredictor((2.0, -1.0))
+    master = torch.zeros(3)
+    for update in (1.0, 2.0):
+        predictor.remember(0, master)
+        master += update
+    compute = torch.empty(3)
+    predictor.predict_into(0, compute, master)
+    assert torch.equal(compute, torch.full((3,), 3.0 + 2 * 2.0 - 1.0))  # W + 2 dW1 - dW2
+    predictor.remember(0, master, skipped=True)  # the step that follows changes nothing
+    predictor.predict_into(0, compute, master)
+    assert torch.equal(compute, master)
+    predictor.remember(0, master)
+    master += 4.0
+    predictor.predict_into(0, compute, master)  # one update known again: W + 2 dW1
+    assert torch.equal(compute, torch.full((3,), 7.0 + 2 * 4.0))

@@ -302,7 +302,7 @@ class HostModel:
         masters = [self.master[id(p)] for p in self.unit_params[unit]]
         if remember and self.predictor is not None:
             for param in self.unit_params[unit]:
-                self.predictor.remember(id(param), self.master[id(param)])
+                self.predictor.remember(id(param), self.master[id(param)], skipped=self.found_inf)
         if not self.found_inf:
             if self.clip_coef < 1.0:
                 for master in masters:

@@ -14,7 +14,7 @@ factor; devices read one compute copy as before.
 
 The previous weights are taken from the optimizer copy itself just before the step, so any
 optimizer works (nothing reads its state), and a skipped step (fp16 overflow) predicts no
-movement. A factor whose update has not been remembered yet (the first steps after the switch)
+movement (with several factors it also forgets the updates before it). A factor whose update has not been remembered yet (the first steps after the switch)
 is left out. This module must never decide when a step or a P-copy runs: the scheduler's rules do.
 """
 
@@ -37,15 +37,19 @@ class WeightPredictor:
         self.previous: dict[int, list[torch.Tensor]] = {}
 
     @torch.no_grad()
-    def remember(self, key: int, master: torch.Tensor) -> None:
-        """Called just before ``master`` is stepped: keep the weights the step starts from."""
+    def remember(self, key: int, master: torch.Tensor, *, skipped: bool = False) -> None:
+        """Called just before ``master`` is stepped: keep the weights the step starts from.
+        ``skipped``: the step will not change them (fp16 overflow); the updates before it are
+        forgotten too, so that the next prediction is no movement, not an extrapolation of them."""
         kept = self.previous.setdefault(key, [])
         if len(kept) < len(self.factors):
             kept.insert(0, master.detach().clone())
-            return
-        oldest = kept.pop()  # its buffer takes the newest weights: no allocation per step
-        oldest.copy_(master)
-        kept.insert(0, oldest)
+        else:
+            oldest = kept.pop()  # its buffer takes the newest weights: no allocation per step
+            oldest.copy_(master)
+            kept.insert(0, oldest)
+        if skipped:
+            del kept[1:]
 
     @torch.no_grad()
     def predict_into(self, key: int, compute: torch.Tensor, master: torch.Tensor) -> None:
