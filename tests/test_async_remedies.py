@@ -309,3 +309,21 @@ def test_a_skipped_step_predicts_no_movement_with_any_number_of_factors() -> Non
     master += 4.0
     predictor.predict_into(0, compute, master)  # one update known again: W + 2 dW1
     assert torch.equal(compute, torch.full((3,), 7.0 + 2 * 4.0))
+
+
+def test_an_fp16_overflow_makes_the_pipe_forget_the_updates_it_would_extrapolate() -> None:
+    config = roundpipe.RunConfig(
+        devices="cpu:2", num_microbatches=2, precision="fp16", weight_prediction=(2.0, -1.0)
+    )
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=config) as pipe:
+        data = batches(4)
+        train_steps(pipe, data[:3], mse)
+        kept = pipe.host.predictor.previous
+        assert kept and all(len(weights) == 2 for weights in kept.values())
+        x, y = data[3]
+        pipe.forward_backward(x * 1e6, y, mse)  # overflows in fp16: the step is skipped
+        pipe.step()
+        pipe.synchronize()
+        assert pipe._scaler.skipped_steps == 1
+        for key, weights in kept.items():
+            assert len(weights) == 1 and torch.equal(weights[0], pipe.host.master[key])
