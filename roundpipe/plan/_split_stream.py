@@ -89,28 +89,10 @@ def split_ms(
             graphs[key] = graph
     count, pos, sizes, layers = graph.count, graph.pos, graph.sizes, split.layers
     runs = len(sizes)
-    after: list[list[int]] = []
-    unmet: list[int] = []
-    duration: list[float] = []
-    saving = [-1] * count
-    ready: list[list[int]] = [[] for _ in range(n)]
-    bound = graph.bound
-    for run, size in enumerate(sizes):
-        i = run % s_count
-        backward = i >= first_backward
-        run_after, run_unmet = graph.run(run, backward, n == 1 and first_backward <= i + 1 < s_count)
-        first = len(unmet)  # 2 * pos[run]
-        after += run_after
-        unmet += run_unmet
-        if backward:  # its recompute and the rest, microbatch by microbatch
-            duration += [split.recompute_ms[i], slot_ms[i] - split.recompute_ms[i]] * size
-        else:
-            duration += [0.0, slot_ms[i]] * size
-            if i < first_backward - 1:  # a forward run: the plan says which recomputes read it
-                saving[first + 1 : first + 2 * size : 2] = range(run * bound, run * bound + size)
-            first += 1
-        if not unmet[first]:
-            ready[run % n].append(first)
+    after, unmet_start, saving, ready_start = graph.layout(first_backward)
+    unmet = list(unmet_start)  # used up by the schedule; the rest is read only
+    ready = [list(tasks) for tasks in ready_start]
+    duration = graph.durations(slot_ms, split.recompute_ms, first_backward)
     # the uploads of run q + 2N (one hop per layer) and the recomputes reading forward run q
     uploads = []
     for q in range(2 * n, runs):
@@ -141,6 +123,7 @@ class SplitGraph:
     the device's previous run (`GraphBuilder._backward_context`)."""
 
     __slots__ = (
+        "_layouts",
         "_runs",
         "bound",
         "count",
@@ -168,6 +151,56 @@ class SplitGraph:
         for q in range(len(self.sizes) - 2 * n):
             self.uploads_after[2 * self.pos[q + 1] - 1] = q
         self._runs: dict[tuple[int, bool, bool], tuple[list[list[int]], list[int]]] = {}
+        self._layouts: dict[int, tuple[list[list[int]], list[int], list[int], list[list[int]]]] = {}
+
+    def layout(self, first_backward: int) -> tuple[list[list[int]], list[int], list[int], list[list[int]]]:
+        """For plans whose backward slots begin at ``first_backward``: every task's dependents
+        and unmet waits (`run`, run after run), per task the code `split_ms` gives a forward
+        run's microbatch whose saved activation recomputes read (-1: none), and per device the
+        tasks ready at the start. Built once per first backward slot; read only."""
+        if first_backward in self._layouts:
+            return self._layouts[first_backward]
+        s_count, n = self.s_count, self.num_devices
+        after: list[list[int]] = []
+        unmet: list[int] = []
+        saving = [-1] * self.count
+        ready: list[list[int]] = [[] for _ in range(n)]
+        for run, size in enumerate(self.sizes):
+            i = run % s_count
+            backward = i >= first_backward
+            run_after, run_unmet = self.run(run, backward, n == 1 and first_backward <= i + 1 < s_count)
+            first = len(unmet)  # 2 * pos[run]
+            after += run_after
+            unmet += run_unmet
+            if not backward:
+                if i < first_backward - 1:  # a forward run: the plan says which recomputes read it
+                    saving[first + 1 : first + 2 * size : 2] = range(
+                        run * self.bound, run * self.bound + size
+                    )
+                first += 1
+            if not unmet[first]:
+                ready[run % n].append(first)
+        self._layouts[first_backward] = after, unmet, saving, ready
+        return after, unmet, saving, ready
+
+    def durations(
+        self, slot_ms: Sequence[float], recompute_ms: Sequence[float], first_backward: int
+    ) -> list[float]:
+        """Every task's duration: a backward microbatch's recompute and the rest, a forward or
+        fused microbatch 0 and its time (its task 2p never runs), run after run."""
+        per_slot = [
+            (recompute_ms[i], ms - recompute_ms[i]) if i >= first_backward else (0.0, ms)
+            for i, ms in enumerate(slot_ms)
+        ]
+        duration: list[float] = []
+        s_count = self.s_count
+        for start in range(0, len(self.sizes), s_count):  # a round: every slot with its size
+            size = self.sizes[start]
+            block: list[float] = []
+            for pair in per_slot:
+                block += pair * size
+            duration += block
+        return duration
 
     def run(self, run: int, backward: bool, before_backward: bool) -> tuple[list[list[int]], list[int]]:
         """The dependents and unmet waits of the run's tasks (read only), as a forward or a
