@@ -12,8 +12,17 @@ workers); ``reference`` runs the plain PyTorch loop that tests/test_async_remedi
 pipe equal to (gradient of iteration t at the weights the mode prescribes, applied to the newest
 weights), one thread per run, so ``--jobs`` runs go side by side on a small machine.
 
+One seed cannot rank remedies a point apart (the gap to sync moves by 2-3 points between seeds):
+``--seeds`` runs each mode on several, pairs every run with its seed's sync run and prints the
+mean gap, its standard error and the worst seed; ``--device cuda`` runs the reference loop on a
+GPU (the CPU's figures to 3-4 decimals), where 16 runs side by side take a few minutes.
+``--modes`` takes any mode by name (`Mode.parse`), including experiments only the reference
+loop runs.
+
     python bench/async_quality.py --engine reference --jobs 2 --png docs/async_quality.png
     python bench/async_quality.py --engine pipe --only main-1x
+    python bench/async_quality.py --engine reference --device cuda --jobs 16 --seeds 0 1 2 3 4 5 6 7 \
+        --only main-2x --modes "async+warmup20+predict2,-1+ramp120" --json 2x.json
 """
 
 from __future__ import annotations
