@@ -45,8 +45,8 @@ from typing import Any
 @dataclass(frozen=True)
 class Mode:
     """One optimizer mode, parsed from its name: ``sync`` or ``async``, then ``+``-joined
-    remedies: ``warmupN`` (N synchronous steps first), ``predictK`` (weight prediction, factor
-    K), ``rampR`` or ``rampR@S`` (the lr ramp over R async steps from S, default 0.4),
+    remedies: ``warmupN`` (N synchronous steps first), ``predictK`` or ``predictK1,K2`` (weight
+    prediction, factors newest update first), ``rampR`` or ``rampR@S`` (the lr ramp over R async steps from S, default 0.4),
     ``beta1B`` (Adam's beta1 is B on the asynchronous steps), ``clipC`` (clip the global
     gradient norm to C). ``predictK`` on ``sync`` is a control: the gradient of step t taken at
     ``W_t + K (W_t - W_{t-1})``, a look-ahead no `roundpipe train` mode runs."""
@@ -138,10 +138,10 @@ def train_config(job: str, mode_name: str, steps: int, seed: int = 0) -> Any:
 
 
 def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float]:
-    """The plain loop: iteration t < warmup reads W_t; later ones W_{t-1}, extrapolated by
-    ``weight_prediction`` times the update that made it once that update was asynchronous; the
-    async steps of the lr ramp run at its factor times the scheduled lr (and at ``mode.beta1``
-    when set); the gradient is clipped to ``max_grad_norm`` when set."""
+    """The plain loop: iteration t < warmup reads W_t; later ones W_{t-1}, plus each prediction
+    factor times its update once that update was asynchronous; the async steps of the lr ramp
+    run at its factor times the scheduled lr (and at ``mode.beta1`` when set); the gradient is
+    clipped to ``max_grad_norm`` when set."""
     import torch
 
     from roundpipe.optim.lr_ramp import ramp_factor
@@ -168,22 +168,19 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     for t in range(config.steps):
         with torch.no_grad():
             for i, read in enumerate(reads):
-                if not config.async_optimizer:
-                    base, newest = history[-1][i], 1  # W_t; the look-ahead control below
-                elif t < warmup:
-                    base, newest = params[i], None
-                else:
-                    base, newest = (history[-2][i] if t >= 1 else history[-1][i]), 2
-                read.copy_(base)
-                if newest is None:
+                if config.async_optimizer and t < warmup:
+                    read.copy_(params[i])
                     continue
+                at = -1 if not config.async_optimizer or t == 0 else -2  # W_t (sync) or W_{t-1}
+                read.copy_(history[at][i])
                 # + k_j (W_{t-j} - W_{t-j-1}) for the updates that exist and (async) were made
-                # by a step of an asynchronous iteration's gradient, as the pipe's P-copy does
+                # by a step of an asynchronous iteration's gradient, as the pipe's P-copy does;
+                # on sync, the look-ahead control
                 for j, factor in enumerate(mode.prediction):
-                    upto = len(history) - newest - j + 1  # W_{t-j} (sync) or W_{t-1-j} is history[upto - 1]
-                    if upto < 2 or (config.async_optimizer and t - 2 - j < warmup - 1):
+                    older = at - j - 1
+                    if -older > len(history) or (config.async_optimizer and t - 2 - j < warmup - 1):
                         break
-                    read.add_(history[upto - 1][i] - history[upto - 2][i], alpha=factor)
+                    read.add_(history[older + 1][i] - history[older][i], alpha=factor)
         shadow.zero_grad(set_to_none=True)
         batch = {k: v.to(device) for k, v in next(batches).items()}
         loss = shadow(**batch).loss

@@ -14,9 +14,17 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from roundpipe.distributed_config import DistributedConfig
 from roundpipe.errors import ConfigError
@@ -130,6 +138,10 @@ def prediction_factors(value: Any) -> PredictionFactors:
     return factors[0] if len(factors) == 1 else factors
 
 
+WeightPrediction = Annotated[PredictionFactors, BeforeValidator(prediction_factors)]
+"""The ``weight_prediction`` field of `RunConfig` and `TrainConfig`: any accepted form, stored in one."""
+
+
 class RunConfig(BaseModel):
     """How a `RoundPipe` runs. Every field has a default; see docs/api.md for each."""
 
@@ -147,7 +159,7 @@ class RunConfig(BaseModel):
         ge=0,
         description="async remedy: run the first N optimizer steps synchronously, then staleness 1",
     )
-    weight_prediction: float | tuple[float, ...] = Field(
+    weight_prediction: WeightPrediction = Field(
         0.0,
         description="async remedy: iterations read the weights extrapolated by the last updates, "
         "W + k * (W - W_prev) with k this factor, or with factors (k1, k2) also + k2 * (W_prev - "
@@ -233,11 +245,6 @@ class RunConfig(BaseModel):
         if isinstance(value, float | int) and not isinstance(value, bool) and value <= 0:
             raise ValueError("a fixed loss scale must be > 0")
         return value
-
-    @field_validator("weight_prediction", mode="before")
-    @classmethod
-    def _one_form_of_prediction(cls, value: Any) -> PredictionFactors:
-        return prediction_factors(value)
 
     @model_validator(mode="after")
     def _check_async_remedies(self) -> RunConfig:

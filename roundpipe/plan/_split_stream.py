@@ -196,10 +196,8 @@ class SplitGraph:
         s_count = self.s_count
         for start in range(0, len(self.sizes), s_count):  # a round: every slot with its size
             size = self.sizes[start]
-            block: list[float] = []
             for pair in per_slot:
-                block += pair * size
-            duration += block
+                duration += pair * size
         return duration
 
     def run(self, run: int, backward: bool, before_backward: bool) -> tuple[list[list[int]], list[int]]:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from roundpipe.config import PredictionFactors, RunConfig, prediction_factors
+from roundpipe.config import PredictionFactors, RunConfig, WeightPrediction
 from roundpipe.errors import ConfigError
 
 DEFAULT_MODEL = "qwen3-tiny"
@@ -99,7 +99,7 @@ class TrainConfig(BaseModel):
         ge=0,
         description="async only: the first N steps run synchronously (docs/train.md, staleness remedies)",
     )
-    weight_prediction: float | tuple[float, ...] = Field(
+    weight_prediction: WeightPrediction = Field(
         default=DEFAULT_WEIGHT_PREDICTION,
         description="async only: iterations read W + k1 * (W - W_prev) + k2 * (W_prev - W_prev2), "
         "the factors newest first (one factor: W + k * (W - W_prev)); 0 turns it off",
@@ -138,11 +138,6 @@ class TrainConfig(BaseModel):
     )
     out: str = Field(default="runs", description="parent directory of run directories")
     name: str | None = Field(default=None, description="run directory name; default a timestamp")
-
-    @field_validator("weight_prediction", mode="before")
-    @classmethod
-    def _one_form_of_prediction(cls, value: Any) -> PredictionFactors:
-        return prediction_factors(value)
 
     @field_validator("devices")
     @classmethod
