@@ -94,7 +94,10 @@ def _limit_fragmentation() -> None:
     (an LM head's logits chunks, gradients) strand far more than the plan's allocated bytes."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # The old name is now a deprecated wrapper of this one (a FutureWarning per call).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None
+    )
     if setter is not None:
         setter("expandable_segments:True")
 
