@@ -48,7 +48,8 @@ class Mode:
     remedies: ``warmupN`` (N synchronous steps first), ``predictK`` or ``predictK1,K2`` (weight
     prediction, factors newest update first), ``rampR`` or ``rampR@S`` (the lr ramp over R async steps from S, default 0.4),
     ``beta1B`` (Adam's beta1 is B on the asynchronous steps), ``clipC`` (clip the global
-    gradient norm to C). ``predictK`` on ``sync`` is a control: the gradient of step t taken at
+    gradient norm to C), ``freshN`` (`RunConfig.fresh_layers`: the deepest N of the pipe's layers,
+    embedding and head included, read W_t; a head tied to the embedding stays stale). ``predictK`` on ``sync`` is a control: the gradient of step t taken at
     ``W_t + K (W_t - W_{t-1})``, a look-ahead no `roundpipe train` mode runs."""
 
     async_optimizer: bool
@@ -58,6 +59,7 @@ class Mode:
     ramp_start: float = 0.4
     beta1: float | None = None
     clip: float | None = None
+    fresh: int = 0  # RunConfig.fresh_layers: the deepest layers' own weights read W_t
 
     @classmethod
     def parse(cls, name: str) -> Mode:
@@ -67,7 +69,7 @@ class Mode:
         fields: dict[str, Any] = {"async_optimizer": head == "async"}
         for remedy in remedies:
             match = re.fullmatch(
-                r"(warmup|predict|ramp|beta1|clip)([0-9.]+(?:,-?[0-9.]+)*)(?:@([0-9.]+))?", remedy
+                r"(warmup|predict|ramp|beta1|clip|fresh)([0-9.]+(?:,-?[0-9.]+)*)(?:@([0-9.]+))?", remedy
             )
             if match is None:
                 raise ValueError(
@@ -84,6 +86,8 @@ class Mode:
                     fields["ramp_start"] = float(start)
             elif kind == "beta1":
                 fields["beta1"] = float(value)
+            elif kind == "fresh":
+                fields["fresh"] = int(value)
             else:
                 fields["clip"] = float(value)
         return cls(**fields)
@@ -91,7 +95,7 @@ class Mode:
     @property
     def pipe_supported(self) -> bool:
         """Whether `roundpipe train` runs this mode (the rest are reference-only experiments)."""
-        return self.beta1 is None and (self.async_optimizer or not self.prediction)
+        return self.beta1 is None and (self.async_optimizer or not (self.prediction or self.fresh))
 
 
 DEFAULT_MODE = "async+warmup20+predict2,-1+ramp120"  # the `roundpipe train` default
@@ -134,6 +138,7 @@ def train_config(job: str, mode_name: str, steps: int, seed: int = 0) -> Any:
         weight_prediction=mode.prediction if mode.async_optimizer else 0.0,
         async_lr_ramp_steps=mode.ramp_steps,
         async_lr_ramp_start=mode.ramp_start,
+        fresh_layers=mode.fresh if mode.async_optimizer else 0,
     )
 
 
@@ -156,6 +161,8 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     shadow = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     reads = [p for p in shadow.parameters() if p.requires_grad]
+    fresh_ids = fresh_parameters(shadow, mode.fresh) if config.async_optimizer else set()
+    fresh = [id(p) in fresh_ids for p in reads]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     warmup = config.async_warmup_steps if config.async_optimizer else 0
     ramp = config.async_lr_ramp_steps if config.async_optimizer else 0
@@ -168,7 +175,7 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     for t in range(config.steps):
         with torch.no_grad():
             for i, read in enumerate(reads):
-                if config.async_optimizer and t < warmup:
+                if config.async_optimizer and (t < warmup or fresh[i]):
                     read.copy_(params[i])
                     continue
                 at = -1 if not config.async_optimizer or t == 0 else -2  # W_t (sync) or W_{t-1}
@@ -198,6 +205,29 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
         history = [*history[-(keep - 1) :], [p.detach().clone() for p in params]]
         losses.append(loss.item())
     return losses
+
+
+def fresh_parameters(model: Any, fresh_layers: int) -> set[int]:
+    """The ids of the parameters `RunConfig.fresh_layers` reads fresh: those of the units
+    `fresh_units_of` picks among the pipe's layers (a shared parameter's unit is the shallowest
+    layer holding it, as in the pipe)."""
+    from roundpipe.model.sequence import to_layer_sequence
+    from roundpipe.sched.spec import fresh_units_of
+
+    if not fresh_layers:
+        return set()
+    owner: dict[int, int] = {}
+    owners = []
+    params_of: dict[int, list[int]] = {}
+    for layer, module in enumerate(to_layer_sequence(model).layers):
+        units = set()
+        for param in module.parameters():
+            if param.requires_grad:
+                unit = owner.setdefault(id(param), layer)
+                units.add(unit)
+                params_of.setdefault(unit, []).append(id(param))
+        owners.append(tuple(sorted(units)))
+    return {key for unit in fresh_units_of(tuple(owners), fresh_layers) for key in params_of[unit]}
 
 
 def pipe_losses(config: Any) -> list[float]:

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roundpipe.config import RunConfig
-from roundpipe.errors import PlanError
+from roundpipe.errors import ConfigError, PlanError
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.optim.lr_ramp import ramp_factor
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan_eval import choose_evaluated_plan
-from roundpipe.sched.spec import ScheduleOptions
+from roundpipe.sched.spec import ScheduleOptions, fresh_units_of
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -82,9 +82,12 @@ def make_runtime(
     return runtime
 
 
-def schedule_options(config: RunConfig, round_size: int | None, runtime: Runtime) -> ScheduleOptions:
+def schedule_options(
+    config: RunConfig, round_size: int | None, runtime: Runtime, owners: tuple[tuple[int, ...], ...] = ()
+) -> ScheduleOptions:
     """The task graph's knobs: a grad-norm barrier when clipping or fp16 needs the global norm,
-    and one order of the steps on every process when they average gradients."""
+    one order of the steps on every process when they average gradients, and the fresh units of
+    ``config.fresh_layers`` (given the layers' ``owners``)."""
     return ScheduleOptions(
         async_optimizer=config.async_optimizer,
         round_size=round_size,
@@ -92,7 +95,21 @@ def schedule_options(config: RunConfig, round_size: int | None, runtime: Runtime
         grad_norm_barrier=config.max_grad_norm is not None or runtime.scaler is not None,
         ordered_steps=runtime.collectives.active,
         sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
+        fresh_units=fresh_units(config, owners),
     )
+
+
+def fresh_units(config: RunConfig, owners: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    """The units that read fresh weights: those of the deepest ``config.fresh_layers`` layers
+    that share no weights with a shallower layer (`fresh_units_of`)."""
+    if not config.async_optimizer or not config.fresh_layers:
+        return frozenset()
+    if config.fresh_layers > len(owners):
+        raise ConfigError(
+            f"fresh_layers={config.fresh_layers} but the model has {len(owners)} layers (embedding "
+            f"and LM head included); use at most {len(owners)}"
+        )
+    return fresh_units_of(owners, config.fresh_layers)
 
 
 def predict_from(config: RunConfig) -> int | None:

@@ -56,6 +56,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text})")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -149,6 +169,21 @@ def _add_simulate_parser(subparsers: Any) -> None:
         default=None,
         metavar="X",
         help="host<->device link in GB/s; transfers then take time (default: free)",
+    )
+    s.add_argument(
+        "--optimizer-ms",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="X",
+        help="host optimizer step per layer in ms (default 0: free)",
+    )
+    s.add_argument(
+        "--fresh-layers",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="async: the deepest N layers read the newest weights (RunConfig.fresh_layers); the "
+        "makespan shows what waiting for their steps costs",
     )
     s.add_argument("--trace", metavar="OUT.json", help="save the trace (roundpipe trace ... reads it)")
     s.add_argument("--perfetto", metavar="OUT.json", help="write a Perfetto/Chrome trace (ui.perfetto.dev)")
@@ -257,6 +292,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     from roundpipe.simulate import simulate
 
     source, costs = _load_costs(args)
+    if args.fresh_layers and not args.async_optimizer:
+        raise ValueError("--fresh-layers is an asynchronous remedy; drop it or drop --sync")
+    if args.fresh_layers > costs.num_layers:
+        raise ValueError(f"--fresh-layers {args.fresh_layers} but the model has {costs.num_layers} layers")
     plan = _partition(costs, args)
     info = plan_summary(plan, costs, args.devices, args.microbatches, args.async_optimizer)
     result = simulate(
@@ -267,6 +306,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         async_optimizer=args.async_optimizer,
         link_gbps=args.link_gbps,
+        optimizer_ms=args.optimizer_ms,
+        fresh_layers=args.fresh_layers,
     )
     files: dict[str, str] = {}
     if args.trace:
@@ -279,6 +320,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         "iterations": args.iterations,
         "async_optimizer": args.async_optimizer,
         "link_gbps": args.link_gbps,
+        "optimizer_ms": args.optimizer_ms,
+        "fresh_layers": args.fresh_layers,
     }
     if args.json:
         out = {"source": source, **settings, "mem_limit_bytes": args.mem_limit, **info, **result.to_dict()}

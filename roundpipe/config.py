@@ -174,6 +174,14 @@ class RunConfig(BaseModel):
     async_lr_ramp_start: float = Field(
         0.4, gt=0.0, le=1.0, description="async remedy: the lr ramp's first factor (see async_lr_ramp_steps)"
     )
+    fresh_layers: int = Field(
+        0,
+        ge=0,
+        description="async remedy: the deepest N layers read the newest weights (staleness 0; a "
+        "layer sharing weights with a shallower one, such as a tied LM head, stays stale); their "
+        "next forward waits for their step, which costs nothing when it lands before the forward "
+        "reaches them (`roundpipe.simulate` shows whether it does)",
+    )
     precision: Precision = Field("fp32", description="dtype of the compute copy and of device math")
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(
@@ -251,7 +259,7 @@ class RunConfig(BaseModel):
         if not self.async_optimizer:
             given = [
                 f"{name}={getattr(self, name)}"
-                for name in ("async_warmup_steps", "weight_prediction", "async_lr_ramp_steps")
+                for name in ("async_warmup_steps", "weight_prediction", "async_lr_ramp_steps", "fresh_layers")
                 if getattr(self, name)
             ]
             if given:

@@ -95,7 +95,10 @@ class RoundPipe:
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
         self.costs = estimated_costs(self.host, self._sequence.names)
         self.plan: Plan = plan_for(self.costs, self._plan_config, self.num_devices)
-        self._options = schedule_options(config, self._plan_config.round_size, self.runtime)
+        self._options = schedule_options(
+            config, self._plan_config.round_size, self.runtime, self._spec.owners
+        )
+        self.runtime.fresh_units = self._options.fresh_units
         self._iteration = 0
         self._stepped_at = 0  # the iteration count at the last step(): a step needs new gradients
         self._step = 0
@@ -111,9 +114,9 @@ class RoundPipe:
         release = budget_release(device_spec, self._budget)
         self._finalizer = weakref.finalize(self, shutdown, self._runner, self._backend, release)
 
-    def _new_builder(self, *, base_version: int) -> GraphBuilder:
+    def _new_builder(self, *, base_version: int, fresh_base_version: int | None = None) -> GraphBuilder:
         """A graph builder that continues this run's numbering from a compute copy that holds
-        weight version ``base_version``."""
+        weight version ``base_version`` (``fresh_base_version`` for the fresh units, if other)."""
         return GraphBuilder(
             self.plan,
             self._spec,
@@ -122,6 +125,7 @@ class RoundPipe:
             first_iteration=self._iteration,
             first_step=self._step,
             base_version=base_version,
+            fresh_base_version=fresh_base_version,
         )
 
     def _check_open(self) -> None:
@@ -387,13 +391,20 @@ class RoundPipe:
         self.synchronize()
         step = int(state["step"])
         base_version = compute_copy_version(step, self._options)
-        restore_host(state, self.host, self._scaler, in_flight=base_version < step)
+        restore_host(
+            state,
+            self.host,
+            self._scaler,
+            in_flight=base_version < step,
+            fresh_units=self._options.fresh_units,
+        )
         self._step = step
         self._iteration = int(state["iteration"])
         self._stepped_at = self._iteration
         self.runtime.reset()
         self._retention.clear()
-        self._builder = self._new_builder(base_version=base_version)
+        # Fresh units never defer their P-copy: their compute copy holds the newest weights.
+        self._builder = self._new_builder(base_version=base_version, fresh_base_version=step)
         self.host.sync_module()
 
 

@@ -25,6 +25,7 @@ from roundpipe.plan.partition import Plan
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import run_sync
+from roundpipe.sched.spec import fresh_units_of
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import BubbleReport, Trace
 from roundpipe.sched.upkeep import EngineStatistics
@@ -67,10 +68,13 @@ def simulate(
     chunk_bytes: int | None = None,
     shared_link: bool = True,
     perturbation: object | None = None,
+    fresh_layers: int = 0,
 ) -> SimulationResult:
     """Run ``iterations`` iterations (each followed by an optimizer step) on the fake backend.
 
     ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
+    ``fresh_layers``: the deepest layers read fresh weights (`RunConfig.fresh_layers`); with
+    ``optimizer_ms`` set, the makespan shows what their steps cost the next forward.
     """
     engine, trace, iteration_computes = run_fake(
         plan,
@@ -88,6 +92,7 @@ def simulate(
         chunk_bytes=chunk_bytes,
         shared_link=shared_link,
         perturbation=perturbation,
+        fresh_layers=fresh_layers,
     )
     report = trace.bubble_ratio()
     return SimulationResult(
@@ -118,6 +123,7 @@ def run_fake(
     chunk_bytes: int | None = None,
     shared_link: bool = True,
     perturbation: object | None = None,
+    fresh_layers: int = 0,
 ) -> tuple[Engine, Trace, list[list[tuple[object, ...]]]]:
     """The run behind `simulate`, without its reports: the engine, the trace and each iteration's
     compute keys (plan evaluation reads only a few start times, and the bubble reports would cost
@@ -128,7 +134,12 @@ def run_fake(
         owners=tuple((layer,) for layer in range(costs.num_layers)),
         act_bytes=act_bytes,
     )
-    options = ScheduleOptions(async_optimizer=async_optimizer, round_size=round_size, chunk_bytes=chunk_bytes)
+    options = ScheduleOptions(
+        async_optimizer=async_optimizer,
+        round_size=round_size,
+        chunk_bytes=chunk_bytes,
+        fresh_units=fresh_units_of(spec.owners, fresh_layers) if async_optimizer else frozenset(),
+    )
     builder = GraphBuilder(plan, spec, num_devices, options)
     model = FakeCostModel(costs, link_gbps=link_gbps, optimizer_ms=optimizer_ms, latency_ms=latency_ms)
     backend = _fake_backend(model, perturbation, shared_link)

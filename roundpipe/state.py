@@ -58,11 +58,18 @@ def check_state(state: Any, config: RunConfig) -> None:
         )
 
 
-def restore_host(state: dict[str, Any], host: HostModel, scaler: LossScaler | None, in_flight: bool) -> None:
+def restore_host(
+    state: dict[str, Any],
+    host: HostModel,
+    scaler: LossScaler | None,
+    in_flight: bool,
+    fresh_units: frozenset[int] = frozenset(),
+) -> None:
     """Put a checked state's weights, optimizer, scheduler and scaler state into quiet host copies;
     gradients not yet stepped are dropped. ``in_flight``: this pipe's next iteration reads the
     version before the last step (its P-copy is deferred), so the compute copy gets the saved
-    in-flight weights; otherwise (sync, or an async warm-up still running) the optimizer copy."""
+    in-flight weights; otherwise (sync, or an async warm-up still running) the optimizer copy.
+    The ``fresh_units`` read the newest weights either way: their compute copy is the optimizer's."""
     masters = {name: master for name, _, master in host.named_masters()}
     missing = set(masters) - set(state["model"])
     unexpected = set(state["model"]) - set(masters)
@@ -76,12 +83,14 @@ def restore_host(state: dict[str, Any], host: HostModel, scaler: LossScaler | No
             master.copy_(state["model"][name])
         host.load_state_dict(state["host"])
         host.drop_gradients()
+        host.p_copy_all()
         if in_flight and "in_flight_weights" in state:
+            fresh = {id(p) for unit in fresh_units for p in host.unit_params.get(unit, ())}
+            stale = {name for name, param, _ in host.named_masters() if id(param) not in fresh}
             compute = dict(host.named_compute())
             for name, tensor in state["in_flight_weights"].items():
-                compute[name].copy_(tensor)
-        else:
-            host.p_copy_all()
+                if name in stale:
+                    compute[name].copy_(tensor)
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
 

@@ -25,6 +25,7 @@ def remedy_reference(
     warmup_steps: int = 0,
     prediction: float | tuple[float, ...] = 0.0,
     lr_ramp: tuple[int, float] = (0, 1.0),
+    fresh: tuple[str, ...] = (),
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Iterations t < ``warmup_steps`` compute on W_t (sync). Later ones on W_{t-1}, and, when
     the step that made W_{t-1} was taken asynchronously (t-2 >= warmup_steps - 1), on
@@ -32,8 +33,9 @@ def remedy_reference(
     W_{t-1} + sum_j k_j (W_{t-j} - W_{t-j-1}), each term only when the step that made W_{t-j}
     was asynchronous (t-1-j >= warmup_steps - 1). Gradients are applied to the newest weights;
     with ``lr_ramp = (R, r)`` step t >= warmup_steps runs at the lr times
-    r + (1 - r) * min(1, (t - warmup_steps + 1) / R). Returns the losses and the weights after
-    every step."""
+    r + (1 - r) * min(1, (t - warmup_steps + 1) / R). The parameters whose names start with one
+    of ``fresh`` always read W_t (staleness 0, never predicted). Returns the losses and the
+    weights after every step."""
     opt = optimizer(list(model.parameters()))
     history = [copy.deepcopy(model.state_dict())]  # history[k] = weights after k steps
     shadow = copy.deepcopy(model)
@@ -52,6 +54,7 @@ def remedy_reference(
                 newer, older = history[t - j], history[t - j - 1]
                 for k in read:
                     read[k] += factor * (newer[k] - older[k])
+        read = {k: history[t][k] if k.startswith(fresh) else v for k, v in read.items()}
         shadow.load_state_dict(read)
         shadow.zero_grad()
         loss = loss_fn(shadow(x), y)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe.errors import ConfigError
+from roundpipe.errors import ConfigError, ScheduleError
+from roundpipe.plan import LayerCosts, Plan
 from tests.helpers import assert_weights_equal, batches, mlp, train_steps
 from tests.remedy_reference import remedy_reference
 
@@ -144,7 +145,8 @@ def test_warmup_steps_are_synchronous_in_the_trace() -> None:
         (0, 2.0, 3, "fp32"),
         (2, 1.5, 2, "fp32"),
         (1, 2.0, 3, "bf16"),
-        # saved with one update remembered of the two the factors read, and with both
+        # saved before any update was remembered, with one of the two the factors read, and both
+        (2, (2.0, -1.0), 1, "fp32"),
         (1, (2.0, -1.0), 1, "fp32"),
         (2, (2.0, -1.0), 4, "fp32"),
         (1, (2.0, -1.0), 2, "bf16"),
@@ -327,3 +329,165 @@ def test_an_fp16_overflow_makes_the_pipe_forget_the_updates_it_would_extrapolate
         assert pipe._scaler.skipped_steps == 1
         for key, weights in kept.items():
             assert len(weights) == 1 and torch.equal(weights[0], pipe.host.master[key])
+
+
+# ------------------------------------------------------------------ fresh layers
+
+# (fresh_layers, async_warmup_steps, weight_prediction, parameter names that read W_t). The mlp's
+# layers are Linear, Tanh, Linear, Tanh, Linear, Tanh, Linear: layer i holds the parameters "i.*".
+FRESH: list[tuple[int, int, Prediction, tuple[str, ...]]] = [
+    (3, 0, 0.0, ("4.", "6.")),
+    (1, 2, (2.0, -1.0), ("6.",)),
+    (2, 1, 2.0, ("6.",)),  # layer 5 (a Tanh) has no weights to read fresh
+    (7, 0, 2.0, ("0.", "2.", "4.", "6.")),  # every layer fresh: the sync loop
+]
+
+
+def fresh_config(devices: str, fresh: int, warmup: int, prediction: Prediction) -> roundpipe.RunConfig:
+    return remedy_config(devices, warmup, prediction).model_copy(update={"fresh_layers": fresh})
+
+
+@pytest.mark.parametrize(("fresh", "warmup", "prediction", "names"), FRESH)
+def test_pipe_matches_the_fresh_layers_loop_on_one_two_and_three_workers(
+    fresh: int, warmup: int, prediction: Prediction, names: tuple[str, ...]
+) -> None:
+    data = batches(6)
+    _, ref_weights = remedy_reference(
+        mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction, fresh=names
+    )
+    for devices in ("cpu:1", "cpu:2", "cpu:3"):
+        with roundpipe.RoundPipe(
+            mlp(), optimizer=adamw, config=fresh_config(devices, fresh, warmup, prediction)
+        ) as pipe:
+            weights = train_steps(pipe, data, mse)
+            trace = pipe.trace()
+        trace.check_rules()
+        for got, want in zip(weights, ref_weights, strict=True):
+            assert_weights_equal(got, want)
+
+
+def test_every_layer_fresh_is_the_synchronous_loop() -> None:
+    """The reference with every parameter fresh is sync mode itself, so the fresh rules are the
+    sync ones, not a third kind of schedule."""
+    data = batches(5)
+    sync = roundpipe.RunConfig(devices="cpu:2", num_microbatches=4, async_optimizer=False)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=sync) as pipe:
+        want = train_steps(pipe, data, mse)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=fresh_config("cpu:2", 7, 0, 0.0)) as pipe:
+        got = train_steps(pipe, data, mse)
+    for a, b in zip(got, want, strict=True):
+        assert_weights_equal(a, b, rtol=0, atol=0)
+
+
+def test_fresh_layers_read_their_own_step_in_the_trace() -> None:
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=fresh_config("cpu:2", 3, 0, 2.0)) as pipe:
+        train_steps(pipe, batches(4), mse)
+        trace = pipe.trace()
+    read = {(t.iteration, t.layers.start): t.step for t in trace if t.kind == "param_up"}
+    assert {layer for _, layer in read} == {0, 2, 4, 6}
+    for (iteration, layer), version in read.items():
+        assert version == (iteration if layer >= 4 else max(0, iteration - 1)), (iteration, layer)
+    assert trace.meta["fresh_units"] == [4, 6]
+    # A fresh unit's P-copy follows its own step; a stale unit's waits for the next step.
+    p_copies = [t for t in trace if t.kind == "p_copy"]
+    assert {t.layers.start for t in p_copies if t.step == 3} == {4, 6}
+
+
+@pytest.mark.parametrize(("fresh", "warmup", "prediction", "stop"), [(3, 0, 2.0, 3), (1, 2, (2.0, -1.0), 1)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_with_fresh_layers_is_bit_exact(
+    fresh: int, warmup: int, prediction: Prediction, stop: int, precision: str
+) -> None:
+    data = batches(6)
+    cfg = fresh_config("cpu:2", fresh, warmup, prediction).model_copy(update={"precision": precision})
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
+        full = train_steps(pipe, data, mse)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
+        train_steps(pipe, data[:stop], mse)
+        state = pipe.state_dict()
+    with roundpipe.RoundPipe(mlp(seed=99), optimizer=adamw, config=cfg) as pipe:
+        pipe.load_state_dict(state)
+        resumed = train_steps(pipe, data[stop:], mse)
+    for got, want in zip(resumed, full[stop:], strict=True):
+        assert_weights_equal(got, want, rtol=0, atol=0)
+
+
+def test_a_state_saved_without_fresh_layers_resumes_with_them() -> None:
+    """The saved in-flight weights are the older ones; a unit the loading pipe reads fresh must
+    compute on the newest instead: the next loss is the module's (which holds them)."""
+    data = batches(3)
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=remedy_config("cpu:2", 0, 0.0)) as pipe:
+        train_steps(pipe, data[:2], mse)
+        state = pipe.state_dict()
+    model = mlp(seed=99)
+    with roundpipe.RoundPipe(model, optimizer=adamw, config=fresh_config("cpu:2", 7, 0, 0.0)) as pipe:
+        pipe.load_state_dict(state)
+        x, y = data[2]
+        with torch.no_grad():
+            want = mse(model(x), y).item()
+        assert pipe.forward_backward(x, y, mse) == pytest.approx(want, rel=1e-6)
+
+
+def test_a_tied_head_stays_stale_with_its_embedding() -> None:
+    from roundpipe.sched.spec import fresh_units_of
+
+    # embedding (unit 0), two layers, a head reading the embedding's weights and its own norm.
+    owners = ((0,), (1,), (2,), (0, 3))
+    assert fresh_units_of(owners, 1) == frozenset()
+    assert fresh_units_of(owners, 2) == {2}
+    assert fresh_units_of(owners, 4) == {0, 1, 2, 3}
+    assert fresh_units_of(((0,), (), (2,)), 2) == {2}  # a layer without weights changes nothing
+
+
+def test_fresh_and_stale_owners_of_one_layer_are_refused() -> None:
+    from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+
+    spec = ModelSpec(param_bytes=(1, 1, 1), owners=((0,), (1,), (0, 2)))
+    with pytest.raises(ScheduleError, match="owned by fresh and stale units"):
+        GraphBuilder(fused_plan(3), spec, 1, ScheduleOptions(fresh_units=frozenset({2})))
+
+
+def fused_plan(num_layers: int, num_devices: int = 1, num_microbatches: int = 1) -> Plan:
+    return Plan(
+        fwd_stages=(),
+        fused=range(num_layers),
+        bwd_stages=(),
+        t_max=3.0 * num_layers,
+        num_devices=num_devices,
+        num_microbatches=num_microbatches,
+        slot_ms=(3.0 * num_layers,),
+    )
+
+
+def test_fresh_layers_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="only applies with async_optimizer=True"):
+        roundpipe.RunConfig(async_optimizer=False, fresh_layers=2)
+    with pytest.raises(ConfigError, match="fresh_layers"):
+        roundpipe.RunConfig(fresh_layers=-1)
+    with pytest.raises(ConfigError, match=r"fresh_layers=9 but the model has 7 layers"):
+        roundpipe.RoundPipe(mlp(), optimizer=adamw, config=fresh_config("cpu:1", 9, 0, 0.0))
+
+
+def test_simulate_shows_what_fresh_layers_cost_the_next_forward() -> None:
+    """On a fused-only plan every layer's last gradient arrives when the iteration ends, so a
+    fresh layer makes the next iteration wait; on a split plan the deep stages' gradients arrive
+    while the shallow ones still drain, and their steps land before the next forward needs them."""
+    from roundpipe.plan.choose import choose_plan
+    from roundpipe.simulate import simulate
+
+    costs = LayerCosts((1.0,) * 4, (2.0,) * 4, (1,) * 4)
+    plan = fused_plan(4, 2, 4)
+    stale = simulate(plan, costs, 2, 4, 4, True, optimizer_ms=0.5)
+    fresh = simulate(plan, costs, 2, 4, 4, True, optimizer_ms=0.5, fresh_layers=2)
+    assert fresh.makespan_ms > stale.makespan_ms
+    assert fresh.trace.meta["fresh_units"] == [2, 3]
+    fresh.trace.check_rules()
+
+    costs = LayerCosts((1.0,) * 32, (2.0,) * 32, (1,) * 32)
+    plan = choose_plan(costs, 2, 4, async_optimizer=True)
+    assert plan.bwd_stages
+    stale = simulate(plan, costs, 2, 4, 4, True, optimizer_ms=0.2)
+    fresh = simulate(plan, costs, 2, 4, 4, True, optimizer_ms=0.2, fresh_layers=8)
+    assert fresh.makespan_ms == stale.makespan_ms
+    assert fresh.trace.meta["fresh_units"] == list(range(24, 32))
+    fresh.trace.check_rules()

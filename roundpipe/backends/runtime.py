@@ -85,8 +85,11 @@ class Runtime:
         compiler: LayerCompiler | None = None,
         predict_from: int | None = None,
         lr_scale: Callable[[int], float] = lambda step: 1.0,
+        fresh_units: frozenset[int] = frozenset(),
     ) -> None:
         self.host = host
+        # Fresh units read their own step's weights (ScheduleOptions.fresh_units): nothing to predict.
+        self.fresh_units = fresh_units
         # Weight prediction: P-copies of steps >= predict_from extrapolate (None: never), and those
         # steps keep the weights they start from; lr_scale(step): the async lr ramp (optim/lr_ramp.py).
         self.predict_from, self.lr_scale = predict_from, lr_scale
@@ -359,17 +362,18 @@ class Runtime:
         if self.scaler is not None:
             self.scaler.update(self.host.found_inf)
 
-    def _predicts(self, step: int) -> bool:
-        return self.predict_from is not None and step >= self.predict_from
+    def _predicts(self, step: int, unit: int) -> bool:
+        return self.predict_from is not None and step >= self.predict_from and unit not in self.fresh_units
 
     def step(self, task: Task) -> None:
         self.collectives.before_step(task.step, task.layers.start)
         unit, step = task.layers.start, task.step
-        self.host.step(unit, remember=self._predicts(step), lr_scale=self.lr_scale(step))
+        self.host.step(unit, remember=self._predicts(step, unit), lr_scale=self.lr_scale(step))
         self.collectives.after_step(task.step, task.layers.start)
 
     def p_copy(self, task: Task) -> None:
-        self.host.p_copy(task.layers.start, predict=self._predicts(task.step))
+        unit = task.layers.start
+        self.host.p_copy(unit, predict=self._predicts(task.step, unit))
 
 
 _HANDLERS: dict[str, Callable[[Runtime, Task], None]] = {

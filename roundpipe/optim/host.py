@@ -390,7 +390,6 @@ class HostModel:
                 self.schedulers[unit].load_state_dict(sched_state)
         if self.predictor is not None:
             keys = {name: id(param) for name, param, _ in self.named_masters()}
-            masters = {id(param): master for _, param, master in self.named_masters()}
             self.predictor.load_state_dict(
-                state.get("previous_weights", {}), keys, masters, state.get("earlier_weights")
+                state.get("previous_weights", {}), keys, state.get("earlier_weights")
             )

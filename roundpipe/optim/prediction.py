@@ -106,20 +106,23 @@ class WeightPredictor:
         self,
         state: dict[str, Any],
         keys: dict[str, int],
-        masters: dict[int, torch.Tensor],
         earlier: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Restore saved weights; a parameter the state lacks (saved without prediction) starts
-        from its current weights, i.e. the next prediction assumes no movement. Earlier weights
-        the state lacks (saved with fewer factors, or before the steps that make them) stay
-        missing: their factors are left out until the steps remember them."""
+        """Restore saved weights; a parameter the state lacks (saved without prediction, before
+        the first remembered step, or read fresh) remembers nothing, as in the run that saved
+        it: its next prediction assumes no movement. Earlier weights the state lacks (saved with
+        fewer factors, or before the steps that make them) stay missing: their factors are left
+        out until the steps remember them. (Remembering the current weights instead would
+        predict the same but through one more term, a rounding apart: a resume would not be
+        bit-exact.)"""
         self.previous = {}
         for name, key in keys.items():
             saved = state.get(name)
-            source = saved if saved is not None else masters[key]
-            kept = [source.detach().to(torch.float32).clone()]
+            if saved is None:
+                continue
+            kept = [saved.detach().to(torch.float32).clone()]
             for older in (earlier or [])[: len(self.factors) - 1]:
-                if saved is None or older.get(name) is None:
+                if older.get(name) is None:
                     break
                 kept.append(older[name].detach().to(torch.float32).clone())
             self.previous[key] = kept

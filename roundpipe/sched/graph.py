@@ -85,9 +85,12 @@ class GraphBuilder:
         first_iteration: int = 0,
         first_step: int = 0,
         base_version: int = 0,
+        fresh_base_version: int | None = None,
     ) -> None:
         """``first_iteration``/``first_step`` continue a run's numbering (after a resume or a
-        recovery); ``base_version`` is the weight version already in the compute copy."""
+        recovery); ``base_version`` is the weight version already in the compute copy
+        (``fresh_base_version`` that of the fresh units, which never defer a P-copy: the same
+        unless a resume found the others' P-copy deferred)."""
         if spec.num_layers != plan.num_layers:
             raise ScheduleError(
                 f"the plan covers {plan.num_layers} layers but the model has {spec.num_layers}"
@@ -105,6 +108,13 @@ class GraphBuilder:
         self._last_ordered: Key | None = None  # with ordered steps: the step task scheduled last
         self._last_iteration = first_iteration - 1
         self.base_version = base_version
+        self.fresh_base_version = base_version if fresh_base_version is None else fresh_base_version
+        for layer, layer_owners in enumerate(spec.owners):
+            if len({unit in options.fresh_units for unit in layer_owners}) > 1:
+                raise ScheduleError(
+                    f"layer {layer} is owned by fresh and stale units {list(layer_owners)}: one "
+                    "upload reads one weight version (choose the fresh units with fresh_units_of)"
+                )
 
     def meta(self) -> dict[str, object]:
         """What a trace needs to be checked and replayed without the model."""
@@ -115,6 +125,8 @@ class GraphBuilder:
             "plan": self.plan.to_dict(),
             "base_version": self.base_version,
             "sync_steps": self.options.sync_steps,
+            "fresh_units": sorted(self.options.fresh_units),
+            "fresh_base_version": self.fresh_base_version,
         }
 
     @property
@@ -144,7 +156,7 @@ class GraphBuilder:
             round_size=self.options.round_size,
         )
         version = rules.weight_version(step, self.options.async_optimizer, self.options.sync_steps)
-        built = IterationInProgress(iteration, step, version)
+        built = IterationInProgress(iteration, step, version, fresh_version=step)
         for slot_run in runs:
             run = self._stage_run(slot_run, built)
             param_keys = self._param_uploads(run, built)
@@ -194,7 +206,7 @@ class GraphBuilder:
     def _param_uploads(self, run: StageRun, built: IterationInProgress) -> list[Key]:
         """One upload per layer (per chunk of a large layer), each after the run two before on the
         device (one stage of prefetch) and the P-copy that wrote the version it reads (rule 2)."""
-        spec, ledgers, version = self.spec, self.ledgers, built.version
+        spec, ledgers, fresh = self.spec, self.ledgers, self.options.fresh_units
         history = self._device_runs.get(run.device, ())
         prefetch_dep = [history[-2]] if len(history) >= 2 else []
         chunk = self.options.chunk_bytes
@@ -205,8 +217,11 @@ class GraphBuilder:
                 continue  # nothing to upload and no weight version to wait for
             parts = 1 if not chunk else max(1, -(-nbytes // chunk))
             deps: list[Key] = list(prefetch_dep)
+            is_fresh = bool(owners) and owners[0] in fresh  # all owners or none (checked at init)
+            version = built.fresh_version if is_fresh else built.version
+            base = self.fresh_base_version if is_fresh else self.base_version
             for unit in owners:
-                deps += rules.no_torn_weights(ledgers[unit], version, self.base_version)
+                deps += rules.no_torn_weights(ledgers[unit], version, base)
             for part in range(parts):
                 key = ParamUpKey(run.iteration, run.round, run.slot, layer, part)
                 part_bytes = nbytes // parts + (1 if part < nbytes % parts else 0)
@@ -285,7 +300,7 @@ class GraphBuilder:
             ledger = self.ledgers[unit]
             key = GCopyKey(built.iteration, unit)
             deps = rules.complete_gradients(ledger, built.iteration)
-            deps += rules.g_copy_after_step(ledger, built.step, sync=not self._deferred(built.step - 1))
+            deps += rules.g_copy_after_step(ledger, built.step, sync=not self._deferred(built.step - 1, unit))
             built.tasks.append(
                 Task(
                     key,
@@ -320,7 +335,7 @@ class GraphBuilder:
             tasks.append(Task(norm_key, GRAD_NORM, HOST_OPTIMIZER_LANE, deps=deps, step=step))
         units = list(self.ledgers)
         for index, (unit, ledger) in enumerate(self.ledgers.items()):
-            if self._deferred(step - 1) and step > self.base_version:
+            if self._deferred(step - 1, unit) and step > self.base_version:
                 tasks.append(self._p_copy(unit, ledger, step - 1))
             # Every trainable unit lies in a fused or backward stage: each iteration G-copies it.
             g_copies: list[Key] = [GCopyKey(t, unit) for t in iterations]
@@ -335,14 +350,14 @@ class GraphBuilder:
             )
             ledger.step[step] = key
             ledger.step.pop(step - 2, None)
-            if not self._deferred(step):
+            if not self._deferred(step, unit):
                 tasks.append(self._p_copy(unit, ledger, step))
         if self.options.ordered_steps:
             self._last_ordered = StepKey(step, units[0])
         return tasks
 
-    def _deferred(self, step: int) -> bool:
-        return rules.deferred_p_copy(step, self.options.async_optimizer, self.options.sync_steps)
+    def _deferred(self, step: int, unit: int) -> bool:
+        return rules.deferred_p_copy(step, self.options.is_async(unit), self.options.sync_steps)
 
     def _chained(self) -> list[Key]:
         """With ordered steps: the last step task of the previous step, which comes before."""

@@ -8,7 +8,9 @@ while deep layers are still being stepped and copied.
 Weight versions: version v means "v optimizer steps applied". Optimizer step s turns version s
 into s+1 in the fp32 optimizer copy; P-copy(s) writes version s+1 into the compute copy that
 devices read. Sync mode: the iterations of step s read version s. Async mode (staleness 1): they
-read version max(0, s-1), except during an async warm-up (the first steps run synchronously).
+read version max(0, s-1), except during an async warm-up (the first steps run synchronously)
+and for *fresh* units (`ScheduleOptions.fresh_units`), which always read version s as in sync
+mode: their deferred-free P-copy is what the next iteration's uploads of them wait for.
 
 | # | rule | dependency |
 | 1 | weight integrity | P-copy(u, s) waits for every parameter upload of u that read version s |

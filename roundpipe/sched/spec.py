@@ -67,3 +67,34 @@ class ScheduleOptions:
     # Steps (and grad-norm barriers) run in one order, deepest unit first, on every process: they
     # issue collectives, which gloo matches by order (roundpipe/optim/distributed.py).
     ordered_steps: bool = False
+    # Async staleness remedy: these units read the weights of their iteration's own step
+    # (staleness 0, the sync rules) while the rest read the step before. Every layer's owners are
+    # all fresh or all not (`fresh_units_of`), so one upload reads one version.
+    fresh_units: frozenset[int] = frozenset()
+
+    def is_async(self, unit: int) -> bool:
+        """Whether ``unit`` follows the asynchronous rules (staleness 1 after the warm-up)."""
+        return self.async_optimizer and unit not in self.fresh_units
+
+
+def fresh_units_of(
+    owners: tuple[tuple[int, ...], ...] | list[list[int]], deepest_layers: int
+) -> frozenset[int]:
+    """The units that can read fresh weights when the deepest ``deepest_layers`` layers should:
+    those whose every layer is among them, less any unit sharing a layer with one that is not
+    (a head tied to the embedding stays stale with it), until no layer mixes the two."""
+    num_layers = len(owners)
+    deep = range(max(0, num_layers - deepest_layers), num_layers)
+    layers_of: dict[int, list[int]] = {}
+    for layer, layer_owners in enumerate(owners):
+        for unit in layer_owners:
+            layers_of.setdefault(unit, []).append(layer)
+    fresh = {unit for unit, layers in layers_of.items() if all(layer in deep for layer in layers)}
+    changed = True
+    while changed:
+        changed = False
+        for layer_owners in owners:
+            if any(u in fresh for u in layer_owners) and not all(u in fresh for u in layer_owners):
+                fresh.difference_update(layer_owners)
+                changed = True
+    return frozenset(fresh)

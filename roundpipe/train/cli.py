@@ -100,6 +100,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         float,
         "async only: the lr ramp's first factor (default 0.4)",
     ),
+    (
+        "--fresh-layers",
+        "fresh_layers",
+        int,
+        "async only: the deepest N layers read the newest weights, staleness 0 (default 0; the "
+        "next forward waits for their step: `roundpipe simulate --fresh-layers` shows the cost)",
+    ),
     ("--seed", "seed", int, "model init, LoRA init, data order (default 0)"),
     ("--save-every", "save_every", int, "also save the checkpoint every N steps"),
     (

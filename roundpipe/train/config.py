@@ -116,6 +116,12 @@ class TrainConfig(BaseModel):
         le=1.0,
         description="async only: the lr ramp's first factor",
     )
+    fresh_layers: int = Field(
+        default=0,
+        ge=0,
+        description="async only: the deepest N layers read the newest weights (staleness 0); the "
+        "next forward waits for their step, which the main job's one fused stage cannot hide",
+    )
     seed: int = Field(default=0, description="model init, LoRA init, data order and dropout")
     save_every: int | None = Field(default=None, ge=1, description="also save a checkpoint every N steps")
     keep_checkpoints: int = Field(
@@ -208,6 +214,7 @@ class TrainConfig(BaseModel):
             weight_prediction=self.weight_prediction if self.async_optimizer else 0.0,
             async_lr_ramp_steps=self.async_lr_ramp_steps if self.async_optimizer else 0,
             async_lr_ramp_start=self.async_lr_ramp_start,
+            fresh_layers=self.fresh_layers if self.async_optimizer else 0,
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
