@@ -69,12 +69,16 @@ def simulate(
     shared_link: bool = True,
     perturbation: object | None = None,
     fresh_layers: int = 0,
+    after_loss: bool = False,
 ) -> SimulationResult:
     """Run ``iterations`` iterations (each followed by an optimizer step) on the fake backend.
 
     ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
     ``fresh_layers``: the deepest layers read fresh weights (`RunConfig.fresh_layers`); with
     ``optimizer_ms`` set, the makespan shows what their steps cost the next forward.
+    ``after_loss``: submit each iteration (and the step after it) only once the previous one's
+    losses are in, as a loop of `RoundPipe.forward_backward` and `step` does, instead of all at
+    once (the chained run plans are evaluated on).
     """
     engine, trace, iteration_computes = run_fake(
         plan,
@@ -93,6 +97,7 @@ def simulate(
         shared_link=shared_link,
         perturbation=perturbation,
         fresh_layers=fresh_layers,
+        after_loss=after_loss,
     )
     report = trace.bubble_ratio()
     return SimulationResult(
@@ -124,6 +129,7 @@ def run_fake(
     shared_link: bool = True,
     perturbation: object | None = None,
     fresh_layers: int = 0,
+    after_loss: bool = False,
 ) -> tuple[Engine, Trace, list[list[tuple[object, ...]]]]:
     """The run behind `simulate`, without its reports: the engine, the trace and each iteration's
     compute keys (plan evaluation reads only a few start times, and the bubble reports would cost
@@ -153,8 +159,13 @@ def run_fake(
     async def main() -> None:
         for it in range(iterations):
             graph = builder.forward_backward(it, it, num_microbatches)
-            step_tasks = builder.optimizer_step(it)
-            engine.submit(graph.tasks)
+            if after_loss:  # as RoundPipe.forward_backward returns: once the losses are in
+                engine.submit(graph.tasks)
+                await engine.wait(graph.loss_keys)
+                step_tasks = builder.optimizer_step(it)
+            else:
+                step_tasks = builder.optimizer_step(it)
+                engine.submit(graph.tasks)
             engine.submit(step_tasks)
             batch_sizes.extend((len(graph.tasks), len(step_tasks)))
             iteration_computes.append([t.key for t in graph.tasks if t.kind == "compute"])

@@ -227,6 +227,8 @@ def test_train_options_drop_remedies_in_sync_mode() -> None:
     sync = make_config({"async_optimizer": False, "weight_prediction": 1.0}).run_config()
     assert not sync.async_optimizer and sync.weight_prediction == 0 and sync.async_warmup_steps == 0
     assert sync.async_lr_ramp_steps == 0
+    assert make_config({"async_optimizer": False, "fresh_layers": 3}).run_config().fresh_layers == 0
+    assert make_config({"fresh_layers": 3}).run_config().fresh_layers == 3
     run = make_config(
         {"async_warmup_steps": 7, "weight_prediction": 0.5, "async_lr_ramp_steps": 9}
     ).run_config()
@@ -491,3 +493,63 @@ def test_simulate_shows_what_fresh_layers_cost_the_next_forward() -> None:
     assert fresh.makespan_ms == stale.makespan_ms
     assert fresh.trace.meta["fresh_units"] == list(range(24, 32))
     fresh.trace.check_rules()
+
+
+def test_the_quality_bench_reads_fresh_the_parameters_the_pipe_does() -> None:
+    """bench/async_quality.py's plain loop picks its fresh parameters itself (it never builds a
+    pipe); on the main job's model, tied head included, they are the fresh units' own."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from roundpipe.train.config import TrainConfig
+    from roundpipe.train.model import build_model
+
+    path = Path(__file__).parent.parent / "bench" / "async_quality.py"
+    spec = importlib.util.spec_from_file_location("async_quality", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["async_quality"] = bench  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules["async_quality"]
+    model = build_model(TrainConfig())
+    names = {id(p): n for n, p in model.named_parameters()}
+    config = roundpipe.RunConfig(devices="cpu:1", fresh_layers=4)
+    with roundpipe.RoundPipe(model, optimizer=adamw, config=config) as pipe:
+        units = pipe._options.fresh_units
+        want = {names[id(p)] for unit in units for p in pipe.host.unit_params[unit]}
+    assert units == {4, 5, 6}  # blocks 3-5: the head (layer 7) shares the embedding's weights
+    got = {names[key] for key in bench.fresh_parameters(model, 4)}
+    assert got == want and all(".layers.3." in n or ".layers.4." in n or ".layers.5." in n for n in got)
+
+
+def test_simulate_after_loss_runs_as_a_training_loop_does() -> None:
+    """Submitted as `forward_backward` then `step` submit them, the next iteration starts only
+    once the fused stage's losses are in: never sooner than the chained run, and the fresh
+    layers' wait is measured against that loop. The trace replays exactly."""
+    from roundpipe.plan.choose import choose_plan
+    from roundpipe.simulate import replay, simulate
+
+    costs = LayerCosts((1.0,) * 24, (2.0,) * 24, (1,) * 24)
+    plan = choose_plan(costs, 4, 8, async_optimizer=True)
+    chained = simulate(plan, costs, 4, 8, 5, True, optimizer_ms=0.2)
+    loop = simulate(plan, costs, 4, 8, 5, True, optimizer_ms=0.2, after_loss=True)
+    fresh = simulate(plan, costs, 4, 8, 5, True, optimizer_ms=0.2, after_loss=True, fresh_layers=6)
+    assert loop.makespan_ms >= chained.makespan_ms
+    assert fresh.makespan_ms >= loop.makespan_ms
+    for result in (loop, fresh):
+        result.trace.check_rules()
+        again = replay(result.trace)
+        assert again.order() == result.trace.order()
+    first_computes = {}
+    for task in loop.trace:
+        if task.kind == "compute":
+            first_computes[task.iteration] = min(first_computes.get(task.iteration, 1e18), task.start_t)
+    fused_done = {}
+    for task in loop.trace:
+        if task.kind == "compute" and task.stage_kind == "fused":
+            fused_done[task.iteration] = max(fused_done.get(task.iteration, 0.0), task.end_t)
+    for iteration in range(1, 5):
+        assert first_computes[iteration] >= fused_done[iteration - 1]

@@ -186,3 +186,17 @@ def test_the_shipped_costs_file_plans_as_the_docs_say(capsys: pytest.CaptureFixt
     costs = Path(__file__).resolve().parent.parent / "examples" / "costs.json"
     assert main(["plan", "--costs", str(costs), "--devices", "4", "--microbatches", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_layers"] == len(LayerCosts.from_json(costs).fwd_ms)
+
+
+def test_simulate_shows_the_cost_of_fresh_layers(
+    costs_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--costs", str(costs_file), "--devices", "2", "--microbatches", "4", "--json"]
+    assert main([*argv, "--optimizer-ms", "0.5"]) == 0
+    stale = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--optimizer-ms", "0.5", "--fresh-layers", "2"]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    assert (stale["fresh_layers"], fresh["fresh_layers"], fresh["optimizer_ms"]) == (0, 2, 0.5)
+    assert fresh["makespan_ms"] >= stale["makespan_ms"]
+    assert main([*argv, "--sync", "--fresh-layers", "2"]) == 2
+    assert "asynchronous remedy" in capsys.readouterr().err
