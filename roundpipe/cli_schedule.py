@@ -46,44 +46,40 @@ def parse_bytes(text: str) -> int:
         ) from None
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1)
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
-    return value
+    return _whole_number(text, 0)
 
 
-def _non_negative_float(text: str) -> float:
+def _finite_number(text: str, *, zero_allowed: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text})")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
+        raise argparse.ArgumentTypeError(f"must be a number {'>=' if zero_allowed else '>'} 0 (got {text})")
     return value
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {text})")
-    return value
+    return _finite_number(text, zero_allowed=False)
+
+
+def _non_negative_float(text: str) -> float:
+    return _finite_number(text, zero_allowed=True)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -62,10 +62,19 @@ def test_pipe_matches_the_remedy_loop_on_one_two_and_three_workers(
 ) -> None:
     data = batches(6)
     _, ref_weights = remedy_reference(mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction)
-    for devices in ("cpu:1", "cpu:2", "cpu:3"):
-        with roundpipe.RoundPipe(
-            mlp(), optimizer=adamw, config=remedy_config(devices, warmup, prediction)
-        ) as pipe:
+    configs = [remedy_config(devices, warmup, prediction) for devices in ("cpu:1", "cpu:2", "cpu:3")]
+    assert_pipe_matches(ref_weights, data, configs)
+
+
+def assert_pipe_matches(
+    ref_weights: list[dict[str, torch.Tensor]],
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    configs: list[roundpipe.RunConfig],
+) -> None:
+    """Under each config the pipe's weights after every step are the reference's, and its
+    trace keeps the five rules."""
+    for config in configs:
+        with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=config) as pipe:
             weights = train_steps(pipe, data, mse)
             trace = pipe.trace()
         trace.check_rules()
@@ -81,14 +90,8 @@ def test_pipe_matches_the_lr_ramp_loop_on_one_and_two_workers(
     _, ref_weights = remedy_reference(
         mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction, lr_ramp=ramp
     )
-    for devices in ("cpu:1", "cpu:2"):
-        cfg = remedy_config(devices, warmup, prediction, ramp=ramp)
-        with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
-            weights = train_steps(pipe, data, mse)
-            trace = pipe.trace()
-        trace.check_rules()
-        for got, want in zip(weights, ref_weights, strict=True):
-            assert_weights_equal(got, want)
+    configs = [remedy_config(devices, warmup, prediction, ramp=ramp) for devices in ("cpu:1", "cpu:2")]
+    assert_pipe_matches(ref_weights, data, configs)
 
 
 def test_the_lr_ramp_leaves_the_scheduled_lr_alone() -> None:
@@ -157,8 +160,13 @@ def test_warmup_steps_are_synchronous_in_the_trace() -> None:
 def test_resume_is_bit_exact(
     warmup: int, prediction: Prediction, stop: int, precision: str, ramp: tuple[int, float]
 ) -> None:
+    assert_resume_is_bit_exact(remedy_config("cpu:2", warmup, prediction, precision, ramp), stop)
+
+
+def assert_resume_is_bit_exact(cfg: roundpipe.RunConfig, stop: int) -> None:
+    """Saved after ``stop`` of 6 steps (through torch.save) and loaded into a pipe around other
+    weights, the run continues bit for bit as the one that never stopped."""
     data = batches(6)
-    cfg = remedy_config("cpu:2", warmup, prediction, precision, ramp)
     with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
         full = train_steps(pipe, data, mse)
     with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
@@ -357,15 +365,8 @@ def test_pipe_matches_the_fresh_layers_loop_on_one_two_and_three_workers(
     _, ref_weights = remedy_reference(
         mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction, fresh=names
     )
-    for devices in ("cpu:1", "cpu:2", "cpu:3"):
-        with roundpipe.RoundPipe(
-            mlp(), optimizer=adamw, config=fresh_config(devices, fresh, warmup, prediction)
-        ) as pipe:
-            weights = train_steps(pipe, data, mse)
-            trace = pipe.trace()
-        trace.check_rules()
-        for got, want in zip(weights, ref_weights, strict=True):
-            assert_weights_equal(got, want)
+    configs = [fresh_config(devices, fresh, warmup, prediction) for devices in ("cpu:1", "cpu:2", "cpu:3")]
+    assert_pipe_matches(ref_weights, data, configs)
 
 
 def test_every_layer_fresh_is_the_synchronous_loop() -> None:
@@ -400,18 +401,8 @@ def test_fresh_layers_read_their_own_step_in_the_trace() -> None:
 def test_resume_with_fresh_layers_is_bit_exact(
     fresh: int, warmup: int, prediction: Prediction, stop: int, precision: str
 ) -> None:
-    data = batches(6)
     cfg = fresh_config("cpu:2", fresh, warmup, prediction).model_copy(update={"precision": precision})
-    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
-        full = train_steps(pipe, data, mse)
-    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=cfg) as pipe:
-        train_steps(pipe, data[:stop], mse)
-        state = pipe.state_dict()
-    with roundpipe.RoundPipe(mlp(seed=99), optimizer=adamw, config=cfg) as pipe:
-        pipe.load_state_dict(state)
-        resumed = train_steps(pipe, data[stop:], mse)
-    for got, want in zip(resumed, full[stop:], strict=True):
-        assert_weights_equal(got, want, rtol=0, atol=0)
+    assert_resume_is_bit_exact(cfg, stop)
 
 
 def test_a_state_saved_without_fresh_layers_resumes_with_them() -> None:
