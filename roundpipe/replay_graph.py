@@ -24,9 +24,10 @@ from roundpipe.plan.partition import Plan
 
 COMPUTE_RES, H2D_RES, D2H_RES = 0, 1, 2
 """Resources per device, numbered ``3 * device + offset``; the host optimizer lane comes last."""
-HIGH, MID, LOW = 30, 20, 10
+HIGH, MID, LOW, P_COPY_LEVEL = 30, 20, 10, 12
 """Priorities as in `roundpipe.sched.task.PRIORITY`: activation and gradient transfers 30,
-compute and parameter uploads 20, gradient downloads and optimizer work 10."""
+compute and parameter uploads 20, P-copies 12, gradient downloads and the rest of the optimizer
+lane 10."""
 SEQ = 1 << 20
 """Heap entries are ``(100 - priority) * seq + task``: one int, priority first, then the oldest.
 ``seq`` is SEQ, or the next power of two above a larger graph's task count: with SEQ every entry
@@ -291,7 +292,7 @@ class _Builder:
         deps = ledger.readers.pop(step, [])
         if step in ledger.step:
             deps.append(ledger.step[step])
-        ledger.p_copy[step + 1] = self.graph.add(self.graph.host, LOW, 0.0, deps)
+        ledger.p_copy[step + 1] = self.graph.add(self.graph.host, P_COPY_LEVEL, 0.0, deps)
         ledger.p_copy.pop(step - 1, None)
 
 

@@ -544,3 +544,22 @@ def test_simulate_after_loss_runs_as_a_training_loop_does() -> None:
             fused_done[task.iteration] = max(fused_done.get(task.iteration, 0.0), task.end_t)
     for iteration in range(1, 5):
         assert first_computes[iteration] >= fused_done[iteration - 1]
+
+
+def test_the_next_iterations_p_copies_run_before_the_steps() -> None:
+    """The deferred P-copies gate the next iteration's uploads; the steps are first read two
+    iterations later. On the lane every P-copy of step s-1 ends before any step of s starts, and
+    the next iteration's first compute does not wait for the steps."""
+    from roundpipe.simulate import simulate
+
+    costs = LayerCosts((1.0,) * 6, (2.0,) * 6, (1,) * 6)
+    plan = fused_plan(6, 2, 4)
+    result = simulate(plan, costs, 2, 4, 5, True, optimizer_ms=2.0, after_loss=True)
+    result.trace.check_rules()
+    tasks = list(result.trace)
+    for step in range(2, 4):
+        p_copies = [t for t in tasks if t.kind == "p_copy" and t.step == step - 1]
+        steps = [t for t in tasks if t.kind == "step" and t.step == step]
+        assert len(p_copies) == 6 and max(t.end_t for t in p_copies) <= min(t.start_t for t in steps)
+        first = min(t.start_t for t in tasks if t.kind == "compute" and t.iteration == step + 1)
+        assert first < max(t.end_t for t in steps)  # iteration s+1 started while step s ran

@@ -40,7 +40,10 @@ COMPUTE_KINDS = frozenset((COMPUTE, RECOMPUTE))
 HOST_OPTIMIZER_LANE = "host.optimizer"
 
 # Higher runs first among ready tasks that share a resource: activations are on the critical path,
-# parameters are needed one stage ahead, gradients can wait until a link is idle.
+# parameters are needed one stage ahead, gradients can wait until a link is idle. On the optimizer
+# lane the P-copy goes first: the next iteration's uploads wait for it (rule 2), while a step in
+# async mode is first read two iterations later (a deferred P-copy that waited behind the steps
+# of the shallower units held the next iteration's uploads for them).
 PRIORITY: dict[str, int] = {
     ACT_UP: 30,
     GRAD_UP: 30,
@@ -52,7 +55,7 @@ PRIORITY: dict[str, int] = {
     G_COPY: 10,
     GRAD_NORM: 10,
     STEP: 10,
-    P_COPY: 10,
+    P_COPY: 12,
 }
 _NEW = TaskState.NEW  # a module global: enum class attributes are slow to read per task
 _KIND_BY_NAME: dict[str, str] = {kind.value: kind for kind in TaskKind}
