@@ -27,7 +27,10 @@ Prints one JSON line per profile and mode:
       choose_plan with the engine evaluator (what RoundPipe runs). Per line: slots, bubble (sync:
       one iteration; async: iterations 2-6 of a chained run of 6), analytic N(N-1)/(M*S+N(N-1)) of
       the chosen S (sync), ok (sync: bubble <= analytic + 1.5 points; async: < 3% at (8, 16)),
-      iteration_ms, proxy_ms (the plan chosen without evaluation), planning_ms.
+      iteration_ms, proxy_ms (the plan chosen without evaluation), planning_ms; async also
+      loop_ms (the chosen plan as a training loop runs it: each iteration submitted once the
+      previous losses are in) and unbounded_loop_ms (the same for the plan the chained figure
+      alone would choose, without plan_eval's loss-span bound).
     python bench/schedule.py --grid [--layers 24 28] [--modes sync] [--devices 8] [--evaluations 8]
 """
 
@@ -106,6 +109,14 @@ def measure(plan: Plan, costs: LayerCosts, n: int, m: int, async_optimizer: bool
     return run.steady_bubble_ratio, (starts[-1] - starts[1]) / (STEADY_ITERATIONS - 2)
 
 
+def loop_ms(plan: Plan, costs: LayerCosts, n: int, m: int) -> float:
+    """Async ms per iteration (iterations 1-5) as a training loop runs it: each iteration
+    submitted once the previous one's losses are in (`simulate(..., after_loss=True)`)."""
+    run = simulate(plan, costs, n, m, iterations=STEADY_ITERATIONS, async_optimizer=True, after_loss=True)
+    starts = iteration_starts(run, STEADY_ITERATIONS)
+    return (starts[-1] - starts[1]) / (STEADY_ITERATIONS - 2)
+
+
 def grid_row(
     layers: int,
     ratio: float,
@@ -131,6 +142,18 @@ def grid_row(
         ok: bool | None = bubble < ASYNC_GRID_TARGET if (n, m) == (8, 16) else None
     else:
         ok = bubble <= analytic + SYNC_SLACK
+    loop: dict[str, object] = {}
+    if async_optimizer:
+        # What a training loop runs, for the plan chosen and for the one the chained figure
+        # alone (without the loss-span bound of `roundpipe.plan_eval`) would choose.
+        chained_only = engine_evaluator(costs, n, m, async_optimizer=True, loss_bound=False)
+        unbounded = choose_plan(
+            costs, n, m, async_optimizer=True, evaluate=chained_only, evaluations=evaluations
+        )
+        loop = {
+            "loop_ms": round(loop_ms(plan, costs, n, m), 2),
+            "unbounded_loop_ms": round(loop_ms(unbounded, costs, n, m), 2),
+        }
     return {
         "bench": "schedule-grid",
         "layers": layers,
@@ -149,6 +172,7 @@ def grid_row(
         "iteration_ms": round(iteration_ms, 2),
         "proxy_ms": round(measure(proxy, costs, n, m, async_optimizer)[1], 2),
         "planning_ms": round(planning_ms, 1),
+        **loop,
     }
 
 
@@ -190,6 +214,30 @@ def tables(path: str) -> None:
             f"| {plan_ms[len(plan_ms) // 2]:.0f} / {plan_ms[-1]:.0f} |"
         )
     layer_table(rows)
+    loop_table(rows)
+
+
+def loop_table(rows: list[dict[str, Any]]) -> None:
+    """Async, where the rows have them: the training-loop time of the plan chosen against the
+    plan the chained figure alone would choose (per (N, M): mean and largest gain, shapes worse)."""
+    looped = [r for r in rows if r["mode"] == "async" and "loop_ms" in r]
+    if not looped:
+        return
+    print(
+        "\n| N, M | shapes | training-loop ms vs the chained-only choice: mean / best | shapes slower (worst) |"
+    )
+    print("| --- | --- | --- | --- |")
+    for n, m in GRID_DEVICES:
+        group = [r for r in looped if (r["devices"], r["microbatches"]) == (n, m)]
+        if not group:
+            continue
+        gains = [1 - r["loop_ms"] / r["unbounded_loop_ms"] for r in group]
+        worse = [g for g in gains if g < -1e-9]
+        worst = f" ({100 * min(worse):+.1f}%)" if worse else ""
+        print(
+            f"| {n}, {m} | {len(group)} | {100 * sum(gains) / len(gains):+.1f}% / {100 * max(gains):+.1f}% "
+            f"| {len(worse)}{worst} |"
+        )
 
 
 def layer_table(rows: list[dict[str, Any]]) -> None:

@@ -49,6 +49,7 @@ class ReplayGraph:
         self.dependents: list[list[int]] = []
         self.batches: list[int] = []  # where each submitted batch ends
         self.computes: list[list[int]] = []  # per iteration: its `COMPUTE` tasks (not recomputes)
+        self.losses: list[list[int]] = []  # per iteration: its fused stage's computes (the losses)
 
     def add(self, res: int, priority: int, dur: float, deps: list[int]) -> int:
         task = len(self.res)
@@ -162,6 +163,7 @@ class _Builder:
         self.act_up = [[-1] * self.m for _ in range(self.plan.num_slots)]
         self.last_grad_down: dict[int, int] = {}
         self.computes: list[int] = []
+        self.losses: list[int] = []
         for run in runs:
             history = self.history.setdefault(run.device, [])
             two_back = history[-2] if len(history) >= 2 else -1
@@ -179,6 +181,7 @@ class _Builder:
             if run.slot.kind != SlotKind.FWD and gradients:
                 self._grad_download(it, run, last)
         self.graph.computes.append(self.computes)
+        self.graph.losses.append(self.losses)
         if gradients:
             self._g_copies(it)
 
@@ -219,6 +222,8 @@ class _Builder:
             self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [compute])
             computes.append(compute)
         self.computes += computes
+        if run.slot.kind == SlotKind.FUSED:
+            self.losses += computes
         return computes[-1]
 
     def _backward_chains(self, run: SlotRun, params: list[int], two_back: int, previous: int) -> int:

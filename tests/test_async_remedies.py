@@ -563,3 +563,14 @@ def test_the_next_iterations_p_copies_run_before_the_steps() -> None:
         assert len(p_copies) == 6 and max(t.end_t for t in p_copies) <= min(t.start_t for t in steps)
         first = min(t.start_t for t in tasks if t.kind == "compute" and t.iteration == step + 1)
         assert first < max(t.end_t for t in steps)  # iteration s+1 started while step s ran
+
+
+def test_an_async_pipe_on_four_workers_computes_each_iteration_on_all_of_them() -> None:
+    """8 microbatches on 4 workers: the plan must not leave two of them idle per iteration (the
+    chained evaluation chose a fused-only plan that ran its two rounds on two workers)."""
+    config = roundpipe.RunConfig(devices="cpu:4", num_microbatches=8)
+    with roundpipe.RoundPipe(mlp(depth=6, width=64), optimizer=adamw, config=config) as pipe:
+        train_steps(pipe, batches(4, batch=16), mse)
+        trace = pipe.trace()
+    for iteration in range(1, 4):
+        assert {t.device for t in trace if t.kind == "compute" and t.iteration == iteration} == {0, 1, 2, 3}
