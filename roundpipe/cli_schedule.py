@@ -181,6 +181,12 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="async: the deepest N layers read the newest weights (RunConfig.fresh_layers); the "
         "makespan shows what waiting for their steps costs",
     )
+    s.add_argument(
+        "--after-loss",
+        action="store_true",
+        help="submit each iteration once the previous one's losses are in, as a training loop of "
+        "RoundPipe.forward_backward does (default: all at once, the chained run)",
+    )
     s.add_argument("--trace", metavar="OUT.json", help="save the trace (roundpipe trace ... reads it)")
     s.add_argument("--perfetto", metavar="OUT.json", help="write a Perfetto/Chrome trace (ui.perfetto.dev)")
     s.add_argument("--png", metavar="OUT.png", help="draw the timeline (needs matplotlib)")
@@ -304,6 +310,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         link_gbps=args.link_gbps,
         optimizer_ms=args.optimizer_ms,
         fresh_layers=args.fresh_layers,
+        after_loss=args.after_loss,
     )
     files: dict[str, str] = {}
     if args.trace:
@@ -318,6 +325,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         "link_gbps": args.link_gbps,
         "optimizer_ms": args.optimizer_ms,
         "fresh_layers": args.fresh_layers,
+        "after_loss": args.after_loss,
     }
     if args.json:
         out = {"source": source, **settings, "mem_limit_bytes": args.mem_limit, **info, **result.to_dict()}

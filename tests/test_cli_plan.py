@@ -198,5 +198,8 @@ def test_simulate_shows_the_cost_of_fresh_layers(
     fresh = json.loads(capsys.readouterr().out)
     assert (stale["fresh_layers"], fresh["fresh_layers"], fresh["optimizer_ms"]) == (0, 2, 0.5)
     assert fresh["makespan_ms"] >= stale["makespan_ms"]
+    assert main([*argv, "--optimizer-ms", "0.5", "--after-loss"]) == 0
+    loop = json.loads(capsys.readouterr().out)
+    assert loop["after_loss"] and loop["makespan_ms"] >= stale["makespan_ms"] * 0.999
     assert main([*argv, "--sync", "--fresh-layers", "2"]) == 2
     assert "asynchronous remedy" in capsys.readouterr().err
