@@ -83,7 +83,7 @@ def make_runtime(
 
 
 def schedule_options(
-    config: RunConfig, round_size: int | None, runtime: Runtime, owners: tuple[tuple[int, ...], ...] = ()
+    config: RunConfig, round_size: int | None, runtime: Runtime, owners: tuple[tuple[int, ...], ...]
 ) -> ScheduleOptions:
     """The task graph's knobs: a grad-norm barrier when clipping or fp16 needs the global norm,
     one order of the steps on every process when they average gradients, and the fresh units of

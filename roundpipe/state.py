@@ -83,7 +83,6 @@ def restore_host(
             master.copy_(state["model"][name])
         host.load_state_dict(state["host"])
         host.drop_gradients()
-        host.p_copy_all()
         if in_flight and "in_flight_weights" in state:
             fresh = {id(p) for unit in fresh_units for p in host.unit_params.get(unit, ())}
             stale = {name for name, param, _ in host.named_masters() if id(param) not in fresh}
@@ -91,6 +90,10 @@ def restore_host(
             for name, tensor in state["in_flight_weights"].items():
                 if name in stale:
                     compute[name].copy_(tensor)
+            for unit in fresh_units:
+                host.p_copy(unit)
+        else:
+            host.p_copy_all()
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
 

@@ -85,11 +85,11 @@ class Runtime:
         compiler: LayerCompiler | None = None,
         predict_from: int | None = None,
         lr_scale: Callable[[int], float] = lambda step: 1.0,
-        fresh_units: frozenset[int] = frozenset(),
     ) -> None:
         self.host = host
-        # Fresh units read their own step's weights (ScheduleOptions.fresh_units): nothing to predict.
-        self.fresh_units = fresh_units
+        # Fresh units read their own step's weights: nothing to predict. The facade sets them from
+        # ScheduleOptions.fresh_units, which is built after the runtime (it reads its collectives).
+        self.fresh_units: frozenset[int] = frozenset()
         # Weight prediction: P-copies of steps >= predict_from extrapolate (None: never), and those
         # steps keep the weights they start from; lr_scale(step): the async lr ramp (optim/lr_ramp.py).
         self.predict_from, self.lr_scale = predict_from, lr_scale

@@ -156,7 +156,7 @@ class GraphBuilder:
             round_size=self.options.round_size,
         )
         version = rules.weight_version(step, self.options.async_optimizer, self.options.sync_steps)
-        built = IterationInProgress(iteration, step, version, fresh_version=step)
+        built = IterationInProgress(iteration, step, version)
         for slot_run in runs:
             run = self._stage_run(slot_run, built)
             param_keys = self._param_uploads(run, built)
@@ -218,7 +218,7 @@ class GraphBuilder:
             parts = 1 if not chunk else max(1, -(-nbytes // chunk))
             deps: list[Key] = list(prefetch_dep)
             is_fresh = bool(owners) and owners[0] in fresh  # all owners or none (checked at init)
-            version = built.fresh_version if is_fresh else built.version
+            version = built.step if is_fresh else built.version  # fresh: the step's own weights
             base = self.fresh_base_version if is_fresh else self.base_version
             for unit in owners:
                 deps += rules.no_torn_weights(ledgers[unit], version, base)

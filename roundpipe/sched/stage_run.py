@@ -24,7 +24,6 @@ class IterationInProgress:
     iteration: int
     step: int  # the optimizer step the iteration belongs to
     version: int  # the weight version its parameter uploads read
-    fresh_version: int  # the version the uploads of fresh units read (the step's own)
     tasks: list[Task] = field(default_factory=list)
     loss_keys: list[Key] = field(default_factory=list)
     last_act_down: dict[int, ActDownKey] = field(default_factory=dict)  # microbatch -> latest slot's
