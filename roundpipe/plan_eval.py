@@ -5,15 +5,13 @@ what the engine does, the engine is right. `engine_evaluator` gives `choose_plan
 evaluation: it builds the graphs the training path builds, for whatever plan it is given, runs
 them through the engine under a virtual clock and returns the iteration time in milliseconds.
 Synchronous runs: the makespan of one iteration (fill and drain included). Asynchronous runs: the
-steady time per iteration of a chained run (between the first computes of two later iterations),
-or one iteration's loss span where that is longer: from its first compute to its fused stage's
-last compute, alone. A chained run submits every iteration at once, so an iteration that leaves
-devices idle (a fused-only plan of 4 devices x 8 microbatches runs its two rounds on two of them)
-lends them to the next one; a training loop cannot, since `RoundPipe.forward_backward` returns,
-and the next iteration is submitted, only once the losses are in. Judged by the chained figure
-alone, such plans looked twice as fast as they run (`simulate(..., after_loss=True)` runs the
-loop's way; the bound keeps the chosen plans within 5% of that measure's best on the shapes
-checked, against up to 70% slower before: docs/performance.md).
+steady time per iteration (between the first computes of two later iterations) of a run
+submitted as a training loop submits it: `RoundPipe.forward_backward` returns, and the loop calls
+`step()` and submits the next iteration, once the fused stage's losses are in. A *chained* run
+(every iteration submitted at once, ``loop=False``) lends an iteration's idle devices to the
+next one, which a loop cannot: a fused-only plan of 4 devices x 8 microbatches runs its two
+rounds on two of them, and judged chained it looked twice as fast as it runs
+(docs/performance.md, "Async plans judged as a training loop runs them").
 It lives outside ``plan`` because it runs the scheduler; ``plan`` must stay pure. It must never
 touch a device or sleep.
 
@@ -31,14 +29,13 @@ from collections.abc import Callable
 
 from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
-from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
 from roundpipe.plan_replay import replay_iteration_ms
 from roundpipe.simulate import SimulationResult, run_fake
 
 STEADY_WINDOW = (1, 5)
 """Async evaluation: time per iteration between the first computes of iterations 1 and 5 (0-based)
-of a chained run of 6 (the window of the schedule targets); iteration 0 fills the pipeline. A
+of a run of 6 (the window of the schedule targets); iteration 0 fills the pipeline. A
 shorter window (1, 3) is a third cheaper but ranks some plans of the profile grid differently."""
 
 
@@ -60,12 +57,12 @@ def engine_evaluator(
     round_size: int | None = None,
     window: tuple[int, int] = STEADY_WINDOW,
     engine: bool = False,
-    loss_bound: bool = True,
+    loop: bool = True,
 ) -> Callable[[Plan], float]:
     """``evaluate(plan) -> ms per iteration`` for `choose_plan`: the engine's figure on the fake
     backend, by `replay_iteration_ms` (or, with ``engine=True``, by running the engine); async,
-    the chained figure bounded by one iteration's loss span (the module docstring), or without
-    the bound (``loss_bound=False``: what the ranking models are checked against)."""
+    as a training loop submits the iterations (the module docstring), or chained (``loop=False``:
+    what the ranking models are checked against)."""
     first, last = window
     if not 0 <= first < last:
         raise ValueError(f"the steady window {window} must be two iterations, first < last")
@@ -82,7 +79,7 @@ def engine_evaluator(
                 async_optimizer=async_optimizer,
                 round_size=round_size,
                 window=window,
-                loss_bound=loss_bound,
+                loop=loop,
             )
         finally:
             if paused:
@@ -95,15 +92,10 @@ def engine_evaluator(
             )
             return trace.makespan_ms()
         engine, _, computes = run_fake(
-            plan, costs, num_devices, num_microbatches, last + 1, True, round_size=round_size
+            plan, costs, num_devices, num_microbatches, last + 1, True, round_size=round_size, after_loss=loop
         )
         starts = [min(engine.task(key).start_t for key in computes[i]) for i in (first, last)]
-        if not loss_bound:
-            return (starts[1] - starts[0]) / (last - first)
-        _, alone, _ = run_fake(plan, costs, num_devices, num_microbatches, 1, True, round_size=round_size)
-        tasks = [t for t in alone if t.kind == "compute"]
-        span = max(t.end_t for t in tasks if t.stage_kind == SlotKind.FUSED) - min(t.start_t for t in tasks)
-        return max((starts[1] - starts[0]) / (last - first), span)
+        return (starts[1] - starts[0]) / (last - first)
 
     return evaluate if engine else replay
 

@@ -37,10 +37,15 @@ from roundpipe.plan.partition import Plan
 from roundpipe.replay_graph import ReplayGraph, build_graph
 
 
-def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[float]:
+def replay_starts(graph: ReplayGraph, stop: bytearray | None = None, *, loop: bool = False) -> list[float]:
     """Every task's start time (ms) under the engine's start rule (see the module docstring), -1
     where a task did not start. With ``stop`` (a flag per task), the replay ends at the first
-    instant a flagged task starts: later starts cannot come earlier."""
+    instant a flagged task starts: later starts cannot come earlier.
+
+    The batches are submitted as `roundpipe.simulate.run_fake` submits them: all at time 0, or
+    (``loop``, its ``after_loss``) as a training loop does: iteration t's optimizer step and
+    iteration t + 1's graph once iteration t's losses are all in and their instant is over (a
+    virtual `Engine.wait` returns then: `roundpipe.sched.waiting`)."""
     count = len(graph.res)
     res, rank, dur, dependents, seq = graph.res, graph.rank, graph.dur, graph.dependents, graph.seq
     unmet = list(graph.unmet)
@@ -53,10 +58,26 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[flo
     now, done, first = 0.0, 0, 0
     wave: list[int] = []
     batches = list(graph.batches)
+    # Loop submission: ``released`` batches may go in; iteration t's last loss releases two more.
+    released = len(batches) if not loop else 1
+    loss_of = bytearray(count)  # 1 + the iteration, for an iteration's loss computes (up to 254)
+    losses_left: list[int] = []
+    if loop:
+        if len(graph.losses) > 254:
+            raise ValueError(f"a loop replay takes up to 254 iterations, not {len(graph.losses)}")
+        for it, losses in enumerate(graph.losses):
+            losses_left.append(len(losses))
+            for task in losses:
+                loss_of[task] = it + 1
+    submitting = False
     while True:
-        if batches:  # submission at time 0, batch by batch; idle resources start after each
+        if batches and released and (submitting or not wave):
+            # Submission, batch by batch (idle resources start after each, before anything ends):
+            # chained, all at time 0; a loop's, once the instant its losses came in at is over.
             last = batches.pop(0)
-            touched = _submit(graph, first, last, heaps)
+            released -= 1
+            submitting = bool(released and batches)
+            touched = _submit(graph, first, last, heaps, unmet)
             first = last
         else:
             if not wave:
@@ -70,10 +91,15 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[flo
                 r = res[task]
                 free[r] = True
                 touched.append(r)
+                if loss_of[task]:
+                    it = loss_of[task] - 1
+                    losses_left[it] -= 1
+                    if not losses_left[it]:
+                        released += 2  # the step after it and the next iteration's graph
                 for dep in dependents[task]:
                     left = unmet[dep] - 1
                     unmet[dep] = left
-                    if not left:
+                    if not left and dep < first:  # a later batch's task waits for its submission
                         r = res[dep]
                         heappush(heaps[r], rank[dep])
                         touched.append(r)
@@ -98,10 +124,10 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None) -> list[flo
     return start
 
 
-def _submit(graph: ReplayGraph, first: int, last: int, heaps: list[list[int]]) -> list[int]:
+def _submit(graph: ReplayGraph, first: int, last: int, heaps: list[list[int]], unmet: list[int]) -> list[int]:
     """Tasks ``first..last-1`` submitted: those with nothing unmet go on their resource's heap;
     returns the resources to start from (in the engine, after the whole batch is pushed)."""
-    res, rank, unmet = graph.res, graph.rank, graph.unmet
+    res, rank = graph.res, graph.rank
     touched = []
     for task in range(first, last):
         if not unmet[task]:
@@ -119,12 +145,12 @@ def replay_iteration_ms(
     async_optimizer: bool,
     round_size: int | None = None,
     window: tuple[int, int] = (1, 5),
-    loss_bound: bool = True,
+    loop: bool = True,
 ) -> float:
     """What `roundpipe.plan_eval.engine_evaluator` returns for ``plan``: sync, the makespan of one
     iteration; async, the time per iteration between the first computes of ``window``'s two
-    iterations of a chained run of ``window[1] + 1``, or (``loss_bound``) `loss_span_ms` where
-    that is longer."""
+    iterations of a run of ``window[1] + 1``, submitted as a training loop submits them
+    (``loop``) or all at once (chained)."""
     iterations = window[1] + 1 if async_optimizer else 1
     graph = build_graph(plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size)
     if not async_optimizer:
@@ -135,24 +161,9 @@ def replay_iteration_ms(
     stop = bytearray(len(graph.res))
     for task in graph.computes[last]:
         stop[task] = 1
-    starts = replay_starts(graph, stop)
+    starts = replay_starts(graph, stop, loop=loop)
     at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in (first, last)]
-    chained = (at[1] - at[0]) / (last - first)
-    if not loss_bound:
-        return chained
-    return max(chained, loss_span_ms(plan, costs, num_devices, num_microbatches, round_size))
+    return (at[1] - at[0]) / (last - first)
 
 
-def loss_span_ms(
-    plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, round_size: int | None = None
-) -> float:
-    """One asynchronous iteration alone, from its first compute to its last loss (the fused
-    stage's last compute): a loop of `RoundPipe.forward_backward` submits the next iteration only
-    then, so no iteration of a training loop is shorter (see `roundpipe.plan_eval`)."""
-    graph = build_graph(plan, costs, num_devices, num_microbatches, 1, True, round_size)
-    starts = replay_starts(graph)
-    end = max(starts[t] + graph.dur[t] for t in graph.losses[0])
-    return end - min(starts[t] for t in graph.computes[0])
-
-
-__all__ = ["loss_span_ms", "replay_iteration_ms", "replay_starts"]
+__all__ = ["replay_iteration_ms", "replay_starts"]

@@ -155,19 +155,25 @@ def run_fake(
     iteration_computes: list[list[tuple[object, ...]]] = []
     batch_sizes: list[int] = []
     trace.meta["submit_batches"] = batch_sizes  # replay re-submits the same batches
+    batch_after: list[int] = []
+    trace.meta["submit_after"] = batch_after  # ... each once as many tasks are done as then
+
+    def submit(tasks: list[Task]) -> None:
+        batch_after.append(len(trace.records))
+        batch_sizes.append(len(tasks))
+        engine.submit(tasks)
 
     async def main() -> None:
         for it in range(iterations):
             graph = builder.forward_backward(it, it, num_microbatches)
             if after_loss:  # as RoundPipe.forward_backward returns: once the losses are in
-                engine.submit(graph.tasks)
+                submit(graph.tasks)
                 await engine.wait(graph.loss_keys)
                 step_tasks = builder.optimizer_step(it)
             else:
                 step_tasks = builder.optimizer_step(it)
-                engine.submit(graph.tasks)
-            engine.submit(step_tasks)
-            batch_sizes.extend((len(graph.tasks), len(step_tasks)))
+                submit(graph.tasks)
+            submit(step_tasks)
             iteration_computes.append([t.key for t in graph.tasks if t.kind == "compute"])
         await engine.wait()
 
@@ -227,6 +233,9 @@ def replay(trace: Trace) -> Trace:
     engine = Engine(backend, trace=out)
     batches: list[tuple[float, list[Task]]] = []
     sizes = _batch_sizes(trace.meta.get("submit_batches"), len(records))
+    after = trace.meta.get("submit_after") if sizes is not None else None
+    if not isinstance(after, list) or len(after) != len(sizes or ()):
+        after = None
     if sizes is None:  # unknown: tasks submitted at one time form one batch
         for task in records:
             if batches and batches[-1][0] == task.submit_t:
@@ -242,11 +251,17 @@ def replay(trace: Trace) -> Trace:
                 batches.append((chunk[0].submit_t, [t.clone() for t in chunk]))
 
     async def main() -> None:
-        for submit_t, batch in batches:
-            # Finish what ended before this submission; what ends at that very time is still
-            # running when the batch arrives (as it was: a run submits before it advances).
-            while backend.next_time() is not None and backend.next_time() < submit_t:  # type: ignore[operator]
-                backend.advance()
+        for index, (submit_t, batch) in enumerate(batches):
+            if after is not None:
+                # As many tasks done as when the run submitted it: a batch submitted after a
+                # wait comes once its instant is over, one of a chained run before it advances.
+                while len(out.records) < after[index] and backend.advance():
+                    pass
+            else:
+                # Finish what ended before this submission; what ends at that very time is still
+                # running when the batch arrives (as a run submits before it advances).
+                while backend.next_time() is not None and backend.next_time() < submit_t:  # type: ignore[operator]
+                    backend.advance()
             backend.set_clock(max(backend.now(), submit_t))
             engine.submit(batch)
         await engine.wait()

@@ -4,8 +4,10 @@ Two checks, each on plans of every dispatch kind (one round and several, uneven 
 size, few slots and more slots than devices, a plan cut by memory, sync and async): the flat graph
 of `roundpipe.replay_graph` is the graph `GraphBuilder` makes, task for task (resource, priority,
 duration, dependencies, submission batches); and the iteration times the replay gives equal, to
-the last bit, what the engine gives on the fake backend. And on random plans (zero-time stages
-among them) the lean graph the evaluator replays gives the times of the full one.
+the last bit, what the engine gives on the fake backend, for async runs submitted at once
+(chained) and as a training loop submits them (each iteration once the previous losses are in).
+And on random plans (zero-time stages among them) the lean graph the evaluator replays gives the
+times of the full one, and the loop's times the engine's.
 """
 
 from __future__ import annotations
@@ -108,17 +110,23 @@ def test_replay_times_equal_the_engine(
 ) -> None:
     for asynch in (False, True):
         windows = [(1, 5), (1, 3), (0, 2)] if asynch else [(1, 5)]
-        for window in windows:
+        for window, loop in itertools.product(windows, (True, False)):
             args = (costs, n, m)
-            replay = engine_evaluator(*args, async_optimizer=asynch, round_size=rs, window=window)
-            engine = engine_evaluator(
-                *args, async_optimizer=asynch, round_size=rs, window=window, engine=True
-            )
-            assert replay(plan) == engine(plan), (name, asynch, window)
+            options = {"async_optimizer": asynch, "round_size": rs, "window": window, "loop": loop}
+            replay = engine_evaluator(*args, **options)
+            engine = engine_evaluator(*args, **options, engine=True)
+            assert replay(plan) == engine(plan), (name, asynch, window, loop)
 
 
 def replayed_ms(
-    plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, window: tuple[int, int] | None, lean: bool
+    plan: Plan,
+    costs: LayerCosts,
+    n: int,
+    m: int,
+    rs: int | None,
+    window: tuple[int, int] | None,
+    lean: bool,
+    loop: bool = False,
 ) -> float:
     """`replay_iteration_ms` on the lean or the full graph (``window`` None: sync)."""
     graph = build_graph(
@@ -130,7 +138,7 @@ def replayed_ms(
     stop = bytearray(len(graph.res))
     for task in graph.computes[window[1]]:
         stop[task] = 1
-    starts = replay_starts(graph, stop)
+    starts = replay_starts(graph, stop, loop=loop)
     at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in window]
     return (at[1] - at[0]) / (window[1] - window[0])
 
@@ -153,8 +161,13 @@ def test_the_lean_graph_gives_the_full_graphs_times() -> None:
         fwd_stages, bwd_stages = (random_chain(rng, p), random_chain(rng, p)[::-1]) if p else ([], [])
         plan = Plan.from_stages(fwd_stages, range(p, layers), bwd_stages, costs, n, m)
         window = rng.choice([None, (1, 5), (1, 3), (0, 2)])
+        loop = window is not None and rng.random() < 0.5
         args = (plan, costs, n, m, rs, window)
-        assert replayed_ms(*args, lean=True) == replayed_ms(*args, lean=False), args
+        lean = replayed_ms(*args, lean=True, loop=loop)
+        assert lean == replayed_ms(*args, lean=False, loop=loop), (args, loop)
+        if loop:  # and the loop's submission is the engine's (`simulate(..., after_loss=True)`)
+            options = {"async_optimizer": True, "round_size": rs, "window": window}
+            assert lean == engine_evaluator(costs, n, m, **options, engine=True)(plan), args
 
 
 def test_heap_keys_grow_with_a_graph_past_seq(monkeypatch: pytest.MonkeyPatch) -> None:

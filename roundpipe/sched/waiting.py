@@ -75,7 +75,8 @@ async def wait_until_done(engine: Engine, targets: list[Task] | None) -> None:
 def _advance_virtual(engine: Engine, target: Task | None) -> str:
     """Complete up to `YIELD_EVERY` virtual events; stop early when ``target`` (None: every
     submitted task) is done or a task failed, so the caller can re-check its exit conditions."""
-    advance = engine.backend.advance
+    backend = engine.backend
+    advance = backend.advance
     for _ in range(YIELD_EVERY):
         if not advance():
             return _STUCK
@@ -85,8 +86,21 @@ def _advance_virtual(engine: Engine, target: Task | None) -> str:
             if engine._pending == 0:
                 return _PROGRESS
         elif target.state is _DONE:
+            _finish_instant(backend)
             return _PROGRESS
     return _BUDGET_SPENT
+
+
+def _finish_instant(backend: Backend) -> None:
+    """Complete every other event of the current virtual instant before the waiter acts: what
+    the waiter submits then finds the instant's completions all in, as a real caller, woken some
+    time after its task ended, would. Without it, a batch submitted in the middle of an instant
+    could start on a lane a higher-priority task was about to be released onto, and when a loop
+    submits would depend on the order of equal end times (`roundpipe.plan_replay` models the
+    loop's submission on this rule)."""
+    now = backend.now()
+    while backend.next_time() == now and backend.advance():
+        pass
 
 
 async def _sleep_until_progress(engine: Engine) -> None:
