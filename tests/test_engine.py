@@ -116,6 +116,32 @@ def test_wait_for_some_keys_only() -> None:
     assert run_sync(main()) == 1.0
 
 
+def test_a_virtual_wait_returns_once_its_instant_is_over() -> None:
+    """``first`` and ``tie`` end at 1 ms; ``low`` (ready at 0) and ``urgent`` (released by
+    ``tie``) wait for one lane. A wait on ``first`` returns with ``tie`` done too, so what the
+    waiter submits then finds ``urgent`` ready, and the lane goes to it, not to whatever the
+    waiter's batch holds or ``low``; without it, which of ``tie``'s completion and the waiter
+    came first would decide, by the order of equal end times."""
+    engine = Engine(_durations())
+
+    async def main() -> list[str]:
+        engine.submit(
+            [
+                _task("first"),
+                _task("tie", lane="d1.compute"),
+                _task("urgent", lane="d2.compute", deps=("tie",), priority=5),
+            ]
+        )
+        await engine.wait([("first",)])
+        assert engine.backend.now() == 1.0
+        assert engine.task(("tie",)).end_t == 1.0  # done before the waiter acts
+        engine.submit([_task("late", lane="d2.compute", priority=1)])
+        await engine.wait()
+        return [t.key[0] for t in engine.trace if t.lane == "d2.compute"]
+
+    assert run_sync(main()) == ["urgent", "late"]
+
+
 def test_statistics_expose_counts() -> None:
     engine = Engine(_durations())
     _run(engine, [_task("a"), _task("b", deps=("a",))])
