@@ -18,8 +18,12 @@ rule on it:
   resource picks its next task only once the whole wave has released its dependents. Within a
   wave, the order of completions changes only the numbering of the next starts, never which task
   a resource picks, so waves are replayed as sets;
-- the graphs are submitted at time 0 in the order `roundpipe.simulate.run_fake` submits them
-  (per iteration its graph, then its optimizer step), idle resources starting after each batch.
+- the graphs are submitted in the order `roundpipe.simulate.run_fake` submits them (per
+  iteration its graph, then its optimizer step), idle resources starting after each batch: all
+  at time 0 (a chained run), or as a training loop does (``after_loss``): iteration t's step and
+  iteration t + 1's graph once iteration t's losses are in and the instant they came in at is
+  over, which is when a virtual `Engine.wait` returns. A task of a batch not yet submitted
+  waits for it, however early its dependencies end.
 
 So a compute task starts here exactly when it starts in the engine. `tests/test_plan_replay.py`
 checks the graph task for task against `GraphBuilder` (resources, priorities, dependencies,
