@@ -237,8 +237,12 @@ def test_cuda_main_job_trains_through_the_command_line(
         "--json",
     ]
     assert main(argv) == 0, capsys.readouterr().err
-    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    out = capsys.readouterr()
+    summary = json.loads(out.out.splitlines()[-1])
     assert summary["final_loss"] < summary["initial_loss"] and summary["steps"] == 30
     assert summary["tokens_per_s"] > 0 and summary["host_bound"] is not None
+    # The first step compiles: the user is told so, and the rate after it is reported apart.
+    assert "the first step compiles the layers" in out.err
+    assert summary["steady_tokens_per_s"] > summary["tokens_per_s"]
     assert (tmp_path / "gpu" / "checkpoint").is_dir()
     assert inductor_config.cpp_wrapper == before

@@ -60,6 +60,10 @@ def test_run_writes_files_and_json(
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert set(rows[0]) == {"step", "loss", "tokens_per_s", "lr", "elapsed"}
     assert rows[0]["loss"] == summary["initial_loss"] and rows[-1]["loss"] == summary["final_loss"]
+    # The rate after the first step: the two later steps' tokens over the time they took.
+    tokens = 2 * 4 * 16  # two steps of tiny_args' batch: 4 sequences of 16 tokens
+    steady = tokens / (rows[2]["elapsed"] - rows[0]["elapsed"])
+    assert summary["steady_tokens_per_s"] == pytest.approx(steady, rel=1e-6)
     assert json.loads((run / "trace.json").read_text())["traceEvents"]
     assert main(["trace", "check", str(run / "schedule.json")]) == 0  # the real run obeyed the rules
     assert (run / "timeline.png").read_bytes().startswith(b"\x89PNG")
@@ -78,6 +82,7 @@ def test_table_output_without_json(
         "sync optimizer",
         "loss",
         "tokens/s",
+        "after the first step",
         "bubble ratio",
         "metrics.jsonl",
         "checkpoint",

@@ -141,6 +141,12 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
             "layers": len(pipe.host.layers),
         }
         reporter.start(config, out_dir, start, model_info)
+        if pipe.runtime.compiler.enabled:
+            # Nothing else is shown until the first step ends, which on a fresh machine is long.
+            reporter.note(
+                "the first step compiles the layers (torch.compile) and measures them: up to a "
+                "minute or two on a fresh machine, less once the compile cache is warm"
+            )
         for note in [*inputs.data.notes, *(inputs.place.notes if inputs.place else [])]:
             reporter.note(note)
         elapsed = saved_elapsed(inputs.resume_meta)
@@ -189,6 +195,7 @@ def _run(
         steps=step,
         losses=progress.losses,
         tokens_per_s=(step - start) * config.tokens_per_step / elapsed if elapsed > 0 else 0.0,
+        steady_tokens_per_s=progress.steady_tokens_per_s(),
         bubble_ratio=bubble,
         host_bound=host_bound,
         elapsed_s=elapsed,

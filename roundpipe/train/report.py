@@ -119,7 +119,10 @@ class RichReporter:
         if result.interrupted:
             steps += " [yellow](interrupted)[/]"
         table.add_row("steps", steps)
-        table.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
+        rate = f"{result.tokens_per_s:,.0f}"
+        if result.steady_tokens_per_s is not None:
+            rate = f"{result.steady_tokens_per_s:,.0f} after the first step ({rate} over the whole run)"
+        table.add_row("tokens/s", rate)
         table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
         if result.host_bound is not None:
             # GPU time spent running kernels as the host issued them: larger microbatches help

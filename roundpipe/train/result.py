@@ -40,6 +40,9 @@ class TrainResult:
     # Share of the run in which a GPU ran work the host was still issuing (`sched.breakdown`);
     # None where no task was issued ahead of its completion (CPU workers).
     host_bound: float | None = None
+    # Tokens/s after this call's first step (None under two steps): ``tokens_per_s`` counts the
+    # whole run, the first step's compiling and measuring on a GPU included.
+    steady_tokens_per_s: float | None = None
 
     @property
     def exit_code(self) -> int:
@@ -72,6 +75,7 @@ class TrainResult:
             "eval_loss": self.eval_loss,
             "eval_perplexity": self.eval_perplexity,
             "tokens_per_s": self.tokens_per_s,
+            "steady_tokens_per_s": self.steady_tokens_per_s,
             "bubble_ratio": self.bubble_ratio,
             "host_bound": self.host_bound,
             "steps": self.steps,
