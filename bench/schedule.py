@@ -32,6 +32,13 @@ Prints one JSON line per profile and mode:
       previous losses are in, what plan_eval judges by) and chained_choice_loop_ms (the same for
       the plan a chained evaluation, every iteration submitted at once, would choose).
     python bench/schedule.py --grid [--layers 24 28] [--modes sync] [--devices 8] [--evaluations 8]
+
+  --exhaustive: for the async grid shapes at (N, M) = (8, 16) of --layers (default 24 28 32; each
+      shape times about a thousand plans, 10-30 s), the chosen plan against every even plan
+      (`every_even_plan`), all timed as choose_plan's evaluator times them (a training loop's
+      submission): chosen_ms, best_ms, gap (chosen / best - 1), and the fastest even plan whose
+      chained steady bubble is under 3% (none when there is none within 10% of the chosen).
+    python bench/schedule.py --exhaustive [--layers 24]
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import time
 from typing import Any
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
+from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import steady_iteration_ms
 from roundpipe.plan_eval import engine_evaluator, iteration_starts
 from roundpipe.simulate import simulate
@@ -148,7 +156,7 @@ def grid_row(
         # (`engine_evaluator(..., loop=False)`) would choose.
         chained = engine_evaluator(costs, n, m, async_optimizer=True, loop=False)
         chained_choice = choose_plan(
-            costs, n, m, async_optimizer=True, evaluate=chained, evaluations=evaluations
+            costs, n, m, async_optimizer=True, evaluate=chained, evaluations=evaluations, loop=False
         )
         loop = {
             "loop_ms": round(loop_ms(plan, costs, n, m), 2),
@@ -260,6 +268,49 @@ def layer_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def exhaustive_row(layers: int, ratio: float, head: float, n: int = 8, m: int = 16) -> dict[str, object]:
+    """One async grid shape: the chosen plan's time per iteration against every even plan's, all
+    by choose_plan's own evaluator, and the fastest even plan under the 3% bubble target."""
+    start = time.perf_counter()
+    costs = grid_costs(layers, ratio, head)
+    evaluate = engine_evaluator(costs, n, m, async_optimizer=True)
+    chosen = choose_plan(costs, n, m, async_optimizer=True, evaluate=evaluate)
+    chosen_ms = evaluate(chosen)
+    plans = every_even_plan(costs, n, m)
+    timed = sorted((evaluate(p), i) for i, p in enumerate(plans))
+    best_ms, best = timed[0][0], plans[timed[0][1]]
+    under: dict[str, object] | None = None
+    for ms, i in timed:  # fastest first: the first under the target is the fastest one
+        if ms > 1.1 * chosen_ms:
+            break
+        bubble, _ = measure(plans[i], costs, n, m, True)
+        if bubble < ASYNC_GRID_TARGET:
+            under = {
+                "ms": round(ms, 2),
+                "vs_chosen": round(ms / chosen_ms - 1, 4),
+                "bubble": round(bubble, 4),
+            }
+            under["slots"] = plans[i].num_slots
+            break
+    return {
+        "bench": "schedule-exhaustive",
+        "layers": layers,
+        "bwd_ratio": ratio,
+        "head": head,
+        "devices": n,
+        "microbatches": m,
+        "plans": len(plans),
+        "chosen_ms": round(chosen_ms, 2),
+        "chosen_slots": chosen.num_slots,
+        "chosen_bubble": round(measure(chosen, costs, n, m, True)[0], 4),
+        "best_ms": round(best_ms, 2),
+        "best_slots": best.num_slots,
+        "gap": round(chosen_ms / best_ms - 1, 4),
+        "fastest_under_target": under,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="more layer counts and head sizes")
@@ -271,9 +322,18 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", choices=[8, 4, 2], help="grid (N, M) by N")
     parser.add_argument("--evaluations", type=int, help="plans choose_plan times (default: its own)")
     parser.add_argument("--tables", metavar="GRID_JSONL", help="print the docs tables of a --grid output")
+    parser.add_argument(
+        "--exhaustive", action="store_true", help="async choices at (8, 16) against every even plan"
+    )
     args = parser.parse_args()
     if args.tables:
         tables(args.tables)
+        return
+    if args.exhaustive:
+        layers = args.layers if args.layers != list(GRID_LAYERS) else [24, 28, 32]
+        for count in layers:
+            for ratio, head in itertools.product(GRID_BWD_RATIOS, GRID_HEADS):
+                print(json.dumps(exhaustive_row(count, ratio, head)), flush=True)
         return
     if args.grid:
         grid(args)

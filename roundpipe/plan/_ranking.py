@@ -23,7 +23,8 @@ from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 
 MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
-"""Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run."""
+"""Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run
+(with ``loop``, of a run submitted as a training loop submits it)."""
 
 
 def spread(plan: Plan | _Candidate) -> float:
@@ -145,6 +146,7 @@ def _rank(
     *,
     times: _StageTimes,
     first: int = 0,
+    loop: bool = False,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
@@ -156,12 +158,15 @@ def _rank(
     bound: a plan is still pruned only past a modelled ``keep``-th best, so the first ``reads``
     are the same.
 
-    Sync plans are modelled by `split_ms` (a backward stage's recompute ahead of
+    Async plans are modelled by `stream_ms` over a window of chained iterations, or (``loop``)
+    of iterations each submitted once the previous one's fused runs are done, as a training loop
+    submits them. Sync plans are modelled by `split_ms` (a backward stage's recompute ahead of
     its gradient, as the engine runs it: the whole-microbatch `stream_ms` is up to 16% slow on
     plans whose backward runs wait for gradients, and often left the engine's best out of the few
     timed), and bounded for it."""
     n = num_devices
     m = sum(rounds)
+    largest_round = max(rounds)
     splits: dict[int, Split] = {}  # by id of the candidate (sync plans)
 
     def split_of(p: _Candidate) -> Split:
@@ -171,6 +176,12 @@ def _rank(
 
     def shared(p: _Candidate) -> float:
         work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
+        if async_optimizer and loop:
+            # A loop submits iteration t + 1 once iteration t's fused runs are done, and a fused run
+            # computes its round's microbatches one after the other, the first once it has been
+            # through the forward slots: no iteration is shorter than that.
+            f = len(p.fwd_stages)
+            return max(work, math.fsum(p.slot_ms[:f]) + largest_round * p.slot_ms[f])
         if async_optimizer:
             return work
         # `split_ms`: `Split.heads` of the first N slots, `Split.tails` of the last N
@@ -211,6 +222,7 @@ def _rank(
                 sharers=shares,
                 give_up=give_up,
                 shapes=shapes,
+                gate=len(p.fwd_stages) if loop else None,
             )
         else:
             ms = split_ms(p.slot_ms, split_of(p), n, rounds, give_up=give_up, graphs=graphs)

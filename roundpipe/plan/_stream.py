@@ -34,6 +34,7 @@ _ACTIVATION_HOPS = 2  # act_down, act_up
 _PARAM_HOPS = 1  # param_up (one stage of prefetch)
 _WEIGHT_HOPS = 5  # grad_down, G-copy, step, P-copy, param_up
 _UPLOAD_HOPS = 3  # param_up, P-copy, param_up: an upload of the weights before, then this one's
+_GATE_HOPS = 1  # param_up: a training loop submits the next iteration once the losses are in
 
 
 class Shape:
@@ -72,19 +73,35 @@ def _structure(
     weight_waits: tuple[tuple[int, ...], ...] | None,
     base: Shape | None = None,
     sharers: tuple[tuple[int, ...], ...] | None = None,
+    gate: int | None = None,
 ) -> Shape:
     """Every microbatch task in dispatch order (see `Shape`). Only the slot count shapes it, not
     the slot times, so candidates of one slot count share it (`stream_ms`'s ``shapes``). The async
     weight waits differ between plans of one count, so they go on a copy of ``base`` (the same
-    graph without them, built here if not given) that copies only the lists they change."""
+    graph without them, built here if not given) that copies only the lists they change; so does
+    ``gate`` (the fused slot: iteration t's runs start only once iteration t - 1's fused runs,
+    which compute the losses, are done, as a training loop submits them)."""
     if base is None:
         base = _runs_structure(s_count, num_devices, rounds, iterations)
-    if weight_waits is None:
+    if weight_waits is None and gate is None:
         return base
     run_start, count = base.run_start, base.count
     after, unmet = list(base.after), list(base.unmet)
     extra: dict[int, list[int]] = {}
     per = s_count * len(rounds)
+    if gate is not None:
+        code = _GATE_HOPS * count
+        for t in range(1, (len(run_start) - 1) // per):
+            losses = [run_start[(t - 1) * per + r * s_count + gate + 1] - 1 for r in range(len(rounds))]
+            for run in range(t * per, (t + 1) * per):
+                first = run_start[run]
+                for source in losses:
+                    extra.setdefault(source, []).append(code + first)
+                    unmet[first] += 1
+    if weight_waits is None:
+        for source, codes in extra.items():
+            after[source] = after[source] + codes
+        return Shape(base.slot, base.device, unmet, after, run_start, num_devices)
     for run in range(2 * per, len(run_start) - 1):  # iteration t reads the weights stepped after t-2
         first = run_start[run]
         earlier = (run // per - 2) * per
@@ -168,10 +185,13 @@ def stream_ms(
     sharers: Sequence[Sequence[int]] | None = None,
     give_up: float = math.inf,
     shapes: dict[object, Shape] | None = None,
+    gate: int | None = None,
 ) -> float:
     """Modelled ms per iteration: the makespan of ``iterations`` chained iterations (fill and drain
     included), or with ``window=(a, b)`` the time from iteration a's first compute to iteration b's,
-    over b - a (the steady time of an async run; needs ``iterations > b``).
+    over b - a (the steady time of an async run; needs ``iterations > b``). ``gate`` (the fused
+    slot's index): iterations submitted as a training loop submits them, each once the previous
+    one's fused runs (its losses) are done, instead of chained.
 
     ``weight_waits[i]`` (async runs): the slots whose gradients slot i's weights wait for, two
     iterations back (the backward and fused slots that hold slot i's layers). ``sharers[i]`` (async
@@ -185,16 +205,16 @@ def stream_ms(
     waits = None if weight_waits is None else tuple(tuple(w) for w in weight_waits)
     shares = None if sharers is None or waits is None else tuple(tuple(w) for w in sharers)
     s_count = len(slot_ms)
-    key = (s_count, num_devices, tuple(rounds), iterations, waits, shares)
+    key = (s_count, num_devices, tuple(rounds), iterations, waits, shares, gate)
     shape = shapes.get(key) if shapes is not None else None
     if shape is None:
         base = None
-        if shapes is not None and waits is not None:  # the graph without waits, shared
-            bare = (s_count, num_devices, tuple(rounds), iterations, None, None)
+        if shapes is not None and (waits is not None or gate is not None):  # the bare graph, shared
+            bare = (s_count, num_devices, tuple(rounds), iterations, None, None, None)
             base = shapes.get(bare)
             if base is None:
                 base = shapes[bare] = _runs_structure(*bare[:4])
-        shape = _structure(*key[:5], base=base, sharers=shares)
+        shape = _structure(*key[:5], base=base, sharers=shares, gate=gate)
         if shapes is not None:
             shapes[key] = shape
     duration = [slot_ms[i] for i in shape.slot]

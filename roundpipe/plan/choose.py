@@ -52,6 +52,7 @@ def choose_plan(
     round_size: int | None = None,
     evaluate: Evaluate | None = None,
     evaluations: int | None = None,
+    loop: bool = True,
 ) -> Plan:
     """The plan to run.
 
@@ -60,6 +61,11 @@ def choose_plan(
     ``evaluate`` (ms per iteration of a plan): the least evaluated time among the proxies' choice
     and the best-modelled candidates, ``evaluations`` plans in all (at least 2; default by size,
     see `default_evaluations`); up to EVALUATE_MAX_LAYERS layers, beyond which the proxies decide.
+    ``loop`` (async): the evaluator times iterations as a training loop submits them, each once
+    the previous one's losses are in (`roundpipe.plan_eval.engine_evaluator`'s default), and the
+    plans of up to N slots, whose rounds run side by side and which a loop cannot lend an
+    iteration's idle devices, have their best by the loop's model timed too (`_ranked_candidates`);
+    ``loop=False`` for an evaluator that times chained runs.
     """
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
@@ -79,7 +85,9 @@ def choose_plan(
         default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
     )
     rounds = round_sizes(num_microbatches, num_devices, round_size)
-    ranked, extra = _ranked_candidates(costs, proxies, chains, rounds, async_optimizer, max(count, 2))
+    ranked, extra, few = _ranked_candidates(
+        costs, proxies, chains, rounds, async_optimizer, max(count, 2), loop and async_optimizer
+    )
     # The proxies' choice always runs in the comparison: evaluation never does worse than it.
     chosen = {_stages(proxies[0]): proxies[0]}
     for _, plan in ranked:
@@ -88,6 +96,8 @@ def choose_plan(
         chosen.setdefault(_stages(plan), plan)
     if extra and (not ranked or extra[0][0] < ranked[0][0]):
         chosen.setdefault(_stages(extra[0][1]), extra[0][1])  # see `_ranked_candidates`
+    for _, plan in few:
+        chosen.setdefault(_stages(plan), plan)
     timed = [(evaluate(p), p) for p in chosen.values()]
     best_ms = min(ms for ms, _ in timed)
     ties = [p for ms, p in timed if ms <= best_ms * (1 + 1e-9)]
@@ -132,15 +142,28 @@ def _ranked_candidates(
     rounds: tuple[int, ...],
     async_optimizer: bool,
     needed: int,
-) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]]]:
-    """Even plans around each proxy plan (and the proxies), best modelled first; and apart, the
-    best modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot.
+    loop: bool = False,
+) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]], list[tuple[float, Plan]]]:
+    """Even plans around each proxy plan (and the proxies), best modelled first; apart, the best
+    modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot; and
+    (``loop``, async) the best of the even plans of up to N slots by the model of a training
+    loop's submission.
 
     Those wider plans (a 1-3 layer fused stage, stages a little shorter than with N slots) are the
     fastest on several grid shapes (up to 11% faster than the others), but the ranking model is
     off by up to 20% on async plans: ranked with the rest they displace, on other shapes, the plan
     the engine prefers. So the best of them is timed in addition, and only when the model puts it
-    first of all. ``needed``: how many of the ranked plans the caller reads, best first."""
+    first of all. ``needed``: how many of the ranked plans the caller reads, best first.
+
+    Why the third: the async ranking models a chained run (cheap to prune, and it orders the
+    many-slot plans as the loop's evaluation does), but a plan of up to N slots runs its rounds
+    side by side, and the idle devices a chained run lends to the next iteration a loop cannot
+    lend, so the chained model ranks those plans against the rest by a time they do not run in.
+    Among themselves they are ranked by the loop's model (`stream_ms` with ``gate``), and their
+    best is timed in addition. On the (8, 16) async grid shapes of 24-32 layers that brings the
+    chosen plan within 0.6% of the fastest even plan on the mean (4.6% at most), against 4.7%
+    (11.8%) with the chained ranking alone; ranking every candidate by the loop's model instead
+    made 20 of 64 grid shapes slower, by up to 8.4% (docs/performance.md)."""
     n, m = proxies[0].num_devices, proxies[0].num_microbatches
     plans = {_stages(p): _Candidate(p) for p in proxies}
     around = (
@@ -149,11 +172,14 @@ def _ranked_candidates(
     )
     few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
     times = _StageTimes(costs)
+    few: dict[object, _Candidate] = {}  # the plans of up to N slots
     for family in (*around, few_slots):
         for _, stages in family:
             key = (tuple(stages[0]), stages[1], tuple(stages[2]))
             if key not in plans:
                 plans[key] = _Candidate(None, key, times.of(*key), n, m)
+            if len(stages[0]) + 1 + len(stages[2]) <= n:
+                few[key] = plans[key]
     wider: dict[object, _Candidate] = {}
     for _, stages in _candidates.balanced_fused(chains, range(n + 1, 2 * n + 1)):
         key = (tuple(stages[0]), stages[1], tuple(stages[2]))
@@ -178,7 +204,22 @@ def _ranked_candidates(
     # could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
     extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, times=times)
-    return ranked, extra[:1]
+    few_best = _rank(list(few.values()), n, rounds, True, keep=1, times=times, loop=True)[:1] if loop else []
+    return ranked, extra[:1], few_best
+
+
+def every_even_plan(costs: LayerCosts, num_devices: int, num_microbatches: int) -> list[Plan]:
+    """Exhaustive: every slot count and fused stage, each chain cut evenly (`EvenChains`); what
+    `choose_plan`'s candidates are drawn from. For checking a choice against the best of all
+    (tests, `bench/schedule.py --exhaustive`): about a thousand plans at 24 layers."""
+    chains = _even_chains(costs, None)
+    plans: dict[object, Plan] = {}
+    for p in range(costs.num_layers):
+        for s in range(1, 2 * p + 2):
+            for _, stages in chains.plans(s, p):
+                plan = Plan.from_stages(*stages, costs, num_devices, num_microbatches)
+                plans[_stages(plan)] = plan
+    return list(plans.values())
 
 
 def even_plan(
