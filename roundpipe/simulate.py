@@ -231,7 +231,8 @@ def replay(trace: Trace) -> Trace:
     backend = FakeBackend(durations=duration, shared_link=bool(trace.meta.get("shared_link", False)))
     out = Trace(meta=dict(trace.meta))
     engine = Engine(backend, trace=out)
-    batches: list[tuple[float, list[Task]]] = []
+    # (submission time, tasks, how many tasks were done when the run submitted them, if known)
+    batches: list[tuple[float, list[Task], int | None]] = []
     sizes = _batch_sizes(trace.meta.get("submit_batches"), len(records))
     after = trace.meta.get("submit_after") if sizes is not None else None
     if not isinstance(after, list) or len(after) != len(sizes or ()):
@@ -241,21 +242,22 @@ def replay(trace: Trace) -> Trace:
             if batches and batches[-1][0] == task.submit_t:
                 batches[-1][1].append(task.clone())
             else:
-                batches.append((task.submit_t, [task.clone()]))
+                batches.append((task.submit_t, [task.clone()], None))
     else:
         at = 0
-        for size in sizes:
+        for index, size in enumerate(sizes):
             chunk = records[at : at + size]
             at += size
             if chunk:
-                batches.append((chunk[0].submit_t, [t.clone() for t in chunk]))
+                done = after[index] if after is not None else None
+                batches.append((chunk[0].submit_t, [t.clone() for t in chunk], done))
 
     async def main() -> None:
-        for index, (submit_t, batch) in enumerate(batches):
-            if after is not None:
+        for submit_t, batch, done in batches:
+            if done is not None:
                 # As many tasks done as when the run submitted it: a batch submitted after a
                 # wait comes once its instant is over, one of a chained run before it advances.
-                while len(out.records) < after[index] and backend.advance():
+                while len(out.records) < done and backend.advance():
                     pass
             else:
                 # Finish what ended before this submission; what ends at that very time is still
