@@ -230,3 +230,11 @@ def test_async_ranking_models_the_loops_submission() -> None:
         assert evaluate(looped) <= evaluate(
             choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate, loop=False)
         )
+
+
+def test_the_loop_ranking_models_the_evaluators_window() -> None:
+    """The loop's ranking model reads the window the evaluator times (iterations 1-5 of 6)."""
+    from roundpipe.plan._ranking import LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW
+    from roundpipe.plan_eval import STEADY_WINDOW
+
+    assert LOOP_MODEL_WINDOW == STEADY_WINDOW and LOOP_MODEL_ITERATIONS == STEADY_WINDOW[1] + 1

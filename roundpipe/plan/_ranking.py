@@ -23,8 +23,12 @@ from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 
 MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
-"""Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run
-(with ``loop``, of a run submitted as a training loop submits it)."""
+"""Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run."""
+LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW = 6, (1, 5)
+"""Async ranking with ``loop`` (a run submitted as a training loop submits it): the evaluator's
+own window (`roundpipe.plan_eval.STEADY_WINDOW`). With the chained window above the few-slot
+plans it ranks were 0.62% from the fastest even plan on the mean (4.6% at worst) on 32 grid
+shapes at (8, 16), with this one 0.15% (2.5%), for 9-19% more planning at 48-94 layers."""
 
 
 def spread(plan: Plan | _Candidate) -> float:
@@ -216,8 +220,8 @@ def _rank(
                 p.slot_ms,
                 n,
                 rounds,
-                iterations=MODEL_ITERATIONS,
-                window=MODEL_WINDOW,
+                iterations=LOOP_MODEL_ITERATIONS if loop else MODEL_ITERATIONS,
+                window=LOOP_MODEL_WINDOW if loop else MODEL_WINDOW,
                 weight_waits=waits,
                 sharers=shares,
                 give_up=give_up,
