@@ -161,7 +161,7 @@ def _ranked_candidates(
     lend, so the chained model ranks those plans against the rest by a time they do not run in.
     Among themselves they are ranked by the loop's model (`stream_ms` with ``gate``), and their
     best is timed in addition. On the 48 (8, 16) async grid shapes of 24-32 layers that brings the
-    chosen plan within 0.7% of the fastest even plan on the mean (8.7% at most), against 4.0%
+    chosen plan within 0.19% of the fastest even plan on the mean (2.5% at most), against 4.0%
     (11.8%) with the chained ranking alone; ranking every candidate by the loop's model instead
     made 20 of 64 grid shapes slower, by up to 8.4% (docs/performance.md)."""
     n, m = proxies[0].num_devices, proxies[0].num_microbatches
