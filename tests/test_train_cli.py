@@ -212,7 +212,13 @@ def test_existing_run_is_not_overwritten(
 ) -> None:
     assert main([*tiny_args(model_config, tmp_path, "once", steps=1), "--json"]) == 0
     assert main([*tiny_args(model_config, tmp_path, "once", steps=1), "--json"]) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite" not in err
+    # --overwrite does not start over a finished run either, and says what it does replace
+    assert main([*tiny_args(model_config, tmp_path, "once", steps=1), "--json", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite replaces only the newer checkpoints of a --resume" in err
+    assert (tmp_path / "once" / "checkpoint" / "meta.json").is_file()  # nothing lost
     assert main(["train", "--resume", str(tmp_path / "once" / "checkpoint"), "--json"]) == 2
     assert "nothing to do; pass a larger --steps" in capsys.readouterr().err
 

@@ -60,9 +60,17 @@ def plan_outputs(config: TrainConfig, resume_step: int | None) -> RunPlace:
     place = RunPlace(out_dir)
     if resume_step is None:
         if (out_dir / METRICS_FILE).exists():
+            # --overwrite gives up only the newer checkpoints of a resume: a finished run is never
+            # deleted by a flag, so say so rather than leave it looking ignored.
+            overwrite = (
+                f" (--overwrite replaces only the newer checkpoints of a --resume; to start over in "
+                f"{out_dir}, delete it first)"
+                if config.overwrite
+                else ""
+            )
             raise ConfigError(
                 f"run directory {out_dir} already holds a run; choose another --name, or continue it with "
-                f"--resume {out_dir / CHECKPOINT_DIR}"
+                f"--resume {out_dir / CHECKPOINT_DIR}{overwrite}"
             )
     else:
         place = _resume_place(config, out_dir, resume_step)
