@@ -209,25 +209,17 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
 
 def fresh_parameters(model: Any, fresh_layers: int) -> set[int]:
     """The ids of the parameters `RunConfig.fresh_layers` reads fresh: those of the units
-    `fresh_units_of` picks among the pipe's layers (a shared parameter's unit is the shallowest
-    layer holding it, as in the pipe)."""
+    `fresh_units_of` picks among the pipe's layers, found as the pipe's `HostModel` finds them
+    (`trainable_units`, without building one: that would rebind the frozen parameters)."""
     from roundpipe.model.sequence import to_layer_sequence
+    from roundpipe.optim.host import trainable_units
     from roundpipe.sched.spec import fresh_units_of
 
     if not fresh_layers:
         return set()
-    owner: dict[int, int] = {}
-    owners = []
-    params_of: dict[int, list[int]] = {}
-    for layer, module in enumerate(to_layer_sequence(model).layers):
-        units = set()
-        for param in module.parameters():
-            if param.requires_grad:
-                unit = owner.setdefault(id(param), layer)
-                units.add(unit)
-                params_of.setdefault(unit, []).append(id(param))
-        owners.append(tuple(sorted(units)))
-    return {key for unit in fresh_units_of(tuple(owners), fresh_layers) for key in params_of[unit]}
+    layers = to_layer_sequence(model).layers
+    _, unit_params, owners = trainable_units([list(layer.named_parameters()) for layer in layers])
+    return {id(p) for unit in fresh_units_of(tuple(owners), fresh_layers) for p in unit_params[unit]}
 
 
 def pipe_losses(config: Any) -> list[float]:

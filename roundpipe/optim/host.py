@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,28 @@ class LossScaler:
         self.__dict__.update(state)
 
 
+def trainable_units(
+    layer_params: Sequence[Sequence[tuple[str, nn.Parameter]]],
+) -> tuple[dict[int, int], dict[int, list[nn.Parameter]], list[tuple[int, ...]]]:
+    """Per parameter id, the layer that owns it (the shallowest holding it: a tied head's weight
+    is the embedding's); per unit (an owning layer), its trainable parameters; per layer, the
+    units of its trainable parameters. Pure: `HostModel` and whoever must name the same units
+    without building one (bench/async_quality.py) read it."""
+    owner_of: dict[int, int] = {}
+    for index, named in enumerate(layer_params):
+        for _, param in named:
+            owner_of.setdefault(id(param), index)
+    unit_params: dict[int, list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for named in layer_params:
+        for _, param in named:
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                unit_params.setdefault(owner_of[id(param)], []).append(param)
+    owners = [tuple(sorted({owner_of[id(p)] for _, p in named if p.requires_grad})) for named in layer_params]
+    return owner_of, unit_params, owners
+
+
 class HostModel:
     """Host copies of a layer sequence's parameters, per-layer gradient buffers and per-unit
     optimizers. See the module docstring."""
@@ -120,24 +142,10 @@ class HostModel:
     def _find_units(self) -> None:
         """Which layer owns each parameter (the shallowest that holds it), each unit's trainable
         parameters, and where each unit's gradients land."""
-        self.owner_of: dict[int, int] = {}
-        for index, named in enumerate(self.layer_params):
-            for _, param in named:
-                self.owner_of.setdefault(id(param), index)
-        self.unit_params: dict[int, list[nn.Parameter]] = {}
-        seen: set[int] = set()
-        for named in self.layer_params:
-            for _, param in named:
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    self.unit_params.setdefault(self.owner_of[id(param)], []).append(param)
+        self.owner_of, self.unit_params, self.owners = trainable_units(self.layer_params)
         if not self.unit_params:
             raise ModelError("the model has no trainable parameter (every requires_grad is False)")
         self.units: list[int] = sorted(self.unit_params)
-        self.owners: list[tuple[int, ...]] = [
-            tuple(sorted({self.owner_of[id(p)] for _, p in named if p.requires_grad}))
-            for named in self.layer_params
-        ]
         # Where each unit's gradients land: (layer, name in that layer, parameter), so a G-copy
         # visits its own buffers only instead of scanning every layer.
         self.unit_buffers: dict[int, list[tuple[int, str, nn.Parameter]]] = {u: [] for u in self.units}
