@@ -92,6 +92,7 @@ def shape(plan: Plan) -> dict[str, object]:
 
 
 GRID_LAYERS = (24, 28, 32, 48, 64, 94)
+EXHAUSTIVE_LAYERS = (24, 28, 32)  # --exhaustive: about a thousand plans a shape at these counts
 GRID_BWD_RATIOS = (1.3, 2.0, 2.5, 3.8)
 GRID_HEADS = (1.0, 2.0, 3.0, 4.0)
 GRID_DEVICES = ((8, 16), (4, 8), (2, 4))
@@ -187,7 +188,7 @@ def grid_row(
 def grid(args: argparse.Namespace) -> None:
     devices = [nm for nm in GRID_DEVICES if args.devices is None or nm[0] in args.devices]
     for layers, ratio, head, (n, m), mode in itertools.product(
-        args.layers, GRID_BWD_RATIOS, GRID_HEADS, devices, args.modes
+        args.layers or GRID_LAYERS, GRID_BWD_RATIOS, GRID_HEADS, devices, args.modes
     ):
         print(json.dumps(grid_row(layers, ratio, head, n, m, mode == "async", args.evaluations)), flush=True)
 
@@ -317,7 +318,9 @@ def main() -> None:
     parser.add_argument(
         "--grid", action="store_true", help="the profile grid of the schedule-quality targets"
     )
-    parser.add_argument("--layers", type=int, nargs="+", default=list(GRID_LAYERS), help="grid layer counts")
+    parser.add_argument(
+        "--layers", type=int, nargs="+", help="layer counts (--grid: all six; --exhaustive: 24 28 32)"
+    )
     parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     parser.add_argument("--devices", type=int, nargs="+", choices=[8, 4, 2], help="grid (N, M) by N")
     parser.add_argument("--evaluations", type=int, help="plans choose_plan times (default: its own)")
@@ -330,8 +333,7 @@ def main() -> None:
         tables(args.tables)
         return
     if args.exhaustive:
-        layers = args.layers if args.layers != list(GRID_LAYERS) else [24, 28, 32]
-        for count in layers:
+        for count in args.layers or EXHAUSTIVE_LAYERS:
             for ratio, head in itertools.product(GRID_BWD_RATIOS, GRID_HEADS):
                 print(json.dumps(exhaustive_row(count, ratio, head)), flush=True)
         return
