@@ -70,10 +70,9 @@ class Progress:
         self.losses: list[float] = []
         self.t0 = time.perf_counter()
         self.last = self.t0
-        # When this call's first and latest steps were logged: the rate after the first step
-        # leaves out what only the first one does (on a GPU, compiling and measuring the layers).
+        # When this call's first step was logged (``last``: its latest): the rate after the first
+        # step leaves out what only the first one does (on a GPU, compiling and measuring layers).
         self.first_logged: float | None = None
-        self.last_logged: float | None = None
         self.metrics = metrics
         self.ranks = ranks
         self.non_finite: str | None = None  # why it stopped, once loss or weights are not finite
@@ -125,7 +124,6 @@ class Progress:
         self.last = now
         if self.first_logged is None:
             self.first_logged = now
-        self.last_logged = now
         self.losses.append(loss)
         self.metrics.write(record)
         self.reporter.step(record)
@@ -134,9 +132,9 @@ class Progress:
         """Tokens per second from the end of this call's first step to the end of its last
         (None under two steps): what the run sustains once the first step's one-time work is
         done."""
-        if self.first_logged is None or self.last_logged is None or len(self.losses) < 2:
+        if self.first_logged is None or len(self.losses) < 2:
             return None
-        seconds = self.last_logged - self.first_logged
+        seconds = self.last - self.first_logged
         return (len(self.losses) - 1) * self.config.tokens_per_step / seconds if seconds > 0 else None
 
     def evaluate(self) -> None:
