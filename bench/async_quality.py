@@ -46,11 +46,12 @@ from typing import Any
 class Mode:
     """One optimizer mode, parsed from its name: ``sync`` or ``async``, then ``+``-joined
     remedies: ``warmupN`` (N synchronous steps first), ``predictK`` or ``predictK1,K2`` (weight
-    prediction, factors newest update first), ``rampR`` or ``rampR@S`` (the lr ramp over R async steps from S, default 0.4),
-    ``beta1B`` (Adam's beta1 is B on the asynchronous steps), ``clipC`` (clip the global
-    gradient norm to C), ``freshN`` (`RunConfig.fresh_layers`: the deepest N of the pipe's layers,
-    embedding and head included, read W_t; a head tied to the embedding stays stale). ``predictK`` on ``sync`` is a control: the gradient of step t taken at
-    ``W_t + K (W_t - W_{t-1})``, a look-ahead no `roundpipe train` mode runs."""
+    prediction, factors newest update first), ``rampR`` or ``rampR@S`` (the lr ramp over R async
+    steps from S, default 0.4), ``beta1B`` (Adam's beta1 is B on the asynchronous steps),
+    ``clipC`` (clip the global gradient norm to C), ``freshN`` (`RunConfig.fresh_layers`: the
+    deepest N of the pipe's layers, embedding and head included, read W_t; a head tied to the
+    embedding stays stale). ``predictK`` on ``sync`` is a control: the gradient of step t taken
+    at ``W_t + K (W_t - W_{t-1})``, a look-ahead no `roundpipe train` mode runs."""
 
     async_optimizer: bool
     warmup: int = 0

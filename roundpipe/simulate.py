@@ -77,8 +77,8 @@ def simulate(
     ``fresh_layers``: the deepest layers read fresh weights (`RunConfig.fresh_layers`); with
     ``optimizer_ms`` set, the makespan shows what their steps cost the next forward.
     ``after_loss``: submit each iteration (and the step after it) only once the previous one's
-    losses are in, as a loop of `RoundPipe.forward_backward` and `step` does, instead of all at
-    once (the chained run plans are evaluated on).
+    losses are in, as a loop of `RoundPipe.forward_backward` and `step` does (what async plans
+    are evaluated on), instead of all at once (the chained run).
     """
     engine, trace, iteration_computes = run_fake(
         plan,

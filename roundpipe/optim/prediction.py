@@ -15,7 +15,8 @@ factor; devices read one compute copy as before.
 The previous weights are taken from the optimizer copy itself just before the step, so any
 optimizer works (nothing reads its state), and a skipped step (fp16 overflow) predicts no
 movement (with several factors it also forgets the updates before it). A factor whose update
-has not been remembered yet (the first steps after the switch) is left out. This module must never decide when a step or a P-copy runs: the scheduler's rules do.
+has not been remembered yet (the first steps after the switch) is left out. This module must
+never decide when a step or a P-copy runs: the scheduler's rules do.
 """
 
 from __future__ import annotations
