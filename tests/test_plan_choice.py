@@ -11,12 +11,19 @@ from __future__ import annotations
 import pytest
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
-from roundpipe.plan._ranking import MODEL_ITERATIONS, MODEL_WINDOW, _StageTimes, spread
+from roundpipe.plan._ranking import (
+    LOOP_MODEL_ITERATIONS,
+    LOOP_MODEL_WINDOW,
+    MODEL_ITERATIONS,
+    MODEL_WINDOW,
+    _StageTimes,
+    spread,
+)
 from roundpipe.plan._split_stream import split_ms
 from roundpipe.plan._stream import sharers, stream_ms, weight_waits
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import engine_evaluator, iteration_starts
+from roundpipe.plan_eval import STEADY_WINDOW, engine_evaluator, iteration_starts
 from roundpipe.simulate import simulate
 
 SYNC_SLACK = 0.015  # sync bubble <= analytic bubble of the chosen S + 1.5 points
@@ -164,6 +171,12 @@ def after_loss_ms(plan: Plan, costs: LayerCosts, n: int, m: int) -> float:
     return (starts[5] - starts[1]) / 4
 
 
+def fused_only_plan(costs: LayerCosts, n: int, m: int) -> Plan:
+    """Every layer in the fused stage: one slot."""
+    fused_ms = sum(costs.fwd_ms) + sum(costs.bwd_ms)
+    return Plan((), range(costs.num_layers), (), fused_ms, n, m, (fused_ms,))
+
+
 def test_async_choice_counts_what_a_training_loop_waits_for() -> None:
     """A fused-only plan on 4 devices x 8 microbatches runs each iteration's two rounds on two
     devices. A chained run lends the other two to the next iteration and makes it look twice as
@@ -172,16 +185,7 @@ def test_async_choice_counts_what_a_training_loop_waits_for() -> None:
     plan chosen is a split one, much faster in the loop."""
     costs = grid_costs(24, 2.0, 1.0)
     n, m = 4, 8
-    fused_ms = sum(costs.fwd_ms) + sum(costs.bwd_ms)
-    fused_only = Plan(
-        fwd_stages=(),
-        fused=range(costs.num_layers),
-        bwd_stages=(),
-        t_max=fused_ms,
-        num_devices=n,
-        num_microbatches=m,
-        slot_ms=(fused_ms,),
-    )
+    fused_only = fused_only_plan(costs, n, m)
     chained = engine_evaluator(costs, n, m, async_optimizer=True, loop=False)
     looped = engine_evaluator(costs, n, m, async_optimizer=True)
     assert looped(fused_only) == pytest.approx(2 * chained(fused_only), rel=0.01)
@@ -201,20 +205,19 @@ def test_async_ranking_models_the_loops_submission() -> None:
     2.5x, 1x: 238.9 against 213.7), that plan."""
     costs = grid_costs(24, 2.0, 1.0)
     n, m = 4, 8
-    fused_ms = sum(costs.fwd_ms) + sum(costs.bwd_ms)
-    stages = ((), range(costs.num_layers), ())
+    fused_only = fused_only_plan(costs, n, m)
+    stages = (fused_only.fwd_stages, fused_only.fused, fused_only.bwd_stages)
     shares = sharers(*stages)
     waits = weight_waits(*stages, shares)
     rounds = round_sizes(m, n)
     modelled = {
         gate: stream_ms(
-            (fused_ms,), n, rounds, iterations=MODEL_ITERATIONS, window=MODEL_WINDOW,
+            fused_only.slot_ms, n, rounds, iterations=MODEL_ITERATIONS, window=MODEL_WINDOW,
             weight_waits=waits, sharers=shares, gate=gate,
         )
         for gate in (None, 0)
     }  # fmt: skip
     assert modelled[0] == pytest.approx(2 * modelled[None])
-    fused_only = Plan((), stages[1], (), fused_ms, n, m, (fused_ms,))
     assert modelled[0] == pytest.approx(engine_evaluator(costs, n, m, async_optimizer=True)(fused_only))
     for ratio, head, fastest_ms in [(1.3, 4.0, 186.98), (2.5, 1.0, 213.65)]:
         costs = grid_costs(24, ratio, head)
@@ -234,7 +237,4 @@ def test_async_ranking_models_the_loops_submission() -> None:
 
 def test_the_loop_ranking_models_the_evaluators_window() -> None:
     """The loop's ranking model reads the window the evaluator times (iterations 1-5 of 6)."""
-    from roundpipe.plan._ranking import LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW
-    from roundpipe.plan_eval import STEADY_WINDOW
-
     assert LOOP_MODEL_WINDOW == STEADY_WINDOW and LOOP_MODEL_ITERATIONS == STEADY_WINDOW[1] + 1
