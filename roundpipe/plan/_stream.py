@@ -98,19 +98,16 @@ def _structure(
                 for source in losses:
                     extra.setdefault(source, []).append(code + first)
                     unmet[first] += 1
-    if weight_waits is None:
-        for source, codes in extra.items():
-            after[source] = after[source] + codes
-        return Shape(base.slot, base.device, unmet, after, run_start, num_devices)
-    for run in range(2 * per, len(run_start) - 1):  # iteration t reads the weights stepped after t-2
-        first = run_start[run]
-        earlier = (run // per - 2) * per
-        for waited in weight_waits[run % s_count]:
-            for r in range(len(rounds)):
-                source = run_start[earlier + r * s_count + waited + 1] - 1
-                extra.setdefault(source, []).append(_WEIGHT_HOPS * count + first)
-                unmet[first] += 1
-    if sharers is not None:
+    if weight_waits is not None:
+        for run in range(2 * per, len(run_start) - 1):  # iteration t reads the weights of step t-2
+            first = run_start[run]
+            earlier = (run // per - 2) * per
+            for waited in weight_waits[run % s_count]:
+                for r in range(len(rounds)):
+                    source = run_start[earlier + r * s_count + waited + 1] - 1
+                    extra.setdefault(source, []).append(_WEIGHT_HOPS * count + first)
+                    unmet[first] += 1
+    if weight_waits is not None and sharers is not None:
         # An iteration's weights are copied in (P-copy) only once every upload of the weights
         # before them is done: iteration t's run of slot i waits for the uploads of iteration
         # t - 1's runs of the slots sharing a layer with it (iteration 2 also iteration 0's: both
