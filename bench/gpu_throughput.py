@@ -106,6 +106,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
     p.add_argument("--async", action="store_true", dest="run_async", help="run async mode")
     p.add_argument("--steps", type=int, default=5, help="measured steps")
+    p.add_argument(
+        "--loss-lag",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="read each loss this many steps late (forward_backward(wait=False); roundpipe train's default is 1)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the re-plan is in them)")
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
@@ -173,6 +180,7 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         async_optimizer=mode == "async",
         recompute_grain=workload.recompute_grain,
         trace_iterations=args.warmup + args.steps + 1,
+        loss_lag=getattr(args, "loss_lag", 0),  # planned for the loop that runs
     )
     route = budget_route(workload)["budget_field"]
     if route is None:
@@ -199,24 +207,30 @@ def run_roundpipe(
     reset_peaks(indices)
     times: list[float] = []
     losses: list[float] = []
+    waiting: list[Any] = []  # `PendingLoss`es not read yet
     with RssSampler() as rss, roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe:
         warm_peaks: dict[str, float] = {}
         first, measured_start = 0, time.perf_counter()
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
+                losses += [pending.result() for pending in waiting]
+                waiting.clear()
                 pipe.synchronize()
                 warm_peaks = device_memory(indices)
                 reset_peaks(indices)
                 first, measured_start = pipe.iteration_count, time.perf_counter()
             start = time.perf_counter()
-            losses.append(pipe.forward_backward(data))
+            waiting.append(pipe.forward_backward(data, wait=False))
             # No synchronize per step, in either mode: it also writes the weights back into the
             # module (seconds for a large model in bf16). In sync mode the next iteration's
             # uploads wait for this step's P-copy, so the step still counts in the step time.
             pipe.step()
+            while len(waiting) > args.loss_lag:  # with a lag, the previous step's loss
+                losses.append(waiting.pop(0).result())
             if args.collect_garbage:
                 gc.collect()
             times.append(time.perf_counter() - start)
+        losses += [pending.result() for pending in waiting]
         pipe.synchronize()
         wall = time.perf_counter() - measured_start
         trace = pipe.trace()
@@ -227,6 +241,11 @@ def run_roundpipe(
         plan = pipe.plan
     peaks = device_memory(indices)
     step_s = sorted(times[args.warmup :])[len(times[args.warmup :]) // 2]
+    if args.loss_lag:
+        # A loop iteration that reads the previous step's loss returns when that loss is in, which
+        # is not when a step ends (and the first measured one reads none): the period is the
+        # measured steps' wall time, their last backward and the final synchronize included.
+        step_s = wall / args.steps
     # Every process trains the workload's tokens per step, and they step together (each step
     # waits for the gradients of all): the global rate is the processes' count times one's.
     world = processes()[1]
@@ -255,6 +274,7 @@ def run_roundpipe(
         "optimizer": sorted(set(optimizers)),
         "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "loss_lag": args.loss_lag,
     }
 
 

@@ -52,7 +52,7 @@ from typing import Any
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import steady_iteration_ms
-from roundpipe.plan_eval import engine_evaluator, iteration_starts
+from roundpipe.plan_eval import engine_evaluator, iteration_starts, submission_lag
 from roundpipe.simulate import simulate
 
 N, M = 8, 16
@@ -118,10 +118,20 @@ def measure(plan: Plan, costs: LayerCosts, n: int, m: int, async_optimizer: bool
     return run.steady_bubble_ratio, (starts[-1] - starts[1]) / (STEADY_ITERATIONS - 2)
 
 
-def loop_ms(plan: Plan, costs: LayerCosts, n: int, m: int) -> float:
+def loop_ms(plan: Plan, costs: LayerCosts, n: int, m: int, loss_lag: int = 0) -> float:
     """Async ms per iteration (iterations 1-5) as a training loop runs it: each iteration
-    submitted once the previous one's losses are in (`simulate(..., after_loss=True)`)."""
-    run = simulate(plan, costs, n, m, iterations=STEADY_ITERATIONS, async_optimizer=True, after_loss=True)
+    submitted once the previous one's losses are in (`simulate(..., after_loss=True)`), or with
+    ``loss_lag=1`` once the losses of the one before that are (each loss read one iteration late)."""
+    run = simulate(
+        plan,
+        costs,
+        n,
+        m,
+        iterations=STEADY_ITERATIONS,
+        async_optimizer=True,
+        after_loss=True,
+        loss_lag=loss_lag,
+    )
     starts = iteration_starts(run, STEADY_ITERATIONS)
     return (starts[-1] - starts[1]) / (STEADY_ITERATIONS - 2)
 
@@ -159,9 +169,28 @@ def grid_row(
         chained_choice = choose_plan(
             costs, n, m, async_optimizer=True, evaluate=chained, evaluations=evaluations, loop=False
         )
+        # And a loop that reads each loss one iteration late (`RunConfig.loss_lag=1`, roundpipe
+        # train's default), with the plan chosen for it as `choose_evaluated_plan` chooses (the
+        # better of the two submissions per plan), run as the pipe runs it (`submission_lag`).
+        late = engine_evaluator(costs, n, m, async_optimizer=True, loss_lag=1)
+        start = time.perf_counter()
+        lag_choice = choose_plan(
+            costs,
+            n,
+            m,
+            async_optimizer=True,
+            evaluate=lambda p: min(evaluate(p), late(p)),
+            evaluations=evaluations,
+        )
+        lag = submission_lag(lag_choice, costs, n, m, async_optimizer=True, loss_lag=1)
+        lag_planning_ms = (time.perf_counter() - start) * 1e3
         loop = {
             "loop_ms": round(loop_ms(plan, costs, n, m), 2),
             "chained_choice_loop_ms": round(loop_ms(chained_choice, costs, n, m), 2),
+            "lag1_slots": lag_choice.num_slots,
+            "lag1_loop_ms": round(loop_ms(lag_choice, costs, n, m, loss_lag=lag), 2),
+            "lag1_step_waits": lag == 0,
+            "lag1_planning_ms": round(lag_planning_ms, 1),
         }
     return {
         "bench": "schedule-grid",

@@ -32,7 +32,7 @@ from roundpipe.errors import (
 
 if TYPE_CHECKING:
     from roundpipe.config import RunConfig
-    from roundpipe.pipe import RoundPipe
+    from roundpipe.pipe import PendingLoss, RoundPipe
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "InputError",
     "ModelError",
+    "PendingLoss",
     "PipeClosedError",
     "PlanError",
     "RoundPipe",
@@ -59,6 +60,8 @@ def __getattr__(name: str) -> Any:
     value: Any
     if name == "RoundPipe":
         from roundpipe.pipe import RoundPipe as value
+    elif name == "PendingLoss":
+        from roundpipe.pipe import PendingLoss as value
     elif name == "RunConfig":
         from roundpipe.config import RunConfig as value
     else:

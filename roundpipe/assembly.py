@@ -169,6 +169,7 @@ def plan_for(costs: LayerCosts, config: RunConfig, num_devices: int) -> Plan:
             config.mem_limit_bytes,
             async_optimizer=config.async_optimizer,
             round_size=config.round_size,
+            loss_lag=config.loss_lag,
         )
     except PlanError as exc:
         raise PlanError(

@@ -187,6 +187,14 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="submit each iteration once the previous one's losses are in, as a training loop of "
         "RoundPipe.forward_backward does (default: all at once, the chained run)",
     )
+    s.add_argument(
+        "--loss-lag",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="with --after-loss: 1 reads each loss one iteration late, as roundpipe train does "
+        "(RunConfig.loss_lag; the plan is chosen for it)",
+    )
     s.add_argument("--trace", metavar="OUT.json", help="save the trace (roundpipe trace ... reads it)")
     s.add_argument("--perfetto", metavar="OUT.json", help="write a Perfetto/Chrome trace (ui.perfetto.dev)")
     s.add_argument("--png", metavar="OUT.png", help="draw the timeline (needs matplotlib)")
@@ -271,7 +279,12 @@ def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
     from roundpipe.plan_eval import choose_evaluated_plan
 
     return choose_evaluated_plan(
-        costs, args.devices, args.microbatches, args.mem_limit, async_optimizer=args.async_optimizer
+        costs,
+        args.devices,
+        args.microbatches,
+        args.mem_limit,
+        async_optimizer=args.async_optimizer,
+        loss_lag=getattr(args, "loss_lag", 0),
     )
 
 
@@ -298,6 +311,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ValueError("--fresh-layers is an asynchronous remedy; drop it or drop --sync")
     if args.fresh_layers > costs.num_layers:
         raise ValueError(f"--fresh-layers {args.fresh_layers} but the model has {costs.num_layers} layers")
+    if args.loss_lag and not args.after_loss:
+        raise ValueError("--loss-lag says how late a training loop reads its losses; add --after-loss")
     plan = _partition(costs, args)
     info = plan_summary(plan, costs, args.devices, args.microbatches, args.async_optimizer)
     result = simulate(
@@ -311,6 +326,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         optimizer_ms=args.optimizer_ms,
         fresh_layers=args.fresh_layers,
         after_loss=args.after_loss,
+        loss_lag=args.loss_lag,
     )
     files: dict[str, str] = {}
     if args.trace:
@@ -326,6 +342,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         "optimizer_ms": args.optimizer_ms,
         "fresh_layers": args.fresh_layers,
         "after_loss": args.after_loss,
+        "loss_lag": args.loss_lag,
     }
     if args.json:
         out = {"source": source, **settings, "mem_limit_bytes": args.mem_limit, **info, **result.to_dict()}

@@ -182,6 +182,14 @@ class RunConfig(BaseModel):
         "next forward waits for their step, which costs nothing when it lands before the forward "
         "reaches them (`roundpipe.simulate` shows whether it does)",
     )
+    loss_lag: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="how many iterations late the training loop reads each loss: 0, forward_backward "
+        "waits for it; 1, the loop reads it after submitting the next iteration "
+        "(forward_backward(..., wait=False)). The planner times plans as such a loop submits them",
+    )
     precision: Precision = Field("fp32", description="dtype of the compute copy and of device math")
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(

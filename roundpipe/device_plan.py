@@ -179,6 +179,7 @@ def plan_from(
             limit,
             async_optimizer=config.async_optimizer,
             round_size=config.round_size,
+            loss_lag=config.loss_lag,
         )
 
     grain = config.recompute_grain

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 from torch import nn
 
@@ -58,6 +58,68 @@ from roundpipe.sched.graph import GraphBuilder, ModelSpec
 from roundpipe.sched.trace import Trace
 from roundpipe.state import STATE_FORMAT, capture_state, check_state, compute_copy_version, restore_host
 
+LOSSES_IN_FLIGHT = 2
+"""Iterations whose losses may be outstanding (`RoundPipe.forward_backward` with ``wait=False``):
+enough for a loop that reads each loss one iteration late to keep the devices fed, few enough
+that inputs and saved activations do not pile up on the host."""
+
+
+class PendingLoss:
+    """The loss of an iteration submitted by ``forward_backward(..., wait=False)``.
+
+    ``result()`` blocks until the iteration's losses are in (not its whole backward: as with
+    ``wait=True``, deep stages may still run) and returns the mean microbatch loss; it raises what
+    the iteration raised, and an iteration dropped because an earlier one failed raises
+    `TaskFailedError` saying so. Losses are read in submission order: waiting for one reads every
+    earlier one first."""
+
+    __slots__ = ("_dropped", "_loss_keys", "_pipe", "_value", "_weights", "iteration")
+
+    def __init__(self, pipe: RoundPipe, iteration: int, loss_keys: list[Any], weights: list[float]) -> None:
+        self._pipe = pipe
+        self.iteration = iteration
+        self._loss_keys = loss_keys
+        self._weights = weights
+        self._value: float | None = None
+        self._dropped: BaseException | None = None  # what result() raises
+
+    def done(self) -> bool:
+        """Whether ``result()`` would return (or raise) without waiting."""
+        return self._value is not None or self._dropped is not None
+
+    def result(self) -> float:
+        if self._value is not None:
+            return self._value
+        self._pipe._check_open()
+        return self._pipe._runner.run(self._pipe._collect(self))
+
+    async def aresult(self) -> float:
+        if self._value is not None:
+            return self._value
+        self._pipe._check_open()
+        return await self._pipe._runner.arun(self._pipe._collect(self))
+
+    def __repr__(self) -> str:
+        state = (
+            f"loss={self._value:.6g}"
+            if self._value is not None
+            else "dropped"
+            if self._dropped
+            else "pending"
+        )
+        return f"PendingLoss(iteration={self.iteration}, {state})"
+
+
+def _dropped_error(iteration: int, cause: BaseException) -> TaskFailedError:
+    first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    error = TaskFailedError(
+        f"iteration {iteration} was dropped before its loss was in: an earlier iteration failed ({first}); "
+        "its gradients were not applied, and the next forward_backward starts cleanly",
+        iteration=iteration,
+    )
+    error.__cause__ = cause
+    return error
+
 
 class RoundPipe:
     """Train a layer sequence with host-resident state and round-robin stateless workers.
@@ -95,11 +157,13 @@ class RoundPipe:
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
         self.costs = estimated_costs(self.host, self._sequence.names)
         self.plan: Plan = plan_for(self.costs, self._plan_config, self.num_devices)
+        self._step_waits_for_loss = self._waits_for_loss(self.plan)
         self._options = schedule_options(
             config, self._plan_config.round_size, self.runtime, self._spec.owners
         )
         self.runtime.fresh_units = self._options.fresh_units
         self._iteration = 0
+        self._uncollected: dict[int, PendingLoss] = {}  # submitted, losses not read yet (in order)
         self._stepped_at = 0  # the iteration count at the last step(): a step needs new gradients
         self._step = 0
         self._builder = self._new_builder(base_version=0)
@@ -154,19 +218,76 @@ class RoundPipe:
         """`forward_backward` calls so far (plus those of a loaded state)."""
         return self._iteration
 
+    @overload
     def forward_backward(
-        self, inputs: Any, targets: Any = None, loss_fn: Callable[..., Any] | None = None
-    ) -> float:
+        self,
+        inputs: Any,
+        targets: Any = ...,
+        loss_fn: Callable[..., Any] | None = ...,
+        *,
+        wait: Literal[True] = ...,
+    ) -> float: ...
+
+    @overload
+    def forward_backward(
+        self,
+        inputs: Any,
+        targets: Any = ...,
+        loss_fn: Callable[..., Any] | None = ...,
+        *,
+        wait: Literal[False],
+    ) -> PendingLoss: ...
+
+    def forward_backward(
+        self,
+        inputs: Any,
+        targets: Any = None,
+        loss_fn: Callable[..., Any] | None = None,
+        *,
+        wait: bool = True,
+    ) -> float | PendingLoss:
         """Run forward and backward over ``inputs`` split into microbatches; gradients accumulate
-        until `step()`. Returns the mean of the microbatch losses (weighted by their sizes)."""
+        until `step()`. Returns the mean of the microbatch losses (weighted by their sizes).
+
+        ``wait=False`` returns a `PendingLoss` as soon as the iteration is submitted, so that the
+        caller can submit the next one (``step()`` and ``forward_backward``) while this one
+        computes; its ``result()`` is the loss. At most `LOSSES_IN_FLIGHT` iterations wait for
+        their losses: a submission beyond that first waits for the oldest one's."""
         self._check_open()
-        return self._runner.run(self._forward_backward(inputs, targets, loss_fn))
+        pending = self._runner.run(self._submit_iteration(inputs, targets, loss_fn))
+        return pending.result() if wait else pending
+
+    @overload
+    async def aforward_backward(
+        self,
+        inputs: Any,
+        targets: Any = ...,
+        loss_fn: Callable[..., Any] | None = ...,
+        *,
+        wait: Literal[True] = ...,
+    ) -> float: ...
+
+    @overload
+    async def aforward_backward(
+        self,
+        inputs: Any,
+        targets: Any = ...,
+        loss_fn: Callable[..., Any] | None = ...,
+        *,
+        wait: Literal[False],
+    ) -> PendingLoss: ...
 
     async def aforward_backward(
-        self, inputs: Any, targets: Any = None, loss_fn: Callable[..., Any] | None = None
-    ) -> float:
+        self,
+        inputs: Any,
+        targets: Any = None,
+        loss_fn: Callable[..., Any] | None = None,
+        *,
+        wait: bool = True,
+    ) -> float | PendingLoss:
         self._check_open()
-        return await self._runner.arun(self._forward_backward(inputs, targets, loss_fn))
+        pending = await self._runner.arun(self._submit_iteration(inputs, targets, loss_fn))
+        return await pending.aresult() if wait else pending
 
     def step(self) -> None:
         """Schedule the optimizer step (it runs on the host optimizer lane; with
@@ -221,7 +342,10 @@ class RoundPipe:
 
     # ------------------------------------------------------------------ coroutines (engine thread)
 
-    async def _forward_backward(self, inputs: Any, targets: Any, loss_fn: Callable[..., Any] | None) -> float:
+    async def _submit_iteration(
+        self, inputs: Any, targets: Any, loss_fn: Callable[..., Any] | None
+    ) -> PendingLoss:
+        """Build and submit one iteration's graph; its loss is collected later (`_collect`)."""
         from roundpipe.backends.runtime import IterationData
 
         if loss_fn is None and not self._sequence.computes_loss:
@@ -230,6 +354,9 @@ class RoundPipe:
                 "pass forward_backward(inputs, targets, loss_fn) with loss_fn(output, target) -> scalar"
             )
         input_parts, target_parts, weights = microbatches(inputs, targets, self.config.num_microbatches)
+        # Bounded look-ahead: the oldest iteration still waiting for its losses goes first.
+        while len(self._uncollected) >= LOSSES_IN_FLIGHT:
+            await self._collect(next(iter(self._uncollected.values())))
         if self._profile_pending:
             self._profile_pending = False
             await asyncio.get_running_loop().run_in_executor(
@@ -245,16 +372,37 @@ class RoundPipe:
         self._iteration += 1
         self._engine.submit(graph.tasks)
         self._retention.track(iteration, graph.done_keys)
-        try:
-            await self._engine.wait(graph.loss_keys)
-        except (TaskFailedError, ScheduleError) as exc:
-            self._recover(exc)
-            name_earlier_iteration(exc, iteration)
-            raise
-        losses = self.runtime.iterations[iteration].losses
-        loss = sum(weights[mb] * float(losses[mb]) for mb in range(len(weights)))
-        await self._housekeeping()
-        return float(loss)
+        pending = PendingLoss(self, iteration, graph.loss_keys, weights)
+        self._uncollected[iteration] = pending
+        return pending
+
+    async def _collect(self, pending: PendingLoss) -> float:
+        """Wait for ``pending``'s losses (and, first, those of every earlier iteration still
+        waiting: a finished iteration's losses are freed once a later one is collected)."""
+        while pending._value is None:
+            if pending._dropped is not None:
+                raise pending._dropped
+            oldest = next(iter(self._uncollected.values()))
+            iteration = oldest.iteration
+            try:
+                await self._engine.wait(oldest._loss_keys)
+            except (TaskFailedError, ScheduleError) as exc:
+                oldest._dropped = exc  # its own failure (or an earlier iteration's, named below)
+                del self._uncollected[iteration]
+                self._recover(exc)  # drops the iterations submitted after it
+                name_earlier_iteration(exc, pending.iteration)
+                raise
+            losses = self.runtime.iterations[iteration].losses
+            weights = oldest._weights
+            oldest._value = float(sum(weights[mb] * float(losses[mb]) for mb in range(len(weights))))
+            del self._uncollected[iteration]
+            await self._housekeeping()
+        return pending._value
+
+    async def _collect_all(self) -> None:
+        """Collect every iteration still waiting for its losses (before their tasks are freed)."""
+        while self._uncollected:
+            await self._collect(next(reversed(self._uncollected.values())))
 
     async def _optimizer_step(self) -> None:
         if self._iteration == self._stepped_at:
@@ -263,6 +411,8 @@ class RoundPipe:
                 "no new gradients to apply; call forward_backward(...) first (several calls before one "
                 "step() accumulate)"
             )
+        if self._step_waits_for_loss and self._uncollected:  # see `_waits_for_loss`
+            await self._collect_all()
         self._stepped_at = self._iteration
         self.runtime.collectives.step_scheduled(self._step, self._iteration - 1)  # before its tasks run
         tasks = self._builder.optimizer_step(self._step)
@@ -270,6 +420,7 @@ class RoundPipe:
         self._engine.submit(tasks)
 
     async def _synchronize(self) -> None:
+        await self._collect_all()
         try:
             await self._engine.wait()
         except (TaskFailedError, ScheduleError) as exc:
@@ -331,6 +482,28 @@ class RoundPipe:
             self.plan = device_plan.plan
             self._builder.set_plan(device_plan.plan)
             self._trace.meta["plan"] = device_plan.plan.to_dict()
+        self._step_waits_for_loss = self._waits_for_loss(self.plan)  # by the measured costs
+
+    def _waits_for_loss(self, plan: Plan) -> bool:
+        """With `RunConfig.loss_lag` 1: whether ``plan`` runs faster when each step waits for its
+        iteration's losses, so that the next iteration goes in only then, as in a loop that reads
+        every loss at once (`roundpipe.plan_eval.submission_lag`: the fake engine on the plan's
+        costs). The loop still gets its `PendingLoss` at once; only ``step()`` waits."""
+        from roundpipe.plan_eval import submission_lag
+
+        config = self._plan_config
+        if not config.loss_lag or not config.async_optimizer:
+            return False
+        lag = submission_lag(
+            plan,
+            self.costs,
+            self.num_devices,
+            config.num_microbatches,
+            async_optimizer=True,
+            round_size=config.round_size,
+            loss_lag=config.loss_lag,
+        )
+        return lag == 0
 
     def _maybe_replan(self) -> None:
         if self._device_plan is not None:  # measured on the device: refine from its timings
@@ -351,6 +524,7 @@ class RoundPipe:
         if plan != self.plan:
             self.plan = plan
             self._builder.set_plan(plan)
+        self._step_waits_for_loss = self._waits_for_loss(plan)
 
     def _recover(self, error: BaseException) -> None:
         """After a failed task: drop what cannot run, keep the host copies consistent, go on.
@@ -369,6 +543,9 @@ class RoundPipe:
         self.host.p_copy_all()
         self._retention.clear()
         self._builder = self._new_builder(base_version=self._step)
+        for pending in self._uncollected.values():  # submitted after the failure's iteration
+            pending._dropped = _dropped_error(pending.iteration, error)
+        self._uncollected.clear()
 
     # ------------------------------------------------------------------ state
 
@@ -408,4 +585,4 @@ class RoundPipe:
         self.host.sync_module()
 
 
-__all__ = ["STATE_FORMAT", "RoundPipe"]
+__all__ = ["LOSSES_IN_FLIGHT", "STATE_FORMAT", "PendingLoss", "RoundPipe"]

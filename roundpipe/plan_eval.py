@@ -30,7 +30,7 @@ from collections.abc import Callable
 from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
-from roundpipe.plan_replay import replay_iteration_ms
+from roundpipe.plan_replay import loop_iteration_ms, replay_iteration_ms
 from roundpipe.simulate import SimulationResult, run_fake
 
 STEADY_WINDOW = (1, 5)
@@ -58,11 +58,13 @@ def engine_evaluator(
     window: tuple[int, int] = STEADY_WINDOW,
     engine: bool = False,
     loop: bool = True,
+    loss_lag: int = 0,
 ) -> Callable[[Plan], float]:
     """``evaluate(plan) -> ms per iteration`` for `choose_plan`: the engine's figure on the fake
     backend, by `replay_iteration_ms` (or, with ``engine=True``, by running the engine); async,
-    as a training loop submits the iterations (the module docstring), or chained (``loop=False``:
-    what the ranking models are checked against)."""
+    as a training loop submits the iterations (the module docstring; ``loss_lag=1``: a loop that
+    reads each loss one iteration late, `RoundPipe.forward_backward(..., wait=False)`), or chained
+    (``loop=False``: what the ranking models are checked against)."""
     first, last = window
     if not 0 <= first < last:
         raise ValueError(f"the steady window {window} must be two iterations, first < last")
@@ -80,6 +82,7 @@ def engine_evaluator(
                 round_size=round_size,
                 window=window,
                 loop=loop,
+                loss_lag=loss_lag,
             )
         finally:
             if paused:
@@ -92,7 +95,15 @@ def engine_evaluator(
             )
             return trace.makespan_ms()
         engine, _, computes = run_fake(
-            plan, costs, num_devices, num_microbatches, last + 1, True, round_size=round_size, after_loss=loop
+            plan,
+            costs,
+            num_devices,
+            num_microbatches,
+            last + 1,
+            True,
+            round_size=round_size,
+            after_loss=loop,
+            loss_lag=loss_lag if loop else 0,
         )
         starts = [min(engine.task(key).start_t for key in computes[i]) for i in (first, last)]
         return (starts[1] - starts[0]) / (last - first)
@@ -108,8 +119,24 @@ def choose_evaluated_plan(
     *,
     async_optimizer: bool,
     round_size: int | None = None,
+    loss_lag: int = 0,
 ) -> Plan:
-    """`choose_plan` with the engine as its judge: the plan every caller of roundpipe runs."""
+    """`choose_plan` with the engine as its judge: the plan every caller of roundpipe runs, for a
+    training loop that reads each loss ``loss_lag`` iterations late (`RunConfig.loss_lag`).
+
+    A loop one iteration late submits iteration t + 1 while t computes, which is faster on most
+    plans but not on all: on some, iteration t + 1's forward runs take devices that iteration t's
+    backward needed, and waiting for t's losses first (what `submission_lag` then tells the pipe
+    to do) is faster. So such a loop's plans are judged by the better of the two submissions.
+    The candidates are the same for both loops (``choose_plan(..., loop=True)``)."""
+    evaluate = engine_evaluator(
+        costs, num_devices, num_microbatches, async_optimizer=async_optimizer, round_size=round_size
+    )
+    if loss_lag and async_optimizer:
+
+        def evaluate(plan: Plan) -> float:
+            return min(_both_submissions(plan, costs, num_devices, num_microbatches, round_size))
+
     return choose_plan(
         costs,
         num_devices,
@@ -117,7 +144,42 @@ def choose_evaluated_plan(
         mem_limit_bytes,
         async_optimizer=async_optimizer,
         round_size=round_size,
-        evaluate=engine_evaluator(
-            costs, num_devices, num_microbatches, async_optimizer=async_optimizer, round_size=round_size
-        ),
+        evaluate=evaluate,
     )
+
+
+def submission_lag(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    async_optimizer: bool,
+    round_size: int | None = None,
+    loss_lag: int = 0,
+) -> int:
+    """How late the pipe should let a loop of ``loss_lag`` submit: ``loss_lag``, or 0 where the
+    engine on the fake backend runs ``plan`` faster when each iteration's step (and so the next
+    iteration) waits for its losses (`choose_evaluated_plan`). Ties keep the lag: on real devices
+    submitting early also hides the host's time between iterations, which the fake engine does
+    not model. Sync runs keep the lag (the next iteration waits for the step anyway)."""
+    if not loss_lag or not async_optimizer:
+        return loss_lag
+    waiting, late = _both_submissions(plan, costs, num_devices, num_microbatches, round_size)
+    return 0 if waiting < late else loss_lag
+
+
+def _both_submissions(
+    plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, round_size: int | None
+) -> list[float]:
+    """The loop's ms per iteration waiting for each loss and reading it one iteration late
+    (`engine_evaluator` with ``loss_lag`` 0 and 1), replayed on one graph."""
+    paused = gc.isenabled()
+    gc.disable()  # as in `engine_evaluator`
+    try:
+        return loop_iteration_ms(
+            plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size, window=STEADY_WINDOW
+        )
+    finally:
+        if paused:
+            gc.enable()

@@ -41,7 +41,9 @@ from roundpipe.plan.partition import Plan
 from roundpipe.replay_graph import ReplayGraph, build_graph
 
 
-def replay_starts(graph: ReplayGraph, stop: bytearray | None = None, *, loop: bool = False) -> list[float]:
+def replay_starts(
+    graph: ReplayGraph, stop: bytearray | None = None, *, loop: bool = False, loss_lag: int = 0
+) -> list[float]:
     """Every task's start time (ms) under the engine's start rule (see the module docstring), -1
     where a task did not start. With ``stop`` (a flag per task), the replay ends at the first
     instant a flagged task starts: later starts cannot come earlier.
@@ -49,7 +51,10 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None, *, loop: bo
     The batches are submitted as `roundpipe.simulate.run_fake` submits them: all at time 0, or
     (``loop``, its ``after_loss``) as a training loop does: iteration t's optimizer step and
     iteration t + 1's graph once iteration t's losses are all in and their instant is over (a
-    virtual `Engine.wait` returns then: `roundpipe.sched.waiting`)."""
+    virtual `Engine.wait` returns then: `roundpipe.sched.waiting`). With ``loss_lag=1`` the loop
+    reads each loss one iteration late (`RoundPipe.forward_backward(..., wait=False)`): iterations
+    0 and 1 and their steps go in at once, and iteration t's losses let in iteration t + 2 and its
+    step."""
     count = len(graph.res)
     res, rank, dur, dependents, seq = graph.res, graph.rank, graph.dur, graph.dependents, graph.seq
     unmet = list(graph.unmet)
@@ -63,7 +68,9 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None, *, loop: bo
     wave: list[int] = []
     batches = list(graph.batches)
     # Loop submission: ``released`` batches may go in; iteration t's last loss releases two more.
-    released = len(batches) if not loop else 1
+    if loss_lag not in (0, 1):
+        raise ValueError(f"a loop replay reads losses 0 or 1 iteration late, not {loss_lag}")
+    released = len(batches) if not loop else 1 + 3 * loss_lag
     loss_of = bytearray(count)  # 1 + the iteration, for an iteration's loss computes (up to 254)
     losses_left: list[int] = []
     if loop:
@@ -99,7 +106,7 @@ def replay_starts(graph: ReplayGraph, stop: bytearray | None = None, *, loop: bo
                     it = loss_of[task] - 1
                     losses_left[it] -= 1
                     if not losses_left[it]:
-                        released += 2  # the step after it and the next iteration's graph
+                        released += 2  # lag 0: its step and the next graph; lag 1: graph t + 2, its step
                 for dep in dependents[task]:
                     left = unmet[dep] - 1
                     unmet[dep] = left
@@ -150,24 +157,53 @@ def replay_iteration_ms(
     round_size: int | None = None,
     window: tuple[int, int] = (1, 5),
     loop: bool = True,
+    loss_lag: int = 0,
 ) -> float:
     """What `roundpipe.plan_eval.engine_evaluator` returns for ``plan``: sync, the makespan of one
     iteration; async, the time per iteration between the first computes of ``window``'s two
     iterations of a run of ``window[1] + 1``, submitted as a training loop submits them
-    (``loop``) or all at once (chained)."""
-    iterations = window[1] + 1 if async_optimizer else 1
-    graph = build_graph(plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size)
+    (``loop``, reading each loss ``loss_lag`` iterations late) or all at once (chained)."""
     if not async_optimizer:
+        graph = build_graph(plan, costs, num_devices, num_microbatches, 1, False, round_size)
         starts = replay_starts(graph)
         ends = [s + d for s, d in zip(starts, graph.dur, strict=True)]
         return max(ends) - min(starts) if ends else 0.0
+    return loop_iteration_ms(
+        plan,
+        costs,
+        num_devices,
+        num_microbatches,
+        (loss_lag,),
+        round_size=round_size,
+        window=window,
+        loop=loop,
+    )[0]
+
+
+def loop_iteration_ms(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    loss_lags: tuple[int, ...],
+    *,
+    round_size: int | None = None,
+    window: tuple[int, int] = (1, 5),
+    loop: bool = True,
+) -> list[float]:
+    """Async `replay_iteration_ms` for each of ``loss_lags``, from one graph (building it costs
+    as much as a replay: `roundpipe.plan_eval.choose_evaluated_plan` times both submissions)."""
     first, last = window
+    graph = build_graph(plan, costs, num_devices, num_microbatches, last + 1, True, round_size)
     stop = bytearray(len(graph.res))
     for task in graph.computes[last]:
         stop[task] = 1
-    starts = replay_starts(graph, stop, loop=loop)
-    at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in (first, last)]
-    return (at[1] - at[0]) / (last - first)
+    times = []
+    for loss_lag in loss_lags:
+        starts = replay_starts(graph, stop, loop=loop, loss_lag=loss_lag)
+        at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in (first, last)]
+        times.append((at[1] - at[0]) / (last - first))
+    return times
 
 
-__all__ = ["replay_iteration_ms", "replay_starts"]
+__all__ = ["loop_iteration_ms", "replay_iteration_ms", "replay_starts"]

@@ -26,7 +26,7 @@ from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import run_sync
 from roundpipe.sched.spec import fresh_units_of
-from roundpipe.sched.task import Task
+from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import BubbleReport, Trace
 from roundpipe.sched.upkeep import EngineStatistics
 
@@ -70,6 +70,7 @@ def simulate(
     perturbation: object | None = None,
     fresh_layers: int = 0,
     after_loss: bool = False,
+    loss_lag: int = 0,
 ) -> SimulationResult:
     """Run ``iterations`` iterations (each followed by an optimizer step) on the fake backend.
 
@@ -78,7 +79,9 @@ def simulate(
     ``optimizer_ms`` set, the makespan shows what their steps cost the next forward.
     ``after_loss``: submit each iteration (and the step after it) only once the previous one's
     losses are in, as a loop of `RoundPipe.forward_backward` and `step` does (what async plans
-    are evaluated on), instead of all at once (the chained run).
+    are evaluated on), instead of all at once (the chained run); with ``loss_lag=1`` the loop
+    reads each loss one iteration late (``forward_backward(..., wait=False)``): iteration t + 2
+    and its step go in once iteration t's losses are.
     """
     engine, trace, iteration_computes = run_fake(
         plan,
@@ -98,6 +101,7 @@ def simulate(
         perturbation=perturbation,
         fresh_layers=fresh_layers,
         after_loss=after_loss,
+        loss_lag=loss_lag,
     )
     report = trace.bubble_ratio()
     return SimulationResult(
@@ -130,10 +134,13 @@ def run_fake(
     perturbation: object | None = None,
     fresh_layers: int = 0,
     after_loss: bool = False,
+    loss_lag: int = 0,
 ) -> tuple[Engine, Trace, list[list[tuple[object, ...]]]]:
     """The run behind `simulate`, without its reports: the engine, the trace and each iteration's
     compute keys (plan evaluation reads only a few start times, and the bubble reports would cost
     it a tenth of its time)."""
+    if loss_lag not in (0, 1):
+        raise PlanError(f"loss_lag is 0 or 1 (iterations a loop reads its losses late), not {loss_lag}")
     _check_counts(num_devices, num_microbatches, iterations)
     spec = ModelSpec(
         param_bytes=tuple(param_bytes if param_bytes is not None else costs.mem_bytes),
@@ -164,9 +171,10 @@ def run_fake(
         engine.submit(tasks)
 
     async def main() -> None:
+        waiting: list[list[Key]] = []  # loss keys of iterations submitted ahead (loss_lag)
         for it in range(iterations):
             graph = builder.forward_backward(it, it, num_microbatches)
-            if after_loss:  # as RoundPipe.forward_backward returns: once the losses are in
+            if after_loss and not loss_lag:  # as RoundPipe.forward_backward returns: once the losses are in
                 submit(graph.tasks)
                 await engine.wait(graph.loss_keys)
                 step_tasks = builder.optimizer_step(it)
@@ -175,6 +183,10 @@ def run_fake(
                 submit(graph.tasks)
             submit(step_tasks)
             iteration_computes.append([t.key for t in graph.tasks if t.kind == "compute"])
+            if after_loss and loss_lag:  # the loss one iteration late, before the next submission
+                waiting.append(graph.loss_keys)
+                if len(waiting) > loss_lag:
+                    await engine.wait(waiting.pop(0))
         await engine.wait()
 
     run_sync(main())

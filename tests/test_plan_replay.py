@@ -110,12 +110,12 @@ def test_replay_times_equal_the_engine(
 ) -> None:
     for asynch in (False, True):
         windows = [(1, 5), (1, 3), (0, 2)] if asynch else [(1, 5)]
-        for window, loop in itertools.product(windows, (True, False)):
+        for window, (loop, lag) in itertools.product(windows, ((True, 0), (True, 1), (False, 0))):
             args = (costs, n, m)
             options = {"async_optimizer": asynch, "round_size": rs, "window": window, "loop": loop}
-            replay = engine_evaluator(*args, **options)
-            engine = engine_evaluator(*args, **options, engine=True)
-            assert replay(plan) == engine(plan), (name, asynch, window, loop)
+            replay = engine_evaluator(*args, **options, loss_lag=lag)
+            engine = engine_evaluator(*args, **options, loss_lag=lag, engine=True)
+            assert replay(plan) == engine(plan), (name, asynch, window, loop, lag)
 
 
 def replayed_ms(
@@ -127,6 +127,7 @@ def replayed_ms(
     window: tuple[int, int] | None,
     lean: bool,
     loop: bool = False,
+    loss_lag: int = 0,
 ) -> float:
     """`replay_iteration_ms` on the lean or the full graph (``window`` None: sync)."""
     graph = build_graph(
@@ -138,7 +139,7 @@ def replayed_ms(
     stop = bytearray(len(graph.res))
     for task in graph.computes[window[1]]:
         stop[task] = 1
-    starts = replay_starts(graph, stop, loop=loop)
+    starts = replay_starts(graph, stop, loop=loop, loss_lag=loss_lag)
     at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in window]
     return (at[1] - at[0]) / (window[1] - window[0])
 
@@ -162,12 +163,13 @@ def test_the_lean_graph_gives_the_full_graphs_times() -> None:
         plan = Plan.from_stages(fwd_stages, range(p, layers), bwd_stages, costs, n, m)
         window = rng.choice([None, (1, 5), (1, 3), (0, 2)])
         loop = window is not None and rng.random() < 0.5
+        lag = int(loop and rng.random() < 0.5)
         args = (plan, costs, n, m, rs, window)
-        lean = replayed_ms(*args, lean=True, loop=loop)
-        assert lean == replayed_ms(*args, lean=False, loop=loop), (args, loop)
+        lean = replayed_ms(*args, lean=True, loop=loop, loss_lag=lag)
+        assert lean == replayed_ms(*args, lean=False, loop=loop, loss_lag=lag), (args, loop, lag)
         if loop:  # and the loop's submission is the engine's (`simulate(..., after_loss=True)`)
-            options = {"async_optimizer": True, "round_size": rs, "window": window}
-            assert lean == engine_evaluator(costs, n, m, **options, engine=True)(plan), args
+            options = {"async_optimizer": True, "round_size": rs, "window": window, "loss_lag": lag}
+            assert lean == engine_evaluator(costs, n, m, **options, engine=True)(plan), (args, lag)
 
 
 def test_heap_keys_grow_with_a_graph_past_seq(monkeypatch: pytest.MonkeyPatch) -> None:

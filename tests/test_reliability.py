@@ -28,7 +28,7 @@ from roundpipe.checkpoint_manifest import verify_checkpoint
 from roundpipe.cli import main
 from roundpipe.errors import CheckpointError, StageError
 from roundpipe.optim.host import HostModel
-from roundpipe.pipe import RoundPipe
+from roundpipe.pipe import PendingLoss, RoundPipe
 from roundpipe.train import make_config
 from roundpipe.train.model import build_model
 from tests.helpers import checkpoint_data_step, metrics_logged, train_args
@@ -132,13 +132,13 @@ def test_edited_meta_field_names_the_file_and_field(good: Path, tmp_path: Path, 
 def test_nan_loss_at_a_chosen_step_keeps_the_last_good_checkpoint(
     model_config: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = RoundPipe.forward_backward
+    original = PendingLoss.result
 
-    def forward_backward(self: RoundPipe, *a, **k) -> float:
-        loss = original(self, *a, **k)
-        return float("nan") if self.iteration_count == 3 else loss
+    def result(self: PendingLoss) -> float:  # the third iteration's loss (step 3) turns NaN
+        loss = original(self)
+        return float("nan") if self.iteration == 2 else loss
 
-    monkeypatch.setattr(RoundPipe, "forward_backward", forward_backward)
+    monkeypatch.setattr(PendingLoss, "result", result)
     run = args(model_config, tmp_path, "nan", 6, "--save-every", "1", "--sync", "--save-non-finite")
     assert main(run) == 3
     out = capsys.readouterr()

@@ -13,6 +13,7 @@ from roundpipe.pipe import RoundPipe
 from roundpipe.train import TrainConfig, make_config, read_config_file
 from roundpipe.train.config import DEFAULT_ASYNC_LR_RAMP_START, DEFAULT_ASYNC_LR_RAMP_STEPS
 from roundpipe.train.loop import lr_factor
+from tests.helpers import metrics_logged, train_args
 
 JSON_KEYS = {"initial_loss", "final_loss", "tokens_per_s", "bubble_ratio", "steps", "out_dir"}
 
@@ -278,3 +279,35 @@ def test_a_checkpoint_saved_before_the_lr_ramp_resumes_without_it(monkeypatch: p
     new = {"extra": {"train_config": {"steps": 9, "async_lr_ramp_steps": 120}}}
     monkeypatch.setattr(roundpipe.checkpoint, "read_checkpoint_meta", lambda path: new)
     assert _saved_options("ckpt")["async_lr_ramp_steps"] == 120
+
+
+def test_reading_each_loss_a_step_late_trains_the_same_run(
+    model_config: Path, tmp_path: Path, capsys
+) -> None:
+    """``--loss-lag 1`` (the default) submits step s + 1 before reading step s's loss; every
+    loss, evaluation and checkpoint is that of ``--loss-lag 0``, where the loop waits for each."""
+    runs = {}
+    for lag in ("0", "1"):
+        extra = (
+            "--eval-split",
+            "0.25",
+            "--eval-every",
+            "2",
+            "--save-every",
+            "3",
+            "--loss-lag",
+            lag,
+            "--json",
+        )
+        assert main(train_args(model_config, tmp_path, f"lag{lag}", 5, *extra)) == 0
+        summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+        logged = [
+            {k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed")}
+            for r in metrics_logged(tmp_path / f"lag{lag}")
+        ]
+        runs[lag] = (logged, summary["steps"])
+    assert runs["0"] == runs["1"]
+    assert [r["step"] for r in runs["1"][0] if "eval_loss" in r] == [2, 4, 5]
+    for checkpoint in ("checkpoint", "checkpoint-3"):
+        a = (tmp_path / "lag0" / checkpoint / "weights.safetensors").read_bytes()
+        assert a == (tmp_path / "lag1" / checkpoint / "weights.safetensors").read_bytes(), checkpoint

@@ -7,7 +7,7 @@ what it waits for. The engine never runs tensor math, never blocks and never imp
 
 The life of a task, in order (threads in brackets):
   1. [caller] `RoundPipe.forward_backward` hands the work to the loop thread
-     (``run_coroutine_threadsafe``); [loop] `RoundPipe._forward_backward` stores the iteration's
+     (``run_coroutine_threadsafe``); [loop] `RoundPipe._submit_iteration` stores the iteration's
      inputs (`Runtime.begin_iteration`) and asks `GraphBuilder.forward_backward` for the tasks
      (state NEW: key, kind, lane, priority, deps declared by key).
   2. [loop] `Engine.submit` indexes them by key, links each to its dependencies' ``dependents``

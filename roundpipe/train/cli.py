@@ -107,6 +107,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "async only: the deepest N layers read the newest weights, staleness 0 (default 0; the "
         "next forward waits for their step: `roundpipe simulate --fresh-layers` shows the cost)",
     ),
+    (
+        "--loss-lag",
+        "loss_lag",
+        int,
+        "read each loss this many steps late, so the next step is submitted while this one "
+        "computes (default 1; 0 = wait for every loss)",
+    ),
     ("--seed", "seed", int, "model init, LoRA init, data order (default 0)"),
     ("--save-every", "save_every", int, "also save the checkpoint every N steps"),
     (

@@ -122,6 +122,13 @@ class TrainConfig(BaseModel):
         description="async only: the deepest N layers read the newest weights (staleness 0); the "
         "next forward waits for their step, which the main job's one fused stage cannot hide",
     )
+    loss_lag: int = Field(
+        default=1,
+        ge=0,
+        le=1,
+        description="read each step's loss this many steps late (forward_backward(wait=False)): "
+        "the next step is submitted while this one computes; 0 waits for every loss",
+    )
     seed: int = Field(default=0, description="model init, LoRA init, data order and dropout")
     save_every: int | None = Field(default=None, ge=1, description="also save a checkpoint every N steps")
     keep_checkpoints: int = Field(
@@ -215,6 +222,7 @@ class TrainConfig(BaseModel):
             async_lr_ramp_steps=self.async_lr_ramp_steps if self.async_optimizer else 0,
             async_lr_ramp_start=self.async_lr_ramp_start,
             fresh_layers=self.fresh_layers if self.async_optimizer else 0,
+            loss_lag=self.loss_lag,
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,

@@ -30,7 +30,7 @@ import torch
 from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta
 from roundpipe.errors import ConfigError, RoundPipeError
 from roundpipe.faults import fault_point
-from roundpipe.pipe import RoundPipe
+from roundpipe.pipe import PendingLoss, RoundPipe
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import TrainData, data_path, prepare_data
@@ -121,7 +121,8 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
     pipe = RoundPipe(
         model,
         optimizer=make_optimizer(config),
-        config=config.run_config(),
+        # planned for the loop that runs: under torchrun each loss is read before the next step
+        config=config.run_config().model_copy(update={"loss_lag": loss_lag(config, ranks)}),
         lr_scheduler=make_scheduler(config),
     )
     with pipe:
@@ -229,37 +230,89 @@ def _steps_agreed(progress: Progress, batches: Iterator[dict[str, torch.Tensor]]
 def _steps(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest) -> bool:
     """Train until ``config.steps``, a stop request or a non-finite loss; True when a
     KeyboardInterrupt cut it short. Under torchrun each process trains on its share of every
-    global batch, and they all stop after the same step (`Ranks.agree`)."""
+    global batch, and they all stop after the same step (`Ranks.agree`).
+
+    Each step's loss is read ``config.loss_lag`` steps after it was submitted
+    (``forward_backward(..., wait=False)``), so the devices compute step s while this loop hands
+    them step s + 1. Where the loop needs the state of step s itself (an evaluation, a checkpoint,
+    the last step) it reads step s's loss before submitting another; a stop request or a
+    non-finite loss comes to light one step late, and that step was applied (the last good
+    checkpoint is still the one saved before). A stop request (a signal) stops after the step it
+    came in, as without the lag: no step is submitted once it is set. Under torchrun the lag is 0."""
     pipe, config, ranks = progress.pipe, progress.config, progress.ranks
-    loss: float | None = None
+    waiting: list[tuple[int, PendingLoss]] = []  # submitted steps whose loss is not read yet
+    poisoned: set[int] = set()  # tests: steps whose loss this process turns NaN (`fault_point`)
+    lag = loss_lag(config, ranks)
+
+    def at_boundary(step: int) -> bool:
+        return (
+            step == config.steps
+            or bool(config.eval_every and step % config.eval_every == 0)
+            or bool(config.save_every and step % config.save_every == 0)
+        )
+
     try:
-        while progress.step < config.steps and not ranks.stopping(stop):
-            loss = None
-            ranks.reached(progress.step + 1, "forward_backward")
-            loss = pipe.forward_backward(ranks.share(next(batches)), None, None)
-            if fault_point("step", progress.step + 1):  # tests: this process's loss turns NaN
-                loss = float("nan")
-            ranks.reached(progress.step + 1, "step")
-            pipe.step()
-            progress.step += 1
-            loss = ranks.agree(progress.step, loss, stop, progress.reporter)
-            progress.log(progress.step, loss)
-            if not progress.check_finite(loss):
+        while True:
+            if (
+                progress.step < config.steps
+                and not ranks.stopping(stop)
+                and not progress.non_finite
+                and not (waiting and at_boundary(waiting[-1][0]))
+            ):
+                step = progress.step + 1
+                ranks.reached(step, "forward_backward")
+                waiting.append(
+                    (step, pipe.forward_backward(ranks.share(next(batches)), None, None, wait=False))
+                )
+                if fault_point("step", step):  # tests: this process's loss turns NaN
+                    poisoned.add(step)
+                ranks.reached(step, "step")
+                pipe.step()
+                progress.step = step
+                if len(waiting) <= lag and not at_boundary(step):
+                    continue  # read its loss after the next step is submitted
+            if not waiting:
                 break
-            if config.eval_every and progress.step % config.eval_every == 0:
+            step, pending = waiting.pop(0)
+            loss = _read_loss(progress, step, pending, stop, step in poisoned)
+            if progress.non_finite:
+                continue  # the steps already submitted are still read and logged, then it stops
+            if not progress.check_finite(loss, step):
+                continue
+            if config.eval_every and step % config.eval_every == 0:
                 progress.evaluate()
-            if config.save_every and progress.step % config.save_every == 0 and progress.step < config.steps:
-                if progress.save() is None:
-                    break
+            if config.save_every and step % config.save_every == 0 and step < config.steps:
+                progress.save()  # None (and the run stopped) when the weights are not finite
     except KeyboardInterrupt:
         # Raised outside our handler (another thread's signal set-up, or code of the caller's):
         # bring the pipe to a step boundary so the checkpoint is still exact.
         settled = _settle(pipe, progress.step)
-        if loss is not None and len(progress.losses) < settled - progress.start:  # ran, not logged
-            progress.log(settled, loss)
+        for step, pending in waiting:  # ran (or settled), not logged
+            if step <= settled and pending.done():
+                try:
+                    progress.log(step, pending.result())
+                except RoundPipeError:  # dropped by a failure: nothing to log
+                    pass
         progress.step = settled
         return True
     return False
+
+
+def loss_lag(config: TrainConfig, ranks: Ranks) -> int:
+    """How late the loop reads each loss. Under torchrun the processes agree after every step
+    whether to go on (`Ranks.agree`), and a stop must come after the step it was asked in: each
+    loss is read before the next step is submitted."""
+    return config.loss_lag if ranks.world == 1 else 0
+
+
+def _read_loss(
+    progress: Progress, step: int, pending: PendingLoss, stop: StopRequest, poisoned: bool
+) -> float:
+    """Step ``step``'s loss (the global one under torchrun; NaN where ``poisoned``), logged."""
+    loss = float("nan") if poisoned else pending.result()
+    loss = progress.ranks.agree(step, loss, stop, progress.reporter)
+    progress.log(step, loss)
+    return loss
 
 
 def _host_bound(pipe: RoundPipe) -> float | None:

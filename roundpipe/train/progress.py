@@ -94,10 +94,11 @@ class Progress:
             self.ranks.barrier()
             self.reporter.note(f"the non-finite state is saved in {aside} for inspection (not for --resume)")
 
-    def check_finite(self, loss: float) -> bool:
-        """False (and the run stopped) when the loss or the last gradient norm is NaN/inf."""
+    def check_finite(self, loss: float, step: int | None = None) -> bool:
+        """False (and the run stopped) when the loss (of ``step``, default the last one taken)
+        or the last gradient norm is NaN/inf."""
         if not math.isfinite(loss):
-            self.stop_non_finite(f"loss is {loss}")
+            self.stop_non_finite(f"loss is {loss}", step)
             return False
         bad_norm = self.pipe.runtime.non_finite_grad_norm
         if bad_norm is not None:
