@@ -25,7 +25,8 @@ engine (the tests compare the two).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
@@ -70,9 +71,7 @@ def engine_evaluator(
         raise ValueError(f"the steady window {window} must be two iterations, first < last")
 
     def replay(plan: Plan) -> float:
-        paused = gc.isenabled()
-        gc.disable()  # the graph is thousands of small lists: collections would only walk them
-        try:
+        with _collections_paused():
             return replay_iteration_ms(
                 plan,
                 costs,
@@ -84,9 +83,6 @@ def engine_evaluator(
                 loop=loop,
                 loss_lag=loss_lag,
             )
-        finally:
-            if paused:
-                gc.enable()
 
     def evaluate(plan: Plan) -> float:
         if not async_optimizer:
@@ -174,12 +170,20 @@ def _both_submissions(
 ) -> list[float]:
     """The loop's ms per iteration waiting for each loss and reading it one iteration late
     (`engine_evaluator` with ``loss_lag`` 0 and 1), replayed on one graph."""
-    paused = gc.isenabled()
-    gc.disable()  # as in `engine_evaluator`
-    try:
+    with _collections_paused():
         return loop_iteration_ms(
             plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size, window=STEADY_WINDOW
         )
+
+
+@contextmanager
+def _collections_paused() -> Iterator[None]:
+    """The garbage collector off for a replay: its graph is thousands of small lists, which a
+    collection would only walk."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if paused:
             gc.enable()

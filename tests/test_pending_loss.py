@@ -143,3 +143,19 @@ def test_the_awaitable_api_reads_losses_late_too() -> None:
 
     losses = asyncio.run(main())
     assert losses[:4] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+
+
+def test_outstanding_losses_are_read_by_state_dict_and_close() -> None:
+    data = batches(3)
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2)
+    pipe = roundpipe.RoundPipe(mlp(seed=5), optimizer=sgd, config=config)
+    first = pipe.forward_backward(*data[0], mse, wait=False)
+    pipe.step()
+    state = pipe.state_dict()  # waits for everything, so it reads the loss
+    assert first.done() and state["iteration"] == 1
+    last = pipe.forward_backward(*data[1], mse, wait=False)
+    pipe.step()
+    pipe.close()
+    assert last.done() and last.result() == last.result()  # read by close(), kept after it
+    with pytest.raises(roundpipe.PipeClosedError):
+        pipe.forward_backward(*data[2], mse, wait=False)
