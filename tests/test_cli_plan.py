@@ -203,3 +203,17 @@ def test_simulate_shows_the_cost_of_fresh_layers(
     assert loop["after_loss"] and loop["makespan_ms"] >= stale["makespan_ms"] * 0.999
     assert main([*argv, "--sync", "--fresh-layers", "2"]) == 2
     assert "asynchronous remedy" in capsys.readouterr().err
+
+
+def test_simulate_reads_losses_late_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """The built-in example as a loop reading each loss one iteration late: no longer than the
+    waiting loop, and the option makes sense only with --after-loss."""
+    argv = ["simulate", "--iterations", "6", "--after-loss", "--json"]
+    runs = []
+    for lag in ("0", "1"):
+        assert main([*argv, "--loss-lag", lag]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert [r["loss_lag"] for r in runs] == [0, 1]
+    assert runs[1]["makespan_ms"] <= runs[0]["makespan_ms"]
+    assert main(["simulate", "--loss-lag", "1"]) == 2
+    assert "add --after-loss" in capsys.readouterr().err
