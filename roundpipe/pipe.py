@@ -356,7 +356,7 @@ class RoundPipe:
         input_parts, target_parts, weights = microbatches(inputs, targets, self.config.num_microbatches)
         # Bounded look-ahead: the oldest iteration still waiting for its losses goes first.
         while len(self._uncollected) >= LOSSES_IN_FLIGHT:
-            await self._collect(next(iter(self._uncollected.values())))
+            await self._collect(next(iter(self._uncollected.values())), caller=self._iteration)
         if self._profile_pending:
             self._profile_pending = False
             await asyncio.get_running_loop().run_in_executor(
@@ -376,9 +376,11 @@ class RoundPipe:
         self._uncollected[iteration] = pending
         return pending
 
-    async def _collect(self, pending: PendingLoss) -> float:
+    async def _collect(self, pending: PendingLoss, caller: int | None = None) -> float:
         """Wait for ``pending``'s losses (and, first, those of every earlier iteration still
-        waiting: a finished iteration's losses are freed once a later one is collected)."""
+        waiting: a finished iteration's losses are freed once a later one is collected).
+        ``caller``: the iteration of the call that waits, if not ``pending``'s (a submission
+        waiting for room), which an error then names."""
         while pending._value is None:
             if pending._dropped is not None:
                 raise pending._dropped
@@ -390,7 +392,7 @@ class RoundPipe:
                 oldest._dropped = exc  # its own failure (or an earlier iteration's, named below)
                 del self._uncollected[iteration]
                 self._recover(exc)  # drops the iterations submitted after it
-                name_earlier_iteration(exc, pending.iteration)
+                name_earlier_iteration(exc, pending.iteration if caller is None else caller)
                 raise
             losses = self.runtime.iterations[iteration].losses
             weights = oldest._weights
