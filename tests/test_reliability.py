@@ -151,6 +151,19 @@ def test_nan_loss_at_a_chosen_step_keeps_the_last_good_checkpoint(
     assert verify_checkpoint(aside) > 0 and "for inspection" in out.err
 
 
+def test_a_nan_loss_read_a_step_late_names_its_step_and_logs_the_one_after(
+    model_config: Path, tmp_path: Path, capsys
+) -> None:
+    """With the loss read one step late (the default), step 4 was submitted before step 3's NaN
+    was seen: it ran and is logged, and the run stops there naming step 3."""
+    faults.arm("NAN@step:3")
+    assert main(args(model_config, tmp_path, "late", 6, "--save-every", "2")) == 3
+    result = summary(capsys.readouterr().out)
+    assert result["non_finite"].startswith("loss is nan at step 3") and result["steps"] == 4
+    assert [r["step"] for r in metrics_logged(tmp_path / "late") if "loss" in r] == [1, 2, 3, 4]
+    assert checkpoint_data_step(tmp_path / "late" / "checkpoint") == 2  # the last good one
+
+
 def test_non_finite_gradient_norm_stops_the_run(
     model_config: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
