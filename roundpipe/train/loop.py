@@ -235,10 +235,10 @@ def _steps(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop:
     Each step's loss is read ``config.loss_lag`` steps after it was submitted
     (``forward_backward(..., wait=False)``), so the devices compute step s while this loop hands
     them step s + 1. Where the loop needs the state of step s itself (an evaluation, a checkpoint,
-    the last step) it reads step s's loss before submitting another; a stop request or a
-    non-finite loss comes to light one step late, and that step was applied (the last good
-    checkpoint is still the one saved before). A stop request (a signal) stops after the step it
-    came in, as without the lag: no step is submitted once it is set. Under torchrun the lag is 0."""
+    the last step) it reads step s's loss before submitting another. A non-finite loss comes to
+    light one step late, and that next step was applied (the last good checkpoint is still the
+    one saved before). A stop request (a signal) stops after the last step submitted when it came,
+    as without the lag: no step is submitted once it is set. Under torchrun the lag is 0."""
     pipe, config, ranks = progress.pipe, progress.config, progress.ranks
     waiting: list[tuple[int, PendingLoss]] = []  # submitted steps whose loss is not read yet
     poisoned: set[int] = set()  # tests: steps whose loss this process turns NaN (`fault_point`)
