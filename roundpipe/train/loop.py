@@ -244,12 +244,14 @@ def _steps(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop:
     poisoned: set[int] = set()  # tests: steps whose loss this process turns NaN (`fault_point`)
     lag = loss_lag(config, ranks)
 
-    def at_boundary(step: int) -> bool:
-        return (
-            step == config.steps
-            or bool(config.eval_every and step % config.eval_every == 0)
-            or bool(config.save_every and step % config.save_every == 0)
-        )
+    def evaluates(step: int) -> bool:
+        return bool(config.eval_every and step % config.eval_every == 0)
+
+    def saves(step: int) -> bool:  # the last step's checkpoint is saved after the loop
+        return bool(config.save_every and step % config.save_every == 0 and step < config.steps)
+
+    def at_boundary(step: int) -> bool:  # the loop needs this step's own state after it
+        return step == config.steps or evaluates(step) or saves(step)
 
     try:
         while True:
@@ -279,9 +281,9 @@ def _steps(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop:
                 continue  # the steps already submitted are still read and logged, then it stops
             if not progress.check_finite(loss, step):
                 continue
-            if config.eval_every and step % config.eval_every == 0:
+            if evaluates(step):
                 progress.evaluate()
-            if config.save_every and step % config.save_every == 0 and step < config.steps:
+            if saves(step):
                 progress.save()  # None (and the run stopped) when the weights are not finite
     except KeyboardInterrupt:
         # Raised outside our handler (another thread's signal set-up, or code of the caller's):
