@@ -52,7 +52,7 @@ from typing import Any
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import steady_iteration_ms
-from roundpipe.plan_eval import engine_evaluator, iteration_starts, submission_lag
+from roundpipe.plan_eval import engine_evaluator, iteration_starts, late_loop_evaluator, submission_lag
 from roundpipe.simulate import simulate
 
 N, M = 8, 16
@@ -172,14 +172,13 @@ def grid_row(
         # And a loop that reads each loss one iteration late (`RunConfig.loss_lag=1`, roundpipe
         # train's default), with the plan chosen for it as `choose_evaluated_plan` chooses (the
         # better of the two submissions per plan), run as the pipe runs it (`submission_lag`).
-        late = engine_evaluator(costs, n, m, async_optimizer=True, loss_lag=1)
         start = time.perf_counter()
         lag_choice = choose_plan(
             costs,
             n,
             m,
             async_optimizer=True,
-            evaluate=lambda p: min(evaluate(p), late(p)),
+            evaluate=late_loop_evaluator(costs, n, m),
             evaluations=evaluations,
         )
         lag = submission_lag(lag_choice, costs, n, m, async_optimizer=True, loss_lag=1)

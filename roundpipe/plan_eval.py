@@ -126,14 +126,12 @@ def choose_evaluated_plan(
     backward needed, and waiting for t's losses first (what `submission_lag` then tells the pipe
     to do) is faster. So such a loop's plans are judged by the better of the two submissions.
     The candidates are the same for both loops (``choose_plan(..., loop=True)``)."""
-    evaluate = engine_evaluator(
-        costs, num_devices, num_microbatches, async_optimizer=async_optimizer, round_size=round_size
-    )
     if loss_lag and async_optimizer:
-
-        def evaluate(plan: Plan) -> float:
-            return min(_both_submissions(plan, costs, num_devices, num_microbatches, round_size))
-
+        evaluate = late_loop_evaluator(costs, num_devices, num_microbatches, round_size=round_size)
+    else:
+        evaluate = engine_evaluator(
+            costs, num_devices, num_microbatches, async_optimizer=async_optimizer, round_size=round_size
+        )
     return choose_plan(
         costs,
         num_devices,
@@ -143,6 +141,19 @@ def choose_evaluated_plan(
         round_size=round_size,
         evaluate=evaluate,
     )
+
+
+def late_loop_evaluator(
+    costs: LayerCosts, num_devices: int, num_microbatches: int, *, round_size: int | None = None
+) -> Callable[[Plan], float]:
+    """``evaluate(plan)`` for an async loop that reads each loss one iteration late: the better of
+    submitting each iteration early and waiting for the previous one's losses, the latter being
+    what the pipe does on such a plan (`submission_lag`)."""
+
+    def evaluate(plan: Plan) -> float:
+        return min(_both_submissions(plan, costs, num_devices, num_microbatches, round_size))
+
+    return evaluate
 
 
 def submission_lag(
