@@ -254,8 +254,9 @@ class RoundPipe:
         computes; its ``result()`` is the loss. At most `LOSSES_IN_FLIGHT` iterations wait for
         their losses: a submission beyond that first waits for the oldest one's."""
         self._check_open()
-        pending = self._runner.run(self._submit_iteration(inputs, targets, loss_fn))
-        return pending.result() if wait else pending
+        if wait:
+            return self._runner.run(self._forward_backward(inputs, targets, loss_fn))
+        return self._runner.run(self._submit_iteration(inputs, targets, loss_fn))
 
     @overload
     async def aforward_backward(
@@ -286,8 +287,9 @@ class RoundPipe:
         wait: bool = True,
     ) -> float | PendingLoss:
         self._check_open()
-        pending = await self._runner.arun(self._submit_iteration(inputs, targets, loss_fn))
-        return await pending.aresult() if wait else pending
+        if wait:
+            return await self._runner.arun(self._forward_backward(inputs, targets, loss_fn))
+        return await self._runner.arun(self._submit_iteration(inputs, targets, loss_fn))
 
     def step(self) -> None:
         """Schedule the optimizer step (it runs on the host optimizer lane; with
@@ -341,6 +343,10 @@ class RoundPipe:
         self.close()
 
     # ------------------------------------------------------------------ coroutines (engine thread)
+
+    async def _forward_backward(self, inputs: Any, targets: Any, loss_fn: Callable[..., Any] | None) -> float:
+        """Submit and collect in one trip to the loop thread (``wait=True``)."""
+        return await self._collect(await self._submit_iteration(inputs, targets, loss_fn))
 
     async def _submit_iteration(
         self, inputs: Any, targets: Any, loss_fn: Callable[..., Any] | None
