@@ -273,6 +273,7 @@ def run_roundpipe(
         "host_rss_gib": rss.report(),
         "optimizer": sorted(set(optimizers)),
         "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
+        "losses": [round(x, 4) for x in losses],  # every step's, warm-up included
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "loss_lag": args.loss_lag,
     }

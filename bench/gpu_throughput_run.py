@@ -308,17 +308,22 @@ def run_plain(workload: Workload, devices: str, warmup: int, steps: int) -> dict
         chunks = {k: v.chunk(workload.microbatches) for k, v in data.items()}
         micro = [{k: parts[i] for k, parts in chunks.items()} for i in range(len(chunks["input_ids"]))]
         times: list[float] = []
+        losses: list[float] = []
         for i in range(warmup + steps):
             if i == warmup:
                 reset_peaks(indices)
             sync_devices(indices)
             start = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
             for batch in micro:
-                (model(**batch).loss / len(micro)).backward()
+                loss = model(**batch).loss / len(micro)
+                loss.backward()
+                step_loss += loss.detach().float()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sync_devices(indices)
             times.append(time.perf_counter() - start)
+            losses.append(step_loss.item())  # after the timer: the step has synchronized already
     except torch.cuda.OutOfMemoryError as exc:
         return {"error": f"out of memory: {_first_line(exc)}", "peak_gib": device_memory(indices)}
     except Exception as exc:  # reported in the plain loop's line; the traceback goes to stderr
@@ -331,6 +336,7 @@ def run_plain(workload: Workload, devices: str, warmup: int, steps: int) -> dict
         "peak_gib": device_memory(indices),
         "device": str(device),
         "optimizer": sorted(set(optimizers)),
+        "losses": [round(x, 4) for x in losses],  # every step's, warm-up included
     }
 
 
