@@ -50,8 +50,11 @@ class Mode:
     steps from S, default 0.4), ``beta1B`` (Adam's beta1 is B on the asynchronous steps),
     ``clipC`` (clip the global gradient norm to C), ``freshN`` (`RunConfig.fresh_layers`: the
     deepest N of the pipe's layers, embedding and head included, read W_t; a head tied to the
-    embedding stays stale). ``predictK`` on ``sync`` is a control: the gradient of step t taken
-    at ``W_t + K (W_t - W_{t-1})``, a look-ahead no `roundpipe train` mode runs."""
+    embedding stays stale), ``freshatI,J`` (`RunConfig.fresh_at`: the layers at those indices read
+    W_t; 1 is the main job's first block), and, in the plain loop only, ``slowatI,J@F`` (those
+    layers' units step at F times the lr on the asynchronous steps, default 0.5). ``predictK``
+    on ``sync`` is a control: the gradient of step t taken at ``W_t + K (W_t - W_{t-1})``, a
+    look-ahead no `roundpipe train` mode runs."""
 
     async_optimizer: bool
     warmup: int = 0
@@ -61,6 +64,9 @@ class Mode:
     beta1: float | None = None
     clip: float | None = None
     fresh: int = 0  # RunConfig.fresh_layers: the deepest layers' own weights read W_t
+    fresh_at: tuple[int, ...] = ()  # RunConfig.fresh_at: these layers read W_t (``freshatI,J``)
+    slow_at: tuple[int, ...] = ()  # reference only: these layers' units step at ``slow`` x the lr
+    slow: float = 1.0  # (``slowatI,J@F``), on the asynchronous steps
 
     @classmethod
     def parse(cls, name: str) -> Mode:
@@ -70,11 +76,13 @@ class Mode:
         fields: dict[str, Any] = {"async_optimizer": head == "async"}
         for remedy in remedies:
             match = re.fullmatch(
-                r"(warmup|predict|ramp|beta1|clip|fresh)([0-9.]+(?:,-?[0-9.]+)*)(?:@([0-9.]+))?", remedy
+                r"(warmup|predict|ramp|beta1|clip|freshat|fresh|slowat)([0-9.]+(?:,-?[0-9.]+)*)(?:@([0-9.]+))?",
+                remedy,
             )
             if match is None:
                 raise ValueError(
-                    f"mode {name!r}: unknown remedy {remedy!r} (warmupN, predictK, rampR[@S], beta1B, clipC)"
+                    f"mode {name!r}: unknown remedy {remedy!r} (warmupN, predictK, rampR[@S], beta1B, clipC, "
+                    "freshN, freshatI[,J], slowatI[,J][@F])"
                 )
             kind, value, start = match.groups()
             if kind == "warmup":
@@ -89,6 +97,11 @@ class Mode:
                 fields["beta1"] = float(value)
             elif kind == "fresh":
                 fields["fresh"] = int(value)
+            elif kind == "freshat":
+                fields["fresh_at"] = tuple(int(i) for i in value.split(","))
+            elif kind == "slowat":
+                fields["slow_at"] = tuple(int(i) for i in value.split(","))
+                fields["slow"] = float(start) if start is not None else 0.5
             else:
                 fields["clip"] = float(value)
         return cls(**fields)
@@ -96,7 +109,11 @@ class Mode:
     @property
     def pipe_supported(self) -> bool:
         """Whether `roundpipe train` runs this mode (the rest are reference-only experiments)."""
-        return self.beta1 is None and (self.async_optimizer or not (self.prediction or self.fresh))
+        return (
+            self.beta1 is None
+            and not self.slow_at
+            and (self.async_optimizer or not (self.prediction or self.fresh or self.fresh_at))
+        )
 
 
 DEFAULT_MODE = "async+warmup20+predict2,-1+ramp120"  # the `roundpipe train` default
@@ -140,6 +157,7 @@ def train_config(job: str, mode_name: str, steps: int, seed: int = 0) -> Any:
         async_lr_ramp_steps=mode.ramp_steps,
         async_lr_ramp_start=mode.ramp_start,
         fresh_layers=mode.fresh if mode.async_optimizer else 0,
+        fresh_at=mode.fresh_at if mode.async_optimizer else (),
     )
 
 
@@ -162,13 +180,23 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     shadow = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     reads = [p for p in shadow.parameters() if p.requires_grad]
-    fresh_ids = fresh_parameters(shadow, mode.fresh) if config.async_optimizer else set()
+    fresh_ids = fresh_parameters(shadow, mode.fresh, mode.fresh_at) if config.async_optimizer else set()
     fresh = [id(p) in fresh_ids for p in reads]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    slow_ids = fresh_parameters(shadow, 0, mode.slow_at) if config.async_optimizer else set()
+    slow = [id(p) in slow_ids for p in reads]
+    groups = [[p for p, s in zip(params, slow, strict=True) if not s]]
+    if any(slow):
+        groups.append([p for p, s in zip(params, slow, strict=True) if s])
+    opt = torch.optim.AdamW([{"params": g} for g in groups], lr=config.lr, weight_decay=config.weight_decay)
     warmup = config.async_warmup_steps if config.async_optimizer else 0
     ramp = config.async_lr_ramp_steps if config.async_optimizer else 0
+
+    def lr_multiplier(s: int, scale: float = 1.0) -> float:
+        scaled = scale if s >= warmup else 1.0
+        return lr_factor(config, s) * ramp_factor(s, warmup, ramp, config.async_lr_ramp_start) * scaled
+
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(config, s) * ramp_factor(s, warmup, ramp, config.async_lr_ramp_start)
+        opt, [lr_multiplier, lambda s: lr_multiplier(s, mode.slow)][: len(groups)]
     )
     keep = len(mode.prediction) + 2
     history = [[p.detach().clone() for p in params]]  # W_0 .. W_t, the last ``keep`` of them
@@ -208,19 +236,21 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     return losses
 
 
-def fresh_parameters(model: Any, fresh_layers: int) -> set[int]:
-    """The ids of the parameters `RunConfig.fresh_layers` reads fresh: those of the units
-    `fresh_units_of` picks among the pipe's layers, found as the pipe's `HostModel` finds them
-    (`trainable_units`, without building one: that would rebind the frozen parameters)."""
+def fresh_parameters(model: Any, fresh_layers: int, at: tuple[int, ...] = ()) -> set[int]:
+    """The ids of the parameters `RunConfig.fresh_layers` and `RunConfig.fresh_at` read fresh:
+    those of the units `fresh_units_at` picks among the pipe's layers, found as the pipe's
+    `HostModel` finds them (`trainable_units`, without building one: that would rebind the frozen
+    parameters)."""
     from roundpipe.model.sequence import to_layer_sequence
     from roundpipe.optim.host import trainable_units
-    from roundpipe.sched.spec import fresh_units_of
+    from roundpipe.sched.spec import fresh_units_at
 
-    if not fresh_layers:
+    if not fresh_layers and not at:
         return set()
     layers = to_layer_sequence(model).layers
     _, unit_params, owners = trainable_units([list(layer.named_parameters()) for layer in layers])
-    return {id(p) for unit in fresh_units_of(tuple(owners), fresh_layers) for p in unit_params[unit]}
+    chosen = {*range(len(owners) - fresh_layers, len(owners)), *at}
+    return {id(p) for unit in fresh_units_at(tuple(owners), chosen) for p in unit_params[unit]}
 
 
 def pipe_losses(config: Any) -> list[float]:

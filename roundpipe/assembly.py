@@ -26,7 +26,7 @@ from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, Schedu
 from roundpipe.optim.lr_ramp import ramp_factor
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan_eval import choose_evaluated_plan
-from roundpipe.sched.spec import ScheduleOptions, fresh_units_of
+from roundpipe.sched.spec import ScheduleOptions, fresh_units_at
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -87,7 +87,7 @@ def schedule_options(
 ) -> ScheduleOptions:
     """The task graph's knobs: a grad-norm barrier when clipping or fp16 needs the global norm,
     one order of the steps on every process when they average gradients, and the fresh units of
-    ``config.fresh_layers`` (given the layers' ``owners``)."""
+    ``config.fresh_layers`` and ``config.fresh_at`` (given the layers' ``owners``)."""
     return ScheduleOptions(
         async_optimizer=config.async_optimizer,
         round_size=round_size,
@@ -100,16 +100,36 @@ def schedule_options(
 
 
 def fresh_units(config: RunConfig, owners: tuple[tuple[int, ...], ...]) -> frozenset[int]:
-    """The units that read fresh weights: those of the deepest ``config.fresh_layers`` layers
-    that share no weights with a shallower layer (`fresh_units_of`)."""
-    if not config.async_optimizer or not config.fresh_layers:
+    """The units that read fresh weights: those of the deepest ``config.fresh_layers`` layers and
+    of the layers ``config.fresh_at`` lists that share no weights with another layer
+    (`fresh_units_at`). A tied head among the deepest layers stays stale with its embedding, as
+    documented; a listed layer that cannot be fresh is an error (it was asked for by name)."""
+    if not config.async_optimizer or not (config.fresh_layers or config.fresh_at):
         return frozenset()
-    if config.fresh_layers > len(owners):
+    count = len(owners)
+    if config.fresh_layers > count:
         raise ConfigError(
-            f"fresh_layers={config.fresh_layers} but the model has {len(owners)} layers (embedding "
-            f"and LM head included); use at most {len(owners)}"
+            f"fresh_layers={config.fresh_layers} but the model has {count} layers (embedding "
+            f"and LM head included); use at most {count}"
         )
-    return fresh_units_of(owners, config.fresh_layers)
+    if config.fresh_at and config.fresh_at[-1] >= count:
+        raise ConfigError(
+            f"fresh_at={list(config.fresh_at)} but the model has {count} layers, 0 to {count - 1} "
+            "(0 is the embedding of a transformers model, 1 its first decoder block)"
+        )
+    layers = {*range(count - config.fresh_layers, count), *config.fresh_at}
+    units = fresh_units_at(owners, layers)
+    for layer in config.fresh_at:
+        if not all(unit in units for unit in owners[layer]):
+            sharing = sorted(
+                {other for other, held in enumerate(owners) if set(held) & set(owners[layer])} - layers
+            )
+            raise ConfigError(
+                f"fresh_at lists layer {layer}, whose weights layer(s) {sharing} share (a tied "
+                f"embedding and LM head, say) and which stay stale: one weight version is read "
+                f"for both, so list {sharing} too or leave {layer} out"
+            )
+    return units
 
 
 def predict_from(config: RunConfig) -> int | None:

@@ -64,6 +64,15 @@ def _non_negative_int(text: str) -> int:
     return _whole_number(text, 0)
 
 
+def _layer_indices(text: str) -> tuple[int, ...]:
+    from roundpipe.config import layer_indices
+
+    try:
+        return layer_indices(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _finite_number(text: str, *, zero_allowed: bool) -> float:
     try:
         value = float(text)
@@ -180,6 +189,14 @@ def _add_simulate_parser(subparsers: Any) -> None:
         metavar="N",
         help="async: the deepest N layers read the newest weights (RunConfig.fresh_layers); the "
         "makespan shows what waiting for their steps costs",
+    )
+    s.add_argument(
+        "--fresh-at",
+        type=_layer_indices,
+        default=(),
+        metavar="I[,J...]",
+        help="async: the layers at these indices read the newest weights (RunConfig.fresh_at; 0 is "
+        "the first layer); on a split plan the first stages then wait for the last",
     )
     s.add_argument(
         "--after-loss",
@@ -307,10 +324,15 @@ def run_simulate(args: argparse.Namespace) -> int:
     from roundpipe.simulate import simulate
 
     source, costs = _load_costs(args)
-    if args.fresh_layers and not args.async_optimizer:
-        raise ValueError("--fresh-layers is an asynchronous remedy; drop it or drop --sync")
+    if (args.fresh_layers or args.fresh_at) and not args.async_optimizer:
+        raise ValueError("--fresh-layers and --fresh-at are asynchronous remedies; drop them or drop --sync")
     if args.fresh_layers > costs.num_layers:
         raise ValueError(f"--fresh-layers {args.fresh_layers} but the model has {costs.num_layers} layers")
+    if args.fresh_at and args.fresh_at[-1] >= costs.num_layers:
+        raise ValueError(
+            f"--fresh-at {','.join(map(str, args.fresh_at))} but the model has {costs.num_layers} "
+            f"layers, 0 to {costs.num_layers - 1}"
+        )
     if args.loss_lag and not args.after_loss:
         raise ValueError("--loss-lag says how late a training loop reads its losses; add --after-loss")
     plan = _partition(costs, args)
@@ -325,6 +347,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         link_gbps=args.link_gbps,
         optimizer_ms=args.optimizer_ms,
         fresh_layers=args.fresh_layers,
+        fresh_at=args.fresh_at,
         after_loss=args.after_loss,
         loss_lag=args.loss_lag,
     )
@@ -341,6 +364,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         "link_gbps": args.link_gbps,
         "optimizer_ms": args.optimizer_ms,
         "fresh_layers": args.fresh_layers,
+        "fresh_at": list(args.fresh_at),
         "after_loss": args.after_loss,
         "loss_lag": args.loss_lag,
     }

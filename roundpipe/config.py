@@ -142,6 +142,34 @@ WeightPrediction = Annotated[PredictionFactors, BeforeValidator(prediction_facto
 """The ``weight_prediction`` field of `RunConfig` and `TrainConfig`: any accepted form, stored in one."""
 
 
+def layer_indices(value: Any) -> tuple[int, ...]:
+    """``fresh_at`` as given (an index, a sequence of indices, ``"1,2"``, or ``""`` / ``"none"``
+    for none) in its one form: a sorted tuple. Raises ValueError naming what is wrong."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "none"):
+            return ()
+        try:
+            value = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"{value!r} is no layer index (1) or list of them (1,2)") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if not isinstance(value, tuple | list) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in value
+    ):
+        raise ValueError(f"give layer indices (ints), not {value!r}")
+    if any(i < 0 for i in value):
+        raise ValueError(f"layer indices count from 0 (the first layer, the embedding), not {list(value)}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"each layer once, not {list(value)}")
+    return tuple(sorted(value))
+
+
+LayerIndices = Annotated[tuple[int, ...], BeforeValidator(layer_indices)]
+"""The ``fresh_at`` field of `RunConfig` and `TrainConfig`: any accepted form, stored sorted."""
+
+
 class RunConfig(BaseModel):
     """How a `RoundPipe` runs. Every field has a default; see docs/api.md for each."""
 
@@ -181,6 +209,14 @@ class RunConfig(BaseModel):
         "layer sharing weights with a shallower one, such as a tied LM head, stays stale); their "
         "next forward waits for their step, which costs nothing when it lands before the forward "
         "reaches them (`roundpipe.simulate` shows whether it does)",
+    )
+    fresh_at: LayerIndices = Field(
+        (),
+        description="async remedy: the layers at these indices of the pipe's layer sequence (0: the "
+        "first, the embedding of a transformers model; 1: its first decoder block) read the newest "
+        "weights, as fresh_layers does for the deepest ones; a listed layer sharing weights with an "
+        "unlisted one is refused. Their next forward waits for their step: on a plan of one fused "
+        "stage that is their step's host time, on a split plan the first stages wait for the last",
     )
     loss_lag: int = Field(
         0,
@@ -267,7 +303,13 @@ class RunConfig(BaseModel):
         if not self.async_optimizer:
             given = [
                 f"{name}={getattr(self, name)}"
-                for name in ("async_warmup_steps", "weight_prediction", "async_lr_ramp_steps", "fresh_layers")
+                for name in (
+                    "async_warmup_steps",
+                    "weight_prediction",
+                    "async_lr_ramp_steps",
+                    "fresh_layers",
+                    "fresh_at",
+                )
                 if getattr(self, name)
             ]
             if given:

@@ -25,7 +25,7 @@ from roundpipe.plan.partition import Plan
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import run_sync
-from roundpipe.sched.spec import fresh_units_of
+from roundpipe.sched.spec import fresh_units_at
 from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import BubbleReport, Trace
 from roundpipe.sched.upkeep import EngineStatistics
@@ -69,6 +69,7 @@ def simulate(
     shared_link: bool = True,
     perturbation: object | None = None,
     fresh_layers: int = 0,
+    fresh_at: Sequence[int] = (),
     after_loss: bool = False,
     loss_lag: int = 0,
 ) -> SimulationResult:
@@ -76,7 +77,8 @@ def simulate(
 
     ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
     ``fresh_layers``: the deepest layers read fresh weights (`RunConfig.fresh_layers`); with
-    ``optimizer_ms`` set, the makespan shows what their steps cost the next forward.
+    ``optimizer_ms`` set, the makespan shows what their steps cost the next forward. ``fresh_at``:
+    so do the layers at these indices (`RunConfig.fresh_at`).
     ``after_loss``: submit each iteration (and the step after it) only once the previous one's
     losses are in, as a loop of `RoundPipe.forward_backward` and `step` does (what async plans
     are evaluated on), instead of all at once (the chained run); with ``loss_lag=1`` the loop
@@ -100,6 +102,7 @@ def simulate(
         shared_link=shared_link,
         perturbation=perturbation,
         fresh_layers=fresh_layers,
+        fresh_at=fresh_at,
         after_loss=after_loss,
         loss_lag=loss_lag,
     )
@@ -133,6 +136,7 @@ def run_fake(
     shared_link: bool = True,
     perturbation: object | None = None,
     fresh_layers: int = 0,
+    fresh_at: Sequence[int] = (),
     after_loss: bool = False,
     loss_lag: int = 0,
 ) -> tuple[Engine, Trace, list[list[tuple[object, ...]]]]:
@@ -151,7 +155,11 @@ def run_fake(
         async_optimizer=async_optimizer,
         round_size=round_size,
         chunk_bytes=chunk_bytes,
-        fresh_units=fresh_units_of(spec.owners, fresh_layers) if async_optimizer else frozenset(),
+        fresh_units=fresh_units_at(
+            spec.owners, {*range(costs.num_layers - fresh_layers, costs.num_layers), *fresh_at}
+        )
+        if async_optimizer and (fresh_layers or fresh_at)
+        else frozenset(),
     )
     builder = GraphBuilder(plan, spec, num_devices, options)
     model = FakeCostModel(costs, link_gbps=link_gbps, optimizer_ms=optimizer_ms, latency_ms=latency_ms)

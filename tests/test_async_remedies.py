@@ -486,6 +486,80 @@ def test_simulate_shows_what_fresh_layers_cost_the_next_forward() -> None:
     fresh.trace.check_rules()
 
 
+# (fresh_at, fresh_layers, async_warmup_steps, weight_prediction, parameter names that read W_t)
+FRESH_AT: list[tuple[tuple[int, ...], int, int, Prediction, tuple[str, ...]]] = [
+    ((0,), 0, 0, (2.0, -1.0), ("0.",)),  # the shallowest layer: its next forward comes first
+    ((2,), 1, 2, 2.0, ("2.", "6.")),  # with the deepest layer
+    ((0, 1, 4), 0, 1, 0.0, ("0.", "4.")),  # a Tanh listed: nothing to read
+]
+
+
+@pytest.mark.parametrize(("at", "deepest", "warmup", "prediction", "names"), FRESH_AT)
+def test_pipe_matches_the_fresh_at_loop_on_one_two_and_three_workers(
+    at: tuple[int, ...], deepest: int, warmup: int, prediction: Prediction, names: tuple[str, ...]
+) -> None:
+    data = batches(6)
+    _, ref_weights = remedy_reference(
+        mlp(), adamw, data, mse, warmup_steps=warmup, prediction=prediction, fresh=names
+    )
+    configs = [
+        fresh_config(devices, deepest, warmup, prediction).model_copy(update={"fresh_at": at})
+        for devices in ("cpu:1", "cpu:2", "cpu:3")
+    ]
+    assert_pipe_matches(ref_weights, data, configs)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_with_fresh_at_is_bit_exact(precision: str) -> None:
+    cfg = fresh_config("cpu:2", 0, 1, (2.0, -1.0)).model_copy(
+        update={"fresh_at": (0,), "precision": precision}
+    )
+    assert_resume_is_bit_exact(cfg, 3)
+
+
+def test_fresh_at_picks_the_listed_layers_units() -> None:
+    from roundpipe.sched.spec import fresh_units_at
+
+    owners = ((0,), (1,), (2,), (0, 3))  # embedding, two blocks, a head tied to the embedding
+    assert fresh_units_at(owners, [1]) == {1}
+    assert fresh_units_at(owners, [0]) == frozenset()  # the head reads the embedding's weights
+    assert fresh_units_at(owners, [0, 3]) == {0, 3}
+    assert fresh_units_at(owners, range(2, 4)) == {2}  # what fresh_layers=2 reads
+
+
+def test_fresh_at_settings_are_checked() -> None:
+    from roundpipe.config import layer_indices
+
+    assert roundpipe.RunConfig(fresh_at="2,1").fresh_at == (1, 2)
+    assert roundpipe.RunConfig(fresh_at=3).fresh_at == (3,)
+    assert roundpipe.RunConfig(fresh_at="none").fresh_at == ()
+    assert layer_indices([]) == ()
+    for bad, message in [("1,x", "no layer index"), ((-1,), "count from 0"), ((1, 1), "each layer once")]:
+        with pytest.raises(ConfigError, match=message):
+            roundpipe.RunConfig(fresh_at=bad)
+    with pytest.raises(ConfigError, match="only applies with async_optimizer=True"):
+        roundpipe.RunConfig(async_optimizer=False, fresh_at=(1,))
+    with pytest.raises(ConfigError, match=r"fresh_at=\[7\] but the model has 7 layers, 0 to 6"):
+        roundpipe.RoundPipe(
+            mlp(),
+            optimizer=adamw,
+            config=fresh_config("cpu:1", 0, 0, 0.0).model_copy(update={"fresh_at": (7,)}),
+        )
+
+
+def test_a_listed_layer_sharing_weights_with_a_stale_one_is_refused() -> None:
+    """A tied LM head listed alone cannot read fresh weights (the embedding reads the same ones,
+    stale): asked for by index, that is an error that names the other layer, not a silent no."""
+    from roundpipe.assembly import fresh_units
+
+    owners = ((0,), (1,), (2,), (0, 3))
+    config = roundpipe.RunConfig(fresh_at=(3,))
+    with pytest.raises(ConfigError, match=r"fresh_at lists layer 3, whose weights layer\(s\) \[0\] share"):
+        fresh_units(config, owners)
+    assert fresh_units(roundpipe.RunConfig(fresh_at=(0, 3)), owners) == {0, 3}
+    assert fresh_units(roundpipe.RunConfig(fresh_at=(0,), fresh_layers=1), owners) == {0, 3}
+
+
 def test_the_quality_bench_reads_fresh_the_parameters_the_pipe_does() -> None:
     """bench/async_quality.py's plain loop picks its fresh parameters itself (it never builds a
     pipe); on the main job's model, tied head included, they are the fresh units' own."""
@@ -514,6 +588,12 @@ def test_the_quality_bench_reads_fresh_the_parameters_the_pipe_does() -> None:
     assert units == {4, 5, 6}  # blocks 3-5: the head (layer 7) shares the embedding's weights
     got = {names[key] for key in bench.fresh_parameters(model, 4)}
     assert got == want and all(".layers.3." in n or ".layers.4." in n or ".layers.5." in n for n in got)
+    config = roundpipe.RunConfig(devices="cpu:1", fresh_at=(1,), fresh_layers=2)
+    with roundpipe.RoundPipe(model, optimizer=adamw, config=config) as pipe:
+        units = pipe._options.fresh_units
+        want = {names[id(p)] for unit in units for p in pipe.host.unit_params[unit]}
+    assert units == {1, 6}  # the first block and the last (the head stays stale)
+    assert {names[key] for key in bench.fresh_parameters(model, 2, (1,))} == want
 
 
 def test_simulate_after_loss_runs_as_a_training_loop_does() -> None:

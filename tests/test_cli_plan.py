@@ -202,7 +202,23 @@ def test_simulate_shows_the_cost_of_fresh_layers(
     loop = json.loads(capsys.readouterr().out)
     assert loop["after_loss"] and loop["makespan_ms"] >= stale["makespan_ms"] * 0.999
     assert main([*argv, "--sync", "--fresh-layers", "2"]) == 2
-    assert "asynchronous remedy" in capsys.readouterr().err
+    assert "asynchronous remedies" in capsys.readouterr().err
+
+
+def test_simulate_shows_that_a_fresh_first_layer_makes_the_next_forward_wait(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The built-in example's split plan: its first layer's step comes after the last backward
+    stage, and its next forward is the first one; fresh, the next iteration waits (a drain)."""
+    argv = ["simulate", "--iterations", "4", "--after-loss", "--json"]
+    assert main(argv) == 0
+    stale = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--fresh-at", "1"]) == 0
+    fresh = json.loads(capsys.readouterr().out)
+    assert (stale["fresh_at"], fresh["fresh_at"]) == ([], [1])
+    assert fresh["makespan_ms"] > 1.05 * stale["makespan_ms"]
+    assert main([*argv, "--fresh-at", "99"]) == 2
+    assert "--fresh-at 99 but the model has" in capsys.readouterr().err
 
 
 def test_simulate_reads_losses_late_when_asked(capsys: pytest.CaptureFixture[str]) -> None:

@@ -180,6 +180,7 @@ def test_config_file_and_flag_precedence(model_config: Path, tmp_path: Path) -> 
         (["--weight-prediction", "-1"], "--weight-prediction: the factor of the last update must be in"),
         (["--weight-prediction", "2,x"], "--weight-prediction: '2,x' is no factor"),
         (["--async-warmup-steps", "-3"], "--async-warmup-steps: Input should be greater than or equal to 0"),
+        (["--fresh-at", "1,b"], "--fresh-at: '1,b' is no layer index"),
     ],
 )
 def test_bad_input_exits_2_with_one_message(
@@ -255,10 +256,13 @@ def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: P
                     "7",
                     "--async-lr-ramp-start",
                     "0.25",
+                    "--fresh-at",
+                    "2,1",
                 ]
             )
         )
     ).run_config()
+    assert chosen.fresh_at == (1, 2)
     assert (chosen.async_warmup_steps, chosen.weight_prediction) == (3, 1.5)
     assert (chosen.async_lr_ramp_steps, chosen.async_lr_ramp_start) == (7, 0.25)
     default = TrainConfig().run_config()  # the measured default (docs/performance.md)

@@ -8,6 +8,7 @@ they must never refer to tensors or modules.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -80,16 +81,24 @@ class ScheduleOptions:
 def fresh_units_of(
     owners: tuple[tuple[int, ...], ...] | list[list[int]], deepest_layers: int
 ) -> frozenset[int]:
-    """The units that can read fresh weights when the deepest ``deepest_layers`` layers should:
-    those whose every layer is among them, less any unit sharing a layer with one that is not
-    (a head tied to the embedding stays stale with it), until no layer mixes the two."""
+    """The units that can read fresh weights when the deepest ``deepest_layers`` layers should
+    (`fresh_units_at` of those layers)."""
     num_layers = len(owners)
-    deep = range(max(0, num_layers - deepest_layers), num_layers)
+    return fresh_units_at(owners, range(max(0, num_layers - deepest_layers), num_layers))
+
+
+def fresh_units_at(
+    owners: tuple[tuple[int, ...], ...] | list[list[int]], layers: Collection[int]
+) -> frozenset[int]:
+    """The units that can read fresh weights when ``layers`` should: those whose every layer is
+    among them, less any unit sharing a layer with one that is not (a head tied to the embedding
+    stays stale with it), until no layer mixes the two."""
+    chosen = set(layers)
     layers_of: dict[int, list[int]] = {}
     for layer, layer_owners in enumerate(owners):
         for unit in layer_owners:
             layers_of.setdefault(unit, []).append(layer)
-    fresh = {unit for unit, layers in layers_of.items() if all(layer in deep for layer in layers)}
+    fresh = {unit for unit, held in layers_of.items() if all(layer in chosen for layer in held)}
     changed = True
     while changed:
         changed = False

@@ -108,6 +108,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "next forward waits for their step: `roundpipe simulate --fresh-layers` shows the cost)",
     ),
     (
+        "--fresh-at",
+        "fresh_at",
+        str,
+        "async only: these layers (0 = the embedding, 1 = the first decoder block; e.g. 1 or 1,2) "
+        "read the newest weights, staleness 0 (default none; the next forward waits for their step)",
+    ),
+    (
         "--loss-lag",
         "loss_lag",
         int,

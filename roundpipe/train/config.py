@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from roundpipe.config import PredictionFactors, RunConfig, WeightPrediction
+from roundpipe.config import LayerIndices, PredictionFactors, RunConfig, WeightPrediction
 from roundpipe.errors import ConfigError
 
 DEFAULT_MODEL = "qwen3-tiny"
@@ -122,6 +122,12 @@ class TrainConfig(BaseModel):
         description="async only: the deepest N layers read the newest weights (staleness 0); the "
         "next forward waits for their step, which the main job's one fused stage cannot hide",
     )
+    fresh_at: LayerIndices = Field(
+        default=(),
+        description="async only: the layers at these indices (0: the embedding, 1: the first "
+        "decoder block) read the newest weights (staleness 0); their next forward waits for their "
+        "step (on a split plan the first stages wait for the last: `roundpipe simulate --fresh-at`)",
+    )
     loss_lag: int = Field(
         default=1,
         ge=0,
@@ -222,6 +228,7 @@ class TrainConfig(BaseModel):
             async_lr_ramp_steps=self.async_lr_ramp_steps if self.async_optimizer else 0,
             async_lr_ramp_start=self.async_lr_ramp_start,
             fresh_layers=self.fresh_layers if self.async_optimizer else 0,
+            fresh_at=self.fresh_at if self.async_optimizer else (),
             loss_lag=self.loss_lag,
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,
