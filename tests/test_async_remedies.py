@@ -560,6 +560,38 @@ def test_a_listed_layer_sharing_weights_with_a_stale_one_is_refused() -> None:
     assert fresh_units(roundpipe.RunConfig(fresh_at=(0,), fresh_layers=1), owners) == {0, 3}
 
 
+def test_a_fresh_units_optimizer_work_runs_first_on_the_lane() -> None:
+    """On a fused-only plan every gradient lands at the iteration's end and the next forward
+    waits for the fresh unit's G-copy, step and P-copy: they run before the stale units' work,
+    so the wait is one unit's chain wherever the unit lies (before, a deep fresh unit waited
+    behind every shallower unit's G-copy and step)."""
+    from roundpipe.simulate import simulate
+
+    n = 8
+    costs = LayerCosts((1.0,) * n, (2.0,) * n, (1,) * n)
+    waits = {}
+    for at in [(), (1,), (6,)]:
+        result = simulate(
+            fused_plan(n, 1, 4), costs, 1, 4, iterations=4, optimizer_ms=2.0, fresh_at=at, after_loss=True
+        )
+        result.trace.check_rules()
+        computes = [t for t in result.trace if t.kind == "compute"]
+        ends = [max(t.end_t for t in computes if t.iteration == i) for i in range(3)]
+        starts = [min(t.start_t for t in computes if t.iteration == i) for i in range(1, 4)]
+        waits[at] = [round(b - a, 6) for a, b in zip(ends, starts, strict=True)][1:]
+        if at:
+            lane = sorted(
+                (t for t in result.trace if t.lane == "host.optimizer" and t.step == 1),
+                key=lambda t: t.start_t,
+            )
+            assert [(t.kind, t.layers.start) for t in lane[:3]] == [
+                ("g_copy", at[0]),
+                ("step", at[0]),
+                ("p_copy", at[0]),
+            ]
+    assert waits[(1,)] == waits[(6,)] and all(w > s for w, s in zip(waits[(1,)], waits[()], strict=True))
+
+
 def test_the_quality_bench_reads_fresh_the_parameters_the_pipe_does() -> None:
     """bench/async_quality.py's plain loop picks its fresh parameters itself (it never builds a
     pipe); on the main job's model, tied head included, they are the fresh units' own."""

@@ -140,6 +140,24 @@ def test_rule_5_shallow_units_first() -> None:
     Trace([deep, shallow]).check_rules()
 
 
+def test_rule_5_a_fresh_units_step_may_go_ahead_of_shallower_ones() -> None:
+    """A fresh unit's step runs at a higher priority (the next forward waits for it): ahead of a
+    shallower ready step is right, and behind one that is not (its priority says it is first)."""
+    from roundpipe.sched.graph import FRESH_CHAIN_PRIORITY
+
+    shallow = Task(("step", 0, 0), STEP, "host.optimizer", layers=range(0, 1), step=0)
+    fresh = Task(
+        ("step", 0, 1), STEP, "host.optimizer", layers=range(1, 2), step=0, priority=FRESH_CHAIN_PRIORITY
+    )
+    for task, (ready, start, end) in ((shallow, (0.0, 2.0, 3.0)), (fresh, (0.0, 0.5, 2.0))):
+        task.ready_t, task.start_t, task.end_t, task.state = ready, start, end, "done"
+    Trace([fresh, shallow]).check_rules()
+    for task, (ready, start, end) in ((shallow, (0.0, 0.5, 2.0)), (fresh, (0.0, 2.0, 3.0))):
+        task.ready_t, task.start_t, task.end_t = ready, start, end
+    violation = _assert_violation(Trace([shallow, fresh]), 5, shallow, fresh)
+    assert "more urgent" in str(violation)
+
+
 def test_broken_dependency_is_named(valid_trace: Trace) -> None:
     trace = _copy(valid_trace, keep_deps=True)
     compute = _find(trace, COMPUTE, iteration=1, slot=0, part=0)[0]

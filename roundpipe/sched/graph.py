@@ -60,6 +60,10 @@ from roundpipe.sched.task import (
     device_lane,
 )
 
+FRESH_CHAIN_PRIORITY = 13
+"""A fresh unit's G-copy, step and P-copy: above every other task of the optimizer lane (P-copies
+12, the rest 10; `sched.task.PRIORITY`)."""
+
 
 @dataclass
 class IterationGraph:
@@ -310,6 +314,7 @@ class GraphBuilder:
                     layers=range(unit, unit + 1),
                     iteration=built.iteration,
                     step=built.step,
+                    priority=self._chain_priority(unit),
                 )
             )
             ledger.last_g_copy = key
@@ -346,7 +351,15 @@ class GraphBuilder:
                 deps += [StepKey(step, units[index + 1])] if index + 1 < len(units) else self._chained()
             key = StepKey(step, unit)
             tasks.append(
-                Task(key, STEP, HOST_OPTIMIZER_LANE, deps=deps, layers=range(unit, unit + 1), step=step)
+                Task(
+                    key,
+                    STEP,
+                    HOST_OPTIMIZER_LANE,
+                    deps=deps,
+                    layers=range(unit, unit + 1),
+                    step=step,
+                    priority=self._chain_priority(unit),
+                )
             )
             ledger.step[step] = key
             ledger.step.pop(step - 2, None)
@@ -355,6 +368,14 @@ class GraphBuilder:
         if self.options.ordered_steps:
             self._last_ordered = StepKey(step, units[0])
         return tasks
+
+    def _chain_priority(self, unit: int) -> int | None:
+        """A fresh unit's G-copy, step and P-copy in an async run: before anything else on the
+        optimizer lane, because the next iteration's forward waits for them while the stale
+        units' work can wait (rule 5 allows it); None, the kind's own, for every other unit."""
+        if self.options.async_optimizer and unit in self.options.fresh_units:
+            return FRESH_CHAIN_PRIORITY
+        return None
 
     def _deferred(self, step: int, unit: int) -> bool:
         return rules.deferred_p_copy(step, self.options.is_async(unit), self.options.sync_steps)
@@ -371,7 +392,15 @@ class GraphBuilder:
             deps.append(ledger.step[step])
         ledger.p_copy[step + 1] = key
         ledger.p_copy.pop(step - 1, None)
-        return Task(key, P_COPY, HOST_OPTIMIZER_LANE, deps=deps, layers=range(unit, unit + 1), step=step)
+        return Task(
+            key,
+            P_COPY,
+            HOST_OPTIMIZER_LANE,
+            deps=deps,
+            layers=range(unit, unit + 1),
+            step=step,
+            priority=self._chain_priority(unit),
+        )
 
 
 __all__ = ["GraphBuilder", "IterationGraph", "ModelSpec", "ScheduleOptions"]

@@ -277,7 +277,9 @@ def _check_step_semantics(tasks: Sequence[Task]) -> None:
         before(steps.get((unit, s - 1)), gc)  # step(s-1) -> G-copy
         before(gc, steps.get((unit, s)))  # G-copy -> step(s)
     # Shallow units first: of two steps of the same optimizer step that were both ready, the
-    # shallower one starts first (deep units whose gradients arrive early may go ahead).
+    # shallower one starts first (deep units whose gradients arrive early may go ahead), unless
+    # the deeper one is a fresh unit's, whose chain runs at a higher priority: the next forward
+    # waits for it (async runs with fresh units, `GraphBuilder._chain_priority`).
     by_step: dict[int, list[Task]] = {}
     for (_, s), st in steps.items():
         by_step.setdefault(s, []).append(st)
@@ -285,10 +287,14 @@ def _check_step_semantics(tasks: Sequence[Task]) -> None:
         lst.sort(key=lambda t: t.start_t)
         for i, later in enumerate(lst):
             for earlier in lst[:i]:
-                if later.layers.start < earlier.layers.start and later.ready_t < earlier.start_t - 1e-9:
+                if (-later.priority, later.layers.start) < (
+                    -earlier.priority,
+                    earlier.layers.start,
+                ) and later.ready_t < earlier.start_t - 1e-9:
+                    which = "shallower" if later.priority == earlier.priority else "more urgent"
                     raise RuleViolation(
                         5,
-                        f"{earlier.describe()} started before the shallower {later.describe()}, "
+                        f"{earlier.describe()} started before the {which} {later.describe()}, "
                         "which was already ready",
                         [earlier, later],
                     )
