@@ -38,7 +38,8 @@ Prints one JSON line per profile and mode:
       (`every_even_plan`), all timed as choose_plan's evaluator times them (a training loop's
       submission): chosen_ms, best_ms, gap (chosen / best - 1), and the fastest even plan whose
       chained steady bubble is under 3% (none when there is none within 10% of the chosen).
-    python bench/schedule.py --exhaustive [--layers 24]
+      ``--loss-lag 1``: for a loop reading each loss one iteration late (roundpipe train's).
+    python bench/schedule.py --exhaustive [--layers 24] [--loss-lag 1]
 """
 
 from __future__ import annotations
@@ -297,12 +298,20 @@ def layer_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def exhaustive_row(layers: int, ratio: float, head: float, n: int = 8, m: int = 16) -> dict[str, object]:
+def exhaustive_row(
+    layers: int, ratio: float, head: float, n: int = 8, m: int = 16, loss_lag: int = 0
+) -> dict[str, object]:
     """One async grid shape: the chosen plan's time per iteration against every even plan's, all
-    by choose_plan's own evaluator, and the fastest even plan under the 3% bubble target."""
+    by choose_plan's own evaluator, and the fastest even plan under the 3% bubble target. With
+    ``loss_lag=1``, for a loop that reads each loss one iteration late (`roundpipe train`'s):
+    chosen as `choose_evaluated_plan(..., loss_lag=1)` chooses, every plan timed by the better of
+    its two submissions (`late_loop_evaluator`)."""
     start = time.perf_counter()
     costs = grid_costs(layers, ratio, head)
-    evaluate = engine_evaluator(costs, n, m, async_optimizer=True)
+    if loss_lag:
+        evaluate = late_loop_evaluator(costs, n, m)
+    else:
+        evaluate = engine_evaluator(costs, n, m, async_optimizer=True)
     chosen = choose_plan(costs, n, m, async_optimizer=True, evaluate=evaluate)
     chosen_ms = evaluate(chosen)
     plans = every_even_plan(costs, n, m)
@@ -328,6 +337,7 @@ def exhaustive_row(layers: int, ratio: float, head: float, n: int = 8, m: int = 
         "head": head,
         "devices": n,
         "microbatches": m,
+        "loss_lag": loss_lag,
         "plans": len(plans),
         "chosen_ms": round(chosen_ms, 2),
         "chosen_slots": chosen.num_slots,
@@ -356,6 +366,13 @@ def main() -> None:
     parser.add_argument(
         "--exhaustive", action="store_true", help="async choices at (8, 16) against every even plan"
     )
+    parser.add_argument(
+        "--loss-lag",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="--exhaustive: plan and time for a loop reading each loss this late (roundpipe train: 1)",
+    )
     args = parser.parse_args()
     if args.tables:
         tables(args.tables)
@@ -363,7 +380,7 @@ def main() -> None:
     if args.exhaustive:
         for count in args.layers or EXHAUSTIVE_LAYERS:
             for ratio, head in itertools.product(GRID_BWD_RATIOS, GRID_HEADS):
-                print(json.dumps(exhaustive_row(count, ratio, head)), flush=True)
+                print(json.dumps(exhaustive_row(count, ratio, head, loss_lag=args.loss_lag)), flush=True)
         return
     if args.grid:
         grid(args)
