@@ -305,18 +305,7 @@ class GraphBuilder:
             key = GCopyKey(built.iteration, unit)
             deps = rules.complete_gradients(ledger, built.iteration)
             deps += rules.g_copy_after_step(ledger, built.step, sync=not self._deferred(built.step - 1, unit))
-            built.tasks.append(
-                Task(
-                    key,
-                    G_COPY,
-                    HOST_OPTIMIZER_LANE,
-                    deps=deps,
-                    layers=range(unit, unit + 1),
-                    iteration=built.iteration,
-                    step=built.step,
-                    priority=self._chain_priority(unit),
-                )
-            )
+            built.tasks.append(self._unit_task(key, G_COPY, unit, deps, built.step, built.iteration))
             ledger.last_g_copy = key
             keys.append(key)
         return keys
@@ -350,17 +339,7 @@ class GraphBuilder:
             if self.options.ordered_steps:  # deepest first: its gradient lands first
                 deps += [StepKey(step, units[index + 1])] if index + 1 < len(units) else self._chained()
             key = StepKey(step, unit)
-            tasks.append(
-                Task(
-                    key,
-                    STEP,
-                    HOST_OPTIMIZER_LANE,
-                    deps=deps,
-                    layers=range(unit, unit + 1),
-                    step=step,
-                    priority=self._chain_priority(unit),
-                )
-            )
+            tasks.append(self._unit_task(key, STEP, unit, deps, step))
             ledger.step[step] = key
             ledger.step.pop(step - 2, None)
             if not self._deferred(step, unit):
@@ -369,13 +348,24 @@ class GraphBuilder:
             self._last_ordered = StepKey(step, units[0])
         return tasks
 
-    def _chain_priority(self, unit: int) -> int | None:
-        """A fresh unit's G-copy, step and P-copy in an async run: before anything else on the
-        optimizer lane, because the next iteration's forward waits for them while the stale
-        units' work can wait (rule 5 allows it); None, the kind's own, for every other unit."""
-        if self.options.async_optimizer and unit in self.options.fresh_units:
-            return FRESH_CHAIN_PRIORITY
-        return None
+    def _unit_task(
+        self, key: Key, kind: str, unit: int, deps: list[Key], step: int, iteration: int = -1
+    ) -> Task:
+        """One unit's G-copy, step or P-copy on the optimizer lane. A fresh unit's, in an async
+        run, come before anything else there: the next iteration's forward waits for them while
+        the stale units' work can wait (rule 5 allows it); every other unit's run at their kind's
+        priority."""
+        fresh = self.options.async_optimizer and unit in self.options.fresh_units
+        return Task(
+            key,
+            kind,
+            HOST_OPTIMIZER_LANE,
+            deps=deps,
+            layers=range(unit, unit + 1),
+            iteration=iteration,
+            step=step,
+            priority=FRESH_CHAIN_PRIORITY if fresh else None,
+        )
 
     def _deferred(self, step: int, unit: int) -> bool:
         return rules.deferred_p_copy(step, self.options.is_async(unit), self.options.sync_steps)
@@ -392,15 +382,7 @@ class GraphBuilder:
             deps.append(ledger.step[step])
         ledger.p_copy[step + 1] = key
         ledger.p_copy.pop(step - 1, None)
-        return Task(
-            key,
-            P_COPY,
-            HOST_OPTIMIZER_LANE,
-            deps=deps,
-            layers=range(unit, unit + 1),
-            step=step,
-            priority=self._chain_priority(unit),
-        )
+        return self._unit_task(key, P_COPY, unit, deps, step)
 
 
 __all__ = ["GraphBuilder", "IterationGraph", "ModelSpec", "ScheduleOptions"]

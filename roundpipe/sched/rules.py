@@ -279,7 +279,7 @@ def _check_step_semantics(tasks: Sequence[Task]) -> None:
     # Shallow units first: of two steps of the same optimizer step that were both ready, the
     # shallower one starts first (deep units whose gradients arrive early may go ahead), unless
     # the deeper one is a fresh unit's, whose chain runs at a higher priority: the next forward
-    # waits for it (async runs with fresh units, `GraphBuilder._chain_priority`).
+    # waits for it (async runs with fresh units, `GraphBuilder._unit_task`).
     by_step: dict[int, list[Task]] = {}
     for (_, s), st in steps.items():
         by_step.setdefault(s, []).append(st)
