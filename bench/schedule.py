@@ -181,6 +181,7 @@ def grid_row(
             async_optimizer=True,
             evaluate=late_loop_evaluator(costs, n, m),
             evaluations=evaluations,
+            late=True,
         )
         lag = submission_lag(lag_choice, costs, n, m, async_optimizer=True, loss_lag=1)
         lag_planning_ms = (time.perf_counter() - start) * 1e3
@@ -312,7 +313,7 @@ def exhaustive_row(
         evaluate = late_loop_evaluator(costs, n, m)
     else:
         evaluate = engine_evaluator(costs, n, m, async_optimizer=True)
-    chosen = choose_plan(costs, n, m, async_optimizer=True, evaluate=evaluate)
+    chosen = choose_plan(costs, n, m, async_optimizer=True, evaluate=evaluate, late=bool(loss_lag))
     chosen_ms = evaluate(chosen)
     plans = every_even_plan(costs, n, m)
     timed = sorted((evaluate(p), i) for i, p in enumerate(plans))

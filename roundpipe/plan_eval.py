@@ -125,7 +125,8 @@ def choose_evaluated_plan(
     plans but not on all: on some, iteration t + 1's forward runs take devices that iteration t's
     backward needed, and waiting for t's losses first (what `submission_lag` then tells the pipe
     to do) is faster. So such a loop's plans are judged by the better of the two submissions.
-    The candidates are the same for both loops (``choose_plan(..., loop=True)``)."""
+    The candidates are the same for both loops (``choose_plan(..., loop=True)``); for the late
+    loop the few-slot plans' best by the chained model is timed as well (``late``)."""
     if loss_lag and async_optimizer:
         evaluate = late_loop_evaluator(costs, num_devices, num_microbatches, round_size=round_size)
     else:
@@ -140,6 +141,7 @@ def choose_evaluated_plan(
         async_optimizer=async_optimizer,
         round_size=round_size,
         evaluate=evaluate,
+        late=bool(loss_lag and async_optimizer),
     )
 
 

@@ -36,6 +36,10 @@ SLOT_REACH, FUSED_REACH = 2, 3
 """Candidates: slot counts within SLOT_REACH of a proxy's plan, fused stages starting within
 FUSED_REACH layers of its fused stage."""
 
+LATE_FEW_TIMED = 2
+"""A loop one loss late (``choose_plan(..., late=True)``): the plans of up to N slots best in the
+chained ranking, this many, are timed too; few slots make small graphs, cheap to time."""
+
 ASYNC_EVALUATED_ITERATIONS = 6
 """What one async evaluation runs (`roundpipe.plan_eval`: a chained run of 6); sizes the budget."""
 
@@ -53,6 +57,7 @@ def choose_plan(
     evaluate: Evaluate | None = None,
     evaluations: int | None = None,
     loop: bool = True,
+    late: bool = False,
 ) -> Plan:
     """The plan to run.
 
@@ -65,7 +70,10 @@ def choose_plan(
     the previous one's losses are in (`roundpipe.plan_eval.engine_evaluator`'s default), and the
     plans of up to N slots, whose rounds run side by side and which a loop cannot lend an
     iteration's idle devices, have their best by the loop's model timed too (`_ranked_candidates`);
-    ``loop=False`` for an evaluator that times chained runs.
+    ``loop=False`` for an evaluator that times chained runs. ``late`` (async, with ``loop``): the
+    loop reads each loss one iteration late (`roundpipe.plan_eval.late_loop_evaluator`), which on
+    most plans submits as a chained run does, so the best two of those few-slot plans by the
+    chained model are timed as well.
     """
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
@@ -86,7 +94,14 @@ def choose_plan(
     )
     rounds = round_sizes(num_microbatches, num_devices, round_size)
     ranked, extra, few = _ranked_candidates(
-        costs, proxies, chains, rounds, async_optimizer, max(count, 2), loop and async_optimizer
+        costs,
+        proxies,
+        chains,
+        rounds,
+        async_optimizer,
+        max(count, 2),
+        loop and async_optimizer,
+        late=late and loop and async_optimizer,
     )
     # The proxies' choice always runs in the comparison: evaluation never does worse than it.
     chosen = {_stages(proxies[0]): proxies[0]}
@@ -143,6 +158,8 @@ def _ranked_candidates(
     async_optimizer: bool,
     needed: int,
     loop: bool = False,
+    *,
+    late: bool = False,
 ) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]], list[tuple[float, Plan]]]:
     """Even plans around each proxy plan (and the proxies), best modelled first; apart, the best
     modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot; and
@@ -205,6 +222,9 @@ def _ranked_candidates(
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
     extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, times=times)
     few_best = _rank(list(few.values()), n, rounds, True, keep=1, times=times, loop=True)[:1] if loop else []
+    if late:  # a loop one loss late runs most plans as the chained model does (`choose_plan`):
+        # the best few-slot plans of the chained ranking above (modelled there already)
+        few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
     return ranked, extra[:1], few_best
 
 
