@@ -238,19 +238,18 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
 
 def fresh_parameters(model: Any, fresh_layers: int, at: tuple[int, ...] = ()) -> set[int]:
     """The ids of the parameters `RunConfig.fresh_layers` and `RunConfig.fresh_at` read fresh:
-    those of the units `fresh_units_at` picks among the pipe's layers, found as the pipe's
+    those of the units `fresh_units_of` picks among the pipe's layers, found as the pipe's
     `HostModel` finds them (`trainable_units`, without building one: that would rebind the frozen
     parameters)."""
     from roundpipe.model.sequence import to_layer_sequence
     from roundpipe.optim.host import trainable_units
-    from roundpipe.sched.spec import fresh_units_at
+    from roundpipe.sched.spec import fresh_units_of
 
     if not fresh_layers and not at:
         return set()
     layers = to_layer_sequence(model).layers
     _, unit_params, owners = trainable_units([list(layer.named_parameters()) for layer in layers])
-    chosen = {*range(len(owners) - fresh_layers, len(owners)), *at}
-    return {id(p) for unit in fresh_units_at(tuple(owners), chosen) for p in unit_params[unit]}
+    return {id(p) for unit in fresh_units_of(tuple(owners), fresh_layers, at) for p in unit_params[unit]}
 
 
 def pipe_losses(config: Any) -> list[float]:

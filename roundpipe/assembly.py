@@ -26,7 +26,7 @@ from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, Schedu
 from roundpipe.optim.lr_ramp import ramp_factor
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan_eval import choose_evaluated_plan
-from roundpipe.sched.spec import ScheduleOptions, fresh_units_at
+from roundpipe.sched.spec import ScheduleOptions, fresh_layer_set, fresh_units_at
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -117,7 +117,7 @@ def fresh_units(config: RunConfig, owners: tuple[tuple[int, ...], ...]) -> froze
             f"fresh_at={list(config.fresh_at)} but the model has {count} layers, 0 to {count - 1} "
             "(0 is the embedding of a transformers model, 1 its first decoder block)"
         )
-    layers = {*range(count - config.fresh_layers, count), *config.fresh_at}
+    layers = fresh_layer_set(count, config.fresh_layers, config.fresh_at)
     units = fresh_units_at(owners, layers)
     for layer in config.fresh_at:
         if not all(unit in units for unit in owners[layer]):

@@ -126,7 +126,7 @@ def choose_evaluated_plan(
     backward needed, and waiting for t's losses first (what `submission_lag` then tells the pipe
     to do) is faster. So such a loop's plans are judged by the better of the two submissions.
     The candidates are the same for both loops (``choose_plan(..., loop=True)``); for the late
-    loop the few-slot plans' best by the chained model is timed as well (``late``)."""
+    loop the chained ranking's two best plans of up to N slots are timed as well (``late``)."""
     if loss_lag and async_optimizer:
         evaluate = late_loop_evaluator(costs, num_devices, num_microbatches, round_size=round_size)
     else:

@@ -25,7 +25,7 @@ from roundpipe.plan.partition import Plan
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import run_sync
-from roundpipe.sched.spec import fresh_units_at
+from roundpipe.sched.spec import fresh_units_of
 from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import BubbleReport, Trace
 from roundpipe.sched.upkeep import EngineStatistics
@@ -155,11 +155,7 @@ def run_fake(
         async_optimizer=async_optimizer,
         round_size=round_size,
         chunk_bytes=chunk_bytes,
-        fresh_units=fresh_units_at(
-            spec.owners, {*range(costs.num_layers - fresh_layers, costs.num_layers), *fresh_at}
-        )
-        if async_optimizer and (fresh_layers or fresh_at)
-        else frozenset(),
+        fresh_units=fresh_units_of(spec.owners, fresh_layers, fresh_at) if async_optimizer else frozenset(),
     )
     builder = GraphBuilder(plan, spec, num_devices, options)
     model = FakeCostModel(costs, link_gbps=link_gbps, optimizer_ms=optimizer_ms, latency_ms=latency_ms)

@@ -79,12 +79,17 @@ class ScheduleOptions:
 
 
 def fresh_units_of(
-    owners: tuple[tuple[int, ...], ...] | list[list[int]], deepest_layers: int
+    owners: tuple[tuple[int, ...], ...] | list[list[int]], deepest_layers: int, at: Collection[int] = ()
 ) -> frozenset[int]:
-    """The units that can read fresh weights when the deepest ``deepest_layers`` layers should
-    (`fresh_units_at` of those layers)."""
-    num_layers = len(owners)
-    return fresh_units_at(owners, range(max(0, num_layers - deepest_layers), num_layers))
+    """The units that can read fresh weights when the deepest ``deepest_layers`` layers and those
+    at the indices ``at`` should (`RunConfig.fresh_layers`, `RunConfig.fresh_at`):
+    `fresh_units_at` of `fresh_layer_set`."""
+    return fresh_units_at(owners, fresh_layer_set(len(owners), deepest_layers, at))
+
+
+def fresh_layer_set(num_layers: int, deepest_layers: int, at: Collection[int] = ()) -> set[int]:
+    """The layers asked to read fresh weights: the deepest ``deepest_layers`` and those at ``at``."""
+    return {*range(max(0, num_layers - deepest_layers), num_layers), *at}
 
 
 def fresh_units_at(
