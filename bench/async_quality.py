@@ -168,6 +168,7 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     clipped to ``max_grad_norm`` when set."""
     import torch
 
+    from roundpipe.optim.host import host_adamw
     from roundpipe.optim.lr_ramp import ramp_factor
     from roundpipe.train.data import prepare_data
     from roundpipe.train.loop import lr_factor
@@ -187,7 +188,8 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     groups = [[p for p, s in zip(params, slow, strict=True) if not s]]
     if any(slow):
         groups.append([p for p, s in zip(params, slow, strict=True) if s])
-    opt = torch.optim.AdamW([{"params": g} for g in groups], lr=config.lr, weight_decay=config.weight_decay)
+    # The same kernel as roundpipe train's (fused), which rounds differently from torch's default loop.
+    opt = host_adamw([{"params": g} for g in groups], lr=config.lr, weight_decay=config.weight_decay)
     warmup = config.async_warmup_steps if config.async_optimizer else 0
     ramp = config.async_lr_ramp_steps if config.async_optimizer else 0
 

@@ -8,7 +8,7 @@ backend would use, for a Qwen3-1.7B-sized model (28 units of 50M parameters plus
 embedding) by default. One JSON line per thread count.
 
     python bench/host_optimizer.py [--units 28] [--unit-params 50.3e6] [--embed-params 311e6]
-        [--prediction 2,-1]
+        [--prediction 2,-1] [--kernel fused|foreach|loop]
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ import torch
 from roundpipe.config import prediction_factors
 from roundpipe.optim.prediction import WeightPredictor
 
+# torch's AdamW implementations on CPU tensors: roundpipe's host_adamw uses "fused"; "loop" is
+# what torch.optim.AdamW(params) picks for CPU tensors when nothing is said.
+KERNELS: dict[str, dict[str, bool]] = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},
+    "loop": {"foreach": False},
+}
+
 
 def _units(args: argparse.Namespace) -> list[list[torch.Tensor]]:
     sizes = [int(args.embed_params)] + [int(args.unit_params)] * args.units
@@ -38,7 +46,7 @@ def run(args: argparse.Namespace, threads: int) -> dict[str, object]:
         [p.to(torch.bfloat16).pin_memory() if pin else p.to(torch.bfloat16) for p in u] for u in masters
     ]
     landing = [[torch.randn_like(p).pin_memory() if pin else torch.randn_like(p) for p in u] for u in masters]
-    opts = [torch.optim.AdamW(u, lr=1e-4, fused=True) for u in masters]
+    opts = [torch.optim.AdamW(u, lr=1e-4, **KERNELS[args.kernel]) for u in masters]
     step_s, p_copy_s, g_copy_s, remember_s, predict_s = [], [], [], [], []
     # the async remedy's extra work (roundpipe/optim/prediction.py)
     predictor = WeightPredictor(prediction_factors(args.prediction))
@@ -73,6 +81,7 @@ def run(args: argparse.Namespace, threads: int) -> dict[str, object]:
         "bench": "host_optimizer",
         "params_m": round(params / 1e6, 1),
         "threads": threads,
+        "kernel": args.kernel,
         "cores": os.cpu_count(),
         "step_ms": round(statistics.median(step_s[1:]) * 1e3, 1),
         "p_copy_ms": round(statistics.median(p_copy_s[1:]) * 1e3, 1),
@@ -92,6 +101,12 @@ def main() -> None:
     parser.add_argument("--unit-params", type=float, default=50.3e6)
     parser.add_argument("--embed-params", type=float, default=311e6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--kernel",
+        choices=sorted(KERNELS),
+        default="fused",
+        help="AdamW implementation (default: fused, as roundpipe)",
+    )
     parser.add_argument(
         "--prediction", default="2,-1", help="weight_prediction factors (roundpipe train's default: 2,-1)"
     )

@@ -37,8 +37,28 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def host_adamw(
+    params: Sequence[torch.Tensor] | Sequence[dict[str, Any]], **options: Any
+) -> torch.optim.AdamW:
+    """AdamW on host tensors with torch's fused CPU kernel.
+
+    The optimizer copies always live in host RAM, and on CPU tensors torch's AdamW defaults to
+    its per-tensor loop: several kernels per parameter tensor, each a pass over memory. The
+    fused kernel makes one vectorised pass per tensor: 8x faster on a 0.74M-parameter decoder
+    block, 8x on 101M parameters in 25M-parameter units (``bench/host_optimizer.py --kernel``),
+    which keeps the optimizer lane of a large model off the critical path and a fresh unit's
+    step short. It rounds differently from the loop (about one ulp per step), so a reference
+    loop compared to the pipe must use it too. Without the kernel (torch built without it)
+    torch's default loop is used.
+    """
+    try:
+        return torch.optim.AdamW(params, fused=True, **options)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, **options)
+
+
 def default_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-4)
+    return host_adamw(params, lr=1e-4)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from roundpipe.optim.host import host_adamw
 from roundpipe.train.config import TrainConfig
 
 
@@ -30,7 +31,7 @@ def lr_factor(config: TrainConfig, step: int) -> float:
 
 def make_optimizer(config: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        return host_adamw(params, lr=config.lr, weight_decay=config.weight_decay)
 
     return make
 
