@@ -116,7 +116,10 @@ class Mode:
         )
 
 
-DEFAULT_MODE = "async+warmup20+predict2,-1+ramp120"  # the `roundpipe train` default
+# The `roundpipe train` default on the main job, whose plan is one fused stage, so that
+# TrainConfig.fresh_at_if_fused (the first block) applies; the default before it, and on split plans:
+DEFAULT_MODE = "async+warmup20+predict2,-1+ramp120+freshat1"
+STALE_DEFAULT_MODE = "async+warmup20+predict2,-1+ramp120"
 MODES: tuple[str, ...] = (
     "sync",
     "async",
@@ -126,9 +129,10 @@ MODES: tuple[str, ...] = (
     "async+warmup20+ramp60",
     "async+warmup20+predict2+ramp60",
     "async+warmup20+predict2+ramp120",
+    STALE_DEFAULT_MODE,
     DEFAULT_MODE,
 )
-COMPARED = ("sync", "async", "async+warmup20+predict2", "async+warmup20+predict2+ramp120", DEFAULT_MODE)
+COMPARED = ("sync", "async", "async+warmup20+predict2+ramp120", STALE_DEFAULT_MODE, DEFAULT_MODE)
 # Jobs: name -> (lr multiplier, lora rank, modes).
 JOBS: dict[str, tuple[float, int | None, tuple[str, ...]]] = {
     "main-1x": (1.0, None, MODES),
@@ -158,6 +162,7 @@ def train_config(job: str, mode_name: str, steps: int, seed: int = 0) -> Any:
         async_lr_ramp_start=mode.ramp_start,
         fresh_layers=mode.fresh if mode.async_optimizer else 0,
         fresh_at=mode.fresh_at if mode.async_optimizer else (),
+        fresh_at_if_fused=(),  # a mode is what its name says: freshat1 names the first block
     )
 
 

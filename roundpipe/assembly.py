@@ -83,11 +83,17 @@ def make_runtime(
 
 
 def schedule_options(
-    config: RunConfig, round_size: int | None, runtime: Runtime, owners: tuple[tuple[int, ...], ...]
+    config: RunConfig,
+    round_size: int | None,
+    runtime: Runtime,
+    owners: tuple[tuple[int, ...], ...],
+    *,
+    one_fused_stage: bool = False,
 ) -> ScheduleOptions:
     """The task graph's knobs: a grad-norm barrier when clipping or fp16 needs the global norm,
     one order of the steps on every process when they average gradients, and the fresh units of
-    ``config.fresh_layers`` and ``config.fresh_at`` (given the layers' ``owners``)."""
+    ``config.fresh_layers``, ``config.fresh_at`` and, when the plan is ``one_fused_stage``,
+    ``config.fresh_at_if_fused`` (given the layers' ``owners``)."""
     return ScheduleOptions(
         async_optimizer=config.async_optimizer,
         round_size=round_size,
@@ -95,16 +101,25 @@ def schedule_options(
         grad_norm_barrier=config.max_grad_norm is not None or runtime.scaler is not None,
         ordered_steps=runtime.collectives.active,
         sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
-        fresh_units=fresh_units(config, owners),
+        fresh_units=fresh_units(config, owners, one_fused_stage=one_fused_stage),
     )
 
 
-def fresh_units(config: RunConfig, owners: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+def fresh_units(
+    config: RunConfig, owners: tuple[tuple[int, ...], ...], *, one_fused_stage: bool = False
+) -> frozenset[int]:
     """The units that read fresh weights: those of the deepest ``config.fresh_layers`` layers and
-    of the layers ``config.fresh_at`` lists that share no weights with another layer
-    (`fresh_units_at`). A tied head among the deepest layers stays stale with its embedding, as
-    documented; a listed layer that cannot be fresh is an error (it was asked for by name)."""
-    if not config.async_optimizer or not (config.fresh_layers or config.fresh_at):
+    of the layers ``config.fresh_at`` lists (with ``config.fresh_at_if_fused`` on a plan of
+    ``one_fused_stage``) that share no weights with another layer (`fresh_units_at`). A tied head
+    among the deepest layers stays stale with its embedding, as documented; a listed layer that
+    cannot be fresh is an error (it was asked for by name)."""
+    listed = tuple(sorted(set(config.fresh_at) | set(config.fresh_at_if_fused if one_fused_stage else ())))
+    field = (
+        "fresh_at"
+        if not one_fused_stage or not config.fresh_at_if_fused
+        else "fresh_at (with fresh_at_if_fused)"
+    )
+    if not config.async_optimizer or not (config.fresh_layers or listed):
         return frozenset()
     count = len(owners)
     if config.fresh_layers > count:
@@ -112,20 +127,20 @@ def fresh_units(config: RunConfig, owners: tuple[tuple[int, ...], ...]) -> froze
             f"fresh_layers={config.fresh_layers} but the model has {count} layers (embedding "
             f"and LM head included); use at most {count}"
         )
-    if config.fresh_at and config.fresh_at[-1] >= count:
+    if listed and listed[-1] >= count:
         raise ConfigError(
-            f"fresh_at={list(config.fresh_at)} but the model has {count} layers, 0 to {count - 1} "
+            f"{field}={list(listed)} but the model has {count} layers, 0 to {count - 1} "
             "(0 is the embedding of a transformers model, 1 its first decoder block)"
         )
-    layers = fresh_layer_set(count, config.fresh_layers, config.fresh_at)
+    layers = fresh_layer_set(count, config.fresh_layers, listed)
     units = fresh_units_at(owners, layers)
-    for layer in config.fresh_at:
+    for layer in listed:
         if not all(unit in units for unit in owners[layer]):
             sharing = sorted(
                 {other for other, held in enumerate(owners) if set(held) & set(owners[layer])} - layers
             )
             raise ConfigError(
-                f"fresh_at lists layer {layer}, whose weights layer(s) {sharing} share (a tied "
+                f"{field} lists layer {layer}, whose weights layer(s) {sharing} share (a tied "
                 f"embedding and LM head, say) and which stay stale: one weight version is read "
                 f"for both, so list {sharing} too or leave {layer} out"
             )

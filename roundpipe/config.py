@@ -218,6 +218,13 @@ class RunConfig(BaseModel):
         "unlisted one is refused. Their next forward waits for their step: on a plan of one fused "
         "stage that is their step's host time, on a split plan the first stages wait for the last",
     )
+    fresh_at_if_fused: LayerIndices = Field(
+        (),
+        description="async remedy: as fresh_at, but only when the plan made at construction (from "
+        "the model's estimated costs, never from timings) is one fused stage of every layer, where "
+        "a fresh layer costs only its step's host time between iterations; on a split plan the "
+        "first stages would wait for the last, and these layers stay one step behind",
+    )
     loss_lag: int = Field(
         0,
         ge=0,
@@ -309,6 +316,7 @@ class RunConfig(BaseModel):
                     "async_lr_ramp_steps",
                     "fresh_layers",
                     "fresh_at",
+                    "fresh_at_if_fused",
                 )
                 if getattr(self, name)
             ]

@@ -158,8 +158,15 @@ class RoundPipe:
         self.costs = estimated_costs(self.host, self._sequence.names)
         self.plan: Plan = plan_for(self.costs, self._plan_config, self.num_devices)
         self._step_waits_for_loss = self._waits_for_loss(self.plan)
+        # Fixed here, from the plan of the estimated costs: a later plan (measured on the device,
+        # or re-planned) never changes which units read fresh weights, so the numerics of a run
+        # depend on the model and the config alone.
         self._options = schedule_options(
-            config, self._plan_config.round_size, self.runtime, self._spec.owners
+            config,
+            self._plan_config.round_size,
+            self.runtime,
+            self._spec.owners,
+            one_fused_stage=not self.plan.fwd_stages and not self.plan.bwd_stages,
         )
         self.runtime.fresh_units = self._options.fresh_units
         self._iteration = 0
@@ -212,6 +219,12 @@ class RoundPipe:
     def step_count(self) -> int:
         """Optimizer steps requested so far (`step()` calls, plus those of a loaded state)."""
         return self._step
+
+    @property
+    def fresh_units(self) -> frozenset[int]:
+        """The units (layer indices of the pipe's layer sequence) that read the newest weights in
+        async mode (`RunConfig.fresh_layers`, `fresh_at`, `fresh_at_if_fused`); empty in sync mode."""
+        return self._options.fresh_units if self.config.async_optimizer else frozenset()
 
     @property
     def iteration_count(self) -> int:

@@ -626,6 +626,16 @@ def test_the_quality_bench_reads_fresh_the_parameters_the_pipe_does() -> None:
         want = {names[id(p)] for unit in units for p in pipe.host.unit_params[unit]}
     assert units == {1, 6}  # the first block and the last (the head stays stale)
     assert {names[key] for key in bench.fresh_parameters(model, 2, (1,))} == want
+    # The bench's default mode is what `roundpipe train` runs on the main job (one fused stage).
+    mode, train = bench.Mode.parse(bench.DEFAULT_MODE), TrainConfig()
+    with roundpipe.RoundPipe(build_model(train), optimizer=adamw, config=train.run_config()) as pipe:
+        assert pipe.fresh_units == set(mode.fresh_at) == {1}
+    assert (mode.warmup, mode.prediction, mode.ramp_steps, mode.ramp_start) == (
+        train.async_warmup_steps,
+        train.weight_prediction,
+        train.async_lr_ramp_steps,
+        train.async_lr_ramp_start,
+    )
 
 
 def test_simulate_after_loss_runs_as_a_training_loop_does() -> None:
@@ -686,3 +696,38 @@ def test_an_async_pipe_on_four_workers_computes_each_iteration_on_all_of_them() 
         trace = pipe.trace()
     for iteration in range(1, 4):
         assert {t.device for t in trace if t.kind == "compute" and t.iteration == iteration} == {0, 1, 2, 3}
+
+
+def test_fresh_at_if_fused_reads_fresh_on_one_fused_stage_and_stale_on_a_split_plan() -> None:
+    """`roundpipe train`'s default: the first block fresh where the plan made at construction is
+    one fused stage (its step then sits between iterations); on a split plan it would stall the
+    first stages for the last, so the layers stay one step behind. Which plan it is comes from
+    the estimated costs, so the run trains exactly as the plain loop of what it chose."""
+    data = batches(6)
+    base = fresh_config("cpu:2", 0, 1, (2.0, -1.0)).model_copy(update={"fresh_at_if_fused": (2,)})
+    fused = roundpipe.RoundPipe(mlp(), optimizer=adamw, config=base)
+    assert (fused.plan.fwd_stages, fused.plan.bwd_stages) == ((), ())
+    assert fused.fresh_units == {2}
+    with fused:
+        weights = train_steps(fused, data, mse)
+    _, ref_fresh = remedy_reference(
+        mlp(), adamw, data, mse, warmup_steps=1, prediction=(2.0, -1.0), fresh=("2.",)
+    )
+    for got, want in zip(weights, ref_fresh, strict=True):
+        assert_weights_equal(got, want)
+
+    split = roundpipe.RoundPipe(
+        mlp(), optimizer=adamw, config=base.model_copy(update={"mem_limit_bytes": 2400})
+    )
+    assert split.plan.fwd_stages or split.plan.bwd_stages
+    assert split.fresh_units == frozenset()
+    with split:
+        weights = train_steps(split, data, mse)
+    _, ref_stale = remedy_reference(mlp(), adamw, data, mse, warmup_steps=1, prediction=(2.0, -1.0))
+    for got, want in zip(weights, ref_stale, strict=True):
+        assert_weights_equal(got, want)
+    sync = roundpipe.RoundPipe(mlp(), optimizer=adamw, config=roundpipe.RunConfig(async_optimizer=False))
+    assert sync.fresh_units == frozenset()
+    sync.close()
+    with pytest.raises(ConfigError, match="only applies with async_optimizer=True"):
+        roundpipe.RunConfig(async_optimizer=False, fresh_at_if_fused=(1,))

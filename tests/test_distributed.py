@@ -156,8 +156,8 @@ def test_ordered_steps_run_deepest_first_and_change_no_number(
     the reference's."""
     import roundpipe.pipe
 
-    def ordered(*args: Any) -> Any:
-        return dataclasses.replace(schedule_options(*args), ordered_steps=True)
+    def ordered(*args: Any, **kwargs: Any) -> Any:
+        return dataclasses.replace(schedule_options(*args, **kwargs), ordered_steps=True)
 
     monkeypatch.setattr(roundpipe.pipe, "schedule_options", ordered)
     config = RunConfig(devices="cpu:2", num_microbatches=4, async_optimizer=async_optimizer)

@@ -56,6 +56,7 @@ def test_run_writes_files_and_json(
     assert JSON_KEYS <= summary.keys()
     assert summary["steps"] == 3 and summary["out_dir"] == str(tmp_path / "a")
     assert summary["host_bound"] is None  # CPU workers complete each task as they issue it
+    assert summary["fresh_layers"] == [1]  # one fused stage: the first block reads fresh weights
     assert summary["final_loss"] != summary["initial_loss"]  # three steps: too few to ask for a fall
     assert out.out.strip().count("\n") == 0  # --json: nothing but the JSON line on stdout
     assert "summary" in out.err  # the table went to stderr
@@ -272,15 +273,18 @@ def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: P
                     "0.25",
                     "--fresh-at",
                     "2,1",
+                    "--fresh-at-if-fused",
+                    "none",
                 ]
             )
         )
     ).run_config()
-    assert chosen.fresh_at == (1, 2)
+    assert chosen.fresh_at == (1, 2) and chosen.fresh_at_if_fused == ()
     assert (chosen.async_warmup_steps, chosen.weight_prediction) == (3, 1.5)
     assert (chosen.async_lr_ramp_steps, chosen.async_lr_ramp_start) == (7, 0.25)
     default = TrainConfig().run_config()  # the measured default (docs/performance.md)
     assert (default.async_warmup_steps, default.weight_prediction) == (20, (2.0, -1.0))
+    assert default.fresh_at_if_fused == (1,) and default.fresh_at == ()
     assert (default.async_lr_ramp_steps, default.async_lr_ramp_start) == (
         DEFAULT_ASYNC_LR_RAMP_STEPS,
         DEFAULT_ASYNC_LR_RAMP_START,
@@ -297,6 +301,8 @@ def test_a_checkpoint_saved_before_the_lr_ramp_resumes_without_it(monkeypatch: p
     new = {"extra": {"train_config": {"steps": 9, "async_lr_ramp_steps": 120}}}
     monkeypatch.setattr(roundpipe.checkpoint, "read_checkpoint_meta", lambda path: new)
     assert _saved_options("ckpt")["async_lr_ramp_steps"] == 120
+    # Saved before fresh_at_if_fused existed: every layer was stale, and a resume keeps it so.
+    assert _saved_options("ckpt")["fresh_at_if_fused"] == ()
 
 
 def test_reading_each_loss_a_step_late_trains_the_same_run(

@@ -115,6 +115,14 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "read the newest weights, staleness 0 (default none; the next forward waits for their step)",
     ),
     (
+        "--fresh-at-if-fused",
+        "fresh_at_if_fused",
+        str,
+        "async only: these layers read the newest weights when the plan is one fused stage "
+        "(default 1, the first decoder block: about 1 point of loss for its step between "
+        "iterations; none turns it off)",
+    ),
+    (
         "--loss-lag",
         "loss_lag",
         int,
@@ -287,6 +295,7 @@ def _saved_options(checkpoint: str) -> dict[str, Any]:
     saved.pop("resume", None)
     saved.pop("overwrite", None)  # a decision about one resume, never inherited by the next
     saved.setdefault("async_lr_ramp_steps", 0)  # saved before the lr ramp existed: it ran without
+    saved.setdefault("fresh_at_if_fused", ())  # saved before it existed: every layer stale
     return saved
 
 

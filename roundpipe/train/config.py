@@ -128,6 +128,13 @@ class TrainConfig(BaseModel):
         "decoder block) read the newest weights (staleness 0); their next forward waits for their "
         "step (on a split plan the first stages wait for the last: `roundpipe simulate --fresh-at`)",
     )
+    fresh_at_if_fused: LayerIndices = Field(
+        default=(1,),
+        description="async only: these layers also read the newest weights when the pipe's plan "
+        "(made from the model's estimated costs) is one fused stage, where it costs only the first "
+        "block's step between iterations (default 1: the first decoder block; none turns it off; "
+        "docs/performance.md, 'The first block fresh')",
+    )
     loss_lag: int = Field(
         default=1,
         ge=0,
@@ -229,6 +236,7 @@ class TrainConfig(BaseModel):
             async_lr_ramp_start=self.async_lr_ramp_start,
             fresh_layers=self.fresh_layers if self.async_optimizer else 0,
             fresh_at=self.fresh_at if self.async_optimizer else (),
+            fresh_at_if_fused=self.fresh_at_if_fused if self.async_optimizer else (),
             loss_lag=self.loss_lag,
             precision=self.precision,
             max_grad_norm=self.max_grad_norm,

@@ -199,6 +199,7 @@ def _run(
         steady_tokens_per_s=progress.steady_tokens_per_s(),
         bubble_ratio=bubble,
         host_bound=host_bound,
+        fresh_layers=tuple(sorted(pipe.fresh_units)),
         elapsed_s=elapsed,
         checkpoint=last_good,
         files=files,

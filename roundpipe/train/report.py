@@ -124,6 +124,8 @@ class RichReporter:
             rate = f"{result.steady_tokens_per_s:,.0f} after the first step ({rate} over the whole run)"
         table.add_row("tokens/s", rate)
         table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
+        if result.fresh_layers:
+            table.add_row("fresh layers", ", ".join(map(str, result.fresh_layers)) + " (staleness 0)")
         if result.host_bound is not None:
             # GPU time spent running kernels as the host issued them: larger microbatches help
             table.add_row("GPU waiting on host", f"{result.host_bound:.1%}")

@@ -43,6 +43,9 @@ class TrainResult:
     # Tokens/s after this call's first step (None under two steps): ``tokens_per_s`` counts the
     # whole run, the first step's compiling and measuring on a GPU included.
     steady_tokens_per_s: float | None = None
+    # Layers that read the newest weights (`RoundPipe.fresh_units`): which ones depends on the
+    # plan for `TrainConfig.fresh_at_if_fused`, so the run says which it got.
+    fresh_layers: tuple[int, ...] = ()
 
     @property
     def exit_code(self) -> int:
@@ -78,6 +81,7 @@ class TrainResult:
             "steady_tokens_per_s": self.steady_tokens_per_s,
             "bubble_ratio": self.bubble_ratio,
             "host_bound": self.host_bound,
+            "fresh_layers": list(self.fresh_layers),
             "steps": self.steps,
             "start_step": self.start_step,
             "elapsed_s": self.elapsed_s,
