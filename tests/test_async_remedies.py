@@ -698,6 +698,28 @@ def test_an_async_pipe_on_four_workers_computes_each_iteration_on_all_of_them() 
         assert {t.device for t in trace if t.kind == "compute" and t.iteration == iteration} == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize(("devices", "fresh"), [("cpu:1", ("2.",)), ("cpu:3", ())])
+def test_fresh_at_if_fused_follows_the_plan_on_one_and_three_workers(
+    devices: str, fresh: tuple[str, ...]
+) -> None:
+    """One worker plans this model as one fused stage, three split it: the listed layer is fresh
+    on the first and stale on the second, each exactly as its plain loop."""
+    data = batches(6)
+    _, ref_weights = remedy_reference(
+        mlp(), adamw, data, mse, warmup_steps=1, prediction=(2.0, -1.0), fresh=fresh
+    )
+    config = fresh_config(devices, 0, 1, (2.0, -1.0)).model_copy(update={"fresh_at_if_fused": (2,)})
+    with roundpipe.RoundPipe(mlp(), optimizer=adamw, config=config) as pipe:
+        assert pipe.fresh_units == ({2} if fresh else frozenset())
+        assert bool(fresh) == (not pipe.plan.fwd_stages and not pipe.plan.bwd_stages)
+    assert_pipe_matches(ref_weights, data, [config])
+
+
+def test_resume_with_fresh_at_if_fused_is_bit_exact() -> None:
+    cfg = fresh_config("cpu:2", 0, 1, (2.0, -1.0)).model_copy(update={"fresh_at_if_fused": (0,)})
+    assert_resume_is_bit_exact(cfg, 3)
+
+
 def test_fresh_at_if_fused_reads_fresh_on_one_fused_stage_and_stale_on_a_split_plan() -> None:
     """`roundpipe train`'s default: the first block fresh where the plan made at construction is
     one fused stage (its step then sits between iterations); on a split plan it would stall the
