@@ -132,7 +132,14 @@ MODES: tuple[str, ...] = (
     STALE_DEFAULT_MODE,
     DEFAULT_MODE,
 )
-COMPARED = ("sync", "async", "async+warmup20+predict2+ramp120", STALE_DEFAULT_MODE, DEFAULT_MODE)
+COMPARED = (
+    "sync",
+    "async",
+    "async+warmup20+predict2",
+    "async+warmup20+predict2+ramp120",
+    STALE_DEFAULT_MODE,
+    DEFAULT_MODE,
+)
 # Jobs: name -> (lr multiplier, lora rank, modes).
 JOBS: dict[str, tuple[float, int | None, tuple[str, ...]]] = {
     "main-1x": (1.0, None, MODES),

@@ -113,14 +113,11 @@ def fresh_units(
     ``one_fused_stage``) that share no weights with another layer (`fresh_units_at`). A tied head
     among the deepest layers stays stale with its embedding, as documented; a listed layer that
     cannot be fresh is an error (it was asked for by name)."""
-    listed = tuple(sorted(set(config.fresh_at) | set(config.fresh_at_if_fused if one_fused_stage else ())))
-    field = (
-        "fresh_at"
-        if not one_fused_stage or not config.fresh_at_if_fused
-        else "fresh_at (with fresh_at_if_fused)"
-    )
+    conditional = config.fresh_at_if_fused if one_fused_stage else ()
+    listed = tuple(sorted({*config.fresh_at, *conditional}))
     if not config.async_optimizer or not (config.fresh_layers or listed):
         return frozenset()
+    field = "fresh_at (with fresh_at_if_fused)" if conditional else "fresh_at"
     count = len(owners)
     if config.fresh_layers > count:
         raise ConfigError(

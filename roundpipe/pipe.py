@@ -166,7 +166,7 @@ class RoundPipe:
             self._plan_config.round_size,
             self.runtime,
             self._spec.owners,
-            one_fused_stage=not self.plan.fwd_stages and not self.plan.bwd_stages,
+            one_fused_stage=self.plan.num_slots == 1,
         )
         self.runtime.fresh_units = self._options.fresh_units
         self._iteration = 0
@@ -224,7 +224,7 @@ class RoundPipe:
     def fresh_units(self) -> frozenset[int]:
         """The units (layer indices of the pipe's layer sequence) that read the newest weights in
         async mode (`RunConfig.fresh_layers`, `fresh_at`, `fresh_at_if_fused`); empty in sync mode."""
-        return self._options.fresh_units if self.config.async_optimizer else frozenset()
+        return self._options.fresh_units
 
     @property
     def iteration_count(self) -> int:

@@ -44,8 +44,8 @@ def host_adamw(
 
     The optimizer copies always live in host RAM, and on CPU tensors torch's AdamW defaults to
     its per-tensor loop: several kernels per parameter tensor, each a pass over memory. The
-    fused kernel makes one vectorised pass per tensor: 8x faster on a 0.74M-parameter decoder
-    block, 8x on 101M parameters in 25M-parameter units (``bench/host_optimizer.py --kernel``),
+    fused kernel makes one vectorised pass per tensor: 8x faster on 0.74M parameters shaped
+    like a decoder block, 8x on 101M parameters in 25M-parameter units (``bench/host_optimizer.py --kernel``),
     which keeps the optimizer lane of a large model off the critical path and a fresh unit's
     step short. It rounds differently from the loop (about one ulp per step), so a reference
     loop compared to the pipe must use it too. Without the kernel (torch built without it)
