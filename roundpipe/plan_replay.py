@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 
+from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 from roundpipe.replay_graph import ReplayGraph, build_graph
@@ -56,21 +57,10 @@ def replay_starts(
     0 and 1 and their steps go in at once, and iteration t's losses let in iteration t + 2 and its
     step."""
     count = len(graph.res)
-    res, rank, dur, dependents, seq = graph.res, graph.rank, graph.dur, graph.dependents, graph.seq
-    unmet = list(graph.unmet)
-    start = [-1.0] * count
-    heaps: list[list[int]] = [[] for _ in range(graph.host + 1)]
-    free = [True] * (graph.host + 1)
-    timed: list[tuple[float, int]] = []
-    heappush, heappop = heapq.heappush, heapq.heappop
     flags = stop if stop is not None else bytearray(count)
-    now, done, first = 0.0, 0, 0
-    wave: list[int] = []
-    batches = list(graph.batches)
     # Loop submission: ``released`` batches may go in; iteration t's last loss releases two more.
     if loss_lag not in (0, 1):
         raise ValueError(f"a loop replay reads losses 0 or 1 iteration late, not {loss_lag}")
-    released = len(batches) if not loop else 1 + 3 * loss_lag
     loss_of = bytearray(count)  # 1 + the iteration, for an iteration's loss computes (up to 254)
     losses_left: list[int] = []
     if loop:
@@ -80,6 +70,41 @@ def replay_starts(
             losses_left.append(len(losses))
             for task in losses:
                 loss_of[task] = it + 1
+    kernels = native.kernels()
+    if kernels is not None:  # the same loop, compiled (`native`)
+        start, stalled = kernels.replay(
+            *graph.packed(),
+            *(loss_of, native.ints(losses_left), flags, graph.host + 1, graph.seq, loop, loss_lag),
+        )
+    else:
+        start, stalled = _replay(graph, flags, loop, loss_lag, loss_of, losses_left)
+    if stalled:
+        raise RuntimeError(f"replay stalled: {stalled} of {count} tasks never ran")
+    return start  # type: ignore[no-any-return]
+
+
+def _replay(
+    graph: ReplayGraph,
+    flags: bytearray,
+    loop: bool,
+    loss_lag: int,
+    loss_of: bytearray,
+    losses_left: list[int],
+) -> tuple[list[float], int]:
+    """`replay_starts`' loop: the start times, and how many tasks never ran (0 when it stopped
+    at a flagged task)."""
+    count = len(graph.res)
+    res, rank, dur, dependents, seq = graph.res, graph.rank, graph.dur, graph.dependents, graph.seq
+    unmet = list(graph.unmet)
+    start = [-1.0] * count
+    heaps: list[list[int]] = [[] for _ in range(graph.host + 1)]
+    free = [True] * (graph.host + 1)
+    timed: list[tuple[float, int]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
+    now, done, first = 0.0, 0, 0
+    wave: list[int] = []
+    batches = list(graph.batches)
+    released = len(batches) if not loop else 1 + 3 * loss_lag
     submitting = False
     while True:
         if batches and released and (submitting or not wave):
@@ -129,10 +154,8 @@ def replay_starts(
                 else:
                     heappush(timed, (end, task))
         if stopped:
-            return start
-    if done != count:
-        raise RuntimeError(f"replay stalled: {count - done} of {count} tasks never ran")
-    return start
+            return start, 0
+    return start, count - done
 
 
 def _submit(graph: ReplayGraph, first: int, last: int, heaps: list[list[int]], unmet: list[int]) -> list[int]:

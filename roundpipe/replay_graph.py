@@ -15,12 +15,17 @@ the evaluator does not pass.
 
 from __future__ import annotations
 
+import itertools
 import math
+from array import array
+from types import ModuleType
 
+from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import SlotRun, dispatch
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
+from roundpipe.plan.rounds import round_sizes
 
 COMPUTE_RES, H2D_RES, D2H_RES = 0, 1, 2
 """Resources per device, numbered ``3 * device + offset``; the host optimizer lane comes last."""
@@ -45,23 +50,44 @@ class ReplayGraph:
         self.rank: list[int] = []  # heap key: priority, then submission order (`finish`)
         self.seq = SEQ
         self.dur: list[float] = []
-        self.unmet: list[int] = []
-        self.dependents: list[list[int]] = []
+        self.deps: list[list[int]] = []  # per task, what it waits for (owned: never changed after)
         self.batches: list[int] = []  # where each submitted batch ends
         self.computes: list[list[int]] = []  # per iteration: its `COMPUTE` tasks (not recomputes)
         self.losses: list[list[int]] = []  # per iteration: its fused stage's computes (the losses)
+        self._packed: tuple[array, ...] | None = None
+        self._dependents: list[list[int]] | None = None
 
     def add(self, res: int, priority: int, dur: float, deps: list[int]) -> int:
+        """A task waiting for ``deps``, a list the graph keeps (the caller never changes it).
+        Dependents are derived once the graph is read (`dependents`, `packed`): here they would
+        cost a list per task and a loop per edge, most of building."""
         task = len(self.res)
         self.res.append(res)
         self.level.append(100 - priority)
         self.dur.append(dur)
-        self.unmet.append(len(deps))
-        self.dependents.append([])
-        dependents = self.dependents
-        for dep in deps:
-            dependents[dep].append(task)
+        self.deps.append(deps)
         return task
+
+    @property
+    def unmet(self) -> list[int]:
+        """Per task, how many dependencies it waits for."""
+        if not self.deps and self._packed is not None:  # built by `native`
+            return self._packed[5].tolist()
+        return list(map(len, self.deps))
+
+    @property
+    def dependents(self) -> list[list[int]]:
+        """Per task, the tasks waiting for it, in task order (as the engine lists them)."""
+        if self._dependents is None and not self.deps and self._packed is not None:
+            offsets, flat = self._packed[3], self._packed[4]
+            self._dependents = [flat[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+        if self._dependents is None:
+            dependents: list[list[int]] = [[] for _ in self.deps]
+            for task, deps in enumerate(self.deps):
+                for dep in deps:
+                    dependents[dep].append(task)
+            self._dependents = dependents
+        return self._dependents
 
     def end_batch(self) -> None:
         self.batches.append(len(self.res))
@@ -70,6 +96,25 @@ class ReplayGraph:
         """The heap keys, once the task count (and so ``seq``) is known."""
         self.seq = max(SEQ, 1 << len(self.res).bit_length())
         self.rank = [level * self.seq + task for task, level in enumerate(self.level)]
+        self._packed = self._dependents = None
+
+    def set_packed(self, packed: tuple[array, ...]) -> None:
+        """A graph `native` built: its arrays as `packed` gives them (and no ``deps`` lists)."""
+        self._packed = packed
+
+    def packed(self) -> tuple[array, ...]:
+        """The finished graph as arrays for `native`'s replay: resource, heap key, duration,
+        dependents (offsets, flat), unmet and the batch ends. Packed once, on first use."""
+        kernels = native.kernels()
+        if self._packed is None and kernels is not None:
+            deps_offsets, deps_flat = native.csr(self.deps)
+            offsets, flat, unmet = kernels.invert(deps_offsets, deps_flat)
+            self._packed = (
+                *(native.ints(self.res), native.ints(self.rank), native.floats(self.dur)),
+                *(offsets, flat, unmet, native.ints(self.batches)),
+            )
+        assert self._packed is not None, "packed() is for the compiled replay"
+        return self._packed
 
 
 def build_graph(
@@ -97,6 +142,11 @@ def build_graph(
       the host lane's tasks by age), and nothing else waits for them: in sync, they end when some
       compute does, so the makespan stays; in async, all but the step's P-copies wait for the
       last iteration's computes, after the replay's end."""
+    kernels = native.kernels()
+    if kernels is not None:  # the same builder, compiled (`native`)
+        return _built(
+            kernels, plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size, lean
+        )
     builder = _Builder(plan, costs, num_devices, num_microbatches, async_optimizer, lean)
     first_device = 0
     for it in range(iterations):
@@ -116,6 +166,62 @@ def build_graph(
             builder.graph.end_batch()
     builder.graph.finish()
     return builder.graph
+
+
+def _built(
+    kernels: ModuleType,
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    async_optimizer: bool,
+    round_size: int | None,
+    lean: bool,
+) -> ReplayGraph:
+    """`build_graph` by `native`'s builder: the plan and the round sizes in, the packed graph out
+    (the dispatch it follows is `dispatch`'s, round by round from device 0)."""
+    kinds = {SlotKind.FWD: 0, SlotKind.FUSED: 1, SlotKind.BWD: 2}
+    times = [_slot_ms(costs, s.kind, s.layers) for s in plan.slots]
+    saved = _saved_inputs(plan)
+    packed = kernels.build(
+        native.ints([kinds[s.kind] for s in plan.slots]),
+        native.ints([s.layers.start for s in plan.slots]),
+        native.ints([s.layers.stop for s in plan.slots]),
+        native.floats([ms for ms, _ in times]),
+        native.floats([ms for _, ms in times]),
+        native.ints([by for by, _ in saved]),
+        native.ints([by for _, by in saved]),
+        native.ints(round_sizes(num_microbatches, num_devices, round_size)),
+        *(num_devices, iterations, plan.num_layers, async_optimizer, lean, SEQ),
+    )
+    res, rank, dur, deps_offsets, deps_flat, batches, comp_offsets, computes, loss_offsets, losses, seq = (
+        packed
+    )
+    graph = ReplayGraph(num_devices)
+    graph.res, graph.rank, graph.dur, graph.seq = res, rank, dur, seq
+    graph.batches = batches.tolist()
+    graph.computes = [computes[a:b].tolist() for a, b in itertools.pairwise(comp_offsets)]
+    graph.losses = [losses[a:b].tolist() for a, b in itertools.pairwise(loss_offsets)]
+    offsets, flat, unmet = kernels.invert(deps_offsets, deps_flat)
+    graph.set_packed((res, rank, dur, offsets, flat, unmet, native.ints(graph.batches)))
+    return graph
+
+
+def _saved_inputs(plan: Plan) -> list[tuple[int, int]]:
+    """Per slot: (saved_by, read_by) of a backward run, -1 for none: the forward slot whose saved
+    activation its recompute reads, and the forward slot after it when that one starts where the
+    backward stage does (its input upload is the same activation)."""
+    stages = plan.fwd_stages
+    saved: list[tuple[int, int]] = []
+    for slot in plan.slots:
+        start = slot.layers.start
+        saved_by = read_by = -1
+        if slot.kind == SlotKind.BWD and start > 0:
+            saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
+            read_by = saved_by + 1 if stages[saved_by].stop == start else -1
+        saved.append((saved_by, read_by))
+    return saved
 
 
 class _Ledger:
@@ -146,15 +252,7 @@ class _Builder:
         self.history: dict[int, list[int]] = {}  # device -> last computes of its two latest runs
         self.one_device = num_devices == 1
         self.durations = [_slot_ms(costs, s.kind, s.layers) for s in plan.slots]
-        stages = plan.fwd_stages
-        self.saved: list[tuple[int, int]] = []  # per slot: (saved_by, read_by) of backward runs, -1: none
-        for slot in plan.slots:
-            start = slot.layers.start
-            saved_by = read_by = -1
-            if slot.kind == SlotKind.BWD and start > 0:
-                saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
-                read_by = saved_by + 1 if stages[saved_by].stop == start else -1
-            self.saved.append((saved_by, read_by))
+        self.saved = _saved_inputs(plan)  # per slot: (saved_by, read_by) of backward runs, -1: none
 
     def iteration(self, it: int, runs: list[SlotRun], gradients: bool = True) -> None:
         """The iteration's graph; without ``gradients``, no gradient downloads and G-copies."""

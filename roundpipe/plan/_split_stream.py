@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections.abc import Sequence
 
+from roundpipe.plan import native
 from roundpipe.plan._stream import _ACTIVATION_HOPS
 
 
@@ -90,8 +92,6 @@ def split_ms(
     count, pos, sizes, layers = graph.count, graph.pos, graph.sizes, split.layers
     runs = len(sizes)
     after, unmet_start, saving, ready_start = graph.layout(first_backward)
-    unmet = list(unmet_start)  # used up by the schedule; the rest is read only
-    ready = [list(tasks) for tasks in ready_start]
     duration = graph.durations(slot_ms, split.recompute_ms, first_backward)
     # the uploads of run q + 2N (one hop per layer) and the recomputes reading forward run q
     uploads = []
@@ -105,6 +105,16 @@ def split_ms(
             readers[at + split.saved[i]].append(hops + 2 * pos[at + i])
     left = _split_tails(slot_ms, split, graph, n) if give_up < math.inf else None
     margin = give_up * (1 + 1e-9)  # as in `stream_ms`
+    kernels = native.kernels()
+    if kernels is not None:  # the same loop, compiled (`native`)
+        return kernels.split_schedule(  # type: ignore[no-any-return]
+            native.floats(duration),
+            *graph.packed_layout(first_backward),
+            *(native.ints(uploads), graph.packed_uploads_after(), *native.csr(readers)),
+            *(n, graph.bound, native.floats(left or [0.0] * n), margin),
+        )
+    unmet = list(unmet_start)  # used up by the schedule; the rest is read only
+    ready = [list(tasks) for tasks in ready_start]
     return _split_schedule(duration, graph, after, unmet, ready, saving, uploads, readers, margin, left)
 
 
@@ -124,6 +134,7 @@ class SplitGraph:
 
     __slots__ = (
         "_layouts",
+        "_packed",
         "_runs",
         "bound",
         "count",
@@ -152,6 +163,25 @@ class SplitGraph:
             self.uploads_after[2 * self.pos[q + 1] - 1] = q
         self._runs: dict[tuple[int, bool, bool], tuple[list[list[int]], list[int]]] = {}
         self._layouts: dict[int, tuple[list[list[int]], list[int], list[int], list[list[int]]]] = {}
+        self._packed: dict[int, tuple[array, ...]] = {}  # -1: ``uploads_after``
+
+    def packed_layout(self, first_backward: int) -> tuple[array, ...]:
+        """`layout` as arrays for `native`'s loop: device, dependents (offsets, flat), unmet,
+        the tasks ready at the start (each device's ascending) and ``saving``."""
+        if first_backward not in self._packed:
+            after, unmet, saving, ready = self.layout(first_backward)
+            offsets, flat = native.csr(after)
+            starting = native.ints(sorted(t for tasks in ready for t in tasks))
+            self._packed[first_backward] = (
+                *(native.ints(self.device), offsets, flat, native.ints(unmet), starting),
+                native.ints(saving),
+            )
+        return self._packed[first_backward]
+
+    def packed_uploads_after(self) -> array:
+        if -1 not in self._packed:
+            self._packed[-1] = (native.ints(self.uploads_after),)
+        return self._packed[-1][0]
 
     def layout(self, first_backward: int) -> tuple[list[list[int]], list[int], list[int], list[list[int]]]:
         """For plans whose backward slots begin at ``first_backward``: every task's dependents

@@ -25,7 +25,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from array import array
 from collections.abc import Sequence
+
+from roundpipe.plan import native
 
 # Between two computes the engine runs transfer and optimizer tasks, which take no time here but
 # still come after the compute that freed a device: a device freed at time T starts what was ready
@@ -44,25 +47,90 @@ class Shape:
 
     A dependent is one int, ``hops * count + task`` (count: the number of tasks): no tuple to
     unpack in the list schedule's loop, and the key by which `_list_schedule` orders dependencies
-    met after transfers."""
+    met after transfers.
 
-    __slots__ = ("after", "count", "device", "ready", "run_start", "slot", "unmet")
+    A graph with weight waits or a gate is its ``base`` (the bare graph of its slot count) plus
+    ``extra`` dependents: two lists, sources and codes, in the order they were added, each
+    source's after its base dependents. Its ``after`` and ``ready`` lists are built only when
+    read (the Python loop); the compiled loop reads the base's packed arrays and the extras."""
+
+    __slots__ = (
+        "_after",
+        "_packed",
+        "_ready",
+        "base",
+        "count",
+        "device",
+        "extra",
+        "num_devices",
+        "run_start",
+        "slot",
+        "unmet",
+    )
 
     def __init__(
         self,
         slot: list[int],
         device: list[int],
         unmet: list[int],
-        after: list[list[int]],
+        after: list[list[int]] | None,
         run_start: list[int],
         num_devices: int,
+        *,
+        base: Shape | None = None,
+        extra: tuple[list[int], list[int]] = ([], []),
     ) -> None:
-        self.slot, self.device, self.unmet, self.after, self.run_start = slot, device, unmet, after, run_start
-        self.count = len(slot)
-        self.ready: list[list[int]] = [[] for _ in range(num_devices)]
-        for t, waiting in enumerate(unmet):
-            if not waiting:
-                self.ready[device[t]].append(t)  # ascending: already a heap
+        self.slot, self.device, self.unmet, self.run_start = slot, device, unmet, run_start
+        self.count, self.num_devices = len(slot), num_devices
+        self.base, self.extra = base, extra
+        self._after = after
+        assert after is not None or base is not None
+        self._ready: list[list[int]] | None = None
+        self._packed: tuple[array, ...] | None = None
+
+    @property
+    def after(self) -> list[list[int]]:
+        if self._after is None:
+            assert self.base is not None
+            after = list(self.base.after)
+            extra: dict[int, list[int]] = {}
+            for source, code in zip(*self.extra, strict=True):
+                extra.setdefault(source, []).append(code)
+            for source, codes in extra.items():
+                after[source] = after[source] + codes
+            self._after = after
+        return self._after
+
+    @property
+    def ready(self) -> list[list[int]]:
+        if self._ready is None:
+            ready: list[list[int]] = [[] for _ in range(self.num_devices)]
+            device = self.device
+            for t, waiting in enumerate(self.unmet):
+                if not waiting:
+                    ready[device[t]].append(t)  # ascending: already a heap
+            self._ready = ready
+        return self._ready
+
+    def packed(self) -> tuple[array, ...]:
+        """The graph as arrays for `native`'s loop: device, dependents (offsets, flat), unmet and
+        the extra dependents (sources, codes). Packed once, on first use; a base's arrays are
+        shared by the graphs built on it."""
+        if self._packed is None:
+            if self.base is not None:
+                device, offsets, flat = self.base.packed()[:3]
+            else:
+                device, (offsets, flat) = native.ints(self.device), native.csr(self.after)
+            sources, codes = self.extra
+            self._packed = (
+                device,
+                offsets,
+                flat,
+                native.ints(self.unmet),
+                native.ints(sources),
+                native.ints(codes),
+            )
+        return self._packed
 
 
 def _structure(
@@ -77,17 +145,18 @@ def _structure(
 ) -> Shape:
     """Every microbatch task in dispatch order (see `Shape`). Only the slot count shapes it, not
     the slot times, so candidates of one slot count share it (`stream_ms`'s ``shapes``). The async
-    weight waits differ between plans of one count, so they go on a copy of ``base`` (the same
-    graph without them, built here if not given) that copies only the lists they change; so does
-    ``gate`` (the fused slot: iteration t's runs start only once iteration t - 1's fused runs,
-    which compute the losses, are done, as a training loop submits them)."""
+    weight waits differ between plans of one count, so they go on ``base`` (the same graph without
+    them, built here if not given) as extra dependents; so does ``gate`` (the fused slot:
+    iteration t's runs start only once iteration t - 1's fused runs, which compute the losses, are
+    done, as a training loop submits them)."""
     if base is None:
         base = _runs_structure(s_count, num_devices, rounds, iterations)
     if weight_waits is None and gate is None:
         return base
     run_start, count = base.run_start, base.count
-    after, unmet = list(base.after), list(base.unmet)
-    extra: dict[int, list[int]] = {}
+    unmet = list(base.unmet)
+    sources: list[int] = []
+    codes: list[int] = []
     per = s_count * len(rounds)
     if gate is not None:
         code = _GATE_HOPS * count
@@ -96,16 +165,18 @@ def _structure(
             for run in range(t * per, (t + 1) * per):
                 first = run_start[run]
                 for source in losses:
-                    extra.setdefault(source, []).append(code + first)
+                    sources.append(source)
+                    codes.append(code + first)
                     unmet[first] += 1
     if weight_waits is not None:
         for run in range(2 * per, len(run_start) - 1):  # iteration t reads the weights of step t-2
             first = run_start[run]
             earlier = (run // per - 2) * per
+            code = _WEIGHT_HOPS * count + first
             for waited in weight_waits[run % s_count]:
                 for r in range(len(rounds)):
-                    source = run_start[earlier + r * s_count + waited + 1] - 1
-                    extra.setdefault(source, []).append(_WEIGHT_HOPS * count + first)
+                    sources.append(run_start[earlier + r * s_count + waited + 1] - 1)
+                    codes.append(code)
                     unmet[first] += 1
     if weight_waits is not None and sharers is not None:
         # An iteration's weights are copied in (P-copy) only once every upload of the weights
@@ -121,11 +192,12 @@ def _structure(
                     for r in range(len(rounds)):
                         q = at + r * s_count + sharer - n2
                         if q >= 0:
-                            extra.setdefault(run_start[q + 1] - 1, []).append(code)
+                            sources.append(run_start[q + 1] - 1)
+                            codes.append(code)
                             unmet[first] += 1
-    for source, codes in extra.items():
-        after[source] = after[source] + codes
-    return Shape(base.slot, base.device, unmet, after, run_start, num_devices)
+    return Shape(
+        base.slot, base.device, unmet, None, run_start, num_devices, base=base, extra=(sources, codes)
+    )
 
 
 def _runs_structure(s_count: int, num_devices: int, rounds: tuple[int, ...], iterations: int) -> Shape:
@@ -261,6 +333,13 @@ def _list_schedule(
     ``now`` with ``left[d]`` to do, shows the makespan past ``give_up``, or once ``watched`` started
     (early, inf, once a compute ends ``span`` after the first of them started while the other has
     not: it can start no earlier than that)."""
+    kernels = native.kernels()
+    if kernels is not None:  # the same loop, compiled (`native`)
+        n = shape.num_devices
+        return kernels.list_schedule(  # type: ignore[no-any-return]
+            *(native.floats(duration), *shape.packed(), n),
+            *(native.floats(left or [0.0] * n), give_up, native.ints(watched), span),
+        )
     device, after, k = shape.device, shape.after, shape.count
     unmet = list(shape.unmet)
     ready = [list(r) for r in shape.ready]

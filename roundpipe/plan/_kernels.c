@@ -1,0 +1,1008 @@
+/* The inner loops of plan evaluation, compiled.
+
+Why this file exists: `choose_plan` ranks tens to hundreds of candidate plans with list-schedule
+models (`_stream._list_schedule`, `_split_stream._split_schedule`) and times the best few with a
+replay of the engine's start rule (`roundpipe.plan_replay.replay_starts`). At 94 layers those
+three loops are most of a choice's time, each a heap of events over thousands of tasks, and in
+Python each event costs a microsecond or more. Here they run the same steps on C arrays.
+
+What it must never do: decide anything differently from the Python loops it stands in for. Each
+function below is a line-by-line transcription of one of them (same event order, same tie
+breaks, the same float additions in the same order), and `tests/test_native_kernels.py` checks
+every result against the Python loop on random and grid-shaped inputs. The Python loops stay the
+reference and the fallback: a machine without a compiler runs them (`roundpipe.plan.native`).
+It knows nothing of plans, devices or bytes: only integers, floats and the graphs it is handed.
+
+Inputs are buffers (`array.array`): 'q' for integers, 'd' for floats, 'B' for flags. Graphs are
+in CSR form: `off[t]..off[t+1]` index `idx` for task t's dependents. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef long long i64;
+
+/* ---- heaps ------------------------------------------------------------------------------- */
+
+static inline void ipush(i64 *h, Py_ssize_t *n, i64 v) {
+    Py_ssize_t i = (*n)++;
+    while (i > 0) {
+        Py_ssize_t p = (i - 1) >> 1;
+        if (h[p] <= v) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = v;
+}
+
+static inline i64 ipop(i64 *h, Py_ssize_t *n) {
+    i64 top = h[0];
+    Py_ssize_t m = --(*n);
+    if (m == 0) return top;
+    i64 last = h[m];
+    Py_ssize_t i = 0;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= m) break;
+        if (c + 1 < m && h[c + 1] < h[c]) c++;
+        if (h[c] >= last) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = last;
+    return top;
+}
+
+/* (time, task), ordered as Python orders the tuple */
+typedef struct {
+    double t;
+    i64 task;
+} Event;
+
+static inline int ev_less(Event a, Event b) { return a.t < b.t || (a.t == b.t && a.task < b.task); }
+
+static inline void epush(Event *h, Py_ssize_t *n, Event v) {
+    Py_ssize_t i = (*n)++;
+    while (i > 0) {
+        Py_ssize_t p = (i - 1) >> 1;
+        if (!ev_less(v, h[p])) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = v;
+}
+
+static inline Event epop(Event *h, Py_ssize_t *n) {
+    Event top = h[0];
+    Py_ssize_t m = --(*n);
+    if (m == 0) return top;
+    Event last = h[m];
+    Py_ssize_t i = 0;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= m) break;
+        if (c + 1 < m && ev_less(h[c + 1], h[c])) c++;
+        if (!ev_less(h[c], last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = last;
+    return top;
+}
+
+/* ---- buffers ----------------------------------------------------------------------------- */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+static int get_buf(PyObject *obj, Buf *b, Py_ssize_t itemsize, const char *name) {
+    if (PyObject_GetBuffer(obj, &b->view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    b->held = 1;
+    if (b->view.itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes expected, got %zd", name, itemsize,
+                     b->view.itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static void release(Buf *bufs, int count) {
+    for (int i = 0; i < count; i++)
+        if (bufs[i].held) PyBuffer_Release(&bufs[i].view);
+}
+
+#define LEN(b) ((b).view.len / (b).view.itemsize)
+#define I64(b) ((i64 *)(b).view.buf)
+#define F64(b) ((double *)(b).view.buf)
+#define U8(b) ((unsigned char *)(b).view.buf)
+
+static PyObject *float_list(const double *values, Py_ssize_t count) {
+    PyObject *list = PyList_New(count);
+    if (list == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *f = PyFloat_FromDouble(values[i]);
+        if (f == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, f);
+    }
+    return list;
+}
+
+/* Per-group heaps carved from one block: group g's heap holds at most size[g] items. */
+typedef struct {
+    i64 *items;
+    Py_ssize_t *start, *len;
+} Heaps;
+
+static int heaps_init(Heaps *h, const i64 *group_of, Py_ssize_t count, Py_ssize_t groups) {
+    h->items = malloc(sizeof(i64) * (count > 0 ? count : 1));
+    h->start = calloc(groups + 1, sizeof(Py_ssize_t));
+    h->len = calloc(groups > 0 ? groups : 1, sizeof(Py_ssize_t));
+    if (!h->items || !h->start || !h->len) return -1;
+    for (Py_ssize_t t = 0; t < count; t++) h->start[group_of[t] + 1]++;
+    for (Py_ssize_t g = 0; g < groups; g++) h->start[g + 1] += h->start[g];
+    return 0;
+}
+
+static void heaps_free(Heaps *h) {
+    free(h->items);
+    free(h->start);
+    free(h->len);
+}
+
+#define HEAP(h, g) ((h).items + (h).start[g])
+
+/* A growable list of group numbers (the Python loops' ``touched``). */
+typedef struct {
+    i64 *items;
+    Py_ssize_t len, cap;
+} Vec;
+
+static inline int vpush(Vec *v, i64 x) {
+    if (v->len == v->cap) {
+        Py_ssize_t cap = v->cap ? 2 * v->cap : 64;
+        i64 *grown = realloc(v->items, sizeof(i64) * cap);
+        if (!grown) return -1;
+        v->items = grown;
+        v->cap = cap;
+    }
+    v->items[v->len++] = x;
+    return 0;
+}
+
+/* ---- list_schedule: `_stream._list_schedule` ------------------------------------------- */
+
+static PyObject *list_schedule(PyObject *self, PyObject *args) {
+    PyObject *o_dur, *o_dev, *o_off, *o_idx, *o_unmet, *o_xsrc, *o_xcode, *o_left, *o_watched;
+    Py_ssize_t num_devices;
+    double give_up, span;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnOdOd", &o_dur, &o_dev, &o_off, &o_idx, &o_unmet, &o_xsrc,
+                          &o_xcode, &num_devices, &o_left, &give_up, &o_watched, &span))
+        return NULL;
+    Buf b[9];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_dur, &b[0], 8, "duration") || get_buf(o_dev, &b[1], 8, "device") ||
+        get_buf(o_off, &b[2], 8, "offsets") || get_buf(o_idx, &b[3], 8, "dependents") ||
+        get_buf(o_unmet, &b[4], 8, "unmet") || get_buf(o_xsrc, &b[5], 8, "extra sources") ||
+        get_buf(o_xcode, &b[6], 8, "extra codes") || get_buf(o_left, &b[7], 8, "left") ||
+        get_buf(o_watched, &b[8], 8, "watched")) {
+        release(b, 9);
+        return NULL;
+    }
+    const double *duration = F64(b[0]);
+    const i64 *device = I64(b[1]), *off = I64(b[2]), *idx = I64(b[3]);
+    const i64 *xsrc = I64(b[5]), *xcode = I64(b[6]), *watched = I64(b[8]);
+    Py_ssize_t k = LEN(b[1]), nextra = LEN(b[5]), nwatched = LEN(b[8]);
+    int bad = LEN(b[0]) != k || LEN(b[2]) != k + 1 || LEN(b[4]) != k || LEN(b[6]) != nextra ||
+              LEN(b[7]) != num_devices;
+    for (Py_ssize_t i = 0; !bad && i < nextra; i++) bad = xsrc[i] < 0 || xsrc[i] >= k;
+    for (Py_ssize_t i = 0; !bad && i < nwatched; i++) bad = watched[i] < 0 || watched[i] >= k;
+    for (Py_ssize_t t = 0; !bad && t < k; t++) bad = device[t] < 0 || device[t] >= num_devices;
+    if (bad) {
+        release(b, 9);
+        PyErr_SetString(PyExc_ValueError, "list_schedule: arrays of unequal lengths or out of range");
+        return NULL;
+    }
+    i64 *unmet = malloc(sizeof(i64) * (k ? k : 1));
+    double *left = malloc(sizeof(double) * (num_devices ? num_devices : 1));
+    double *start = malloc(sizeof(double) * (k ? k : 1));
+    unsigned char *watch = calloc(k ? k : 1, 1);
+    unsigned char *busy = calloc(num_devices ? num_devices : 1, 1);
+    Event *ends = malloc(sizeof(Event) * (num_devices + 1));
+    i64 *met = malloc(sizeof(i64) * (off[k] + nextra + 1));
+    /* the extra dependents by source, each source's in the order given (a stable counting sort) */
+    i64 *xoff = calloc(k + 1, sizeof(i64));
+    i64 *xidx = malloc(sizeof(i64) * (nextra ? nextra : 1));
+    i64 *xfill = malloc(sizeof(i64) * (k ? k : 1));
+    Heaps ready;
+    Vec touched = {0};
+    int failed = heaps_init(&ready, device, k, num_devices) || !unmet || !left || !start || !watch ||
+                 !busy || !ends || !met || !xoff || !xidx || !xfill;
+    double now = 0.0, result = 0.0;
+    if (!failed) {
+        for (Py_ssize_t i = 0; i < nextra; i++) xoff[xsrc[i] + 1]++;
+        for (Py_ssize_t t = 0; t < k; t++) {
+            xoff[t + 1] += xoff[t];
+            xfill[t] = xoff[t];
+        }
+        for (Py_ssize_t i = 0; i < nextra; i++) xidx[xfill[xsrc[i]]++] = xcode[i];
+        memcpy(unmet, I64(b[4]), sizeof(i64) * k);
+        memcpy(left, F64(b[7]), sizeof(double) * num_devices);
+        for (Py_ssize_t t = 0; t < k; t++) {
+            start[t] = -1.0;
+            if (!unmet[t]) HEAP(ready, device[t])[ready.len[device[t]]++] = t; /* ascending: a heap */
+        }
+        Py_ssize_t waiting = 0;
+        for (Py_ssize_t i = 0; i < nwatched; i++)
+            if (!watch[watched[i]]) {
+                watch[watched[i]] = 1;
+                waiting++;
+            }
+        if (!waiting) waiting = -1;
+        i64 opening = nwatched ? watched[0] : -1;
+        double deadline = INFINITY;
+        Py_ssize_t nends = 0, nmet = 0;
+        for (Py_ssize_t d = 0; d < num_devices; d++) failed |= vpush(&touched, d);
+        for (;;) {
+            int done = 0;
+            for (Py_ssize_t i = 0; i < touched.len; i++) {
+                i64 d = touched.items[i];
+                if (!busy[d] && ready.len[d]) {
+                    i64 t = ipop(HEAP(ready, d), &ready.len[d]);
+                    busy[d] = 1;
+                    start[t] = now;
+                    Event e = {now + duration[t], t};
+                    epush(ends, &nends, e);
+                    if (now + left[d] > give_up) {
+                        result = INFINITY;
+                        done = 1;
+                        break;
+                    }
+                    left[d] -= duration[t];
+                    if (watch[t]) {
+                        waiting -= 1;
+                        if (!waiting) {
+                            result = now;
+                            done = 1;
+                            break;
+                        }
+                        if (t == opening) deadline = now + span;
+                    }
+                }
+            }
+            if (done) break;
+            touched.len = 0;
+            i64 t;
+            if (nends && (ends[0].t == now || !nmet)) {
+                Event e = epop(ends, &nends);
+                now = e.t;
+                t = e.task;
+                if (now > deadline) {
+                    result = INFINITY;
+                    break;
+                }
+            } else if (nmet) {
+                t = ipop(met, &nmet) % k;
+                if (!--unmet[t]) {
+                    ipush(HEAP(ready, device[t]), &ready.len[device[t]], t);
+                    failed |= vpush(&touched, device[t]);
+                }
+                continue;
+            } else {
+                result = now;
+                break;
+            }
+            busy[device[t]] = 0;
+            failed |= vpush(&touched, device[t]);
+            for (int pass = 0; pass < 2; pass++) { /* the base dependents, then the extra ones */
+                const i64 *from = pass ? xidx : idx;
+                i64 lo = pass ? xoff[t] : off[t], hi = pass ? xoff[t + 1] : off[t + 1];
+                for (i64 j = lo; j < hi; j++) {
+                    i64 u = from[j];
+                    if (u >= k) {
+                        ipush(met, &nmet, u);
+                    } else if (!--unmet[u]) {
+                        ipush(HEAP(ready, device[u]), &ready.len[device[u]], u);
+                        failed |= vpush(&touched, device[u]);
+                    }
+                }
+            }
+            if (failed) break;
+        }
+    }
+    PyObject *out = NULL;
+    if (failed) {
+        PyErr_NoMemory();
+    } else {
+        PyObject *starts = float_list(start, k);
+        if (starts) out = Py_BuildValue("(dN)", result, starts);
+    }
+    free(unmet);
+    free(left);
+    free(start);
+    free(watch);
+    free(busy);
+    free(ends);
+    free(met);
+    free(xoff);
+    free(xidx);
+    free(xfill);
+    free(touched.items);
+    heaps_free(&ready);
+    release(b, 9);
+    return out;
+}
+
+/* ---- split_schedule: `_split_stream._split_schedule` ------------------------------------ */
+
+static PyObject *split_schedule(PyObject *self, PyObject *args) {
+    PyObject *o_dur, *o_dev, *o_off, *o_idx, *o_unmet, *o_ready, *o_saving, *o_uploads, *o_upafter;
+    PyObject *o_roff, *o_ridx, *o_left;
+    Py_ssize_t num_devices, bound;
+    double give_up;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOnnOd", &o_dur, &o_dev, &o_off, &o_idx, &o_unmet, &o_ready,
+                          &o_saving, &o_uploads, &o_upafter, &o_roff, &o_ridx, &num_devices, &bound,
+                          &o_left, &give_up))
+        return NULL;
+    Buf b[12];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_dur, &b[0], 8, "duration") || get_buf(o_dev, &b[1], 8, "device") ||
+        get_buf(o_off, &b[2], 8, "offsets") || get_buf(o_idx, &b[3], 8, "dependents") ||
+        get_buf(o_unmet, &b[4], 8, "unmet") || get_buf(o_ready, &b[5], 8, "ready") ||
+        get_buf(o_saving, &b[6], 8, "saving") || get_buf(o_uploads, &b[7], 8, "uploads") ||
+        get_buf(o_upafter, &b[8], 8, "uploads_after") || get_buf(o_roff, &b[9], 8, "reader offsets") ||
+        get_buf(o_ridx, &b[10], 8, "readers") || get_buf(o_left, &b[11], 8, "left")) {
+        release(b, 12);
+        return NULL;
+    }
+    const double *duration = F64(b[0]);
+    const i64 *device = I64(b[1]), *off = I64(b[2]), *idx = I64(b[3]), *ready0 = I64(b[5]);
+    const i64 *saving = I64(b[6]), *uploads = I64(b[7]), *uploads_after = I64(b[8]);
+    const i64 *roff = I64(b[9]), *ridx = I64(b[10]);
+    Py_ssize_t k = LEN(b[1]), nready = LEN(b[5]), nuploads = LEN(b[7]), nruns = LEN(b[9]) - 1;
+    if (LEN(b[0]) != k || LEN(b[2]) != k + 1 || LEN(b[4]) != k || LEN(b[6]) != k || LEN(b[8]) != k ||
+        LEN(b[11]) != num_devices || bound <= 0) {
+        release(b, 12);
+        PyErr_SetString(PyExc_ValueError, "split_schedule: arrays of unequal lengths");
+        return NULL;
+    }
+    /* every code pushed on ``met``: edges past k, one upload per run, every reader of a save */
+    Py_ssize_t met_cap = off[k] + nuploads + 1;
+    for (Py_ssize_t t = 0; t < k; t++)
+        if (saving[t] >= 0) {
+            i64 q = saving[t] / bound;
+            if (q < 0 || q >= nruns) {
+                release(b, 12);
+                PyErr_SetString(PyExc_ValueError, "split_schedule: a saving run out of range");
+                return NULL;
+            }
+            met_cap += roff[q + 1] - roff[q];
+        }
+    i64 *unmet = malloc(sizeof(i64) * (k ? k : 1));
+    double *left = malloc(sizeof(double) * (num_devices ? num_devices : 1));
+    unsigned char *busy = calloc(num_devices ? num_devices : 1, 1);
+    Event *ends = malloc(sizeof(Event) * (num_devices + 1));
+    i64 *met = malloc(sizeof(i64) * met_cap);
+    Heaps ready;
+    Vec touched = {0};
+    int failed =
+        heaps_init(&ready, device, k, num_devices) || !unmet || !left || !busy || !ends || !met;
+    double now = 0.0, result = 0.0;
+    if (!failed) {
+        memcpy(unmet, I64(b[4]), sizeof(i64) * k);
+        memcpy(left, F64(b[11]), sizeof(double) * num_devices);
+        for (Py_ssize_t i = 0; i < nready; i++) {
+            i64 t = ready0[i], d = device[t];
+            HEAP(ready, d)[ready.len[d]++] = t;
+        }
+        Py_ssize_t nends = 0, nmet = 0;
+        for (Py_ssize_t d = 0; d < num_devices; d++) failed |= vpush(&touched, d);
+        for (;;) {
+            int done = 0;
+            for (Py_ssize_t i = 0; i < touched.len; i++) {
+                i64 d = touched.items[i];
+                if (!busy[d] && ready.len[d]) {
+                    i64 t = ipop(HEAP(ready, d), &ready.len[d]);
+                    busy[d] = 1;
+                    Event e = {now + duration[t], t};
+                    epush(ends, &nends, e);
+                    if (now + left[d] > give_up) {
+                        result = INFINITY;
+                        done = 1;
+                        break;
+                    }
+                    left[d] -= duration[t];
+                }
+            }
+            if (done) break;
+            touched.len = 0;
+            i64 t;
+            if (nends && (ends[0].t == now || !nmet)) {
+                Event e = epop(ends, &nends);
+                now = e.t;
+                t = e.task;
+            } else if (nmet) {
+                t = ipop(met, &nmet) % k;
+                if (!--unmet[t]) {
+                    ipush(HEAP(ready, device[t]), &ready.len[device[t]], t);
+                    failed |= vpush(&touched, device[t]);
+                }
+                continue;
+            } else {
+                result = now;
+                break;
+            }
+            busy[device[t]] = 0;
+            failed |= vpush(&touched, device[t]);
+            for (i64 j = off[t]; j < off[t + 1]; j++) {
+                i64 u = idx[j];
+                if (u >= k) {
+                    ipush(met, &nmet, u);
+                } else if (!--unmet[u]) {
+                    ipush(HEAP(ready, device[u]), &ready.len[device[u]], u);
+                    failed |= vpush(&touched, device[u]);
+                }
+            }
+            if (uploads_after[t] >= 0) ipush(met, &nmet, uploads[uploads_after[t]]);
+            if (saving[t] >= 0) {
+                i64 q = saving[t] / bound, j = saving[t] % bound;
+                for (i64 r = roff[q]; r < roff[q + 1]; r++) ipush(met, &nmet, ridx[r] + 2 * j);
+            }
+            if (failed) break;
+        }
+    }
+    PyObject *out = failed ? PyErr_NoMemory() : PyFloat_FromDouble(result);
+    free(unmet);
+    free(left);
+    free(busy);
+    free(ends);
+    free(met);
+    free(touched.items);
+    heaps_free(&ready);
+    release(b, 12);
+    return out;
+}
+
+/* ---- replay: `roundpipe.plan_replay.replay_starts` -------------------------------------- */
+
+static PyObject *replay(PyObject *self, PyObject *args) {
+    PyObject *o_res, *o_rank, *o_dur, *o_off, *o_idx, *o_unmet, *o_batches, *o_loss_of, *o_losses,
+        *o_flags;
+    Py_ssize_t resources;
+    long long seq;
+    int loop, loss_lag;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOnLpi", &o_res, &o_rank, &o_dur, &o_off, &o_idx, &o_unmet,
+                          &o_batches, &o_loss_of, &o_losses, &o_flags, &resources, &seq, &loop,
+                          &loss_lag))
+        return NULL;
+    Buf b[10];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_res, &b[0], 8, "res") || get_buf(o_rank, &b[1], 8, "rank") ||
+        get_buf(o_dur, &b[2], 8, "dur") || get_buf(o_off, &b[3], 8, "offsets") ||
+        get_buf(o_idx, &b[4], 8, "dependents") || get_buf(o_unmet, &b[5], 8, "unmet") ||
+        get_buf(o_batches, &b[6], 8, "batches") || get_buf(o_loss_of, &b[7], 1, "loss_of") ||
+        get_buf(o_losses, &b[8], 8, "losses_left") || get_buf(o_flags, &b[9], 1, "stop")) {
+        release(b, 10);
+        return NULL;
+    }
+    const i64 *res = I64(b[0]), *rank = I64(b[1]), *off = I64(b[3]), *idx = I64(b[4]);
+    const i64 *batches = I64(b[6]);
+    const double *dur = F64(b[2]);
+    const unsigned char *loss_of = U8(b[7]), *flags = U8(b[9]);
+    Py_ssize_t count = LEN(b[0]), nbatches = LEN(b[6]);
+    if (LEN(b[1]) != count || LEN(b[2]) != count || LEN(b[3]) != count + 1 || LEN(b[5]) != count ||
+        LEN(b[7]) != count || LEN(b[9]) != count || seq <= 0) {
+        release(b, 10);
+        PyErr_SetString(PyExc_ValueError, "replay: arrays of unequal lengths");
+        return NULL;
+    }
+    i64 *unmet = malloc(sizeof(i64) * (count ? count : 1));
+    i64 *losses_left = malloc(sizeof(i64) * (LEN(b[8]) ? LEN(b[8]) : 1));
+    double *start = malloc(sizeof(double) * (count ? count : 1));
+    unsigned char *is_free = malloc(resources ? resources : 1);
+    Event *timed = malloc(sizeof(Event) * (resources + 1));
+    i64 *wave = malloc(sizeof(i64) * (count ? count : 1));
+    Heaps heaps;
+    Vec touched = {0};
+    int failed = heaps_init(&heaps, res, count, resources) || !unmet || !losses_left || !start ||
+                 !is_free || !timed || !wave;
+    Py_ssize_t stalled = 0;
+    if (!failed) {
+        memcpy(unmet, I64(b[5]), sizeof(i64) * count);
+        memcpy(losses_left, I64(b[8]), sizeof(i64) * LEN(b[8]));
+        memset(is_free, 1, resources);
+        for (Py_ssize_t t = 0; t < count; t++) start[t] = -1.0;
+        double now = 0.0;
+        Py_ssize_t done_count = 0, first = 0, nwave = 0, ntimed = 0, next_batch = 0;
+        i64 released = loop ? 1 + 3 * loss_lag : nbatches;
+        int submitting = 0, stopped = 0;
+        for (;;) {
+            touched.len = 0;
+            if (next_batch < nbatches && released && (submitting || !nwave)) {
+                i64 last = batches[next_batch++];
+                released -= 1;
+                submitting = released && next_batch < nbatches;
+                for (i64 task = first; task < last; task++)
+                    if (!unmet[task]) {
+                        i64 r = res[task];
+                        ipush(HEAP(heaps, r), &heaps.len[r], rank[task]);
+                        failed |= vpush(&touched, r);
+                    }
+                first = last;
+            } else {
+                if (!nwave) {
+                    if (!ntimed) break;
+                    now = timed[0].t;
+                    while (ntimed && timed[0].t == now) wave[nwave++] = epop(timed, &ntimed).task;
+                }
+                for (Py_ssize_t w = 0; w < nwave; w++) {
+                    i64 task = wave[w], r = res[task];
+                    is_free[r] = 1;
+                    failed |= vpush(&touched, r);
+                    if (loss_of[task]) {
+                        i64 it = loss_of[task] - 1;
+                        if (!--losses_left[it]) released += 2;
+                    }
+                    for (i64 j = off[task]; j < off[task + 1]; j++) {
+                        i64 dep = idx[j];
+                        if (!--unmet[dep] && dep < first) {
+                            i64 rd = res[dep];
+                            ipush(HEAP(heaps, rd), &heaps.len[rd], rank[dep]);
+                            failed |= vpush(&touched, rd);
+                        }
+                    }
+                }
+                done_count += nwave;
+                nwave = 0;
+            }
+            if (failed) break;
+            for (Py_ssize_t i = 0; i < touched.len; i++) {
+                i64 r = touched.items[i];
+                if (is_free[r] && heaps.len[r]) {
+                    i64 task = ipop(HEAP(heaps, r), &heaps.len[r]) % seq;
+                    is_free[r] = 0;
+                    start[task] = now;
+                    stopped = stopped || flags[task];
+                    double end = now + dur[task];
+                    if (end == now) {
+                        wave[nwave++] = task;
+                    } else {
+                        Event e = {end, task};
+                        epush(timed, &ntimed, e);
+                    }
+                }
+            }
+            if (stopped) break;
+        }
+        if (!failed && !stopped) stalled = count - done_count;
+    }
+    PyObject *out = NULL;
+    if (failed)
+        PyErr_NoMemory();
+    else
+        out = Py_BuildValue("(Nn)", float_list(start, count), stalled);
+    free(unmet);
+    free(losses_left);
+    free(start);
+    free(is_free);
+    free(timed);
+    free(wave);
+    free(touched.items);
+    heaps_free(&heaps);
+    release(b, 10);
+    return out;
+}
+
+/* ---- invert: dependencies to dependents (`ReplayGraph.dependents`) -------------------- */
+
+static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data) {
+    /* array.array(typecode, bytes(count * 8)): zeroed, writable through the buffer */
+    PyObject *module = PyImport_ImportModule("array");
+    if (module == NULL) return NULL;
+    PyObject *zeros = PyBytes_FromStringAndSize(NULL, count * 8);
+    if (zeros == NULL) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    memset(PyBytes_AS_STRING(zeros), 0, count * 8);
+    PyObject *out = PyObject_CallMethod(module, "array", "sO", typecode, zeros);
+    Py_DECREF(zeros);
+    Py_DECREF(module);
+    if (out == NULL) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    *data = view.buf; /* the array is not resized while we hold it */
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyObject *invert(PyObject *self, PyObject *args) {
+    PyObject *o_off, *o_idx;
+    if (!PyArg_ParseTuple(args, "OO", &o_off, &o_idx)) return NULL;
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_idx, &b[1], 8, "dependencies")) {
+        release(b, 2);
+        return NULL;
+    }
+    const i64 *off = I64(b[0]), *idx = I64(b[1]);
+    Py_ssize_t count = LEN(b[0]) - 1, edges = LEN(b[1]);
+    if (count < 0 || off[count] != edges) {
+        release(b, 2);
+        PyErr_SetString(PyExc_ValueError, "invert: offsets do not match the dependencies");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < edges; j++)
+        if (idx[j] < 0 || idx[j] >= count) {
+            release(b, 2);
+            PyErr_SetString(PyExc_ValueError, "invert: a dependency out of range");
+            return NULL;
+        }
+    i64 *out_off, *out_idx, *unmet;
+    PyObject *a_off = new_array("q", count + 1, (void **)&out_off);
+    PyObject *a_idx = a_off ? new_array("q", edges, (void **)&out_idx) : NULL;
+    PyObject *a_unmet = a_idx ? new_array("q", count, (void **)&unmet) : NULL;
+    i64 *fill = malloc(sizeof(i64) * (count ? count : 1));
+    if (!a_unmet || !fill) {
+        Py_XDECREF(a_off);
+        Py_XDECREF(a_idx);
+        Py_XDECREF(a_unmet);
+        free(fill);
+        release(b, 2);
+        return fill ? NULL : PyErr_NoMemory();
+    }
+    for (Py_ssize_t j = 0; j < edges; j++) out_off[idx[j] + 1]++;
+    for (Py_ssize_t t = 0; t < count; t++) {
+        out_off[t + 1] += out_off[t];
+        fill[t] = out_off[t];
+        unmet[t] = off[t + 1] - off[t];
+    }
+    /* tasks in ascending order, so each task's dependents come in task order */
+    for (Py_ssize_t t = 0; t < count; t++)
+        for (i64 j = off[t]; j < off[t + 1]; j++) out_idx[fill[idx[j]]++] = t;
+    free(fill);
+    release(b, 2);
+    return Py_BuildValue("(NNN)", a_off, a_idx, a_unmet);
+}
+
+/* ---- build: `roundpipe.replay_graph._Builder` ----------------------------------------- */
+
+/* Line by line `_Builder` (see replay_graph.py for the why of each edge): the same tasks, in the
+   same order, with the same dependencies. The ledgers' dicts become arrays indexed by version
+   (each key is read only while the dict still holds it: see `_Builder`), the device histories
+   two numbers. Resources, priorities and kinds as there. */
+
+enum { COMPUTE_RES = 0, H2D_RES = 1, D2H_RES = 2 };
+enum { HIGH = 30, MID = 20, LOW = 10, P_COPY_LEVEL = 12 };
+enum { KIND_FWD = 0, KIND_FUSED = 1, KIND_BWD = 2 };
+
+typedef struct {
+    double *items;
+    Py_ssize_t len, cap;
+} DVec;
+
+static inline int dpush(DVec *v, double x) {
+    if (v->len == v->cap) {
+        Py_ssize_t cap = v->cap ? 2 * v->cap : 64;
+        double *grown = realloc(v->items, sizeof(double) * cap);
+        if (!grown) return -1;
+        v->items = grown;
+        v->cap = cap;
+    }
+    v->items[v->len++] = x;
+    return 0;
+}
+
+typedef struct {
+    Vec res, level, dep_off, dep_idx, tmp;
+    DVec dur;
+    int failed; /* out of memory */
+    int broken; /* a dependency on a task that does not exist: `_Builder` would raise */
+} Graph;
+
+static i64 gadd(Graph *g, i64 res, int priority, double dur, const i64 *deps, Py_ssize_t nd) {
+    i64 task = g->res.len;
+    g->failed |= vpush(&g->res, res) | vpush(&g->level, 100 - priority) | dpush(&g->dur, dur);
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        g->broken |= deps[i] < 0 || deps[i] >= task;
+        g->failed |= vpush(&g->dep_idx, deps[i]);
+    }
+    g->failed |= vpush(&g->dep_off, g->dep_idx.len);
+    return task;
+}
+
+/* `_Builder._p_copy`: P-copy(step) after the uploads that read the weights before it (rule 1)
+   and the step itself; ``readers``, ``steps`` and ``copies`` are the layer's, by version. */
+static void p_copy_task(Graph *g, Vec *readers, i64 *steps, i64 *copies, i64 s, i64 host) {
+    Vec *mine = &readers[s];
+    g->tmp.len = 0;
+    for (Py_ssize_t i = 0; i < mine->len; i++) g->failed |= vpush(&g->tmp, mine->items[i]);
+    mine->len = 0;
+    if (steps[s] >= 0) g->failed |= vpush(&g->tmp, steps[s]);
+    copies[s + 1] = gadd(g, host, P_COPY_LEVEL, 0.0, g->tmp.items, g->tmp.len);
+}
+
+static PyObject *vec_array(const char *typecode, const void *items, Py_ssize_t count) {
+    void *data;
+    PyObject *out = new_array(typecode, count, &data);
+    if (out && count) memcpy(data, items, 8 * count);
+    return out;
+}
+
+static PyObject *build(PyObject *self, PyObject *args) {
+    PyObject *o_kind, *o_lstart, *o_lstop, *o_ms, *o_rms, *o_saved_by, *o_read_by, *o_sizes;
+    Py_ssize_t n, iterations, layers, seq_floor;
+    int asynch, lean;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnnnppn", &o_kind, &o_lstart, &o_lstop, &o_ms, &o_rms,
+                          &o_saved_by, &o_read_by, &o_sizes, &n, &iterations, &layers, &asynch, &lean,
+                          &seq_floor))
+        return NULL;
+    Buf b[8];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_kind, &b[0], 8, "kind") || get_buf(o_lstart, &b[1], 8, "layer starts") ||
+        get_buf(o_lstop, &b[2], 8, "layer stops") || get_buf(o_ms, &b[3], 8, "ms") ||
+        get_buf(o_rms, &b[4], 8, "recompute ms") || get_buf(o_saved_by, &b[5], 8, "saved_by") ||
+        get_buf(o_read_by, &b[6], 8, "read_by") || get_buf(o_sizes, &b[7], 8, "round sizes")) {
+        release(b, 8);
+        return NULL;
+    }
+    const i64 *kind = I64(b[0]), *lstart = I64(b[1]), *lstop = I64(b[2]), *saved_by = I64(b[5]);
+    const i64 *read_by = I64(b[6]), *sizes = I64(b[7]);
+    const double *ms = F64(b[3]), *rms = F64(b[4]);
+    Py_ssize_t S = LEN(b[0]), rounds = LEN(b[7]), m = 0;
+    for (Py_ssize_t r = 0; r < rounds; r++) m += sizes[r];
+    int bad = S < 1 || n < 1 || iterations < 1 || layers < 1 || LEN(b[1]) != S || LEN(b[2]) != S ||
+              LEN(b[3]) != S || LEN(b[4]) != S || LEN(b[5]) != S || LEN(b[6]) != S || m < 1;
+    for (Py_ssize_t i = 0; !bad && i < S; i++)
+        bad = lstart[i] < 0 || lstop[i] > layers || lstart[i] >= lstop[i] || saved_by[i] >= S ||
+              read_by[i] >= S;
+    if (bad) {
+        release(b, 8);
+        PyErr_SetString(PyExc_ValueError, "build: a plan the graph cannot be built from");
+        return NULL;
+    }
+    Py_ssize_t V = iterations + 2; /* versions, steps and iterations: 0 .. iterations + 1 */
+    Py_ssize_t LV = layers * V;
+    Vec *readers = calloc(LV, sizeof(Vec)), *grads = calloc(LV, sizeof(Vec));
+    i64 *p_copy = malloc(sizeof(i64) * LV), *step = malloc(sizeof(i64) * LV);
+    i64 *last_g_copy = malloc(sizeof(i64) * layers);
+    i64 *hist_last = malloc(sizeof(i64) * n), *hist_before = malloc(sizeof(i64) * n);
+    i64 *hist_count = calloc(n, sizeof(i64));
+    i64 *act_down = malloc(sizeof(i64) * S * m), *act_up = malloc(sizeof(i64) * S * m);
+    i64 *last_grad_down = malloc(sizeof(i64) * S);
+    Vec params = {0}, chain = {0}, batches = {0}, computes = {0}, comp_off = {0}, losses = {0},
+        loss_off = {0};
+    Graph g;
+    memset(&g, 0, sizeof g);
+    int failed = !readers || !grads || !p_copy || !step || !last_g_copy || !hist_last ||
+                 !hist_before || !hist_count || !act_down || !act_up || !last_grad_down;
+    failed = failed || vpush(&g.dep_off, 0) || vpush(&comp_off, 0) || vpush(&loss_off, 0);
+    if (!failed) {
+        for (Py_ssize_t i = 0; i < LV; i++) p_copy[i] = step[i] = -1;
+        for (Py_ssize_t l = 0; l < layers; l++) last_g_copy[l] = -1;
+        i64 first_device = 0, host = 3 * n;
+        i64 deps[8];
+        for (Py_ssize_t it = 0; it < iterations && !g.failed; it++) {
+            int last_it = lean && it == iterations - 1, gradients = !last_it;
+            i64 version = asynch ? (it > 0 ? it - 1 : 0) : it;
+            for (Py_ssize_t i = 0; i < S * m; i++) act_down[i] = act_up[i] = -1;
+            for (Py_ssize_t i = 0; i < S; i++) last_grad_down[i] = -1;
+            /* dispatch: round by round, every slot, on (g0 + slot) mod n */
+            i64 g0 = first_device, mb0 = 0;
+            for (Py_ssize_t r = 0; r < rounds; r++) {
+                for (Py_ssize_t slot = 0; slot < S; slot++) {
+                    i64 device = (g0 + slot) % n, d = 3 * device;
+                    i64 two_back = hist_count[device] >= 2 ? hist_before[device] : -1;
+                    /* `_param_uploads` */
+                    params.len = 0;
+                    for (i64 layer = lstart[slot]; layer < lstop[slot]; layer++) {
+                        Py_ssize_t nd = 0;
+                        if (two_back >= 0) deps[nd++] = two_back;
+                        if (version > 0) deps[nd++] = p_copy[layer * V + version];
+                        i64 key = gadd(&g, d + H2D_RES, MID, 0.0, deps, nd);
+                        g.failed |= vpush(&params, key) | vpush(&readers[layer * V + version], key);
+                    }
+                    chain.len = 0;
+                    i64 last;
+                    if (kind[slot] == KIND_BWD) { /* `_backward_chains` */
+                        i64 previous = hist_count[device] && n == 1 ? hist_last[device] : -1;
+                        for (i64 mb = mb0, pos = 0; mb < mb0 + sizes[r]; mb++, pos++) {
+                            i64 ahead = pos >= 2 ? chain.items[pos - 2] : two_back;
+                            Py_ssize_t nd = 0;
+                            if (ahead >= 0) deps[nd++] = ahead;
+                            if (saved_by[slot] >= 0) deps[nd++] = act_down[saved_by[slot] * m + mb];
+                            if (read_by[slot] >= 0) deps[nd++] = act_up[read_by[slot] * m + mb];
+                            i64 up = act_up[slot * m + mb] = gadd(&g, d + H2D_RES, HIGH, 0.0, deps, nd);
+                            g.tmp.len = 0;
+                            g.failed |= vpush(&g.tmp, up);
+                            if (!pos) {
+                                for (Py_ssize_t i = 0; i < params.len; i++) g.failed |= vpush(&g.tmp, params.items[i]);
+                                if (previous >= 0) g.failed |= vpush(&g.tmp, previous);
+                            } else {
+                                if (!lean)
+                                    for (Py_ssize_t i = 0; i < params.len; i++) g.failed |= vpush(&g.tmp, params.items[i]);
+                                g.failed |= vpush(&g.tmp, chain.items[pos - 1]);
+                            }
+                            i64 recompute = gadd(&g, d + COMPUTE_RES, MID, rms[slot], g.tmp.items, g.tmp.len);
+                            nd = 0;
+                            deps[nd++] = act_down[(slot - 1) * m + mb];
+                            if (ahead >= 0) deps[nd++] = ahead;
+                            i64 grad = gadd(&g, d + H2D_RES, HIGH, 0.0, deps, nd);
+                            deps[0] = recompute;
+                            deps[1] = grad;
+                            i64 backward = gadd(&g, d + COMPUTE_RES, MID, ms[slot], deps, 2);
+                            deps[0] = backward;
+                            act_down[slot * m + mb] = gadd(&g, d + D2H_RES, HIGH, 0.0, deps, 1);
+                            g.failed |= vpush(&chain, backward);
+                        }
+                    } else { /* `_chains` */
+                        for (i64 mb = mb0, pos = 0; mb < mb0 + sizes[r]; mb++, pos++) {
+                            Py_ssize_t nd = 0;
+                            if (slot > 0) deps[nd++] = act_down[(slot - 1) * m + mb];
+                            i64 ahead = pos >= 2 ? chain.items[pos - 2] : two_back;
+                            if (ahead >= 0) deps[nd++] = ahead;
+                            i64 up = act_up[slot * m + mb] = gadd(&g, d + H2D_RES, HIGH, 0.0, deps, nd);
+                            g.tmp.len = 0;
+                            g.failed |= vpush(&g.tmp, up);
+                            if (!pos || !lean)
+                                for (Py_ssize_t i = 0; i < params.len; i++) g.failed |= vpush(&g.tmp, params.items[i]);
+                            if (pos) g.failed |= vpush(&g.tmp, chain.items[pos - 1]);
+                            i64 compute = gadd(&g, d + COMPUTE_RES, MID, ms[slot], g.tmp.items, g.tmp.len);
+                            deps[0] = compute;
+                            act_down[slot * m + mb] = gadd(&g, d + D2H_RES, HIGH, 0.0, deps, 1);
+                            g.failed |= vpush(&chain, compute);
+                        }
+                        if (kind[slot] == KIND_FUSED)
+                            for (Py_ssize_t i = 0; i < chain.len; i++) g.failed |= vpush(&losses, chain.items[i]);
+                    }
+                    for (Py_ssize_t i = 0; i < chain.len; i++) g.failed |= vpush(&computes, chain.items[i]);
+                    last = chain.items[chain.len - 1];
+                    hist_before[device] = hist_last[device];
+                    hist_last[device] = last;
+                    hist_count[device]++;
+                    if (kind[slot] != KIND_FWD && gradients) { /* `_grad_download` */
+                        g.tmp.len = 0;
+                        g.failed |= vpush(&g.tmp, last);
+                        if (last_grad_down[slot] >= 0) {
+                            g.failed |= vpush(&g.tmp, last_grad_down[slot]);
+                        } else {
+                            for (i64 layer = lstart[slot]; layer < lstop[slot]; layer++)
+                                if (last_g_copy[layer] >= 0) g.failed |= vpush(&g.tmp, last_g_copy[layer]);
+                        }
+                        i64 key = last_grad_down[slot] = gadd(&g, d + D2H_RES, LOW, 0.0, g.tmp.items, g.tmp.len);
+                        for (i64 layer = lstart[slot]; layer < lstop[slot]; layer++)
+                            g.failed |= vpush(&grads[layer * V + it], key);
+                    }
+                }
+                g0 = (g0 + S) % n;
+                mb0 += sizes[r];
+            }
+            first_device = g0;
+            g.failed |= vpush(&comp_off, computes.len) | vpush(&loss_off, losses.len);
+            if (gradients) { /* `_g_copies` */
+                for (Py_ssize_t layer = 0; layer < layers; layer++) {
+                    Vec *mine = &grads[layer * V + it];
+                    g.tmp.len = 0;
+                    for (Py_ssize_t i = 0; i < mine->len; i++) g.failed |= vpush(&g.tmp, mine->items[i]);
+                    mine->len = 0;
+                    if (it >= 1 && step[layer * V + it - 1] >= 0) g.failed |= vpush(&g.tmp, step[layer * V + it - 1]);
+                    if (!asynch && p_copy[layer * V + it] >= 0) g.failed |= vpush(&g.tmp, p_copy[layer * V + it]);
+                    last_g_copy[layer] = gadd(&g, host, LOW, 0.0, g.tmp.items, g.tmp.len);
+                }
+            }
+            g.failed |= vpush(&batches, g.res.len);
+            if (last_it) continue;
+            /* `optimizer_step(it)`: async, P-copy(it - 1) then step(it); sync, step then P-copy(it) */
+            for (Py_ssize_t layer = 0; layer < layers; layer++) {
+                i64 *steps = step + layer * V, *copies = p_copy + layer * V;
+                if (asynch && it > 0) p_copy_task(&g, &readers[layer * V], steps, copies, it - 1, host);
+                g.tmp.len = 0;
+                g.failed |= vpush(&g.tmp, last_g_copy[layer]);
+                if (it >= 1 && steps[it - 1] >= 0) g.failed |= vpush(&g.tmp, steps[it - 1]);
+                if (copies[it] >= 0) g.failed |= vpush(&g.tmp, copies[it]);
+                steps[it] = gadd(&g, host, LOW, 0.0, g.tmp.items, g.tmp.len);
+                if (!asynch) p_copy_task(&g, &readers[layer * V], steps, copies, it, host);
+            }
+            g.failed |= vpush(&batches, g.res.len);
+        }
+        failed = g.failed;
+    }
+    PyObject *out = NULL;
+    if (failed) {
+        PyErr_NoMemory();
+    } else if (g.broken) {
+        PyErr_SetString(PyExc_RuntimeError, "build: a task depends on one that does not exist");
+    } else {
+        Py_ssize_t count = g.res.len, bits = 0;
+        while (((Py_ssize_t)1 << bits) <= count) bits++; /* count.bit_length() */
+        i64 seq = (i64)1 << bits;
+        if (seq < seq_floor) seq = seq_floor;
+        i64 *rank = malloc(sizeof(i64) * (count ? count : 1));
+        if (!rank) {
+            PyErr_NoMemory();
+        } else {
+            for (Py_ssize_t t = 0; t < count; t++) rank[t] = g.level.items[t] * seq + t;
+            PyObject *a_res = vec_array("q", g.res.items, count);
+            PyObject *a_rank = vec_array("q", rank, count);
+            PyObject *a_dur = vec_array("d", g.dur.items, count);
+            PyObject *a_doff = vec_array("q", g.dep_off.items, g.dep_off.len);
+            PyObject *a_didx = vec_array("q", g.dep_idx.items, g.dep_idx.len);
+            PyObject *a_batches = vec_array("q", batches.items, batches.len);
+            PyObject *a_coff = vec_array("q", comp_off.items, comp_off.len);
+            PyObject *a_comp = vec_array("q", computes.items, computes.len);
+            PyObject *a_loff = vec_array("q", loss_off.items, loss_off.len);
+            PyObject *a_loss = vec_array("q", losses.items, losses.len);
+            if (a_res && a_rank && a_dur && a_doff && a_didx && a_batches && a_coff && a_comp && a_loff &&
+                a_loss)
+                out = Py_BuildValue("(NNNNNNNNNNL)", a_res, a_rank, a_dur, a_doff, a_didx, a_batches,
+                                    a_coff, a_comp, a_loff, a_loss, (long long)seq);
+            else {
+                Py_XDECREF(a_res);
+                Py_XDECREF(a_rank);
+                Py_XDECREF(a_dur);
+                Py_XDECREF(a_doff);
+                Py_XDECREF(a_didx);
+                Py_XDECREF(a_batches);
+                Py_XDECREF(a_coff);
+                Py_XDECREF(a_comp);
+                Py_XDECREF(a_loff);
+                Py_XDECREF(a_loss);
+            }
+            free(rank);
+        }
+    }
+    if (readers)
+        for (Py_ssize_t i = 0; i < LV; i++) free(readers[i].items);
+    if (grads)
+        for (Py_ssize_t i = 0; i < LV; i++) free(grads[i].items);
+    free(readers);
+    free(grads);
+    free(p_copy);
+    free(step);
+    free(last_g_copy);
+    free(hist_last);
+    free(hist_before);
+    free(hist_count);
+    free(act_down);
+    free(act_up);
+    free(last_grad_down);
+    free(params.items);
+    free(chain.items);
+    free(batches.items);
+    free(computes.items);
+    free(comp_off.items);
+    free(losses.items);
+    free(loss_off.items);
+    free(g.res.items);
+    free(g.level.items);
+    free(g.dep_off.items);
+    free(g.dep_idx.items);
+    free(g.tmp.items);
+    free(g.dur.items);
+    release(b, 8);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
+    {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
+    {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
+    {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},
+    {"replay", replay, METH_VARARGS, "`plan_replay.replay_starts` on packed arrays."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                    "Compiled inner loops of plan evaluation (see the source).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

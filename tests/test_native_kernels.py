@@ -1,0 +1,208 @@
+"""The compiled loops of plan evaluation (`roundpipe.plan.native`) give what the Python loops give.
+
+What must hold: every function of `_kernels.c` stands in for a Python loop and must decide
+nothing differently: the replay graph built in C is the Python builder's graph, array for array
+and in the same order; the replay, the stream model and the split model give the same floats to
+the last bit, given up or not; and `choose_evaluated_plan` chooses the same plan in every mode.
+Each check runs the same inputs through both (`native.pure_python()` turns the compiled loops
+off). Where CI asks for the compiled loops (``ROUNDPIPE_EXPECT_NATIVE=1``, set by .ci/run), a
+build that failed silently is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+
+import pytest
+
+from roundpipe.plan import LayerCosts, Plan, native, partition
+from roundpipe.plan._ranking import _StageTimes
+from roundpipe.plan._split_stream import split_ms
+from roundpipe.plan._stream import stream_ms
+from roundpipe.plan.rounds import round_sizes
+from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
+from roundpipe.plan_replay import replay_starts
+from roundpipe.replay_graph import build_graph
+
+needs_native = pytest.mark.skipif(not native.built(), reason="the compiled loops were not built here")
+
+
+def test_the_compiled_loops_are_built_where_ci_expects_them() -> None:
+    if os.environ.get("ROUNDPIPE_EXPECT_NATIVE") != "1":
+        pytest.skip("ROUNDPIPE_EXPECT_NATIVE is not set")
+    assert native.built(), "roundpipe.plan._kernels did not build: is a C compiler installed?"
+    assert native.kernels() is not None
+
+
+def costs_of(layers: int, ratio: float, head: float) -> LayerCosts:
+    fwd = [0.01, *[1.0] * layers, head]
+    bwd = [0.01 * ratio, *[ratio] * layers, 2.0 * head]
+    return LayerCosts(tuple(fwd), tuple(bwd), (0,) * len(fwd))
+
+
+def random_chain(rng: random.Random, stop: int) -> list[range]:
+    ends = [0, *sorted(rng.sample(range(1, stop), rng.randint(0, stop - 1))), stop]
+    return [range(a, b) for a, b in itertools.pairwise(ends)]
+
+
+def random_plans(seed: int, count: int) -> list[tuple[Plan, LayerCosts, int, int, int | None]]:
+    """Random plans of every dispatch kind, zero-time stages among them."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        layers = rng.randint(1, 12)
+        fwd = [rng.choice([0.0, 0.5, 1.0, 1.0, 2.0]) for _ in range(layers)]
+        bwd = [x * rng.choice([0.0, 1.3, 2.0]) for x in fwd]
+        costs = LayerCosts(tuple(fwd), tuple(bwd), (0,) * layers)
+        n = rng.choice([1, 2, 3, 4, 8])
+        m, rs = rng.choice([n, n + 1, 2 * n, 3 * n]), rng.choice([None, None, n])
+        p = rng.randint(0, layers - 1)
+        fwd_stages, bwd_stages = (random_chain(rng, p), random_chain(rng, p)[::-1]) if p else ([], [])
+        out.append((Plan.from_stages(fwd_stages, range(p, layers), bwd_stages, costs, n, m), costs, n, m, rs))
+    return out
+
+
+def graph_fields(
+    plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, its: int, asynch: bool, lean: bool
+):
+    graph = build_graph(plan, costs, n, m, its, asynch, rs, lean=lean)
+    return (
+        list(graph.res),
+        list(graph.rank),
+        list(graph.dur),
+        graph.seq,
+        graph.unmet,
+        graph.dependents,  # in the same order, not only the same sets
+        list(graph.batches),
+        [list(c) for c in graph.computes],
+        [list(c) for c in graph.losses],
+        graph.host,
+    )
+
+
+@needs_native
+def test_the_compiled_builder_builds_the_python_graph() -> None:
+    for plan, costs, n, m, rs in random_plans(3, 120):
+        for asynch, lean in itertools.product((False, True), (False, True)):
+            its = 6 if asynch else 1
+            compiled = graph_fields(plan, costs, n, m, rs, its, asynch, lean)
+            with native.pure_python():
+                expected = graph_fields(plan, costs, n, m, rs, its, asynch, lean)
+            assert compiled == expected, (plan, n, m, rs, asynch, lean)
+
+
+def replay_both(plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, rng: random.Random) -> None:
+    asynch = rng.random() < 0.7
+    its = 6 if asynch else 1
+    loop, lag = (rng.random() < 0.6, rng.choice([0, 1])) if asynch else (False, 0)
+    with native.pure_python():
+        graph = build_graph(plan, costs, n, m, its, asynch, rs)
+        stop = bytearray(len(graph.res))
+        if asynch:
+            for task in graph.computes[rng.choice([2, 5])]:
+                stop[task] = 1
+        expected = replay_starts(graph, stop, loop=loop, loss_lag=lag)
+    assert replay_starts(graph, stop, loop=loop, loss_lag=lag) == expected
+    compiled_graph = build_graph(plan, costs, n, m, its, asynch, rs)
+    assert replay_starts(compiled_graph, stop, loop=loop, loss_lag=lag) == expected
+
+
+@needs_native
+def test_the_compiled_replay_gives_every_start_of_the_python_replay() -> None:
+    rng = random.Random(5)
+    for plan, costs, n, m, rs in random_plans(4, 150):
+        replay_both(plan, costs, n, m, rs, rng)
+
+
+@needs_native
+def test_the_compiled_stream_model_gives_the_python_times() -> None:
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        s_count = rng.randint(1, 16)
+        slots = [rng.choice([0.0, 0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(s_count)]
+        waits = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
+        shares = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
+        kind = rng.choice(["sync", "window", "loop"])
+        options: dict[str, object] = {}
+        if kind != "sync":
+            options = {
+                "iterations": 6 if kind == "loop" else 4,
+                "window": (1, 5) if kind == "loop" else (1, 3),
+            }
+            options |= {"weight_waits": waits, "sharers": rng.choice([None, shares])}
+            if kind == "loop":
+                options["gate"] = rng.randrange(s_count)
+        with native.pure_python():
+            full = stream_ms(slots, n, rounds, **options)  # type: ignore[arg-type]
+            bound = full * rng.choice([0.5, 0.99, 1.0, 1.01]) if full < math.inf else math.inf
+            cut = stream_ms(slots, n, rounds, **options, give_up=bound)  # type: ignore[arg-type]
+        assert stream_ms(slots, n, rounds, **options) == full  # type: ignore[arg-type]
+        assert stream_ms(slots, n, rounds, **options, give_up=bound) == cut  # type: ignore[arg-type]
+
+
+@needs_native
+def test_the_compiled_split_model_gives_the_python_times() -> None:
+    rng = random.Random(12)
+    checked = 0
+    for layers, ratio, head in itertools.product((6, 13, 24), (1.3, 3.8), (1.0, 4.0)):
+        costs = costs_of(layers, ratio, head)
+        times = _StageTimes(costs)
+        for n in (1, 2, 4, 8):
+            plan = partition(costs, n, 2 * n)
+            rounds = round_sizes(rng.choice([n, 2 * n, 2 * n + 1]), n)
+            split = times.split(plan.fwd_stages, plan.fused, plan.bwd_stages)
+            with native.pure_python():
+                full = split_ms(plan.slot_ms, split, n, rounds)
+                cut = split_ms(plan.slot_ms, split, n, rounds, give_up=full * 0.98)
+            assert split_ms(plan.slot_ms, split, n, rounds) == full
+            assert split_ms(plan.slot_ms, split, n, rounds, give_up=full * 0.98) == cut
+            checked += 1
+    assert checked == 48
+
+
+CHOICES = [
+    (layers, ratio, head, n, m, mode)
+    for layers, (ratio, head), (n, m), mode in itertools.product(
+        (24, 48), ((1.3, 1.0), (2.5, 3.0), (3.8, 4.0)), ((8, 16), (4, 8)), ("sync", "async", "lag1")
+    )
+]
+
+
+@needs_native
+@pytest.mark.parametrize(("layers", "ratio", "head", "n", "m", "mode"), CHOICES)
+def test_the_same_plan_is_chosen_with_and_without_the_compiled_loops(
+    layers: int, ratio: float, head: float, n: int, m: int, mode: str
+) -> None:
+    costs = costs_of(layers, ratio, head)
+    options = {"async_optimizer": mode != "sync", "loss_lag": int(mode == "lag1")}
+    with native.pure_python():
+        expected = choose_evaluated_plan(costs, n, m, None, **options)  # type: ignore[arg-type]
+        evaluate = (late_loop_evaluator if mode == "lag1" else _evaluator(mode))(costs, n, m)
+        expected_ms = evaluate(expected)
+    assert choose_evaluated_plan(costs, n, m, None, **options) == expected  # type: ignore[arg-type]
+    assert evaluate(expected) == expected_ms
+
+
+def _evaluator(mode: str):  # type: ignore[no-untyped-def]
+    return lambda costs, n, m: engine_evaluator(costs, n, m, async_optimizer=mode != "sync")
+
+
+@needs_native
+def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
+    kernels = native.kernels()
+    assert kernels is not None
+    ints, floats = native.ints, native.floats
+    with pytest.raises(ValueError, match="unequal lengths"):  # offsets one short
+        kernels.list_schedule(
+            floats([1.0, 1.0]), ints([0, 0]), ints([0, 0]), ints([]), ints([0, 0]), ints([]), ints([]), 1,
+            floats([0.0]), math.inf, ints([]), math.inf,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="out of range"):  # a dependency past the graph
+        kernels.invert(ints([0, 1]), ints([5]))
+    with pytest.raises(TypeError, match="items of 8 bytes"):  # a list of 4-byte ints
+        kernels.invert(ints([0, 0]), native.array("i", []))
