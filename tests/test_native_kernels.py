@@ -199,8 +199,13 @@ def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
     ints, floats = native.ints, native.floats
     with pytest.raises(ValueError, match="unequal lengths"):  # offsets one short
         kernels.list_schedule(
-            floats([1.0, 1.0]), ints([0, 0]), ints([0, 0]), ints([]), ints([0, 0]), ints([]), ints([]), 1,
-            floats([0.0]), math.inf, ints([]), math.inf,
+            floats([1.0]), ints([0, 0]), ints([0, 0]), ints([0, 0]), ints([]), ints([0, 0]), ints([]),
+            ints([]), 1, floats([0.0]), math.inf, ints([]), math.inf,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="out of range"):  # a task of a slot the plan lacks
+        kernels.list_schedule(
+            floats([1.0]), ints([0, 3]), ints([0, 0]), ints([0, 0, 0]), ints([]), ints([0, 0]), ints([]),
+            ints([]), 1, floats([0.0]), math.inf, ints([]), math.inf,
         )  # fmt: skip
     with pytest.raises(ValueError, match="out of range"):  # a dependency past the graph
         kernels.invert(ints([0, 1]), ints([5]))

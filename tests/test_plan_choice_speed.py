@@ -180,7 +180,7 @@ def test_stream_model_window_stops_where_the_whole_run_agrees() -> None:
         )
         shares = rng.choice([None, tuple(tuple(sorted(rng.sample(range(s_count), 1))) for _ in slots)])
         shape = _stream._structure(s_count, n, rounds, 4, waits, sharers=shares)
-        _, whole = _stream._list_schedule([slots[i] for i in shape.slot], shape)
+        _, whole = _stream._list_schedule(slots, shape)
         per = len(rounds) * s_count
         expected = (whole[shape.run_start[3 * per]] - whole[shape.run_start[per]]) / 2
         got = stream_ms(slots, n, rounds, iterations=4, window=(1, 3), weight_waits=waits, sharers=shares)
@@ -400,7 +400,7 @@ def test_stream_graph_by_runs_is_the_graph_task_by_task() -> None:
         for base in (None, bare):
             shape = _stream._structure(s_count, n, rounds, iterations, waits, base=base)
             slot, device, unmet, after = structure_task_by_task(s_count, n, rounds, iterations, waits)
-            assert (shape.slot, shape.device, shape.unmet) == (slot, device, unmet)
+            assert (shape.slot, shape.device, list(shape.unmet)) == (slot, device, unmet)
             k = shape.count
             assert [sorted(divmod(code, k)[::-1] for code in a) for a in shape.after] == [
                 sorted((u, hops) for u, hops in a) for a in after

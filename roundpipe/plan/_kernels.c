@@ -179,36 +179,38 @@ static inline int vpush(Vec *v, i64 x) {
 /* ---- list_schedule: `_stream._list_schedule` ------------------------------------------- */
 
 static PyObject *list_schedule(PyObject *self, PyObject *args) {
-    PyObject *o_dur, *o_dev, *o_off, *o_idx, *o_unmet, *o_xsrc, *o_xcode, *o_left, *o_watched;
+    PyObject *o_slot_ms, *o_slot, *o_dev, *o_off, *o_idx, *o_unmet, *o_xsrc, *o_xcode, *o_left, *o_watched;
     Py_ssize_t num_devices;
     double give_up, span;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnOdOd", &o_dur, &o_dev, &o_off, &o_idx, &o_unmet, &o_xsrc,
-                          &o_xcode, &num_devices, &o_left, &give_up, &o_watched, &span))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnOdOd", &o_slot_ms, &o_slot, &o_dev, &o_off, &o_idx, &o_unmet,
+                          &o_xsrc, &o_xcode, &num_devices, &o_left, &give_up, &o_watched, &span))
         return NULL;
-    Buf b[9];
+    Buf b[10];
     memset(b, 0, sizeof b);
-    if (get_buf(o_dur, &b[0], 8, "duration") || get_buf(o_dev, &b[1], 8, "device") ||
+    if (get_buf(o_slot_ms, &b[0], 8, "slot_ms") || get_buf(o_dev, &b[1], 8, "device") ||
         get_buf(o_off, &b[2], 8, "offsets") || get_buf(o_idx, &b[3], 8, "dependents") ||
         get_buf(o_unmet, &b[4], 8, "unmet") || get_buf(o_xsrc, &b[5], 8, "extra sources") ||
         get_buf(o_xcode, &b[6], 8, "extra codes") || get_buf(o_left, &b[7], 8, "left") ||
-        get_buf(o_watched, &b[8], 8, "watched")) {
-        release(b, 9);
+        get_buf(o_watched, &b[8], 8, "watched") || get_buf(o_slot, &b[9], 8, "slot")) {
+        release(b, 10);
         return NULL;
     }
-    const double *duration = F64(b[0]);
-    const i64 *device = I64(b[1]), *off = I64(b[2]), *idx = I64(b[3]);
+    const double *slot_ms = F64(b[0]);
+    const i64 *device = I64(b[1]), *off = I64(b[2]), *idx = I64(b[3]), *slot = I64(b[9]);
     const i64 *xsrc = I64(b[5]), *xcode = I64(b[6]), *watched = I64(b[8]);
-    Py_ssize_t k = LEN(b[1]), nextra = LEN(b[5]), nwatched = LEN(b[8]);
-    int bad = LEN(b[0]) != k || LEN(b[2]) != k + 1 || LEN(b[4]) != k || LEN(b[6]) != nextra ||
+    Py_ssize_t k = LEN(b[1]), nextra = LEN(b[5]), nwatched = LEN(b[8]), nslots = LEN(b[0]);
+    int bad = LEN(b[9]) != k || LEN(b[2]) != k + 1 || LEN(b[4]) != k || LEN(b[6]) != nextra ||
               LEN(b[7]) != num_devices;
+    for (Py_ssize_t t = 0; !bad && t < k; t++) bad = slot[t] < 0 || slot[t] >= nslots;
     for (Py_ssize_t i = 0; !bad && i < nextra; i++) bad = xsrc[i] < 0 || xsrc[i] >= k;
     for (Py_ssize_t i = 0; !bad && i < nwatched; i++) bad = watched[i] < 0 || watched[i] >= k;
     for (Py_ssize_t t = 0; !bad && t < k; t++) bad = device[t] < 0 || device[t] >= num_devices;
     if (bad) {
-        release(b, 9);
+        release(b, 10);
         PyErr_SetString(PyExc_ValueError, "list_schedule: arrays of unequal lengths or out of range");
         return NULL;
     }
+    double *duration = malloc(sizeof(double) * (k ? k : 1)); /* `[slot_ms[i] for i in shape.slot]` */
     i64 *unmet = malloc(sizeof(i64) * (k ? k : 1));
     double *left = malloc(sizeof(double) * (num_devices ? num_devices : 1));
     double *start = malloc(sizeof(double) * (k ? k : 1));
@@ -223,9 +225,10 @@ static PyObject *list_schedule(PyObject *self, PyObject *args) {
     Heaps ready;
     Vec touched = {0};
     int failed = heaps_init(&ready, device, k, num_devices) || !unmet || !left || !start || !watch ||
-                 !busy || !ends || !met || !xoff || !xidx || !xfill;
+                 !busy || !ends || !met || !xoff || !xidx || !xfill || !duration;
     double now = 0.0, result = 0.0;
     if (!failed) {
+        for (Py_ssize_t t = 0; t < k; t++) duration[t] = slot_ms[slot[t]];
         for (Py_ssize_t i = 0; i < nextra; i++) xoff[xsrc[i] + 1]++;
         for (Py_ssize_t t = 0; t < k; t++) {
             xoff[t + 1] += xoff[t];
@@ -333,9 +336,10 @@ static PyObject *list_schedule(PyObject *self, PyObject *args) {
     free(xoff);
     free(xidx);
     free(xfill);
+    free(duration);
     free(touched.items);
     heaps_free(&ready);
-    release(b, 9);
+    release(b, 10);
     return out;
 }
 
@@ -992,8 +996,103 @@ static PyObject *build(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- stream_extras: the weight waits and the gate of `_stream._structure` -------------- */
+
+static PyObject *stream_extras(PyObject *self, PyObject *args) {
+    PyObject *o_run_start, *o_unmet, *o_woff, *o_widx, *o_soff, *o_sidx;
+    Py_ssize_t s_count, nrounds, gate, num_devices;
+    long long gate_code, weight_code, upload_code;
+    int waits, shares;
+    if (!PyArg_ParseTuple(args, "OOnnnOOOOppnLLL", &o_run_start, &o_unmet, &s_count, &nrounds, &gate,
+                          &o_woff, &o_widx, &o_soff, &o_sidx, &waits, &shares, &num_devices, &gate_code,
+                          &weight_code, &upload_code))
+        return NULL;
+    Buf b[6];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_run_start, &b[0], 8, "run_start") || get_buf(o_unmet, &b[1], 8, "unmet") ||
+        get_buf(o_woff, &b[2], 8, "weight wait offsets") || get_buf(o_widx, &b[3], 8, "weight waits") ||
+        get_buf(o_soff, &b[4], 8, "sharer offsets") || get_buf(o_sidx, &b[5], 8, "sharers")) {
+        release(b, 6);
+        return NULL;
+    }
+    const i64 *run_start = I64(b[0]), *woff = I64(b[2]), *widx = I64(b[3]), *soff = I64(b[4]);
+    const i64 *sidx = I64(b[5]);
+    Py_ssize_t runs = LEN(b[0]) - 1, count = LEN(b[1]), per = s_count * nrounds;
+    int bad = runs < 0 || s_count < 1 || nrounds < 1 || (waits && LEN(b[2]) != s_count + 1) ||
+              (shares && LEN(b[4]) != s_count + 1) || (gate >= s_count);
+    for (Py_ssize_t i = 0; !bad && waits && i < LEN(b[3]); i++) bad = widx[i] < 0 || widx[i] >= s_count;
+    for (Py_ssize_t i = 0; !bad && shares && i < LEN(b[5]); i++) bad = sidx[i] < 0 || sidx[i] >= s_count;
+    if (bad) {
+        release(b, 6);
+        PyErr_SetString(PyExc_ValueError, "stream_extras: arrays that do not fit the stream");
+        return NULL;
+    }
+    void *unmet_data;
+    PyObject *a_unmet = new_array("q", count, &unmet_data);
+    i64 *unmet = unmet_data;
+    Vec sources = {0}, codes = {0};
+    int failed = a_unmet == NULL;
+    if (!failed) {
+        memcpy(unmet, I64(b[1]), sizeof(i64) * count);
+        if (gate >= 0) /* iteration t's runs after iteration t - 1's fused runs (its losses) */
+            for (Py_ssize_t t = 1; t < runs / per; t++)
+                for (Py_ssize_t run = t * per; run < (t + 1) * per; run++) {
+                    i64 first = run_start[run];
+                    for (Py_ssize_t r = 0; r < nrounds; r++) {
+                        failed |= vpush(&sources, run_start[(t - 1) * per + r * s_count + gate + 1] - 1);
+                        failed |= vpush(&codes, gate_code + first);
+                        unmet[first] += 1;
+                    }
+                }
+        if (waits) /* iteration t reads the weights of step t - 2 */
+            for (Py_ssize_t run = 2 * per; run < runs; run++) {
+                i64 first = run_start[run], earlier = (run / per - 2) * per;
+                i64 i = run % s_count;
+                for (i64 j = woff[i]; j < woff[i + 1]; j++)
+                    for (Py_ssize_t r = 0; r < nrounds; r++) {
+                        failed |= vpush(&sources, run_start[earlier + r * s_count + widx[j] + 1] - 1);
+                        failed |= vpush(&codes, weight_code + first);
+                        unmet[first] += 1;
+                    }
+            }
+        if (waits && shares) /* the uploads of the weights before, each after its device's run 2N back */
+            for (Py_ssize_t run = 2 * per; run < runs; run++) {
+                i64 t = run / per, first = run_start[run], i = run % s_count;
+                for (i64 at = t == 2 ? 0 : (t - 1) * per; at < t * per; at += per)
+                    for (i64 j = soff[i]; j < soff[i + 1]; j++)
+                        for (Py_ssize_t r = 0; r < nrounds; r++) {
+                            i64 q = at + r * s_count + sidx[j] - 2 * num_devices;
+                            if (q >= 0) {
+                                failed |= vpush(&sources, run_start[q + 1] - 1);
+                                failed |= vpush(&codes, upload_code + first);
+                                unmet[first] += 1;
+                            }
+                        }
+            }
+    }
+    PyObject *out = NULL;
+    if (failed) {
+        Py_XDECREF(a_unmet);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+    } else {
+        PyObject *a_sources = vec_array("q", sources.items, sources.len);
+        PyObject *a_codes = a_sources ? vec_array("q", codes.items, codes.len) : NULL;
+        if (a_codes)
+            out = Py_BuildValue("(NNN)", a_unmet, a_sources, a_codes);
+        else {
+            Py_DECREF(a_unmet);
+            Py_XDECREF(a_sources);
+        }
+    }
+    free(sources.items);
+    free(codes.items);
+    release(b, 6);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
+    {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},

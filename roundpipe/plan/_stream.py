@@ -58,6 +58,7 @@ class Shape:
         "_after",
         "_packed",
         "_ready",
+        "_run_starts",
         "base",
         "count",
         "device",
@@ -72,13 +73,13 @@ class Shape:
         self,
         slot: list[int],
         device: list[int],
-        unmet: list[int],
+        unmet: Sequence[int],
         after: list[list[int]] | None,
         run_start: list[int],
         num_devices: int,
         *,
         base: Shape | None = None,
-        extra: tuple[list[int], list[int]] = ([], []),
+        extra: tuple[Sequence[int], Sequence[int]] = ([], []),
     ) -> None:
         self.slot, self.device, self.unmet, self.run_start = slot, device, unmet, run_start
         self.count, self.num_devices = len(slot), num_devices
@@ -87,6 +88,7 @@ class Shape:
         assert after is not None or base is not None
         self._ready: list[list[int]] | None = None
         self._packed: tuple[array, ...] | None = None
+        self._run_starts: array | None = None
 
     @property
     def after(self) -> list[list[int]]:
@@ -113,24 +115,28 @@ class Shape:
         return self._ready
 
     def packed(self) -> tuple[array, ...]:
-        """The graph as arrays for `native`'s loop: device, dependents (offsets, flat), unmet and
-        the extra dependents (sources, codes). Packed once, on first use; a base's arrays are
+        """The graph as arrays for `native`'s loop: slot, device, dependents (offsets, flat), unmet
+        and the extra dependents (sources, codes). Packed once, on first use; a base's arrays are
         shared by the graphs built on it."""
         if self._packed is None:
             if self.base is not None:
-                device, offsets, flat = self.base.packed()[:3]
+                slot, device, offsets, flat = self.base.packed()[:4]
             else:
-                device, (offsets, flat) = native.ints(self.device), native.csr(self.after)
+                slot, device = native.ints(self.slot), native.ints(self.device)
+                offsets, flat = native.csr(self.after)
             sources, codes = self.extra
-            self._packed = (
-                device,
-                offsets,
-                flat,
-                native.ints(self.unmet),
-                native.ints(sources),
-                native.ints(codes),
-            )
+            self._packed = (slot, device, offsets, flat, *map(_as_ints, (self.unmet, sources, codes)))
         return self._packed
+
+    def run_starts(self) -> array:
+        """``run_start`` packed (`native`'s extras of `_structure`), once."""
+        if self._run_starts is None:
+            self._run_starts = native.ints(self.run_start)
+        return self._run_starts
+
+
+def _as_ints(values: Sequence[int]) -> array:
+    return values if isinstance(values, array) else native.ints(values)
 
 
 def _structure(
@@ -154,6 +160,21 @@ def _structure(
     if weight_waits is None and gate is None:
         return base
     run_start, count = base.run_start, base.count
+    kernels = native.kernels()
+    if kernels is not None:  # the same loops, compiled (`native`)
+        waits_offsets, waits_flat = native.csr(weight_waits or ())
+        shares_offsets, shares_flat = native.csr(sharers or ())
+        unmet_array, sources_array, codes_array = kernels.stream_extras(
+            *(base.run_starts(), base.packed()[4], s_count, len(rounds), -1 if gate is None else gate),
+            *(waits_offsets, waits_flat, shares_offsets, shares_flat),
+            *(weight_waits is not None, sharers is not None, num_devices),
+            *(_GATE_HOPS * count, _WEIGHT_HOPS * count, _UPLOAD_HOPS * count),
+        )
+        return Shape(
+            *(base.slot, base.device, unmet_array, None, run_start, num_devices),
+            base=base,
+            extra=(sources_array, codes_array),
+        )
     unmet = list(base.unmet)
     sources: list[int] = []
     codes: list[int] = []
@@ -286,18 +307,17 @@ def stream_ms(
         shape = _structure(*key[:5], base=base, sharers=shares, gate=gate)
         if shapes is not None:
             shapes[key] = shape
-    duration = [slot_ms[i] for i in shape.slot]
     if window is None:
         left = _tails(slot_ms, shape, num_devices) if give_up < math.inf else None
         # float sums: the bound must never pass the makespan by rounding, hence the margin
         margin = give_up * (1 + 1e-9)
-        now, _ = _list_schedule(duration, shape, give_up=margin, left=left)
+        now, _ = _list_schedule(slot_ms, shape, give_up=margin, left=left)
         return now
     per = len(rounds) * s_count
     a, b = window
     watched = (shape.run_start[a * per], shape.run_start[b * per])
     span = give_up * (1 + 1e-9) * (b - a)  # the margin as above
-    now, start = _list_schedule(duration, shape, watched=watched, span=span)
+    now, start = _list_schedule(slot_ms, shape, watched=watched, span=span)
     if now == math.inf:
         return now
     return (start[watched[1]] - start[watched[0]]) / (b - a)
@@ -320,7 +340,7 @@ def _tails(slot_ms: Sequence[float], shape: Shape, num_devices: int) -> list[flo
 
 
 def _list_schedule(
-    duration: list[float],
+    slot_ms: Sequence[float],
     shape: Shape,
     *,
     give_up: float = math.inf,
@@ -337,9 +357,10 @@ def _list_schedule(
     if kernels is not None:  # the same loop, compiled (`native`)
         n = shape.num_devices
         return kernels.list_schedule(  # type: ignore[no-any-return]
-            *(native.floats(duration), *shape.packed(), n),
+            *(native.floats(slot_ms), *shape.packed(), n),
             *(native.floats(left or [0.0] * n), give_up, native.ints(watched), span),
         )
+    duration = [slot_ms[i] for i in shape.slot]
     device, after, k = shape.device, shape.after, shape.count
     unmet = list(shape.unmet)
     ready = [list(r) for r in shape.ready]
