@@ -20,7 +20,7 @@ import pytest
 
 from roundpipe.plan import LayerCosts, Plan, native, partition
 from roundpipe.plan._ranking import _StageTimes
-from roundpipe.plan._split_stream import split_ms
+from roundpipe.plan._split_stream import SplitGraph, split_ms
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
@@ -211,3 +211,19 @@ def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
         kernels.invert(ints([0, 1]), ints([5]))
     with pytest.raises(TypeError, match="items of 8 bytes"):  # a list of 4-byte ints
         kernels.invert(ints([0, 0]), native.array("i", []))
+
+
+@needs_native
+def test_the_compiled_split_layout_is_the_python_layout() -> None:
+    rng = random.Random(21)
+    for _ in range(200):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        s_count = rng.randint(1, 16)
+        graph = SplitGraph(s_count, n, rounds)
+        first_backward = rng.randint(1, s_count)
+        after, unmet, saving, ready = graph.layout(first_backward)
+        device, offsets, flat, packed_unmet, starting, packed_saving = graph.packed_layout(first_backward)
+        assert (list(device), list(packed_unmet), list(packed_saving)) == (graph.device, unmet, saving)
+        assert (list(offsets), list(flat)) == tuple(map(list, native.csr(after)))
+        assert list(starting) == sorted(t for tasks in ready for t in tasks)

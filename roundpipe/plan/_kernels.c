@@ -1090,9 +1090,191 @@ static PyObject *stream_extras(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- split_layout: `_split_stream.SplitGraph.layout` ------------------------------------ */
+
+static PyObject *split_layout(PyObject *self, PyObject *args) {
+    PyObject *o_sizes;
+    Py_ssize_t s_count, n, first_backward, bound;
+    long long hops;
+    if (!PyArg_ParseTuple(args, "OnnnnL", &o_sizes, &s_count, &n, &first_backward, &bound, &hops))
+        return NULL;
+    Buf b[1];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_sizes, &b[0], 8, "sizes")) {
+        release(b, 1);
+        return NULL;
+    }
+    const i64 *sizes = I64(b[0]);
+    Py_ssize_t runs = LEN(b[0]), count = 0;
+    int bad = s_count < 1 || n < 1 || bound < 1;
+    for (Py_ssize_t r = 0; !bad && r < runs; r++) {
+        bad = sizes[r] < 1 || sizes[r] > bound;
+        count += 2 * sizes[r];
+    }
+    if (bad) {
+        release(b, 1);
+        PyErr_SetString(PyExc_ValueError, "split_layout: run sizes that do not fit");
+        return NULL;
+    }
+    i64 *off_data, *unmet, *saving;
+    void *data;
+    PyObject *a_off = new_array("q", count + 1, &data);
+    off_data = data;
+    PyObject *a_unmet = a_off ? new_array("q", count, &data) : NULL;
+    unmet = data;
+    PyObject *a_saving = a_unmet ? new_array("q", count, &data) : NULL;
+    saving = data;
+    Vec idx = {0}, ready = {0};
+    int failed = a_saving == NULL;
+    i64 first = 0; /* 2 * pos[run] */
+    for (Py_ssize_t run = 0; run < runs && !failed; run++) {
+        i64 size = sizes[run], i = run % s_count, stop = first + 2 * size;
+        int backward = i >= first_backward;
+        int before_backward = n == 1 && first_backward <= i + 1 && i + 1 < s_count;
+        i64 uploads = run >= 2 * n, to = hops + stop + 1;
+        for (i64 j = 0; j < size; j++) {
+            i64 even = first + 2 * j, odd = even + 1;
+            /* task 2p: a backward run's recompute (to its own rest); elsewhere nothing */
+            if (backward) failed |= vpush(&idx, odd);
+            off_data[even + 1] = idx.len;
+            /* task 2p + 1: the microbatch's last: the next slot's, the run's next microbatch */
+            if (i < s_count - 1) failed |= vpush(&idx, to + 2 * j);
+            if (j < size - 1) failed |= vpush(&idx, first + 2 * j + 2 + !backward);
+            if (j == size - 1 && before_backward) failed |= vpush(&idx, stop);
+            off_data[odd + 1] = idx.len;
+            if (backward) {
+                i64 saved = i < s_count - 1;
+                unmet[even] = j == 0 ? uploads + saved + (n == 1 && run > 0) : 1 + saved;
+                unmet[odd] = 2;
+            } else {
+                unmet[even] = 1;
+                unmet[odd] = j == 0 ? (i > 0) + uploads : 1 + (i > 0);
+            }
+            saving[even] = saving[odd] = -1;
+        }
+        if (!backward && i < first_backward - 1) /* a forward run: recomputes read its saves */
+            for (i64 j = 0; j < size; j++) saving[first + 2 * j + 1] = run * bound + j;
+        i64 head = backward ? first : first + 1;
+        if (!unmet[head]) failed |= vpush(&ready, head);
+        first = stop;
+    }
+    PyObject *out = NULL;
+    if (failed) {
+        Py_XDECREF(a_off);
+        Py_XDECREF(a_unmet);
+        Py_XDECREF(a_saving);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+    } else {
+        PyObject *a_idx = vec_array("q", idx.items, idx.len);
+        PyObject *a_ready = a_idx ? vec_array("q", ready.items, ready.len) : NULL;
+        if (a_ready)
+            out = Py_BuildValue("(NNNNN)", a_off, a_idx, a_unmet, a_ready, a_saving);
+        else {
+            Py_DECREF(a_off);
+            Py_DECREF(a_unmet);
+            Py_DECREF(a_saving);
+            Py_XDECREF(a_idx);
+        }
+    }
+    free(idx.items);
+    free(ready.items);
+    release(b, 1);
+    return out;
+}
+
+/* ---- stream_base: `_stream._runs_structure` ---------------------------------------------- */
+
+static PyObject *stream_base(PyObject *self, PyObject *args) {
+    PyObject *o_rounds;
+    Py_ssize_t s_count, n, iterations;
+    long long activation_hops, param_hops;
+    if (!PyArg_ParseTuple(args, "nnOnLL", &s_count, &n, &o_rounds, &iterations, &activation_hops,
+                          &param_hops))
+        return NULL;
+    Buf b[1];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_rounds, &b[0], 8, "rounds")) {
+        release(b, 1);
+        return NULL;
+    }
+    const i64 *rounds = I64(b[0]);
+    Py_ssize_t nrounds = LEN(b[0]), per_iteration = 0;
+    int bad = s_count < 1 || n < 1 || iterations < 0 || nrounds < 1;
+    for (Py_ssize_t r = 0; !bad && r < nrounds; r++) {
+        bad = rounds[r] < 1;
+        per_iteration += rounds[r];
+    }
+    if (bad) {
+        release(b, 1);
+        PyErr_SetString(PyExc_ValueError, "stream_base: a stream that cannot be built");
+        return NULL;
+    }
+    Py_ssize_t runs = iterations * nrounds * s_count, count = iterations * per_iteration * s_count;
+    void *data;
+    PyObject *a_slot = new_array("q", count, &data);
+    i64 *slot = data;
+    PyObject *a_device = a_slot ? new_array("q", count, &data) : NULL;
+    i64 *device = data;
+    PyObject *a_unmet = a_device ? new_array("q", count, &data) : NULL;
+    i64 *unmet = data;
+    PyObject *a_off = a_unmet ? new_array("q", count + 1, &data) : NULL;
+    i64 *off = data;
+    PyObject *a_run_start = a_off ? new_array("q", runs + 1, &data) : NULL;
+    i64 *run_start = data;
+    i64 *sizes = malloc(sizeof(i64) * (runs ? runs : 1));
+    Vec idx = {0};
+    int failed = a_run_start == NULL || sizes == NULL;
+    if (!failed) {
+        Py_ssize_t k = 0, t = 0;
+        for (Py_ssize_t it = 0; it < iterations; it++)
+            for (Py_ssize_t r = 0; r < nrounds; r++)
+                for (Py_ssize_t i = 0; i < s_count; i++, k++) {
+                    run_start[k] = t;
+                    sizes[k] = rounds[r];
+                    for (i64 j = 0; j < rounds[r]; j++, t++) {
+                        slot[t] = i;
+                        device[t] = k % n;
+                    }
+                }
+        run_start[runs] = count;
+        i64 activation = activation_hops * count, param = param_hops * count;
+        for (Py_ssize_t run = 0; run < runs && !failed; run++) {
+            i64 first = run_start[run], size = sizes[run], stop = first + size, i = run % s_count;
+            for (i64 task = first; task < stop - 1; task++) { /* the run's next; the next slot's */
+                failed |= vpush(&idx, task + 1);
+                if (i < s_count - 1) failed |= vpush(&idx, activation + task + size);
+                off[task + 1] = idx.len;
+            }
+            if (i < s_count - 1) failed |= vpush(&idx, activation + stop - 1 + size);
+            if (run + 2 * n < runs) failed |= vpush(&idx, param + run_start[run + 2 * n]);
+            off[stop] = idx.len;
+            unmet[first] = (i > 0) + (run >= 2 * n);
+            for (i64 task = first + 1; task < stop; task++) unmet[task] = 1 + (i > 0);
+        }
+    }
+    PyObject *out = NULL;
+    PyObject *a_idx = failed ? NULL : vec_array("q", idx.items, idx.len);
+    if (a_idx) {
+        out = Py_BuildValue("(NNNNNN)", a_slot, a_device, a_unmet, a_off, a_idx, a_run_start);
+    } else {
+        Py_XDECREF(a_slot);
+        Py_XDECREF(a_device);
+        Py_XDECREF(a_unmet);
+        Py_XDECREF(a_off);
+        Py_XDECREF(a_run_start);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+    }
+    free(sizes);
+    free(idx.items);
+    release(b, 1);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
     {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
+    {"split_layout", split_layout, METH_VARARGS, "`SplitGraph.layout`, packed."},
+    {"stream_base", stream_base, METH_VARARGS, "`_stream._runs_structure`, packed."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},

@@ -151,6 +151,7 @@ def _rank(
     times: _StageTimes,
     first: int = 0,
     loop: bool = False,
+    shapes: dict[object, _stream.Shape] | None = None,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
@@ -204,7 +205,8 @@ def _rank(
         return max(least, device_bound(p.slot_ms, n, rounds, split.heads(p.slot_ms), split.tails(p.slot_ms)))
 
     modelled: list[tuple[float, float, int, _Candidate]] = []
-    shapes: dict[object, _stream.Shape] = {}  # plans of one slot count share a task graph
+    if shapes is None:
+        shapes = {}  # plans of one slot count share a task graph (the caller's, if it ranks again)
     graphs: dict[object, _split_stream.SplitGraph] = {}  # so do split models (`split_ms`)
     reads = max(reads, keep)
     best: list[float] = []  # every modelled time so far, ascending

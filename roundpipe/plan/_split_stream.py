@@ -91,7 +91,6 @@ def split_ms(
             graphs[key] = graph
     count, pos, sizes, layers = graph.count, graph.pos, graph.sizes, split.layers
     runs = len(sizes)
-    after, unmet_start, saving, ready_start = graph.layout(first_backward)
     duration = graph.durations(slot_ms, split.recompute_ms, first_backward)
     # the uploads of run q + 2N (one hop per layer) and the recomputes reading forward run q
     uploads = []
@@ -113,6 +112,7 @@ def split_ms(
             *(native.ints(uploads), graph.packed_uploads_after(), *native.csr(readers)),
             *(n, graph.bound, native.floats(left or [0.0] * n), margin),
         )
+    after, unmet_start, saving, ready_start = graph.layout(first_backward)
     unmet = list(unmet_start)  # used up by the schedule; the rest is read only
     ready = [list(tasks) for tasks in ready_start]
     return _split_schedule(duration, graph, after, unmet, ready, saving, uploads, readers, margin, left)
@@ -163,19 +163,23 @@ class SplitGraph:
             self.uploads_after[2 * self.pos[q + 1] - 1] = q
         self._runs: dict[tuple[int, bool, bool], tuple[list[list[int]], list[int]]] = {}
         self._layouts: dict[int, tuple[list[list[int]], list[int], list[int], list[list[int]]]] = {}
-        self._packed: dict[int, tuple[array, ...]] = {}  # -1: ``uploads_after``
+        self._packed: dict[int, tuple[array, ...]] = {}  # -1: ``uploads_after``, -2: device, sizes
 
     def packed_layout(self, first_backward: int) -> tuple[array, ...]:
         """`layout` as arrays for `native`'s loop: device, dependents (offsets, flat), unmet,
         the tasks ready at the start (each device's ascending) and ``saving``."""
         if first_backward not in self._packed:
-            after, unmet, saving, ready = self.layout(first_backward)
-            offsets, flat = native.csr(after)
-            starting = native.ints(sorted(t for tasks in ready for t in tasks))
-            self._packed[first_backward] = (
-                *(native.ints(self.device), offsets, flat, native.ints(unmet), starting),
-                native.ints(saving),
+            if -2 not in self._packed:
+                self._packed[-2] = (native.ints(self.device), native.ints(self.sizes))
+            device, sizes = self._packed[-2]
+            kernels = native.kernels()
+            assert kernels is not None, "packed_layout() is for the compiled loop"
+            hops = _ACTIVATION_HOPS * self.count
+            layout = kernels.split_layout(
+                sizes, self.s_count, self.num_devices, first_backward, self.bound, hops
             )
+            offsets, flat, unmet, starting, saving = layout
+            self._packed[first_backward] = (device, offsets, flat, unmet, starting, saving)
         return self._packed[first_backward]
 
     def packed_uploads_after(self) -> array:

@@ -85,13 +85,16 @@ class Shape:
         self.count, self.num_devices = len(slot), num_devices
         self.base, self.extra = base, extra
         self._after = after
-        assert after is not None or base is not None
         self._ready: list[list[int]] | None = None
         self._packed: tuple[array, ...] | None = None
         self._run_starts: array | None = None
 
     @property
     def after(self) -> list[list[int]]:
+        if self._after is None and self.base is None:  # a base `native` built: from its arrays
+            assert self._packed is not None
+            offsets, flat = self._packed[2], self._packed[3]
+            self._after = [flat[a:b].tolist() for a, b in itertools.pairwise(offsets)]
         if self._after is None:
             assert self.base is not None
             after = list(self.base.after)
@@ -226,6 +229,16 @@ def _runs_structure(s_count: int, num_devices: int, rounds: tuple[int, ...], ite
     next run of its round (the next slot) follows right after, so a task's dependents are the run's
     next task and the same microbatch at the next slot, ``size`` tasks on."""
     n = num_devices
+    kernels = native.kernels()
+    if kernels is not None:  # the same graph, built compiled (`native`) and kept packed
+        hops = (_ACTIVATION_HOPS, _PARAM_HOPS)
+        slot, device, unmet, offsets, flat, starts = kernels.stream_base(
+            s_count, n, native.ints(rounds), iterations, *hops
+        )
+        shape = Shape(slot.tolist(), device.tolist(), unmet.tolist(), None, starts.tolist(), n)
+        shape._packed = (slot, device, offsets, flat, unmet, native.ints(()), native.ints(()))
+        shape._run_starts = starts
+        return shape
     slot: list[int] = []
     device: list[int] = []
     run_start: list[int] = []

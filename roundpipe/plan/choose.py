@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from roundpipe.plan import _candidates, _search
+from roundpipe.plan import _candidates, _search, _stream
 from roundpipe.plan._ranking import _Candidate, _rank, _stages, _StageTimes, spread
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
@@ -207,6 +207,7 @@ def _ranked_candidates(
     # window's time per iteration can fall under its bound (iterations overlap), so there the
     # margin of 4 stays.
     keep = 4 if async_optimizer else needed
+    shapes: dict[object, _stream.Shape] = {}  # the stream model's task graphs, for every ranking here
     ranked = _rank(
         list(plans.values()),
         *(n, rounds, async_optimizer),
@@ -216,12 +217,19 @@ def _ranked_candidates(
         # Sync: the proxies first (a good plan, whose time then prunes the rest sooner: 3 of 40 ms
         # at 94 layers); the order changes what is pruned, not the first ``reads`` (see `_rank`).
         first=0 if async_optimizer else len(proxies),
+        shapes=shapes,
     )
     # With sync bounds (as above) a wider plan whose bound is past the best modelled plan above
     # could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
-    extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, times=times)
-    few_best = _rank(list(few.values()), n, rounds, True, keep=1, times=times, loop=True)[:1] if loop else []
+    extra = _rank(
+        list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, times=times, shapes=shapes
+    )
+    few_best = (
+        _rank(list(few.values()), n, rounds, True, keep=1, times=times, loop=True, shapes=shapes)[:1]
+        if loop
+        else []
+    )
     if late:  # a loop one loss late runs most plans as the chained model does (`choose_plan`):
         # the best few-slot plans of the chained ranking above (modelled there already)
         few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
