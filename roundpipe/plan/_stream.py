@@ -232,11 +232,10 @@ def _runs_structure(s_count: int, num_devices: int, rounds: tuple[int, ...], ite
     kernels = native.kernels()
     if kernels is not None:  # the same graph, built compiled (`native`) and kept packed
         hops = (_ACTIVATION_HOPS, _PARAM_HOPS)
-        slot, device, unmet, offsets, flat, starts = kernels.stream_base(
-            s_count, n, native.ints(rounds), iterations, *hops
-        )
-        shape = Shape(slot.tolist(), device.tolist(), unmet.tolist(), None, starts.tolist(), n)
-        shape._packed = (slot, device, offsets, flat, unmet, native.ints(()), native.ints(()))
+        packed = kernels.stream_base(s_count, n, native.ints(rounds), iterations, *hops)
+        slots, devices, waits, offsets, flat, starts = packed
+        shape = Shape(slots.tolist(), devices.tolist(), waits.tolist(), None, starts.tolist(), n)
+        shape._packed = (slots, devices, offsets, flat, waits, native.ints(()), native.ints(()))
         shape._run_starts = starts
         return shape
     slot: list[int] = []
