@@ -198,12 +198,18 @@ def _submissions_of(
     num_microbatches: int,
     round_size: int | None,
 ) -> tuple[float, float]:
-    costs = LayerCosts(fwd_ms, bwd_ms, (0,) * len(fwd_ms))
+    costs = _times_only(fwd_ms, bwd_ms)
     with _collections_paused():
         waiting, late = loop_iteration_ms(
             plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size, window=STEADY_WINDOW
         )
     return waiting, late
+
+
+@functools.lru_cache(maxsize=8)
+def _times_only(fwd_ms: tuple[float, ...], bwd_ms: tuple[float, ...]) -> LayerCosts:
+    """The layer times as `LayerCosts` (no bytes), checked once per table, not once per plan."""
+    return LayerCosts(fwd_ms, bwd_ms, (0,) * len(fwd_ms))
 
 
 @contextmanager

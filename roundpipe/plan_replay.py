@@ -35,6 +35,7 @@ to the engine: this module has no notion of bytes. It never imports the schedule
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
@@ -44,7 +45,7 @@ from roundpipe.replay_graph import ReplayGraph, build_graph
 
 def replay_starts(
     graph: ReplayGraph, stop: bytearray | None = None, *, loop: bool = False, loss_lag: int = 0
-) -> list[float]:
+) -> Sequence[float]:
     """Every task's start time (ms) under the engine's start rule (see the module docstring), -1
     where a task did not start. With ``stop`` (a flag per task), the replay ends at the first
     instant a flagged task starts: later starts cannot come earlier.
@@ -189,6 +190,9 @@ def replay_iteration_ms(
     if not async_optimizer:
         graph = build_graph(plan, costs, num_devices, num_microbatches, 1, False, round_size)
         starts = replay_starts(graph)
+        kernels = native.kernels()
+        if kernels is not None and starts:
+            return kernels.span(starts, graph.packed()[2])  # type: ignore[no-any-return]
         ends = [s + d for s, d in zip(starts, graph.dur, strict=True)]
         return max(ends) - min(starts) if ends else 0.0
     return loop_iteration_ms(

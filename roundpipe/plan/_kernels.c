@@ -24,6 +24,9 @@ in CSR form: `off[t]..off[t+1]` index `idx` for task t's dependents. */
 
 typedef long long i64;
 
+static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data);
+static PyObject *vec_array(const char *typecode, const void *items, Py_ssize_t count);
+
 /* ---- heaps ------------------------------------------------------------------------------- */
 
 static inline void ipush(i64 *h, Py_ssize_t *n, i64 v) {
@@ -590,7 +593,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     if (failed)
         PyErr_NoMemory();
     else
-        out = Py_BuildValue("(Nn)", float_list(start, count), stalled);
+        out = Py_BuildValue("(Nn)", vec_array("d", start, count), stalled);
     free(unmet);
     free(losses_left);
     free(start);
@@ -1270,11 +1273,40 @@ static PyObject *stream_base(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- span: `max(s + d) - min(s)` of a sync replay (`plan_replay.replay_iteration_ms`) ---- */
+
+static PyObject *span(PyObject *self, PyObject *args) {
+    PyObject *o_start, *o_dur;
+    if (!PyArg_ParseTuple(args, "OO", &o_start, &o_dur)) return NULL;
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_start, &b[0], 8, "starts") || get_buf(o_dur, &b[1], 8, "durations")) {
+        release(b, 2);
+        return NULL;
+    }
+    const double *start = F64(b[0]), *dur = F64(b[1]);
+    Py_ssize_t count = LEN(b[0]);
+    if (LEN(b[1]) != count || count == 0) {
+        release(b, 2);
+        PyErr_SetString(PyExc_ValueError, "span: no tasks, or starts and durations of unequal lengths");
+        return NULL;
+    }
+    double last = start[0] + dur[0], first = start[0];
+    for (Py_ssize_t t = 1; t < count; t++) {
+        double end = start[t] + dur[t];
+        if (end > last) last = end;
+        if (start[t] < first) first = start[t];
+    }
+    release(b, 2);
+    return PyFloat_FromDouble(last - first);
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
     {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
     {"split_layout", split_layout, METH_VARARGS, "`SplitGraph.layout`, packed."},
     {"stream_base", stream_base, METH_VARARGS, "`_stream._runs_structure`, packed."},
+    {"span", span, METH_VARARGS, "The makespan of a replay: max(start + dur) - min(start)."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},

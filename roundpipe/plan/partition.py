@@ -10,6 +10,7 @@ well formed. This module must never run, time or place anything: it only decides
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -152,9 +153,10 @@ class Plan:
     def num_slots(self) -> int:
         return len(self.fwd_stages) + 1 + len(self.bwd_stages)
 
-    @property
+    @functools.cached_property
     def slots(self) -> tuple[Slot, ...]:
-        """Dispatch order: F1..Fk, FB, Bk..B1."""
+        """Dispatch order: F1..Fk, FB, Bk..B1. (Built once: plan evaluation reads it per replay,
+        and each `Slot` checks itself.)"""
         k = len(self.fwd_stages)
         out = [Slot(i, SlotKind.FWD, r, i + 1) for i, r in enumerate(self.fwd_stages)]
         out.append(Slot(k, SlotKind.FUSED, self.fused))
