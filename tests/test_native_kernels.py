@@ -21,6 +21,7 @@ import pytest
 from roundpipe.plan import LayerCosts, Plan, native, partition
 from roundpipe.plan._ranking import _StageTimes
 from roundpipe.plan._split_stream import SplitGraph, split_ms
+from roundpipe.plan._steady import steady_period
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
@@ -227,3 +228,16 @@ def test_the_compiled_split_layout_is_the_python_layout() -> None:
         assert (list(device), list(packed_unmet), list(packed_saving)) == (graph.device, unmet, saving)
         assert (list(offsets), list(flat)) == tuple(map(list, native.csr(after)))
         assert list(starting) == sorted(t for tasks in ready for t in tasks)
+
+
+@needs_native
+def test_the_compiled_policy_iteration_gives_the_python_period() -> None:
+    rng = random.Random(1)
+    for _ in range(1500):
+        n = rng.choice([1, 2, 3, 4, 8])
+        rounds = round_sizes(rng.choice([n, 2 * n, 3 * n + 1]), n)
+        slots = [rng.choice([0.0, 0.3, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 24))]
+        lead = rng.choice([None, [rng.choice([0.0, 0.5]) * x for x in slots]])
+        with native.pure_python():
+            expected = steady_period(slots, n, rounds, lead)
+        assert steady_period(slots, n, rounds, lead) == expected, (slots, n, rounds, lead)

@@ -1301,12 +1301,133 @@ static PyObject *span(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(last - first);
 }
 
+/* ---- steady_policy: `_steady.steady_period`'s policy iteration ------------------------- */
+
+/* `_value_policy` and `_improve_policy`, on in-arcs in CSR form (per node its arcs: source,
+   weight, transit), from the caller's first policy. Returns max(eta) once no node improves. */
+static PyObject *steady_policy(PyObject *self, PyObject *args) {
+    PyObject *o_off, *o_src, *o_w, *o_t, *o_policy;
+    double tol;
+    Py_ssize_t rounds_max;
+    if (!PyArg_ParseTuple(args, "OOOOOdn", &o_off, &o_src, &o_w, &o_t, &o_policy, &tol, &rounds_max))
+        return NULL;
+    Buf b[5];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_src, &b[1], 8, "sources") ||
+        get_buf(o_w, &b[2], 8, "weights") || get_buf(o_t, &b[3], 8, "transits") ||
+        get_buf(o_policy, &b[4], 8, "policy")) {
+        release(b, 5);
+        return NULL;
+    }
+    const i64 *off = I64(b[0]), *src = I64(b[1]), *tr = I64(b[3]);
+    const double *wt = F64(b[2]);
+    Py_ssize_t count = LEN(b[0]) - 1, arcs = LEN(b[1]);
+    int bad = count < 1 || LEN(b[4]) != count || LEN(b[2]) != arcs || LEN(b[3]) != arcs || off[count] != arcs;
+    for (Py_ssize_t j = 0; !bad && j < arcs; j++) bad = src[j] < 0 || src[j] >= count;
+    for (Py_ssize_t v = 0; !bad && v < count; v++)
+        bad = off[v + 1] <= off[v] || I64(b[4])[v] < 0 || I64(b[4])[v] >= off[v + 1] - off[v];
+    if (bad) {
+        release(b, 5);
+        PyErr_SetString(PyExc_ValueError, "steady_policy: arcs or a policy that do not fit");
+        return NULL;
+    }
+    i64 *policy = malloc(sizeof(i64) * count), *path = malloc(sizeof(i64) * count);
+    unsigned char *state = malloc(count);
+    double *x = calloc(count, sizeof(double)), *eta = calloc(count, sizeof(double));
+    PyObject *out = NULL;
+    if (!policy || !path || !state || !x || !eta) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(policy, I64(b[4]), sizeof(i64) * count);
+#define ARC(c) (off[c] + policy[c])
+    for (Py_ssize_t round = 0; round < rounds_max; round++) {
+        /* `_value_policy` */
+        memset(state, 0, count);
+        for (Py_ssize_t first = 0; first < count; first++) {
+            if (state[first]) continue;
+            Py_ssize_t len = 0, stop, k = 0;
+            i64 v = first;
+            while (!state[v]) {
+                state[v] = 1;
+                path[len++] = v;
+                v = src[ARC(v)];
+            }
+            stop = len;
+            if (state[v] == 1) { /* a new cycle: path[k:] */
+                while (path[k] != v) k++;
+                double weight = 0.0;
+                i64 transit = 0;
+                for (Py_ssize_t j = k; j < len; j++) weight += wt[ARC(path[j])];
+                for (Py_ssize_t j = k; j < len; j++) transit += tr[ARC(path[j])];
+                double ratio = weight / (double)transit;
+                for (Py_ssize_t j = len - 1; j > k; j--) {
+                    i64 c = path[j], a = ARC(c);
+                    x[c] = x[src[a]] + wt[a] - ratio * (double)tr[a];
+                    eta[c] = ratio;
+                }
+                eta[v] = ratio;
+                stop = k;
+            }
+            for (Py_ssize_t j = stop - 1; j >= 0; j--) {
+                i64 c = path[j], a = ARC(c), u = src[a];
+                eta[c] = eta[u];
+                x[c] = x[u] + wt[a] - eta[u] * (double)tr[a];
+            }
+            for (Py_ssize_t j = 0; j < len; j++) state[path[j]] = 2;
+        }
+        /* `_improve_policy` */
+        int changed = 0;
+        for (Py_ssize_t v = 0; v < count; v++) {
+            double best = eta[src[ARC(v)]];
+            for (i64 a = off[v]; a < off[v + 1]; a++)
+                if (eta[src[a]] > best + tol) {
+                    best = eta[src[a]];
+                    policy[v] = a - off[v];
+                    changed = 1;
+                }
+        }
+        if (!changed)
+            for (Py_ssize_t v = 0; v < count; v++) {
+                i64 a0 = ARC(v), u0 = src[a0];
+                double best = x[u0] + wt[a0] - eta[u0] * (double)tr[a0];
+                for (i64 a = off[v]; a < off[v + 1]; a++) {
+                    i64 u = src[a];
+                    double value = x[u] + wt[a] - eta[u] * (double)tr[a];
+                    if (fabs(eta[u] - eta[v]) <= tol && value > best + tol * 1e3) {
+                        best = value;
+                        policy[v] = a - off[v];
+                        changed = 1;
+                    }
+                }
+            }
+        if (!changed) {
+            double top = eta[0];
+            for (Py_ssize_t v = 1; v < count; v++)
+                if (eta[v] > top) top = eta[v];
+            out = PyFloat_FromDouble(top);
+            goto done;
+        }
+    }
+#undef ARC
+    PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
+done:
+    free(policy);
+    free(path);
+    free(state);
+    free(x);
+    free(eta);
+    release(b, 5);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
     {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
     {"split_layout", split_layout, METH_VARARGS, "`SplitGraph.layout`, packed."},
     {"stream_base", stream_base, METH_VARARGS, "`_stream._runs_structure`, packed."},
     {"span", span, METH_VARARGS, "The makespan of a replay: max(start + dur) - min(start)."},
+    {"steady_policy", steady_policy, METH_VARARGS, "`_steady.steady_period`'s policy iteration."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import accumulate
+
+from roundpipe.plan import native
 
 Arcs = list[list[tuple[int, float, int]]]
 
@@ -125,6 +128,16 @@ def steady_period(
     x = [0.0] * count
     eta = [0.0] * count
     tol = 1e-12 * max(1.0, max(slot_ms, default=0.0) * max(rounds) * count)
+    kernels = native.kernels()
+    if kernels is not None:  # the same iteration, compiled (`native`)
+        offsets = native.ints(accumulate(map(len, ins), initial=0))
+        sources = native.ints(u for arcs in ins for u, _, _ in arcs)
+        weights = native.floats([w for arcs in ins for _, w, _ in arcs])
+        transits = native.ints(t for arcs in ins for _, _, t in arcs)
+        period = kernels.steady_policy(
+            offsets, sources, weights, transits, native.ints(policy), tol, 4 * count + 16
+        )
+        return period  # type: ignore[no-any-return]
     for _ in range(4 * count + 16):
         _value_policy(ins, policy, x, eta)
         if not _improve_policy(ins, policy, x, eta, tol):
