@@ -11,7 +11,9 @@ It then times what a run really plans with, `roundpipe.plan_eval.choose_evaluate
 (candidates around the proxies, ranked by a model and timed on the fake engine; above
 `EVALUATE_MAX_LAYERS` the proxies decide), on the grid costs of `bench/schedule.py --grid`
 (94 decoder layers, backward 2x forward, head 3x a layer, no memory limit; and 1000 layers), in
-both modes: targets 50 ms at 94 layers and 1 s at 1000.
+both modes (and async for a loop one loss late): targets 50 ms at 94 layers and 1 s at 1000.
+``compiled`` says whether the planner's compiled loops ran (`roundpipe.plan.native`;
+``ROUNDPIPE_PURE_PYTHON=1`` times the Python loops).
 
     python bench/partition.py            # all sizes
     python bench/partition.py --quick    # fewer repeats
@@ -26,7 +28,8 @@ import random
 import statistics
 import time
 
-from roundpipe.plan import LayerCosts, Plan, analytic_bubble, objective, partition
+from roundpipe import plan_eval
+from roundpipe.plan import LayerCosts, Plan, analytic_bubble, native, objective, partition
 from roundpipe.plan_eval import choose_evaluated_plan
 
 GIB = 2**30
@@ -44,20 +47,26 @@ def grid_costs(decoders: int, bwd_ratio: float = 2.0, head: float = 3.0) -> Laye
 
 
 def time_choose(repeats: int) -> None:
-    """Median ms of `choose_evaluated_plan` at (N, M) = (8, 16), per size and mode."""
+    """Median ms of `choose_evaluated_plan` at (N, M) = (8, 16), per size and mode: sync, async,
+    and async for a loop that reads each loss one iteration late (``lag1``: what `roundpipe
+    train` plans with)."""
     for decoders, target in CHOOSE_TARGET_MS.items():
         costs = grid_costs(decoders)
-        for async_optimizer in (False, True):
+        for mode in ("sync", "async", "lag1"):
             times = []
             for _ in range(repeats if decoders < 1000 else max(1, repeats // 3)):
+                plan_eval._submissions_of.cache_clear()  # a late loop's timings are remembered
                 start = time.perf_counter()
-                plan = choose_evaluated_plan(costs, N, M, None, async_optimizer=async_optimizer)
+                plan = choose_evaluated_plan(
+                    costs, N, M, None, async_optimizer=mode != "sync", loss_lag=int(mode == "lag1")
+                )
                 times.append((time.perf_counter() - start) * 1e3)
             ms = statistics.median(times)
             row = {
                 "bench": "choose_evaluated_plan",
                 "decoders": decoders,
-                "mode": "async" if async_optimizer else "sync",
+                "mode": mode,
+                "compiled": native.kernels() is not None,
                 "ms": round(ms, 1),
                 "min_ms": round(min(times), 1),
                 "target_ms": target,

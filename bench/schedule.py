@@ -32,6 +32,7 @@ Prints one JSON line per profile and mode:
       previous losses are in, what plan_eval judges by) and chained_choice_loop_ms (the same for
       the plan a chained evaluation, every iteration submitted at once, would choose).
     python bench/schedule.py --grid [--layers 24 28] [--modes sync] [--devices 8] [--evaluations 8]
+                                    [--no-refine]   # the ranking's choice, without choose_plan's refinement
 
   --exhaustive: for the async grid shapes at (N, M) = (8, 16) of --layers (default 24 28 32; each
       shape times about a thousand plans, 10-30 s), the chosen plan against every even plan
@@ -145,14 +146,22 @@ def grid_row(
     m: int,
     async_optimizer: bool,
     evaluations: int | None = None,
+    refine: bool = True,
 ) -> dict[str, object]:
     """One shape and mode of the grid, planned as RoundPipe plans it (``evaluations``: as many
-    plans timed, instead of `choose_plan`'s default)."""
+    plans timed, instead of `choose_plan`'s default; ``refine=False``: without `choose_plan`'s
+    refinement, the ranking's choice alone)."""
     costs = grid_costs(layers, ratio, head)
     evaluate = engine_evaluator(costs, n, m, async_optimizer=async_optimizer)
     start = time.perf_counter()
     plan = choose_plan(
-        costs, n, m, async_optimizer=async_optimizer, evaluate=evaluate, evaluations=evaluations
+        costs,
+        n,
+        m,
+        async_optimizer=async_optimizer,
+        evaluate=evaluate,
+        evaluations=evaluations,
+        refine=refine,
     )
     planning_ms = (time.perf_counter() - start) * 1e3
     proxy = choose_plan(costs, n, m, async_optimizer=async_optimizer)
@@ -168,7 +177,14 @@ def grid_row(
         # (`engine_evaluator(..., loop=False)`) would choose.
         chained = engine_evaluator(costs, n, m, async_optimizer=True, loop=False)
         chained_choice = choose_plan(
-            costs, n, m, async_optimizer=True, evaluate=chained, evaluations=evaluations, loop=False
+            costs,
+            n,
+            m,
+            async_optimizer=True,
+            evaluate=chained,
+            evaluations=evaluations,
+            loop=False,
+            refine=refine,
         )
         # And a loop that reads each loss one iteration late (`RunConfig.loss_lag=1`, roundpipe
         # train's default), with the plan chosen for it as `choose_evaluated_plan` chooses (the
@@ -182,6 +198,7 @@ def grid_row(
             evaluate=late_loop_evaluator(costs, n, m),
             evaluations=evaluations,
             late=True,
+            refine=refine,
         )
         lag = submission_lag(lag_choice, costs, n, m, async_optimizer=True, loss_lag=1)
         lag_planning_ms = (time.perf_counter() - start) * 1e3
@@ -220,7 +237,8 @@ def grid(args: argparse.Namespace) -> None:
     for layers, ratio, head, (n, m), mode in itertools.product(
         args.layers or GRID_LAYERS, GRID_BWD_RATIOS, GRID_HEADS, devices, args.modes
     ):
-        print(json.dumps(grid_row(layers, ratio, head, n, m, mode == "async", args.evaluations)), flush=True)
+        row = grid_row(layers, ratio, head, n, m, mode == "async", args.evaluations, not args.no_refine)
+        print(json.dumps(row), flush=True)
 
 
 def tables(path: str) -> None:
@@ -363,6 +381,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     parser.add_argument("--devices", type=int, nargs="+", choices=[8, 4, 2], help="grid (N, M) by N")
     parser.add_argument("--evaluations", type=int, help="plans choose_plan times (default: its own)")
+    parser.add_argument("--no-refine", action="store_true", help="grid: choose_plan(..., refine=False)")
     parser.add_argument("--tables", metavar="GRID_JSONL", help="print the docs tables of a --grid output")
     parser.add_argument(
         "--exhaustive", action="store_true", help="async choices at (8, 16) against every even plan"
