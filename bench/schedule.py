@@ -146,7 +146,7 @@ def grid_row(
     m: int,
     async_optimizer: bool,
     evaluations: int | None = None,
-    refine: bool = True,
+    refine: bool | None = None,
 ) -> dict[str, object]:
     """One shape and mode of the grid, planned as RoundPipe plans it (``evaluations``: as many
     plans timed, instead of `choose_plan`'s default; ``refine=False``: without `choose_plan`'s
@@ -237,7 +237,9 @@ def grid(args: argparse.Namespace) -> None:
     for layers, ratio, head, (n, m), mode in itertools.product(
         args.layers or GRID_LAYERS, GRID_BWD_RATIOS, GRID_HEADS, devices, args.modes
     ):
-        row = grid_row(layers, ratio, head, n, m, mode == "async", args.evaluations, not args.no_refine)
+        row = grid_row(
+            layers, ratio, head, n, m, mode == "async", args.evaluations, False if args.no_refine else None
+        )
         print(json.dumps(row), flush=True)
 
 
