@@ -75,9 +75,12 @@ def choose_plan(
     loop reads each loss one iteration late (`roundpipe.plan_eval.late_loop_evaluator`), which on
     most plans submits as a chained run does, so the best two of those few-slot plans by the
     chained model are timed as well. ``refine``: then the plans next to the best timed ones
-    (`_refine`); by default for async runs only, whose ranking model is 10-34% off the engine on
-    some plans (the sync model, `split_ms`, gives the engine's time on most, and refining found
-    little there: 8 of the grid's 288 sync shapes, by at most 2.1%, for 11 ms more at 94 layers).
+    (`_refine`); by default for the late loop only, whose ranking is the least exact (the chained
+    model, for a loop that runs each plan the better of two ways) and whose choices were furthest
+    from the best (8.5% on the grid's 24-32 layer shapes at (8, 16), now 4.5%). Elsewhere it
+    found less than it cost: sync, 8 of the grid's 288 shapes shorter, by at most 2.1%; the
+    waiting async loop, 58 of 288, 0.3% on the mean, for about 15 ms more at 94 layers (half
+    again), against a 50 ms target (docs/performance.md).
     """
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
@@ -118,7 +121,7 @@ def choose_plan(
     for _, plan in few:
         chosen.setdefault(_stages(plan), plan)
     timed = {key: (evaluate(p), p) for key, p in chosen.items()}
-    if async_optimizer if refine is None else refine:
+    if (late and loop and async_optimizer) if refine is None else refine:
         _refine(timed, [p for _, p in extra], chains, costs, rounds, evaluate, async_optimizer, loop)
     best_ms = min(ms for ms, _ in timed.values())
     ties = [p for ms, p in timed.values() if ms <= best_ms * (1 + 1e-9)]
