@@ -66,6 +66,12 @@ def random_plans(seed: int, count: int) -> list[tuple[Plan, LayerCosts, int, int
     return out
 
 
+def random_rounds(rng: random.Random) -> tuple[int, tuple[int, ...]]:
+    """A device count and the rounds of a microbatch count of one to three rounds and a bit."""
+    n = rng.choice([1, 2, 3, 4, 8])
+    return n, round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+
+
 def graph_fields(
     plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, its: int, asynch: bool, lean: bool
 ):
@@ -122,8 +128,7 @@ def test_the_compiled_replay_gives_every_start_of_the_python_replay() -> None:
 def test_the_compiled_stream_model_gives_the_python_times() -> None:
     rng = random.Random(11)
     for _ in range(300):
-        n = rng.choice([1, 2, 3, 4, 8])
-        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        n, rounds = random_rounds(rng)
         s_count = rng.randint(1, 16)
         slots = [rng.choice([0.0, 0.01, 0.5, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(s_count)]
         waits = [sorted(rng.sample(range(s_count), rng.randint(0, min(3, s_count)))) for _ in slots]
@@ -218,16 +223,16 @@ def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
 def test_the_compiled_split_layout_is_the_python_layout() -> None:
     rng = random.Random(21)
     for _ in range(200):
-        n = rng.choice([1, 2, 3, 4, 8])
-        rounds = round_sizes(rng.choice([n, n + 1, 2 * n, 3 * n + 1]), n)
+        n, rounds = random_rounds(rng)
         s_count = rng.randint(1, 16)
         graph = SplitGraph(s_count, n, rounds)
         first_backward = rng.randint(1, s_count)
         after, unmet, saving, ready = graph.layout(first_backward)
-        device, offsets, flat, packed_unmet, starting, packed_saving = graph.packed_layout(first_backward)
+        device, offsets, flat, packed_unmet, packed_saving = graph.packed_layout(first_backward)
         assert (list(device), list(packed_unmet), list(packed_saving)) == (graph.device, unmet, saving)
         assert (list(offsets), list(flat)) == tuple(map(list, native.csr(after)))
-        assert list(starting) == sorted(t for tasks in ready for t in tasks)
+        # the compiled loop starts from the tasks with nothing unmet: the layout's ready ones
+        assert [t for t, waits in enumerate(unmet) if not waits] == sorted(t for ts in ready for t in ts)
 
 
 @needs_native

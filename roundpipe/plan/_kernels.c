@@ -179,8 +179,124 @@ static inline int vpush(Vec *v, i64 x) {
     return 0;
 }
 
-/* ---- list_schedule: `_stream._list_schedule` ------------------------------------------- */
+/* ---- the stream models' loop: `_stream._list_schedule` and `_split_stream._split_schedule` - */
 
+/* One loop for both models, as the two Python loops are one loop with different extras: a free
+   device starts its ready task first in dispatch order; computes end in time order; dependencies
+   met after transfers (codes past k) come once every compute of the instant has ended. Optional
+   parts (NULL when unused): extra dependents (`_stream`'s weight waits and gate), the watched
+   tasks and their deadline (a window), start times, and `split_ms`'s uploads and saved readers. */
+typedef struct {
+    Py_ssize_t k, num_devices;
+    const double *duration;
+    const i64 *device, *off, *idx, *xoff, *xidx;
+    i64 *unmet;
+    double *left, give_up;
+    const unsigned char *watch;
+    Py_ssize_t waiting;
+    i64 opening;
+    double span, *start;
+    const i64 *uploads_after, *uploads, *saving, *roff, *ridx;
+    i64 bound;
+    Py_ssize_t met_cap;
+} Stream;
+
+/* Returns 0 and sets *result (inf once given up), or -1 out of memory. */
+static int stream_loop(Stream *s, double *result) {
+    Py_ssize_t k = s->k, n = s->num_devices;
+    const i64 *device = s->device;
+    unsigned char *busy = calloc(n ? n : 1, 1);
+    Event *ends = malloc(sizeof(Event) * (n + 1));
+    i64 *met = malloc(sizeof(i64) * (s->met_cap ? s->met_cap : 1));
+    Heaps ready;
+    Vec touched = {0};
+    int failed = heaps_init(&ready, device, k, n) || !busy || !ends || !met;
+    if (!failed) {
+        for (Py_ssize_t t = 0; t < k; t++) /* ascending: each device's is a heap */
+            if (!s->unmet[t]) HEAP(ready, device[t])[ready.len[device[t]]++] = t;
+        Py_ssize_t nends = 0, nmet = 0, waiting = s->waiting;
+        double now = 0.0, deadline = INFINITY;
+        for (Py_ssize_t d = 0; d < n; d++) failed |= vpush(&touched, d);
+        for (;;) {
+            int done = 0;
+            for (Py_ssize_t i = 0; i < touched.len && !done; i++) {
+                i64 d = touched.items[i];
+                if (busy[d] || !ready.len[d]) continue;
+                i64 t = ipop(HEAP(ready, d), &ready.len[d]);
+                busy[d] = 1;
+                if (s->start) s->start[t] = now;
+                Event e = {now + s->duration[t], t};
+                epush(ends, &nends, e);
+                if (now + s->left[d] > s->give_up) {
+                    *result = INFINITY;
+                    done = 1;
+                    break;
+                }
+                s->left[d] -= s->duration[t];
+                if (s->watch && s->watch[t]) {
+                    if (!--waiting) {
+                        *result = now;
+                        done = 1;
+                    } else if (t == s->opening) {
+                        deadline = now + s->span;
+                    }
+                }
+            }
+            if (done) break;
+            touched.len = 0;
+            i64 t;
+            if (nends && (ends[0].t == now || !nmet)) {
+                Event e = epop(ends, &nends);
+                now = e.t;
+                t = e.task;
+                if (now > deadline) {
+                    *result = INFINITY;
+                    break;
+                }
+            } else if (nmet) {
+                t = ipop(met, &nmet) % k;
+                if (!--s->unmet[t]) {
+                    ipush(HEAP(ready, device[t]), &ready.len[device[t]], t);
+                    failed |= vpush(&touched, device[t]);
+                }
+                continue;
+            } else {
+                *result = now;
+                break;
+            }
+            busy[device[t]] = 0;
+            failed |= vpush(&touched, device[t]);
+            for (int pass = 0; pass < 2; pass++) { /* the base dependents, then the extra ones */
+                const i64 *from = pass ? s->xidx : s->idx;
+                if (from == NULL) continue;
+                i64 lo = pass ? s->xoff[t] : s->off[t], hi = pass ? s->xoff[t + 1] : s->off[t + 1];
+                for (i64 j = lo; j < hi; j++) {
+                    i64 u = from[j];
+                    if (u >= k) {
+                        ipush(met, &nmet, u);
+                    } else if (!--s->unmet[u]) {
+                        ipush(HEAP(ready, device[u]), &ready.len[device[u]], u);
+                        failed |= vpush(&touched, device[u]);
+                    }
+                }
+            }
+            if (s->uploads_after && s->uploads_after[t] >= 0) ipush(met, &nmet, s->uploads[s->uploads_after[t]]);
+            if (s->saving && s->saving[t] >= 0) {
+                i64 q = s->saving[t] / s->bound, j = s->saving[t] % s->bound;
+                for (i64 r = s->roff[q]; r < s->roff[q + 1]; r++) ipush(met, &nmet, s->ridx[r] + 2 * j);
+            }
+            if (failed) break;
+        }
+    }
+    free(busy);
+    free(ends);
+    free(met);
+    free(touched.items);
+    heaps_free(&ready);
+    return failed ? -1 : 0;
+}
+
+/* `_stream._list_schedule`: returns (now, starts). */
 static PyObject *list_schedule(PyObject *self, PyObject *args) {
     PyObject *o_slot_ms, *o_slot, *o_dev, *o_off, *o_idx, *o_unmet, *o_xsrc, *o_xcode, *o_left, *o_watched;
     Py_ssize_t num_devices;
@@ -199,8 +315,8 @@ static PyObject *list_schedule(PyObject *self, PyObject *args) {
         return NULL;
     }
     const double *slot_ms = F64(b[0]);
-    const i64 *device = I64(b[1]), *off = I64(b[2]), *idx = I64(b[3]), *slot = I64(b[9]);
-    const i64 *xsrc = I64(b[5]), *xcode = I64(b[6]), *watched = I64(b[8]);
+    const i64 *device = I64(b[1]), *slot = I64(b[9]), *xsrc = I64(b[5]), *xcode = I64(b[6]);
+    const i64 *watched = I64(b[8]);
     Py_ssize_t k = LEN(b[1]), nextra = LEN(b[5]), nwatched = LEN(b[8]), nslots = LEN(b[0]);
     int bad = LEN(b[9]) != k || LEN(b[2]) != k + 1 || LEN(b[4]) != k || LEN(b[6]) != nextra ||
               LEN(b[7]) != num_devices;
@@ -213,266 +329,138 @@ static PyObject *list_schedule(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "list_schedule: arrays of unequal lengths or out of range");
         return NULL;
     }
+    Stream s = {0};
     double *duration = malloc(sizeof(double) * (k ? k : 1)); /* `[slot_ms[i] for i in shape.slot]` */
-    i64 *unmet = malloc(sizeof(i64) * (k ? k : 1));
-    double *left = malloc(sizeof(double) * (num_devices ? num_devices : 1));
-    double *start = malloc(sizeof(double) * (k ? k : 1));
+    s.unmet = malloc(sizeof(i64) * (k ? k : 1));
+    s.left = malloc(sizeof(double) * (num_devices ? num_devices : 1));
+    s.start = malloc(sizeof(double) * (k ? k : 1));
     unsigned char *watch = calloc(k ? k : 1, 1);
-    unsigned char *busy = calloc(num_devices ? num_devices : 1, 1);
-    Event *ends = malloc(sizeof(Event) * (num_devices + 1));
-    i64 *met = malloc(sizeof(i64) * (off[k] + nextra + 1));
     /* the extra dependents by source, each source's in the order given (a stable counting sort) */
     i64 *xoff = calloc(k + 1, sizeof(i64));
     i64 *xidx = malloc(sizeof(i64) * (nextra ? nextra : 1));
     i64 *xfill = malloc(sizeof(i64) * (k ? k : 1));
-    Heaps ready;
-    Vec touched = {0};
-    int failed = heaps_init(&ready, device, k, num_devices) || !unmet || !left || !start || !watch ||
-                 !busy || !ends || !met || !xoff || !xidx || !xfill || !duration;
-    double now = 0.0, result = 0.0;
+    int failed = !duration || !s.unmet || !s.left || !s.start || !watch || !xoff || !xidx || !xfill;
+    double result = 0.0;
     if (!failed) {
-        for (Py_ssize_t t = 0; t < k; t++) duration[t] = slot_ms[slot[t]];
+        for (Py_ssize_t t = 0; t < k; t++) {
+            duration[t] = slot_ms[slot[t]];
+            s.start[t] = -1.0;
+        }
         for (Py_ssize_t i = 0; i < nextra; i++) xoff[xsrc[i] + 1]++;
         for (Py_ssize_t t = 0; t < k; t++) {
             xoff[t + 1] += xoff[t];
             xfill[t] = xoff[t];
         }
         for (Py_ssize_t i = 0; i < nextra; i++) xidx[xfill[xsrc[i]]++] = xcode[i];
-        memcpy(unmet, I64(b[4]), sizeof(i64) * k);
-        memcpy(left, F64(b[7]), sizeof(double) * num_devices);
-        for (Py_ssize_t t = 0; t < k; t++) {
-            start[t] = -1.0;
-            if (!unmet[t]) HEAP(ready, device[t])[ready.len[device[t]]++] = t; /* ascending: a heap */
-        }
-        Py_ssize_t waiting = 0;
+        memcpy(s.unmet, I64(b[4]), sizeof(i64) * k);
+        memcpy(s.left, F64(b[7]), sizeof(double) * num_devices);
         for (Py_ssize_t i = 0; i < nwatched; i++)
             if (!watch[watched[i]]) {
                 watch[watched[i]] = 1;
-                waiting++;
+                s.waiting++;
             }
-        if (!waiting) waiting = -1;
-        i64 opening = nwatched ? watched[0] : -1;
-        double deadline = INFINITY;
-        Py_ssize_t nends = 0, nmet = 0;
-        for (Py_ssize_t d = 0; d < num_devices; d++) failed |= vpush(&touched, d);
-        for (;;) {
-            int done = 0;
-            for (Py_ssize_t i = 0; i < touched.len; i++) {
-                i64 d = touched.items[i];
-                if (!busy[d] && ready.len[d]) {
-                    i64 t = ipop(HEAP(ready, d), &ready.len[d]);
-                    busy[d] = 1;
-                    start[t] = now;
-                    Event e = {now + duration[t], t};
-                    epush(ends, &nends, e);
-                    if (now + left[d] > give_up) {
-                        result = INFINITY;
-                        done = 1;
-                        break;
-                    }
-                    left[d] -= duration[t];
-                    if (watch[t]) {
-                        waiting -= 1;
-                        if (!waiting) {
-                            result = now;
-                            done = 1;
-                            break;
-                        }
-                        if (t == opening) deadline = now + span;
-                    }
-                }
-            }
-            if (done) break;
-            touched.len = 0;
-            i64 t;
-            if (nends && (ends[0].t == now || !nmet)) {
-                Event e = epop(ends, &nends);
-                now = e.t;
-                t = e.task;
-                if (now > deadline) {
-                    result = INFINITY;
-                    break;
-                }
-            } else if (nmet) {
-                t = ipop(met, &nmet) % k;
-                if (!--unmet[t]) {
-                    ipush(HEAP(ready, device[t]), &ready.len[device[t]], t);
-                    failed |= vpush(&touched, device[t]);
-                }
-                continue;
-            } else {
-                result = now;
-                break;
-            }
-            busy[device[t]] = 0;
-            failed |= vpush(&touched, device[t]);
-            for (int pass = 0; pass < 2; pass++) { /* the base dependents, then the extra ones */
-                const i64 *from = pass ? xidx : idx;
-                i64 lo = pass ? xoff[t] : off[t], hi = pass ? xoff[t + 1] : off[t + 1];
-                for (i64 j = lo; j < hi; j++) {
-                    i64 u = from[j];
-                    if (u >= k) {
-                        ipush(met, &nmet, u);
-                    } else if (!--unmet[u]) {
-                        ipush(HEAP(ready, device[u]), &ready.len[device[u]], u);
-                        failed |= vpush(&touched, device[u]);
-                    }
-                }
-            }
-            if (failed) break;
-        }
+        if (!s.waiting) s.waiting = -1;
+        s.k = k;
+        s.num_devices = num_devices;
+        s.duration = duration;
+        s.device = device;
+        s.off = I64(b[2]);
+        s.idx = I64(b[3]);
+        s.xoff = xoff;
+        s.xidx = xidx;
+        s.give_up = give_up;
+        s.watch = watch;
+        s.opening = nwatched ? watched[0] : -1;
+        s.span = span;
+        s.met_cap = s.off[k] + nextra + 1;
+        failed = stream_loop(&s, &result) < 0;
     }
     PyObject *out = NULL;
     if (failed) {
         PyErr_NoMemory();
     } else {
-        PyObject *starts = float_list(start, k);
+        PyObject *starts = float_list(s.start, k);
         if (starts) out = Py_BuildValue("(dN)", result, starts);
     }
-    free(unmet);
-    free(left);
-    free(start);
+    free(duration);
+    free(s.unmet);
+    free(s.left);
+    free(s.start);
     free(watch);
-    free(busy);
-    free(ends);
-    free(met);
     free(xoff);
     free(xidx);
     free(xfill);
-    free(duration);
-    free(touched.items);
-    heaps_free(&ready);
     release(b, 10);
     return out;
 }
 
-/* ---- split_schedule: `_split_stream._split_schedule` ------------------------------------ */
-
+/* `_split_stream._split_schedule`: returns the makespan (inf once given up). */
 static PyObject *split_schedule(PyObject *self, PyObject *args) {
-    PyObject *o_dur, *o_dev, *o_off, *o_idx, *o_unmet, *o_ready, *o_saving, *o_uploads, *o_upafter;
+    PyObject *o_dur, *o_dev, *o_off, *o_idx, *o_unmet, *o_saving, *o_uploads, *o_upafter;
     PyObject *o_roff, *o_ridx, *o_left;
     Py_ssize_t num_devices, bound;
     double give_up;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOnnOd", &o_dur, &o_dev, &o_off, &o_idx, &o_unmet, &o_ready,
-                          &o_saving, &o_uploads, &o_upafter, &o_roff, &o_ridx, &num_devices, &bound,
-                          &o_left, &give_up))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOnnOd", &o_dur, &o_dev, &o_off, &o_idx, &o_unmet, &o_saving,
+                          &o_uploads, &o_upafter, &o_roff, &o_ridx, &num_devices, &bound, &o_left,
+                          &give_up))
         return NULL;
-    Buf b[12];
+    Buf b[11];
     memset(b, 0, sizeof b);
     if (get_buf(o_dur, &b[0], 8, "duration") || get_buf(o_dev, &b[1], 8, "device") ||
         get_buf(o_off, &b[2], 8, "offsets") || get_buf(o_idx, &b[3], 8, "dependents") ||
-        get_buf(o_unmet, &b[4], 8, "unmet") || get_buf(o_ready, &b[5], 8, "ready") ||
-        get_buf(o_saving, &b[6], 8, "saving") || get_buf(o_uploads, &b[7], 8, "uploads") ||
-        get_buf(o_upafter, &b[8], 8, "uploads_after") || get_buf(o_roff, &b[9], 8, "reader offsets") ||
-        get_buf(o_ridx, &b[10], 8, "readers") || get_buf(o_left, &b[11], 8, "left")) {
-        release(b, 12);
+        get_buf(o_unmet, &b[4], 8, "unmet") || get_buf(o_saving, &b[5], 8, "saving") ||
+        get_buf(o_uploads, &b[6], 8, "uploads") || get_buf(o_upafter, &b[7], 8, "uploads_after") ||
+        get_buf(o_roff, &b[8], 8, "reader offsets") || get_buf(o_ridx, &b[9], 8, "readers") ||
+        get_buf(o_left, &b[10], 8, "left")) {
+        release(b, 11);
         return NULL;
     }
-    const double *duration = F64(b[0]);
-    const i64 *device = I64(b[1]), *off = I64(b[2]), *idx = I64(b[3]), *ready0 = I64(b[5]);
-    const i64 *saving = I64(b[6]), *uploads = I64(b[7]), *uploads_after = I64(b[8]);
-    const i64 *roff = I64(b[9]), *ridx = I64(b[10]);
-    Py_ssize_t k = LEN(b[1]), nready = LEN(b[5]), nuploads = LEN(b[7]), nruns = LEN(b[9]) - 1;
-    if (LEN(b[0]) != k || LEN(b[2]) != k + 1 || LEN(b[4]) != k || LEN(b[6]) != k || LEN(b[8]) != k ||
-        LEN(b[11]) != num_devices || bound <= 0) {
-        release(b, 12);
-        PyErr_SetString(PyExc_ValueError, "split_schedule: arrays of unequal lengths");
-        return NULL;
-    }
+    const i64 *device = I64(b[1]), *saving = I64(b[5]), *roff = I64(b[8]);
+    Py_ssize_t k = LEN(b[1]), nuploads = LEN(b[6]), nruns = LEN(b[8]) - 1;
+    int bad = LEN(b[0]) != k || LEN(b[2]) != k + 1 || LEN(b[4]) != k || LEN(b[5]) != k ||
+              LEN(b[7]) != k || LEN(b[10]) != num_devices || bound <= 0;
+    for (Py_ssize_t t = 0; !bad && t < k; t++) bad = device[t] < 0 || device[t] >= num_devices;
     /* every code pushed on ``met``: edges past k, one upload per run, every reader of a save */
-    Py_ssize_t met_cap = off[k] + nuploads + 1;
-    for (Py_ssize_t t = 0; t < k; t++)
+    Py_ssize_t met_cap = bad ? 0 : I64(b[2])[k] + nuploads + 1;
+    for (Py_ssize_t t = 0; !bad && t < k; t++)
         if (saving[t] >= 0) {
             i64 q = saving[t] / bound;
-            if (q < 0 || q >= nruns) {
-                release(b, 12);
-                PyErr_SetString(PyExc_ValueError, "split_schedule: a saving run out of range");
-                return NULL;
-            }
-            met_cap += roff[q + 1] - roff[q];
+            bad = q >= nruns;
+            if (!bad) met_cap += roff[q + 1] - roff[q];
         }
-    i64 *unmet = malloc(sizeof(i64) * (k ? k : 1));
-    double *left = malloc(sizeof(double) * (num_devices ? num_devices : 1));
-    unsigned char *busy = calloc(num_devices ? num_devices : 1, 1);
-    Event *ends = malloc(sizeof(Event) * (num_devices + 1));
-    i64 *met = malloc(sizeof(i64) * met_cap);
-    Heaps ready;
-    Vec touched = {0};
-    int failed =
-        heaps_init(&ready, device, k, num_devices) || !unmet || !left || !busy || !ends || !met;
-    double now = 0.0, result = 0.0;
+    if (bad) {
+        release(b, 11);
+        PyErr_SetString(PyExc_ValueError, "split_schedule: arrays of unequal lengths or out of range");
+        return NULL;
+    }
+    Stream s = {0};
+    s.unmet = malloc(sizeof(i64) * (k ? k : 1));
+    s.left = malloc(sizeof(double) * (num_devices ? num_devices : 1));
+    int failed = !s.unmet || !s.left;
+    double result = 0.0;
     if (!failed) {
-        memcpy(unmet, I64(b[4]), sizeof(i64) * k);
-        memcpy(left, F64(b[11]), sizeof(double) * num_devices);
-        for (Py_ssize_t i = 0; i < nready; i++) {
-            i64 t = ready0[i], d = device[t];
-            HEAP(ready, d)[ready.len[d]++] = t;
-        }
-        Py_ssize_t nends = 0, nmet = 0;
-        for (Py_ssize_t d = 0; d < num_devices; d++) failed |= vpush(&touched, d);
-        for (;;) {
-            int done = 0;
-            for (Py_ssize_t i = 0; i < touched.len; i++) {
-                i64 d = touched.items[i];
-                if (!busy[d] && ready.len[d]) {
-                    i64 t = ipop(HEAP(ready, d), &ready.len[d]);
-                    busy[d] = 1;
-                    Event e = {now + duration[t], t};
-                    epush(ends, &nends, e);
-                    if (now + left[d] > give_up) {
-                        result = INFINITY;
-                        done = 1;
-                        break;
-                    }
-                    left[d] -= duration[t];
-                }
-            }
-            if (done) break;
-            touched.len = 0;
-            i64 t;
-            if (nends && (ends[0].t == now || !nmet)) {
-                Event e = epop(ends, &nends);
-                now = e.t;
-                t = e.task;
-            } else if (nmet) {
-                t = ipop(met, &nmet) % k;
-                if (!--unmet[t]) {
-                    ipush(HEAP(ready, device[t]), &ready.len[device[t]], t);
-                    failed |= vpush(&touched, device[t]);
-                }
-                continue;
-            } else {
-                result = now;
-                break;
-            }
-            busy[device[t]] = 0;
-            failed |= vpush(&touched, device[t]);
-            for (i64 j = off[t]; j < off[t + 1]; j++) {
-                i64 u = idx[j];
-                if (u >= k) {
-                    ipush(met, &nmet, u);
-                } else if (!--unmet[u]) {
-                    ipush(HEAP(ready, device[u]), &ready.len[device[u]], u);
-                    failed |= vpush(&touched, device[u]);
-                }
-            }
-            if (uploads_after[t] >= 0) ipush(met, &nmet, uploads[uploads_after[t]]);
-            if (saving[t] >= 0) {
-                i64 q = saving[t] / bound, j = saving[t] % bound;
-                for (i64 r = roff[q]; r < roff[q + 1]; r++) ipush(met, &nmet, ridx[r] + 2 * j);
-            }
-            if (failed) break;
-        }
+        memcpy(s.unmet, I64(b[4]), sizeof(i64) * k);
+        memcpy(s.left, F64(b[10]), sizeof(double) * num_devices);
+        s.k = k;
+        s.num_devices = num_devices;
+        s.duration = F64(b[0]);
+        s.device = device;
+        s.off = I64(b[2]);
+        s.idx = I64(b[3]);
+        s.give_up = give_up;
+        s.uploads = I64(b[6]);
+        s.uploads_after = I64(b[7]);
+        s.saving = saving;
+        s.roff = roff;
+        s.ridx = I64(b[9]);
+        s.bound = bound;
+        s.met_cap = met_cap;
+        failed = stream_loop(&s, &result) < 0;
     }
     PyObject *out = failed ? PyErr_NoMemory() : PyFloat_FromDouble(result);
-    free(unmet);
-    free(left);
-    free(busy);
-    free(ends);
-    free(met);
-    free(touched.items);
-    heaps_free(&ready);
-    release(b, 12);
+    free(s.unmet);
+    free(s.left);
+    release(b, 11);
     return out;
 }
 

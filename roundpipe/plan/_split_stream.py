@@ -166,8 +166,8 @@ class SplitGraph:
         self._packed: dict[int, tuple[array, ...]] = {}  # -1: ``uploads_after``, -2: device, sizes
 
     def packed_layout(self, first_backward: int) -> tuple[array, ...]:
-        """`layout` as arrays for `native`'s loop: device, dependents (offsets, flat), unmet,
-        the tasks ready at the start (each device's ascending) and ``saving``."""
+        """`layout` as arrays for `native`'s loop: device, dependents (offsets, flat), unmet and
+        ``saving`` (the compiled loop starts from the tasks with nothing unmet: `layout`'s ready)."""
         if first_backward not in self._packed:
             if -2 not in self._packed:
                 self._packed[-2] = (native.ints(self.device), native.ints(self.sizes))
@@ -178,8 +178,8 @@ class SplitGraph:
             layout = kernels.split_layout(
                 sizes, self.s_count, self.num_devices, first_backward, self.bound, hops
             )
-            offsets, flat, unmet, starting, saving = layout
-            self._packed[first_backward] = (device, offsets, flat, unmet, starting, saving)
+            offsets, flat, unmet, _, saving = layout  # the tasks ready at the start: those unmet 0
+            self._packed[first_backward] = (device, offsets, flat, unmet, saving)
         return self._packed[first_backward]
 
     def packed_uploads_after(self) -> array:
