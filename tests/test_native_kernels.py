@@ -19,7 +19,9 @@ import random
 import pytest
 
 from roundpipe.plan import LayerCosts, Plan, native, partition
+from roundpipe.plan._candidates import balanced_split
 from roundpipe.plan._ranking import _StageTimes
+from roundpipe.plan._search import Ticks, to_ticks
 from roundpipe.plan._split_stream import SplitGraph, split_ms
 from roundpipe.plan._steady import steady_period
 from roundpipe.plan._stream import stream_ms
@@ -246,3 +248,23 @@ def test_the_compiled_policy_iteration_gives_the_python_period() -> None:
         with native.pure_python():
             expected = steady_period(slots, n, rounds, lead)
         assert steady_period(slots, n, rounds, lead) == expected, (slots, n, rounds, lead)
+
+
+@needs_native
+def test_the_compiled_even_split_is_the_python_split() -> None:
+    """`_candidates.balanced_split` (a third of a choice's time before it was compiled): the same
+    parts, memory caps, ties and both orders included, on random prefix sums."""
+    rng = random.Random(3)
+    for _ in range(4000):
+        layers = rng.randint(1, 40)
+        fwd = [rng.choice([0.0, 0.1, 0.5, 1.0, 1.0, 2.0, 3.3]) for _ in range(layers)]
+        fwd[0] = fwd[0] or 1.0
+        bwd = [x * rng.choice([1.3, 2.0, 3.0]) for x in fwd]
+        mem = [rng.randint(0, 5) for _ in fwd]
+        ticks = Ticks(*to_ticks(fwd, bwd), mem, rng.choice([None, max(mem) + rng.randint(0, 10)]))
+        pre = rng.choice([ticks.fwd, ticks.fb])
+        stop = rng.randint(0, layers)
+        parts, larger_last = rng.randint(0, stop + 1), rng.random() < 0.5
+        expected = balanced_split(pre, stop, parts, ticks.reach, larger_last=larger_last)
+        packed = (native.ints(pre), native.ints(ticks.reach))
+        assert balanced_split(packed[0], stop, parts, packed[1], larger_last=larger_last) == expected

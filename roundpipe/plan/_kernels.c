@@ -1409,6 +1409,236 @@ done:
     return out;
 }
 
+/* ---- balanced_split: `_candidates.balanced_split` --------------------------------------- */
+
+/* Python's bisect on ascending integer prefix sums, against an integer or a float value (the
+   ints are below 2**53, so each compares exactly as a double). */
+static Py_ssize_t bisect_right_i(const i64 *a, i64 x, Py_ssize_t lo, Py_ssize_t hi) {
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (x < a[mid]) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+
+static Py_ssize_t bisect_left_i(const i64 *a, i64 x, Py_ssize_t lo, Py_ssize_t hi) {
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (a[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static Py_ssize_t bisect_left_f(const i64 *a, double x, Py_ssize_t lo, Py_ssize_t hi) {
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if ((double)a[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+typedef struct {
+    const i64 *pre, *reach;
+    Py_ssize_t stop, parts;
+} Chain;
+
+static Py_ssize_t chain_next(const Chain *c, Py_ssize_t i, i64 t) { /* `nxt` */
+    Py_ssize_t j = bisect_right_i(c->pre, c->pre[i] + t, i + 1, c->stop + 1) - 1;
+    return j < c->reach[i] ? j : (Py_ssize_t)c->reach[i];
+}
+
+static Py_ssize_t chain_count(const Chain *c, i64 t) { /* `count` */
+    Py_ssize_t i = 0, used = 0;
+    while (i < c->stop) {
+        i = chain_next(c, i, t);
+        used++;
+    }
+    return used;
+}
+
+/* `_least_largest_part`: the least t at which greedy packing needs at most ``parts`` parts. */
+static i64 least_largest_part(const Chain *c, int *fits) {
+    const i64 *pre = c->pre, *reach = c->reach;
+    Py_ssize_t stop = c->stop, parts = c->parts;
+    i64 largest = pre[1] - pre[0];
+    for (Py_ssize_t k = 1; k < stop; k++)
+        if (pre[k + 1] - pre[k] > largest) largest = pre[k + 1] - pre[k];
+    i64 total = pre[stop] - pre[0], share = (total + parts - 1) / parts; /* ceil: ticks are >= 0 */
+    i64 lo = largest > share ? largest : share, hi = total;
+    for (int jump = 0; jump < 8; jump++) { /* `_JUMPS` */
+        Py_ssize_t i = 0, used = 0;
+        i64 step = hi;
+        while (i < stop) {
+            i64 base = pre[i];
+            Py_ssize_t j = bisect_right_i(pre, base + lo, i + 1, stop + 1) - 1, r = reach[i];
+            if (j >= r) j = r;
+            else if (j < stop && pre[j + 1] - base < step) step = pre[j + 1] - base;
+            i = j;
+            used++;
+        }
+        if (used <= parts) {
+            *fits = 1;
+            return lo;
+        }
+        if (step <= lo) break;
+        lo = step;
+    }
+    while (lo < hi) {
+        i64 mid = lo + (hi - lo) / 2; /* (lo + hi) // 2 for lo, hi >= 0 */
+        if (chain_count(c, mid) <= parts) hi = mid; else lo = mid + 1;
+    }
+    *fits = chain_count(c, lo) <= parts;
+    return lo;
+}
+
+/* `_nearest`: the end k in [j_min, j_max] whose part [i, k) is nearest ``goal``. */
+static Py_ssize_t nearest_end(const i64 *pre, Py_ssize_t i, double goal, Py_ssize_t j_min, Py_ssize_t j_max) {
+    Py_ssize_t at = bisect_left_f(pre, (double)pre[i] + goal, j_min, j_max + 1);
+    if (j_min < at && at <= j_max) {
+        double below = (double)(pre[at - 1] - pre[i]) - goal, above = (double)(pre[at] - pre[i]) - goal;
+        if (below < 0.0 && 0.0 <= above) {
+            if (above > -below) return at - 1;
+            while (at < j_max && pre[at + 1] == pre[at]) at++;
+            return at;
+        }
+    }
+    Py_ssize_t best = j_max, first = at + 1 < j_max ? at + 1 : j_max, last = at - 2 > j_min ? at - 2 : j_min;
+    double best_gap = INFINITY;
+    for (Py_ssize_t k0 = first; k0 >= last; k0--) {
+        Py_ssize_t k = k0;
+        while (k < j_max && pre[k + 1] == pre[k]) k++;
+        double gap = fabs((double)(pre[k] - pre[i]) - goal);
+        if (gap < best_gap || (gap == best_gap && k > best)) {
+            best = k;
+            best_gap = gap;
+        }
+    }
+    return best;
+}
+
+/* `_nearest_target`: where in ``targets`` (sorted; descending or not) the value nearest ``got``
+   is, the first in list order on ties. */
+static Py_ssize_t nearest_target(const i64 *targets, Py_ssize_t len, i64 got, int descending) {
+    Py_ssize_t lo = 0, hi = len;
+    while (lo < hi) { /* the first value <= got (descending) or >= got */
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (descending ? targets[mid] > got : targets[mid] < got) lo = mid + 1; else hi = mid;
+    }
+    Py_ssize_t at = lo, best = at < len ? at : at - 1;
+    if (at > 0) {
+        Py_ssize_t before = at - 1;
+        while (before > 0 && targets[before - 1] == targets[before]) before--;
+        i64 gb = targets[before] - got, gs = targets[best] - got;
+        if ((gb < 0 ? -gb : gb) <= (gs < 0 ? -gs : gs)) best = before;
+    }
+    return best;
+}
+
+/* `cut`: left to right, each part nearest its target (NULL: an equal share of what is left). */
+static void chain_cut(const Chain *c, i64 t, const i64 *fits, i64 *targets, Py_ssize_t ntargets,
+                      int descending, i64 *ends) {
+    const i64 *pre = c->pre;
+    Py_ssize_t i = 0, parts = c->parts, stop = c->stop;
+    for (Py_ssize_t left = parts; left > 1; left--) {
+        Py_ssize_t j_max = bisect_right_i(pre, pre[i] + t, i + 1, stop + 1) - 1;
+        if (c->reach[i] < j_max) j_max = c->reach[i];
+        if (stop - left + 1 < j_max) j_max = stop - left + 1;
+        Py_ssize_t j_min = i + 1 > fits[left - 1] ? i + 1 : fits[left - 1];
+        double goal = ntargets ? (double)targets[0] : (double)(pre[stop] - pre[i]) / (double)left;
+        Py_ssize_t j = nearest_end(pre, i, goal, j_min, j_max);
+        if (ntargets) { /* this part used up the target nearest to what it got */
+            Py_ssize_t used = nearest_target(targets, ntargets, pre[j] - pre[i], descending);
+            memmove(targets + used, targets + used + 1, sizeof(i64) * (ntargets - used - 1));
+            ntargets--;
+        }
+        ends[parts - left] = j;
+        i = j;
+    }
+    ends[parts - 1] = stop;
+}
+
+static int compare_i64(const void *a, const void *b) {
+    i64 x = *(const i64 *)a, y = *(const i64 *)b;
+    return (x > y) - (x < y);
+}
+
+static PyObject *balanced_split(PyObject *self, PyObject *args) {
+    PyObject *o_pre, *o_reach;
+    Py_ssize_t stop, parts;
+    int larger_last;
+    if (!PyArg_ParseTuple(args, "OnnOp", &o_pre, &stop, &parts, &o_reach, &larger_last)) return NULL;
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_pre, &b[0], 8, "prefix sums") || get_buf(o_reach, &b[1], 8, "reach")) {
+        release(b, 2);
+        return NULL;
+    }
+    Chain c = {I64(b[0]), I64(b[1]), stop, parts};
+    if (stop >= LEN(b[0]) || stop >= LEN(b[1]) || stop < 0) {
+        release(b, 2);
+        PyErr_SetString(PyExc_ValueError, "balanced_split: stop past the prefix sums");
+        return NULL;
+    }
+    if (!(1 <= parts && parts <= stop)) {
+        release(b, 2);
+        Py_RETURN_NONE;
+    }
+    int fits_parts = 0;
+    i64 t = least_largest_part(&c, &fits_parts);
+    if (!fits_parts) {
+        release(b, 2);
+        Py_RETURN_NONE; /* memory cuts the chain into more parts than asked for */
+    }
+    const i64 *pre = c.pre, *reach = c.reach;
+    i64 *fits = malloc(sizeof(i64) * parts), *even = malloc(sizeof(i64) * parts);
+    i64 *sizes = malloc(sizeof(i64) * parts), *again = malloc(sizeof(i64) * parts);
+    PyObject *out = NULL;
+    if (!fits || !even || !sizes || !again) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    fits[0] = stop; /* fits[k]: the least start from which the rest fits in k parts at t */
+    for (Py_ssize_t k = 1; k < parts; k++) {
+        i64 end = fits[k - 1];
+        Py_ssize_t a = bisect_left_i(pre, pre[end] - t, 0, end), r = bisect_left_i(reach, end, 0, end);
+        fits[k] = a > r ? a : r;
+    }
+    int descending = !larger_last;
+    chain_cut(&c, t, fits, NULL, 0, descending, even);
+    int ordered = 1;
+    for (Py_ssize_t k = 0; k < parts; k++) sizes[k] = pre[even[k]] - pre[k ? even[k - 1] : 0];
+    for (Py_ssize_t k = 1; k < parts; k++)
+        if (descending ? sizes[k] > sizes[k - 1] : sizes[k] < sizes[k - 1]) ordered = 0;
+    const i64 *ends = even;
+    if (!ordered) { /* the same sizes again, in order: largest first (or last) */
+        qsort(sizes, parts, sizeof(i64), compare_i64);
+        if (descending)
+            for (Py_ssize_t k = 0; k < parts / 2; k++) {
+                i64 x = sizes[k];
+                sizes[k] = sizes[parts - 1 - k];
+                sizes[parts - 1 - k] = x;
+            }
+        chain_cut(&c, t, fits, sizes, parts, descending, again);
+        ends = again;
+    }
+    out = PyList_New(parts);
+    for (Py_ssize_t k = 0; out && k < parts; k++) {
+        PyObject *end = PyLong_FromLongLong(ends[k]);
+        if (!end) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, k, end);
+    }
+done:
+    free(fits);
+    free(even);
+    free(sizes);
+    free(again);
+    release(b, 2);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
     {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
@@ -1416,6 +1646,7 @@ static PyMethodDef methods[] = {
     {"stream_base", stream_base, METH_VARARGS, "`_stream._runs_structure`, packed."},
     {"span", span, METH_VARARGS, "The makespan of a replay: max(start + dur) - min(start)."},
     {"steady_policy", steady_policy, METH_VARARGS, "`_steady.steady_period`'s policy iteration."},
+    {"balanced_split", balanced_split, METH_VARARGS, "`_candidates.balanced_split`: the part ends."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},
