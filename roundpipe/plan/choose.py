@@ -133,6 +133,10 @@ REFINE_TIMED = 4
 timing costs a millisecond or two at 94 layers (the compiled replay), the model a tenth of that."""
 
 
+OTHER_KIND_WITHIN = 1.05
+"""`_refine` looks around the best plan of the other kind only when it is within this of the best."""
+
+
 def _refine(
     timed: dict[tuple[tuple[range, ...], range, tuple[range, ...]], tuple[float, Plan]],
     wider: list[Plan],
@@ -183,7 +187,12 @@ def _refine(
             time(even_plan(list(stages[0]), stages[1], list(stages[2]), costs, num_devices, m))
     first = best(timed.values())
     wide = first.num_slots > num_devices
-    other_kind = [x for x in timed.values() if (x[1].num_slots > num_devices) != wide]
+    first_ms = timed[_stages(first)][0]
+    other_kind = [
+        x
+        for x in timed.values()
+        if (x[1].num_slots > num_devices) != wide and x[0] <= first_ms * OTHER_KIND_WITHIN
+    ]
     for around in [first, *([best(other_kind)] if other_kind else [])] if REFINE_TIMED else []:
         near: dict[object, _Candidate] = {}
         for s_count in (around.num_slots, around.num_slots - 1, around.num_slots + 1):
