@@ -185,3 +185,16 @@ def test_lane_overlap_is_named(valid_trace: Trace) -> None:
     violation = _assert_violation(trace, "lane", a, b)
     assert "d0.compute" in str(violation)
     rules.check_dependencies(trace.records)  # only the lane is broken
+
+
+def test_device_times_never_end_after_the_host_saw_them_end() -> None:
+    """The CUDA backend maps its event times onto the host clock, which drifts from the GPU's
+    (0.2 ms in 96 s on an H200): bounded by when the host saw the end, a host task that waited
+    for a device task can never appear to start before it ended."""
+    from roundpipe.backends.cuda import device_times_on_host_clock
+
+    # the GPU clock ran ahead: the end is pulled back to when the host saw it, the start too
+    assert device_times_on_host_clock(1000.0, 5.0, 9.0, 1008.5) == (1005.0, 1008.5)
+    assert device_times_on_host_clock(1000.0, 9.0, 9.5, 1008.5) == (1008.5, 1008.5)
+    # behind (or on time): unchanged
+    assert device_times_on_host_clock(1000.0, 5.0, 9.0, 1012.0) == (1005.0, 1009.0)
