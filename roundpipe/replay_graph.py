@@ -195,16 +195,13 @@ def _built(
         native.ints(round_sizes(num_microbatches, num_devices, round_size)),
         *(num_devices, iterations, plan.num_layers, async_optimizer, lean, SEQ),
     )
-    res, rank, dur, deps_offsets, deps_flat, batches, comp_offsets, computes, loss_offsets, losses, seq = (
-        packed
-    )
+    res, rank, dur, dependents, batches, comp_offsets, computes, loss_offsets, losses, seq = packed
     graph = ReplayGraph(num_devices)
     graph.res, graph.rank, graph.dur, graph.seq = res, rank, dur, seq
     graph.batches = batches.tolist()
     graph.computes = [computes[a:b].tolist() for a, b in itertools.pairwise(comp_offsets)]
     graph.losses = [losses[a:b].tolist() for a, b in itertools.pairwise(loss_offsets)]
-    offsets, flat, unmet = kernels.invert(deps_offsets, deps_flat)
-    graph.set_packed((res, rank, dur, offsets, flat, unmet, native.ints(graph.batches)))
+    graph.set_packed((res, rank, dur, *dependents, batches))  # dependents: offsets, flat, unmet
     return graph
 
 

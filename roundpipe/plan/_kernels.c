@@ -620,40 +620,20 @@ static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data) 
     return out;
 }
 
-static PyObject *invert(PyObject *self, PyObject *args) {
-    PyObject *o_off, *o_idx;
-    if (!PyArg_ParseTuple(args, "OO", &o_off, &o_idx)) return NULL;
-    Buf b[2];
-    memset(b, 0, sizeof b);
-    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_idx, &b[1], 8, "dependencies")) {
-        release(b, 2);
-        return NULL;
-    }
-    const i64 *off = I64(b[0]), *idx = I64(b[1]);
-    Py_ssize_t count = LEN(b[0]) - 1, edges = LEN(b[1]);
-    if (count < 0 || off[count] != edges) {
-        release(b, 2);
-        PyErr_SetString(PyExc_ValueError, "invert: offsets do not match the dependencies");
-        return NULL;
-    }
-    for (Py_ssize_t j = 0; j < edges; j++)
-        if (idx[j] < 0 || idx[j] >= count) {
-            release(b, 2);
-            PyErr_SetString(PyExc_ValueError, "invert: a dependency out of range");
-            return NULL;
-        }
+/* Dependencies (CSR, every one in range) to (dependents offsets, dependents, unmet counts): each
+   task's dependents in task order, as the engine lists them. */
+static PyObject *invert_csr(const i64 *off, const i64 *idx, Py_ssize_t count) {
+    Py_ssize_t edges = off[count];
     i64 *out_off, *out_idx, *unmet;
     PyObject *a_off = new_array("q", count + 1, (void **)&out_off);
     PyObject *a_idx = a_off ? new_array("q", edges, (void **)&out_idx) : NULL;
     PyObject *a_unmet = a_idx ? new_array("q", count, (void **)&unmet) : NULL;
-    i64 *fill = malloc(sizeof(i64) * (count ? count : 1));
-    if (!a_unmet || !fill) {
+    i64 *fill = a_unmet ? malloc(sizeof(i64) * (count ? count : 1)) : NULL;
+    if (fill == NULL) {
         Py_XDECREF(a_off);
         Py_XDECREF(a_idx);
         Py_XDECREF(a_unmet);
-        free(fill);
-        release(b, 2);
-        return fill ? NULL : PyErr_NoMemory();
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
     for (Py_ssize_t j = 0; j < edges; j++) out_off[idx[j] + 1]++;
     for (Py_ssize_t t = 0; t < count; t++) {
@@ -665,8 +645,30 @@ static PyObject *invert(PyObject *self, PyObject *args) {
     for (Py_ssize_t t = 0; t < count; t++)
         for (i64 j = off[t]; j < off[t + 1]; j++) out_idx[fill[idx[j]]++] = t;
     free(fill);
-    release(b, 2);
     return Py_BuildValue("(NNN)", a_off, a_idx, a_unmet);
+}
+
+static PyObject *invert(PyObject *self, PyObject *args) {
+    PyObject *o_off, *o_idx;
+    if (!PyArg_ParseTuple(args, "OO", &o_off, &o_idx)) return NULL;
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_idx, &b[1], 8, "dependencies")) {
+        release(b, 2);
+        return NULL;
+    }
+    const i64 *off = I64(b[0]), *idx = I64(b[1]);
+    Py_ssize_t count = LEN(b[0]) - 1, edges = LEN(b[1]);
+    const char *bad = count < 0 || off[count] != edges ? "offsets do not match the dependencies" : NULL;
+    for (Py_ssize_t j = 0; !bad && j < edges; j++)
+        if (idx[j] < 0 || idx[j] >= count) bad = "a dependency out of range";
+    PyObject *out = NULL;
+    if (bad)
+        PyErr_Format(PyExc_ValueError, "invert: %s", bad);
+    else
+        out = invert_csr(off, idx, count);
+    release(b, 2);
+    return out;
 }
 
 /* ---- build: `roundpipe.replay_graph._Builder` ----------------------------------------- */
@@ -929,23 +931,20 @@ static PyObject *build(PyObject *self, PyObject *args) {
             PyObject *a_res = vec_array("q", g.res.items, count);
             PyObject *a_rank = vec_array("q", rank, count);
             PyObject *a_dur = vec_array("d", g.dur.items, count);
-            PyObject *a_doff = vec_array("q", g.dep_off.items, g.dep_off.len);
-            PyObject *a_didx = vec_array("q", g.dep_idx.items, g.dep_idx.len);
+            PyObject *a_dependents = invert_csr(g.dep_off.items, g.dep_idx.items, count);
             PyObject *a_batches = vec_array("q", batches.items, batches.len);
             PyObject *a_coff = vec_array("q", comp_off.items, comp_off.len);
             PyObject *a_comp = vec_array("q", computes.items, computes.len);
             PyObject *a_loff = vec_array("q", loss_off.items, loss_off.len);
             PyObject *a_loss = vec_array("q", losses.items, losses.len);
-            if (a_res && a_rank && a_dur && a_doff && a_didx && a_batches && a_coff && a_comp && a_loff &&
-                a_loss)
-                out = Py_BuildValue("(NNNNNNNNNNL)", a_res, a_rank, a_dur, a_doff, a_didx, a_batches,
-                                    a_coff, a_comp, a_loff, a_loss, (long long)seq);
+            if (a_res && a_rank && a_dur && a_dependents && a_batches && a_coff && a_comp && a_loff && a_loss)
+                out = Py_BuildValue("(NNNNNNNNNL)", a_res, a_rank, a_dur, a_dependents, a_batches, a_coff,
+                                    a_comp, a_loff, a_loss, (long long)seq);
             else {
                 Py_XDECREF(a_res);
                 Py_XDECREF(a_rank);
                 Py_XDECREF(a_dur);
-                Py_XDECREF(a_doff);
-                Py_XDECREF(a_didx);
+                Py_XDECREF(a_dependents);
                 Py_XDECREF(a_batches);
                 Py_XDECREF(a_coff);
                 Py_XDECREF(a_comp);

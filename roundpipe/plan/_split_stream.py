@@ -109,7 +109,7 @@ def split_ms(
         return kernels.split_schedule(  # type: ignore[no-any-return]
             native.floats(duration),
             *graph.packed_layout(first_backward),
-            *(native.ints(uploads), graph.packed_uploads_after(), *native.csr(readers)),
+            *(native.ints(uploads), graph.arrays()[2], *native.csr(readers)),
             *(n, graph.bound, native.floats(left or [0.0] * n), margin),
         )
     after, unmet_start, saving, ready_start = graph.layout(first_backward)
@@ -133,6 +133,7 @@ class SplitGraph:
     the device's previous run (`GraphBuilder._backward_context`)."""
 
     __slots__ = (
+        "_arrays",
         "_layouts",
         "_packed",
         "_runs",
@@ -163,15 +164,24 @@ class SplitGraph:
             self.uploads_after[2 * self.pos[q + 1] - 1] = q
         self._runs: dict[tuple[int, bool, bool], tuple[list[list[int]], list[int]]] = {}
         self._layouts: dict[int, tuple[list[list[int]], list[int], list[int], list[list[int]]]] = {}
-        self._packed: dict[int, tuple[array, ...]] = {}  # -1: ``uploads_after``, -2: device, sizes
+        self._packed: dict[int, tuple[array, ...]] = {}  # `packed_layout`, by first backward slot
+        self._arrays: tuple[array, array, array] | None = None  # device, sizes, uploads_after
+
+    def arrays(self) -> tuple[array, array, array]:
+        """``device``, ``sizes`` and ``uploads_after`` as arrays for `native`, packed once."""
+        if self._arrays is None:
+            self._arrays = (
+                native.ints(self.device),
+                native.ints(self.sizes),
+                native.ints(self.uploads_after),
+            )
+        return self._arrays
 
     def packed_layout(self, first_backward: int) -> tuple[array, ...]:
         """`layout` as arrays for `native`'s loop: device, dependents (offsets, flat), unmet and
         ``saving`` (the compiled loop starts from the tasks with nothing unmet: `layout`'s ready)."""
         if first_backward not in self._packed:
-            if -2 not in self._packed:
-                self._packed[-2] = (native.ints(self.device), native.ints(self.sizes))
-            device, sizes = self._packed[-2]
+            device, sizes, _ = self.arrays()
             kernels = native.kernels()
             assert kernels is not None, "packed_layout() is for the compiled loop"
             hops = _ACTIVATION_HOPS * self.count
@@ -181,11 +191,6 @@ class SplitGraph:
             offsets, flat, unmet, _, saving = layout  # the tasks ready at the start: those unmet 0
             self._packed[first_backward] = (device, offsets, flat, unmet, saving)
         return self._packed[first_backward]
-
-    def packed_uploads_after(self) -> array:
-        if -1 not in self._packed:
-            self._packed[-1] = (native.ints(self.uploads_after),)
-        return self._packed[-1][0]
 
     def layout(self, first_backward: int) -> tuple[list[list[int]], list[int], list[int], list[list[int]]]:
         """For plans whose backward slots begin at ``first_backward``: every task's dependents

@@ -125,8 +125,6 @@ def steady_period(
     count = len(ins)
     # Start from the heaviest arc that crosses the most iterations: close to the final policy.
     policy = [max(range(len(arcs)), key=[(t, w) for _, w, t in arcs].__getitem__) for arcs in ins]
-    x = [0.0] * count
-    eta = [0.0] * count
     tol = 1e-12 * max(1.0, max(slot_ms, default=0.0) * max(rounds) * count)
     kernels = native.kernels()
     if kernels is not None:  # the same iteration, compiled (`native`)
@@ -138,6 +136,8 @@ def steady_period(
             offsets, sources, weights, transits, native.ints(policy), tol, 4 * count + 16
         )
         return period  # type: ignore[no-any-return]
+    x = [0.0] * count
+    eta = [0.0] * count
     for _ in range(4 * count + 16):
         _value_policy(ins, policy, x, eta)
         if not _improve_policy(ins, policy, x, eta, tol):

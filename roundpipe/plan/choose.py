@@ -173,18 +173,17 @@ def _refine(
     def best(plans: Iterable[tuple[float, Plan]]) -> Plan:
         return min(plans, key=lambda timed_plan: timed_plan[0])[1]
 
-    def even_stages(
-        s_count: int, fused_start: int
-    ) -> list[tuple[tuple[range, ...], range, tuple[range, ...]]]:
+    def even_candidates(s_count: int, fused_start: int) -> list[_Candidate]:
         if not chains.ticks.p_mem <= fused_start < n or s_count < 1:
             return []
-        return [(tuple(f), fused, tuple(b)) for _, (f, fused, b) in chains.plans(s_count, fused_start)]
+        keys = [(tuple(f), fused, tuple(b)) for _, (f, fused, b) in chains.plans(s_count, fused_start)]
+        return [_Candidate(None, key, times.of(*key), num_devices, m) for key in keys]
 
     for plan in wider:
         time(plan)
     for plan in [best(timed.values()), *wider]:
-        for stages in even_stages(plan.num_slots, plan.fused.start):
-            time(even_plan(list(stages[0]), stages[1], list(stages[2]), costs, num_devices, m))
+        for candidate in even_candidates(plan.num_slots, plan.fused.start):
+            time(candidate.plan())
     first = best(timed.values())
     wide = first.num_slots > num_devices
     first_ms = timed[_stages(first)][0]
@@ -193,13 +192,14 @@ def _refine(
         for x in timed.values()
         if (x[1].num_slots > num_devices) != wide and x[0] <= first_ms * OTHER_KIND_WITHIN
     ]
-    for around in [first, *([best(other_kind)] if other_kind else [])] if REFINE_TIMED else []:
+    for around in [first, *([best(other_kind)] if other_kind else [])]:
         near: dict[object, _Candidate] = {}
         for s_count in (around.num_slots, around.num_slots - 1, around.num_slots + 1):
             for fused_start in (around.fused.start, around.fused.start - 1, around.fused.start + 1):
-                for key in even_stages(s_count, fused_start):
+                for candidate in even_candidates(s_count, fused_start):
+                    key = (candidate.fwd_stages, candidate.fused, candidate.bwd_stages)
                     if key not in timed:
-                        near[key] = _Candidate(None, key, times.of(*key), num_devices, m)
+                        near.setdefault(key, candidate)
         few = async_optimizer and loop and around.num_slots <= num_devices
         modelled = _rank(
             list(near.values()),
