@@ -28,8 +28,8 @@ Prints one JSON line per profile and mode:
       one iteration; async: iterations 2-6 of a chained run of 6), analytic N(N-1)/(M*S+N(N-1)) of
       the chosen S (sync), ok (sync: bubble <= analytic + 1.5 points; async: < 3% at (8, 16)),
       iteration_ms, proxy_ms (the plan chosen without evaluation), planning_ms; async also
-      loop_ms (the chosen plan as a training loop runs it: each iteration submitted once the
-      previous losses are in, what plan_eval judges by) and chained_choice_loop_ms (the same for
+      loop_ms (the chosen plan as a training loop runs it once settled: each iteration submitted
+      once the previous losses are in, what plan_eval judges by) and chained_choice_loop_ms (the same for
       the plan a chained evaluation, every iteration submitted at once, would choose).
     python bench/schedule.py --grid [--layers 24 28] [--modes sync] [--devices 8] [--evaluations 8]
                                     [--no-refine]   # the ranking's choice, without choose_plan's refinement
@@ -37,7 +37,7 @@ Prints one JSON line per profile and mode:
   --exhaustive: for the async grid shapes at (N, M) = (8, 16) of --layers (default 24 28 32; each
       shape times about a thousand plans, 10-30 s), the chosen plan against every even plan
       (`every_even_plan`), all timed as choose_plan's evaluator times them (a training loop's
-      submission): chosen_ms, best_ms, gap (chosen / best - 1), and the fastest even plan whose
+      submission, the time per iteration it settles at): chosen_ms, best_ms, gap (chosen / best - 1), and the fastest even plan whose
       chained steady bubble is under 3% (none when there is none within 10% of the chosen).
       ``--loss-lag 1``: for a loop reading each loss one iteration late (roundpipe train's).
     python bench/schedule.py --exhaustive [--layers 24] [--loss-lag 1]
@@ -121,21 +121,11 @@ def measure(plan: Plan, costs: LayerCosts, n: int, m: int, async_optimizer: bool
 
 
 def loop_ms(plan: Plan, costs: LayerCosts, n: int, m: int, loss_lag: int = 0) -> float:
-    """Async ms per iteration (iterations 1-5) as a training loop runs it: each iteration
-    submitted once the previous one's losses are in (`simulate(..., after_loss=True)`), or with
-    ``loss_lag=1`` once the losses of the one before that are (each loss read one iteration late)."""
-    run = simulate(
-        plan,
-        costs,
-        n,
-        m,
-        iterations=STEADY_ITERATIONS,
-        async_optimizer=True,
-        after_loss=True,
-        loss_lag=loss_lag,
-    )
-    starts = iteration_starts(run, STEADY_ITERATIONS)
-    return (starts[-1] - starts[1]) / (STEADY_ITERATIONS - 2)
+    """Async ms per iteration as a training loop runs it, once settled: each iteration submitted
+    once the previous one's losses are in (`simulate(..., after_loss=True)`), or with
+    ``loss_lag=1`` once the losses of the one before that are (each loss read one iteration late);
+    run on the engine (`engine_evaluator(..., engine=True)`, `roundpipe.plan_replay.settled_ms`)."""
+    return engine_evaluator(costs, n, m, async_optimizer=True, loss_lag=loss_lag, engine=True)(plan)
 
 
 def grid_row(

@@ -5,9 +5,12 @@ what the engine does, the engine is right. `engine_evaluator` gives `choose_plan
 evaluation: it builds the graphs the training path builds, for whatever plan it is given, runs
 them through the engine under a virtual clock and returns the iteration time in milliseconds.
 Synchronous runs: the makespan of one iteration (fill and drain included). Asynchronous runs: the
-steady time per iteration (between the first computes of two later iterations) of a run
+time per iteration that a run settles at (the gap between consecutive iterations' first computes
+once it repeats, never under the busiest device's share: `roundpipe.plan_replay.settled_ms`),
 submitted as a training loop submits it: `RoundPipe.forward_backward` returns, and the loop calls
-`step()` and submits the next iteration, once the fused stage's losses are in. A *chained* run
+`step()` and submits the next iteration, once the fused stage's losses are in. The settled time,
+not a fixed window of the first iterations: those run up to 10-40% faster or slower than a long
+run does (docs/performance.md, "Settled iterations"). A *chained* run
 (every iteration submitted at once, ``loop=False``) lends an iteration's idle devices to the
 next one, which a loop cannot: a fused-only plan of 4 devices x 8 microbatches runs its two
 rounds on two of them, and judged chained it looked twice as fast as it runs
@@ -31,14 +34,15 @@ from contextlib import contextmanager
 
 from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.partition import Plan
-from roundpipe.plan_replay import loop_iteration_ms, replay_iteration_ms
+from roundpipe.plan_replay import CHAINED_WINDOW, loop_iteration_ms, replay_iteration_ms, settled_ms
 from roundpipe.simulate import SimulationResult, run_fake
 
-STEADY_WINDOW = (1, 5)
-"""Async evaluation: time per iteration between the first computes of iterations 1 and 5 (0-based)
-of a run of 6 (the window of the schedule targets); iteration 0 fills the pipeline. A
-shorter window (1, 3) is a third cheaper but ranks some plans of the profile grid differently."""
+STEADY_WINDOW = CHAINED_WINDOW
+"""A chained async evaluation (and one given a window): time per iteration between the first
+computes of iterations 1 and 5 (0-based) of a run of 6; iteration 0 fills the pipeline. A
+training loop's evaluation reads the time it settles at instead (`engine_evaluator`)."""
 
 
 def iteration_starts(result: SimulationResult, iterations: int) -> list[float]:
@@ -57,19 +61,23 @@ def engine_evaluator(
     *,
     async_optimizer: bool,
     round_size: int | None = None,
-    window: tuple[int, int] = STEADY_WINDOW,
+    window: tuple[int, int] | None = None,
     engine: bool = False,
     loop: bool = True,
     loss_lag: int = 0,
 ) -> Callable[[Plan], float]:
     """``evaluate(plan) -> ms per iteration`` for `choose_plan`: the engine's figure on the fake
-    backend, by `replay_iteration_ms` (or, with ``engine=True``, by running the engine); async,
+    backend, by `replay_iteration_ms` (or, with ``engine=True``, by running the engine). Async:
     as a training loop submits the iterations (the module docstring; ``loss_lag=1``: a loop that
-    reads each loss one iteration late, `RoundPipe.forward_backward(..., wait=False)`), or chained
-    (``loop=False``: what the ranking models are checked against)."""
-    first, last = window
-    if not 0 <= first < last:
-        raise ValueError(f"the steady window {window} must be two iterations, first < last")
+    reads each loss one iteration late, `RoundPipe.forward_backward(..., wait=False)`), the time
+    per iteration the loop settles at (`roundpipe.plan_replay.settled_ms`); with a ``window``,
+    or chained (``loop=False``: what the ranking models are checked against), the time per
+    iteration between the first computes of the window's two iterations (STEADY_WINDOW)."""
+    if window is not None:
+        first, last = window
+        if not 0 <= first < last:
+            raise ValueError(f"the steady window {window} must be two iterations, first < last")
+    settled = async_optimizer and loop and window is None
 
     def replay(plan: Plan) -> float:
         with _collections_paused():
@@ -85,27 +93,57 @@ def engine_evaluator(
                 loss_lag=loss_lag,
             )
 
+    def first_computes(plan: Plan, iterations: int) -> list[float]:
+        run, _, computes = run_fake(
+            plan,
+            costs,
+            num_devices,
+            num_microbatches,
+            iterations,
+            True,
+            round_size=round_size,
+            after_loss=loop,
+            loss_lag=loss_lag if loop else 0,
+        )
+        return [min(run.task(key).start_t for key in computes[i]) for i in range(iterations)]
+
     def evaluate(plan: Plan) -> float:
         if not async_optimizer:
             _, trace, _ = run_fake(
                 plan, costs, num_devices, num_microbatches, 1, False, round_size=round_size
             )
             return trace.makespan_ms()
-        engine, _, computes = run_fake(
-            plan,
-            costs,
-            num_devices,
-            num_microbatches,
-            last + 1,
-            True,
-            round_size=round_size,
-            after_loss=loop,
-            loss_lag=loss_lag if loop else 0,
-        )
-        starts = [min(engine.task(key).start_t for key in computes[i]) for i in (first, last)]
-        return (starts[1] - starts[0]) / (last - first)
+        if settled:
+            floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
+            return settled_ms(lambda iterations: first_computes(plan, iterations), floor)
+        first, last = window if window is not None else STEADY_WINDOW
+        starts = first_computes(plan, last + 1)
+        return (starts[last] - starts[first]) / (last - first)
 
-    return evaluate if engine else replay
+    run = evaluate if engine else replay
+    if not settled:
+        return run
+    return FlooredEvaluator(run, functools.partial(_busiest, num_devices, num_microbatches, round_size))
+
+
+class FlooredEvaluator:
+    """``evaluate(plan)`` with ``floor(plan)``, a lower bound of it (`choose_plan` spares the
+    plans whose floor is past the best time so far): a loop's settled time per iteration is never
+    under the busiest device's (`busiest_device_ms`)."""
+
+    def __init__(self, evaluate: Callable[[Plan], float], floor: Callable[[Plan], float]) -> None:
+        self._evaluate = evaluate
+        self._floor = floor
+
+    def __call__(self, plan: Plan) -> float:
+        return self._evaluate(plan)
+
+    def floor(self, plan: Plan) -> float:
+        return self._floor(plan)
+
+
+def _busiest(num_devices: int, num_microbatches: int, round_size: int | None, plan: Plan) -> float:
+    return busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
 
 
 def choose_evaluated_plan(
@@ -155,7 +193,7 @@ def late_loop_evaluator(
     def evaluate(plan: Plan) -> float:
         return min(_both_submissions(plan, costs, num_devices, num_microbatches, round_size))
 
-    return evaluate
+    return FlooredEvaluator(evaluate, functools.partial(_busiest, num_devices, num_microbatches, round_size))
 
 
 def submission_lag(
@@ -201,7 +239,7 @@ def _submissions_of(
     costs = _times_only(fwd_ms, bwd_ms)
     with _collections_paused():
         waiting, late = loop_iteration_ms(
-            plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size, window=STEADY_WINDOW
+            plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size
         )
     return waiting, late
 

@@ -35,10 +35,12 @@ to the engine: this module has no notion of bytes. It never imports the schedule
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.partition import Plan
 from roundpipe.replay_graph import ReplayGraph, build_graph
 
@@ -171,6 +173,17 @@ def _submit(graph: ReplayGraph, first: int, last: int, heaps: list[list[int]], u
     return touched
 
 
+SETTLE_SHORT, SETTLE_LONG = 6, 20
+"""A loop's settled time per iteration (`settled_ms`): a run of SETTLE_SHORT iterations, and one
+of SETTLE_LONG where the short one has not settled."""
+SHORT_REPEATS = 3
+"""The short run has settled when its last SHORT_REPEATS gaps between iterations are equal."""
+TAIL_GAPS = 12
+"""The long run's figure: the mean of its last TAIL_GAPS gaps, a multiple of the cycles that
+runs settle into (1 to 4 iterations, as a plan's slots come back to device 0 only every few
+iterations, and 6)."""
+
+
 def replay_iteration_ms(
     plan: Plan,
     costs: LayerCosts,
@@ -179,14 +192,15 @@ def replay_iteration_ms(
     *,
     async_optimizer: bool,
     round_size: int | None = None,
-    window: tuple[int, int] = (1, 5),
+    window: tuple[int, int] | None = None,
     loop: bool = True,
     loss_lag: int = 0,
 ) -> float:
     """What `roundpipe.plan_eval.engine_evaluator` returns for ``plan``: sync, the makespan of one
-    iteration; async, the time per iteration between the first computes of ``window``'s two
-    iterations of a run of ``window[1] + 1``, submitted as a training loop submits them
-    (``loop``, reading each loss ``loss_lag`` iterations late) or all at once (chained)."""
+    iteration; async, submitted as a training loop submits them (``loop``, reading each loss
+    ``loss_lag`` iterations late), the settled time per iteration (`loop_iteration_ms`), or with a
+    ``window`` (chained runs: (1, 5) by default) the time per iteration between the first
+    computes of its two iterations of a run of ``window[1] + 1``."""
     if not async_optimizer:
         graph = build_graph(plan, costs, num_devices, num_microbatches, 1, False, round_size)
         starts = replay_starts(graph)
@@ -215,22 +229,88 @@ def loop_iteration_ms(
     loss_lags: tuple[int, ...],
     *,
     round_size: int | None = None,
-    window: tuple[int, int] = (1, 5),
+    window: tuple[int, int] | None = None,
     loop: bool = True,
 ) -> list[float]:
-    """Async `replay_iteration_ms` for each of ``loss_lags``, from one graph (building it costs
-    as much as a replay: `roundpipe.plan_eval.choose_evaluated_plan` times both submissions)."""
-    first, last = window
-    graph = build_graph(plan, costs, num_devices, num_microbatches, last + 1, True, round_size)
+    """Async `replay_iteration_ms` for each of ``loss_lags``, from one graph per run length
+    (building one costs about what a replay does: `roundpipe.plan_eval.choose_evaluated_plan`
+    times both submissions).
+
+    A loop's figure (``loop`` and no ``window``) is the time per iteration the run settles at,
+    which is what a long training run gets: the gap between consecutive iterations' first
+    computes once it repeats (SETTLE_SHORT iterations, SETTLE_LONG where those
+    have not settled: `settled_ms`), and never under `busiest_device_ms`. The first few iterations can be
+    faster or slower than that by 10-40%: a device round-robin gives more than its share builds
+    its backlog over tens of iterations, and a loop one loss late settles only after a few
+    iterations (docs/performance.md, "Settled iterations"), so a fixed window misjudges them."""
+    if window is not None or not loop:
+        first, last = window if window is not None else CHAINED_WINDOW
+        graph = _graph(plan, costs, num_devices, num_microbatches, last + 1, round_size)
+        times = []
+        for loss_lag in loss_lags:
+            at = _first_computes(graph, last + 1, loop, loss_lag)
+            times.append((at[last] - at[first]) / (last - first))
+        return times
+    floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
+    graphs: dict[int, ReplayGraph] = {}  # by run length, shared by the loss lags
+
+    def runs(loss_lag: int) -> Callable[[int], list[float]]:
+        def first_computes(iterations: int) -> list[float]:
+            if iterations not in graphs:
+                graphs[iterations] = _graph(
+                    plan, costs, num_devices, num_microbatches, iterations, round_size
+                )
+            return _first_computes(graphs[iterations], iterations, True, loss_lag)
+
+        return first_computes
+
+    return [settled_ms(runs(loss_lag), floor) for loss_lag in loss_lags]
+
+
+def settled_ms(first_computes: Callable[[int], Sequence[float]], floor: float) -> float:
+    """A loop's settled time per iteration (`loop_iteration_ms`) from ``first_computes(k)``, each
+    iteration's first compute start in a run of k iterations, and the busiest device's time per
+    iteration (``floor``): the last gap of SETTLE_SHORT iterations where their last SHORT_REPEATS
+    gaps are equal, else the mean of the last TAIL_GAPS gaps of SETTLE_LONG iterations; never
+    under ``floor``. The engine's evaluation (`roundpipe.plan_eval`) shares it.
+
+    Why these lengths: against runs of 40 iterations on the 24- and 28-layer grid shapes at
+    (8, 16), every even plan and both loops, a long run of 20 is within 1% on 98% of the plans
+    within 5% of each shape's best (16 iterations: 92%), and the fastest plan by it is within
+    1.3% of the fastest by the 40 (docs/performance.md, "Settled iterations")."""
+    starts = first_computes(SETTLE_SHORT)
+    gaps = [b - a for a, b in itertools.pairwise(starts)][-SHORT_REPEATS:]
+    tolerance = 1e-9 * max(map(abs, gaps), default=0.0)
+    if len(gaps) == SHORT_REPEATS and max(gaps) - min(gaps) <= tolerance:
+        return max(gaps[-1], floor)
+    starts = first_computes(SETTLE_LONG)
+    return max((starts[-1] - starts[-1 - TAIL_GAPS]) / TAIL_GAPS, floor)
+
+
+CHAINED_WINDOW = (1, 5)
+"""A chained run's window (``loop=False``, what the ranking models are checked against): the time
+per iteration between the first computes of iterations 1 and 5 of 6."""
+
+
+def _graph(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    round_size: int | None,
+) -> ReplayGraph:
+    return build_graph(plan, costs, num_devices, num_microbatches, iterations, True, round_size)
+
+
+def _first_computes(graph: ReplayGraph, iterations: int, loop: bool, loss_lag: int) -> list[float]:
+    """The first compute start of each of the first ``iterations`` iterations, replayed until the
+    last of them starts its first compute."""
     stop = bytearray(len(graph.res))
-    for task in graph.computes[last]:
+    for task in graph.computes[iterations - 1]:
         stop[task] = 1
-    times = []
-    for loss_lag in loss_lags:
-        starts = replay_starts(graph, stop, loop=loop, loss_lag=loss_lag)
-        at = [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in (first, last)]
-        times.append((at[1] - at[0]) / (last - first))
-    return times
+    starts = replay_starts(graph, stop, loop=loop, loss_lag=loss_lag)
+    return [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in range(iterations)]
 
 
-__all__ = ["loop_iteration_ms", "replay_iteration_ms", "replay_starts"]
+__all__ = ["loop_iteration_ms", "replay_iteration_ms", "replay_starts", "settled_ms"]

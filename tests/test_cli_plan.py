@@ -224,7 +224,7 @@ def test_simulate_shows_that_a_fresh_first_layer_makes_the_next_forward_wait(
 def test_simulate_reads_losses_late_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
     """The built-in example as a loop reading each loss one iteration late: no longer than the
     waiting loop, and the option makes sense only with --after-loss."""
-    argv = ["simulate", "--iterations", "6", "--after-loss", "--json"]
+    argv = ["simulate", "--iterations", "12", "--after-loss", "--json"]
     runs = []
     for lag in ("0", "1"):
         assert main([*argv, "--loss-lag", lag]) == 0

@@ -20,6 +20,7 @@ from roundpipe.plan import _split_stream, _stream
 from roundpipe.plan._split_stream import Split, split_ms
 from roundpipe.plan._stream import sharers, stream_ms, weight_waits
 from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.partition import Plan
 
 MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
@@ -198,9 +199,19 @@ def _rank(
         # sync choices (28 layers bwd 3.8x head 4x: 430.8 -> 430.6 ms; 32/2.0/4: 339.3 -> 346.0)
         return work + fill / n
 
+    floors: dict[int, float] = {}  # by id of the candidate (async plans)
+
+    def floor(p: _Candidate) -> float:
+        # A loop's evaluation never reads less than the busiest device's share (`settled_ms`),
+        # and round-robin can give one device much more than the mean: a model's window cannot
+        # see the backlog that builds there over tens of iterations.
+        if id(p) not in floors:
+            floors[id(p)] = busiest_device_share(p.slot_ms, n, rounds)
+        return floors[id(p)]
+
     def bound(p: _Candidate, least: float) -> float:  # ``least``: shared(p)
         if async_optimizer:
-            return least
+            return max(least, floor(p))
         split = split_of(p)
         return max(least, device_bound(p.slot_ms, n, rounds, split.heads(p.slot_ms), split.tails(p.slot_ms)))
 
@@ -230,6 +241,7 @@ def _rank(
                 shapes=shapes,
                 gate=len(p.fwd_stages) if loop else None,
             )
+            ms = max(ms, floor(p))
         else:
             ms = split_ms(p.slot_ms, split_of(p), n, rounds, give_up=give_up, graphs=graphs)
         if ms == math.inf:

@@ -120,12 +120,40 @@ def choose_plan(
         chosen.setdefault(_stages(extra[0][1]), extra[0][1])  # see `_ranked_candidates`
     for _, plan in few:
         chosen.setdefault(_stages(plan), plan)
-    timed = {key: (evaluate(p), p) for key, p in chosen.items()}
+    timer = _Timer(evaluate)
+    for plan in chosen.values():
+        timer.time(plan)
     if (late and loop and async_optimizer) if refine is None else refine:
-        _refine(timed, [p for _, p in extra], chains, costs, rounds, evaluate, async_optimizer, loop)
+        _refine(timer, [p for _, p in extra], chains, costs, rounds, async_optimizer, loop)
+    timed = timer.timed
     best_ms = min(ms for ms, _ in timed.values())
     ties = [p for ms, p in timed.values() if ms <= best_ms * (1 + 1e-9)]
     return min(ties, key=lambda p: (spread(p), p.num_slots, -len(p.fused)))
+
+
+class _Timer:
+    """The plans `choose_plan` has timed, by stages. An evaluator with a ``floor(plan)`` method (a
+    lower bound of its figure: `roundpipe.plan_eval`'s loop evaluators give the busiest device's
+    time per iteration) spares the plans whose floor is already past the best time so far: their
+    time could not be the least (nor tie with it), so what is chosen stays the same."""
+
+    def __init__(self, evaluate: Evaluate) -> None:
+        self.evaluate = evaluate
+        self.floor: Callable[[Plan], float] | None = getattr(evaluate, "floor", None)
+        self.timed: dict[tuple[tuple[range, ...], range, tuple[range, ...]], tuple[float, Plan]] = {}
+        self.spared: set[tuple[tuple[range, ...], range, tuple[range, ...]]] = set()
+        self.best_ms = math.inf
+
+    def time(self, plan: Plan) -> None:
+        key = _stages(plan)
+        if key in self.timed or key in self.spared:
+            return
+        if self.floor is not None and self.floor(plan) > self.best_ms * (1 + 1e-9):
+            self.spared.add(key)
+            return
+        ms = self.evaluate(plan)
+        self.timed[key] = (ms, plan)
+        self.best_ms = min(self.best_ms, ms)
 
 
 REFINE_TIMED = 4
@@ -138,16 +166,15 @@ OTHER_KIND_WITHIN = 1.05
 
 
 def _refine(
-    timed: dict[tuple[tuple[range, ...], range, tuple[range, ...]], tuple[float, Plan]],
+    timer: _Timer,
     wider: list[Plan],
     chains: _candidates.EvenChains,
     costs: LayerCosts,
     rounds: tuple[int, ...],
-    evaluate: Evaluate,
     async_optimizer: bool,
     loop: bool,
 ) -> None:
-    """Time the plans next to the best timed ones (into ``timed``).
+    """Time the plans next to the best timed ones (with ``timer``).
 
     The ranking model orders candidates well enough to time the right few on most shapes, but on
     some it misses by up to 8% (the late loop's 24-32 layer grid shapes: the fastest plan a
@@ -162,13 +189,9 @@ def _refine(
     the even plans with a slot count and a fused start within one of it, the `REFINE_TIMED` best
     by the ranking model (the loop's model for plans of up to N slots when ``loop``)."""
     n, m = chains.ticks.n, sum(rounds)
+    timed, time = timer.timed, timer.time
     num_devices = next(iter(timed.values()))[1].num_devices
     times = _StageTimes(costs)
-
-    def time(plan: Plan) -> None:
-        key = _stages(plan)
-        if key not in timed:
-            timed[key] = (evaluate(plan), plan)
 
     def best(plans: Iterable[tuple[float, Plan]]) -> Plan:
         return min(plans, key=lambda timed_plan: timed_plan[0])[1]
@@ -198,7 +221,7 @@ def _refine(
             for fused_start in (around.fused.start, around.fused.start - 1, around.fused.start + 1):
                 for candidate in even_candidates(s_count, fused_start):
                     key = (candidate.fwd_stages, candidate.fused, candidate.bwd_stages)
-                    if key not in timed:
+                    if key not in timed and key not in timer.spared:
                         near.setdefault(key, candidate)
         few = async_optimizer and loop and around.num_slots <= num_devices
         modelled = _rank(

@@ -11,6 +11,7 @@ only evaluates a model of the stream.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from roundpipe.errors import PlanError
@@ -19,7 +20,15 @@ from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan, Slot
 from roundpipe.plan.rounds import positive_count, round_sizes
 
-__all__ = ["SlotRun", "analytic_bubble", "dispatch", "round_sizes", "steady_iteration_ms"]
+__all__ = [
+    "SlotRun",
+    "analytic_bubble",
+    "busiest_device_ms",
+    "busiest_device_share",
+    "dispatch",
+    "round_sizes",
+    "steady_iteration_ms",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,40 @@ def dispatch(
         g0 = (g0 + len(slots)) % n
         start += size
     return runs, g0
+
+
+def busiest_device_ms(
+    plan: Plan, num_microbatches: int, num_devices: int, *, round_size: int | None = None
+) -> float:
+    """The compute time per iteration of the device round-robin loads most, over the iterations
+    after which `dispatch` comes back to device 0: no run, however long, averages less per
+    iteration, since that device computes its runs one at a time. Async runs settle at this
+    figure or above it, sometimes only after tens of iterations (a device with a little more than
+    its share builds a backlog slowly: docs/performance.md, "Settled iterations")."""
+    n = positive_count("num_devices", num_devices)
+    if len(plan.slot_ms) != plan.num_slots:
+        raise PlanError(
+            "the plan does not know its slot times; build it with partition() or Plan.from_stages()"
+        )
+    return busiest_device_share(plan.slot_ms, n, round_sizes(num_microbatches, n, round_size))
+
+
+def busiest_device_share(slot_ms: Sequence[float], num_devices: int, rounds: Sequence[int]) -> float:
+    """`busiest_device_ms` from the slot times and the round sizes (what the ranking models have)."""
+    n = num_devices
+    by_offset = [0.0] * n  # slot time by (slot index mod N): a round starting at g0 puts it on g0 + offset
+    for index, ms in enumerate(slot_ms):
+        by_offset[index % n] += ms
+    load = [0.0] * n
+    g0, iterations = 0, 0
+    while True:
+        for size in rounds:
+            for offset, ms in enumerate(by_offset):
+                load[(g0 + offset) % n] += size * ms
+            g0 = (g0 + len(slot_ms)) % n
+        iterations += 1
+        if g0 == 0:
+            return max(load) / iterations
 
 
 def analytic_bubble(num_devices: int, num_microbatches: int, num_slots: int) -> float:

@@ -1,0 +1,174 @@
+"""A training loop's plans are judged by the time per iteration its run settles at.
+
+The first iterations of an async loop are not what a long run gets: a device round-robin gives a
+little more than its share builds a backlog for tens of iterations before it sets the pace, and a
+loop reading each loss one iteration late takes a few iterations to find its rhythm. The
+evaluator (`roundpipe.plan_eval.engine_evaluator`, `roundpipe.plan_replay.settled_ms`) reads the
+gap between consecutive iterations once it repeats, never under the busiest device's time
+(`busiest_device_ms`). These tests check it against long engine runs on the fake backend
+(virtual clock), and check the parts on their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from roundpipe.plan import LayerCosts, Plan, choose_plan
+from roundpipe.plan._ranking import _stages
+from roundpipe.plan.choose import _Timer, every_even_plan
+from roundpipe.plan.dispatch import busiest_device_ms, busiest_device_share, dispatch
+from roundpipe.plan.rounds import round_sizes
+from roundpipe.plan_eval import FlooredEvaluator, engine_evaluator, iteration_starts, late_loop_evaluator
+from roundpipe.plan_replay import SETTLE_LONG, TAIL_GAPS, settled_ms
+from roundpipe.simulate import simulate
+
+
+def grid_costs(layers: int, bwd_ratio: float, head: float) -> LayerCosts:
+    """As in bench/schedule.py: an embedding of 1% of a layer, decoder layers, the head (bwd 2x)."""
+    fwd = [0.01, *[1.0] * layers, head]
+    bwd = [0.01 * bwd_ratio, *[bwd_ratio] * layers, 2.0 * head]
+    return LayerCosts(tuple(fwd), tuple(bwd), (0,) * len(fwd))
+
+
+def even_plan(costs: LayerCosts, slots: int, fused_start: int, forward_stages: int) -> Plan:
+    """The even plan of ``every_even_plan`` with these slots, fused start and forward stages."""
+    for plan in every_even_plan(costs, 8, 16):
+        if (plan.num_slots, plan.fused.start, len(plan.fwd_stages)) == (slots, fused_start, forward_stages):
+            return plan
+    raise AssertionError(
+        f"no even plan of {slots} slots, fused stage at {fused_start}, {forward_stages} forward"
+    )
+
+
+def engine_gaps(plan: Plan, costs: LayerCosts, iterations: int, loss_lag: int = 0) -> list[float]:
+    """Gaps between consecutive iterations' first computes of a loop run on the engine."""
+    run = simulate(plan, costs, 8, 16, iterations, True, after_loss=True, loss_lag=loss_lag)
+    starts = iteration_starts(run, iterations)
+    return [b - a for a, b in itertools.pairwise(starts)]
+
+
+def runs_of(gaps: list[float]) -> Callable[[int], list[float]]:
+    """``first_computes(k)`` of a run whose iterations are ``gaps`` apart (a FakeRun's starts)."""
+
+    def first_computes(iterations: int) -> list[float]:
+        starts = [0.0]
+        for gap in gaps[: iterations - 1]:
+            starts.append(starts[-1] + gap)
+        return starts
+
+    return first_computes
+
+
+def test_settled_ms_reads_the_short_run_once_its_gaps_repeat() -> None:
+    assert settled_ms(runs_of([9.0, 7.0, 5.0, 5.0, 5.0] + [1.0] * 20), floor=0.0) == 5.0
+    assert settled_ms(runs_of([9.0, 7.0, 5.0, 5.0, 5.0] + [1.0] * 20), floor=6.0) == 6.0
+
+
+def test_settled_ms_reads_a_long_runs_cycles_whole() -> None:
+    """A run alternating 3, 3, 6 (a cycle of three) is not settled after 6 iterations; the long
+    run's last 12 gaps hold four whole cycles: 4.0 per iteration, not the last gap or two."""
+    cycle = [3.0, 3.0, 6.0]
+    assert settled_ms(runs_of([1.0, 2.0] + cycle * 8), floor=0.0) == pytest.approx(4.0)
+    two = [2.0, 5.0]  # gaps 2, 5, 2, 5 ...: 3.5
+    assert settled_ms(runs_of([8.0] + two * 12), floor=0.0) == pytest.approx(3.5)
+    assert SETTLE_LONG - 1 - TAIL_GAPS >= 3  # the long run's figure leaves out its first gaps
+
+
+def test_busiest_device_is_dispatchs_load() -> None:
+    """`busiest_device_ms` adds up what `dispatch` gives each device over the iterations after
+    which it comes back to device 0."""
+    costs = grid_costs(12, 2.0, 3.0)
+    for plan in every_even_plan(costs, 8, 16)[::11]:
+        load = [0.0] * 8
+        first, iterations = 0, 0
+        while True:
+            runs, first = dispatch(plan, 16, 8, first_device=first)
+            for run in runs:
+                load[run.device] += plan.slot_ms[run.slot.index] * len(run.microbatches)
+            iterations += 1
+            if first == 0:
+                break
+        assert busiest_device_ms(plan, 16, 8) == pytest.approx(max(load) / iterations, rel=1e-12)
+        assert busiest_device_share(plan.slot_ms, 8, round_sizes(16, 8)) == busiest_device_ms(plan, 16, 8)
+
+
+def test_the_first_iterations_run_faster_than_the_loop_settles_at() -> None:
+    """24 layers, backward 2x, head 3x: a 4-slot plan (fused stage of the last 4 layers and the
+    head) runs its first iterations 188 ms apart, then 240.24 ms apart for good. The evaluator
+    gave 206.2 ms (iterations 1-5); it now gives the settled 240.24 ms, the engine's figure over
+    iterations 12-24, and the engine path gives the same as the replay."""
+    costs = grid_costs(24, 2.0, 3.0)
+    plan = even_plan(costs, 4, 21, 1)
+    gaps = engine_gaps(plan, costs, 24)
+    assert gaps[0] == pytest.approx(188.01, abs=0.01)
+    assert gaps[-12:] == pytest.approx([240.24] * 12, abs=0.01)
+    replay = engine_evaluator(costs, 8, 16, async_optimizer=True)
+    engine = engine_evaluator(costs, 8, 16, async_optimizer=True, engine=True)
+    assert replay(plan) == pytest.approx(240.24, abs=0.01)
+    assert engine(plan) == replay(plan)
+    windowed = engine_evaluator(costs, 8, 16, async_optimizer=True, window=(1, 5))
+    assert windowed(plan) == pytest.approx(sum(gaps[1:5]) / 4)  # the window it used to read
+
+
+def test_a_busy_device_sets_the_pace_after_many_iterations() -> None:
+    """24 layers, backward 2x, head 3x, a loop one loss late: an 8-slot plan runs 17 iterations
+    320.2 ms apart while the device round-robin gives the fused stage builds its backlog; from
+    then on it takes 336.0 ms, that device's time per iteration. The evaluator reads 336.0 (its
+    replays are 20 iterations long: the floor brings what they cannot see)."""
+    costs = grid_costs(24, 2.0, 3.0)
+    plan = even_plan(costs, 8, 21, 1)
+    gaps = engine_gaps(plan, costs, 24, loss_lag=1)
+    assert gaps[5:15] == pytest.approx([320.16] * 10, abs=0.01)
+    assert gaps[-4:] == pytest.approx([336.0] * 4, abs=0.01)
+    assert busiest_device_ms(plan, 16, 8) == pytest.approx(336.0, abs=0.01)
+    late = late_loop_evaluator(costs, 8, 16)
+    assert late(plan) == pytest.approx(336.0, abs=0.01)
+
+
+@pytest.mark.parametrize("loss_lag", [0, 1])
+def test_settled_figures_match_long_engine_runs(loss_lag: int) -> None:
+    """On every 25th even plan of a grid shape the evaluator gives what 40 engine iterations
+    settle at (the mean gap over the last 12, a multiple of every cycle seen), or the busiest
+    device's time where that is more (a backlog still building at iteration 40). Not always
+    exact: a loop one loss late can take more than 20 iterations to settle (on 16 layers,
+    backward 2.5x, head 2x, one of every 40th plan's 11 reads 0.46% over)."""
+    costs = grid_costs(12, 2.5, 2.0)
+    evaluate = engine_evaluator(costs, 8, 16, async_optimizer=True, loss_lag=loss_lag)
+    plans = every_even_plan(costs, 8, 16)[::25]
+    assert len(plans) == 10
+    for plan in plans:
+        gaps = engine_gaps(plan, costs, 40, loss_lag)
+        settled = max(sum(gaps[-12:]) / 12, busiest_device_ms(plan, 16, 8))
+        assert evaluate(plan) == pytest.approx(settled, rel=1e-9), plan
+
+
+def test_floored_plans_are_spared_without_changing_the_choice() -> None:
+    """`choose_plan` does not time a plan whose busiest device is past the best time so far: the
+    same plan is chosen with and without the floor, with fewer evaluations."""
+    costs = grid_costs(24, 2.5, 2.0)
+    late = late_loop_evaluator(costs, 8, 16)
+    calls: list[Plan] = []
+
+    def counted(plan: Plan) -> float:
+        calls.append(plan)
+        return late(plan)
+
+    floored = choose_plan(
+        costs, 8, 16, async_optimizer=True, evaluate=FlooredEvaluator(counted, late.floor), late=True
+    )
+    with_floor = len(calls)
+    calls.clear()
+    plain = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=counted, late=True)
+    assert floored == plain
+    assert with_floor < len(calls)
+    timer = _Timer(FlooredEvaluator(late, late.floor))
+    plans = {key: plan for plan in every_even_plan(costs, 8, 16)[::25] for key in [_stages(plan)]}
+    for plan in plans.values():
+        timer.time(plan)
+    assert timer.spared
+    best_ms = min(ms for ms, _ in timer.timed.values())
+    for key in timer.spared:  # each spared plan is slower than the best timed one
+        assert late(plans[key]) > best_ms
