@@ -98,7 +98,7 @@ def test_busiest_device_is_dispatchs_load() -> None:
 def test_the_first_iterations_run_faster_than_the_loop_settles_at() -> None:
     """24 layers, backward 2x, head 3x: a 4-slot plan (fused stage of the last 4 layers and the
     head) runs its first iterations 188 ms apart, then 240.24 ms apart for good. The evaluator
-    gave 206.2 ms (iterations 1-5); it now gives the settled 240.24 ms, the engine's figure over
+    gave 206.0 ms (iterations 1-5); it now gives the settled 240.24 ms, the engine's figure over
     iterations 12-24, and the engine path gives the same as the replay."""
     costs = grid_costs(24, 2.0, 3.0)
     plan = even_plan(costs, 4, 21, 1)
