@@ -44,7 +44,7 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
         for value in list(obj):
             yield from _tensors(value, depth + 1)
     elif isinstance(obj, Recomputed):
-        yield from _tensors([obj.outputs, obj.leaves, obj.inputs], depth + 1)
+        yield from _tensors([obj.outputs, obj.leaves, obj.inputs, obj.uploaded], depth + 1)
         yield from _saved_by_graph(obj.outputs)
 
 

@@ -314,7 +314,8 @@ class Runtime:
             state = self.recomputed.pop(key)
             if self.defer_release:
                 # Both were uploaded on another stream: the gradient, and the saved activation the
-                # recompute's graph still reads (its leaves share that storage) during this backward.
+                # recompute's graph still reads during this backward (its leaves share that storage;
+                # ``state.uploaded`` keeps the rest of it, such as constants only the graph saved).
                 self.hold(task, grad, state)
             self.outbox[key] = ("grad", backward_stage(self._call, task, params, state, grad))
             return
@@ -337,13 +338,25 @@ class Runtime:
 
     def recompute(self, task: Task) -> None:
         """A backward stage's forward again from its saved activation; what its backward needs
-        stays on the device (the compute stream: same lane, no hold) until that backward pops it."""
+        stays on the device until that backward pops it.
+
+        With deferred releases (CUDA) the uploaded activation goes with it, whole, and the
+        backward holds it until it has run: the act_up stream allocated it, and the graph saves
+        some of its tensors (a stage's constants, such as the rotary tables) that nothing else
+        keeps. Autograd lets go of each saved tensor as soon as it has launched the node's
+        kernels, so without the hold the block went back to the act_up stream's pool while the
+        compute stream had still to read it, and the next upload could land in it: NaN losses on
+        an H200 with many backward stages (docs/design.md, "A backward stage is two compute
+        tasks")."""
         key = SlotKey(task.iteration, task.slot, task.microbatch)
         value = self.inbox.pop(key)
         if self.defer_release:
             self.hold(task, value)  # uploaded on another stream
         params = self.transient.get(RunKey(task.device, task.iteration, task.round, task.slot), {})
-        self.recomputed[key] = recompute_stage(self._call, task, params, value, grain=self.recompute_grain)
+        state = recompute_stage(self._call, task, params, value, grain=self.recompute_grain)
+        if self.defer_release:
+            state.uploaded = value
+        self.recomputed[key] = state
 
     # ------------------------------------------------------------------ optimizer lane
 

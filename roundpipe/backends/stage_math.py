@@ -40,6 +40,10 @@ class Recomputed:
     outputs: list[torch.Tensor | None] = field(default_factory=list)  # stage grain: the graph's outputs
     leaves: list[torch.Tensor | None] = field(default_factory=list)  # stage grain: its input leaves
     inputs: list[Any] | None = None  # layer grain: the input of every layer, computed without grad
+    # The activation as uploaded, constants included (rotary tables, labels): on CUDA another stream
+    # allocated it, and the backward's kernels still read what the graph saved of it after
+    # autograd has let go of it (`Runtime.recompute`).
+    uploaded: Any = None
 
 
 def forward_stage(

@@ -1,0 +1,72 @@
+"""What a device task reads stays alive until the device has run it, across streams.
+
+On CUDA each lane is a stream and releases are deferred (`Runtime.defer_release`): a tensor
+allocated on one stream (an upload) and read by kernels on another (a compute) must be held until
+the reading task has completed, or the allocator hands its block to the next upload on the first
+stream while the kernels still read it. A backward stage's recompute and backward both read the
+uploaded activation; autograd keeps only some of it (what the layers saved, such as a decoder's
+rotary tables) and lets go of each saved tensor once it has launched that node's kernels. An
+H200 showed the result: NaN losses on a 1.7B model with 15 backward stages on one GPU, gone under
+``CUDA_LAUNCH_BLOCKING=1`` (docs/performance.md, "Eleventh session"). Here the CPU runtime runs
+with deferred releases, and the test checks, when each backward is issued, that every tensor of
+its uploaded activation is held for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import roundpipe
+import roundpipe.assembly
+from roundpipe.backends import runtime as runtime_module
+from roundpipe.backends.holdings import _tensors
+from roundpipe.plan import Plan
+from roundpipe.sched.task import Task
+from tests.helpers import tiny_causal_lm
+
+
+def split_plan(costs: Any, num_devices: int, num_microbatches: int, *args: Any, **kwargs: Any) -> Plan:
+    """Embedding and first decoder forward, the second decoder and the head fused, a backward
+    stage over the first decoder and one over the embedding (units: embedding, 2 decoders, head)."""
+    return Plan.from_stages(
+        [range(0, 2)], range(2, 4), [range(1, 2), range(0, 1)], costs, num_devices, num_microbatches
+    )
+
+
+def test_a_backward_holds_its_whole_uploaded_activation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(roundpipe.assembly, "choose_evaluated_plan", split_plan)
+    uploaded: dict[tuple[int, int, int], Any] = {}
+    checked: list[tuple[int, int, int]] = []
+    recompute, compute = runtime_module.Runtime.recompute, runtime_module.Runtime.compute
+
+    def recording_recompute(self: runtime_module.Runtime, task: Task) -> None:
+        key = (task.iteration, task.slot, task.microbatch)
+        uploaded[key] = self.inbox[runtime_module.SlotKey(*key)]
+        recompute(self, task)
+
+    def checking_compute(self: runtime_module.Runtime, task: Task) -> None:
+        compute(self, task)
+        key = (task.iteration, task.slot, task.microbatch)
+        if key in uploaded:  # a backward: it must hold every tensor the upload brought
+            held = {id(t) for t in _tensors(self._holds.get(task.key, []))}
+            missing = [t.shape for t in _tensors(uploaded.pop(key)) if id(t) not in held]
+            assert not missing, f"backward {key} does not hold uploaded tensors of shapes {missing}"
+            checked.append(key)
+
+    handlers = {**runtime_module._HANDLERS, "recompute": recording_recompute, "compute": checking_compute}
+    monkeypatch.setattr(runtime_module, "_HANDLERS", handlers)
+    model = tiny_causal_lm("qwen3", vocab=64)
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=2, async_optimizer=False, replan=False)
+    with roundpipe.RoundPipe(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), config=config) as pipe:
+        assert pipe.plan.bwd_stages == (range(1, 2), range(0, 1))
+        pipe.runtime.defer_release = True  # as the CUDA backend runs it
+        ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            pipe.forward_backward({"input_ids": ids, "labels": ids.clone()})
+            pipe.step()
+        pipe.synchronize()
+    assert len(checked) == 2 * 2 * 2  # 2 iterations x 2 backward stages x 2 microbatches
+    assert not pipe.runtime._holds  # every hold was let go once its task had run
