@@ -25,11 +25,13 @@ from roundpipe.plan.partition import Plan
 
 MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
 """Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run."""
-LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW = 6, (1, 5)
-"""Async ranking with ``loop`` (a run submitted as a training loop submits it): the evaluator's
-own window (`roundpipe.plan_eval.STEADY_WINDOW`). With the chained window above the few-slot
-plans it ranks were 0.62% from the fastest even plan on the mean (4.6% at worst) on 32 grid
-shapes at (8, 16), with this one 0.15% (2.5%), for 9-19% more planning at 48-94 layers."""
+LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW = 4, (1, 3)
+"""Async ranking with ``loop`` (a run submitted as a training loop submits it): iterations 1 to 3
+of 4. It was the evaluator's own window (1 to 5 of 6) until the evaluator read the settled time
+(`roundpipe.plan_replay.settled_ms`), which no short window gives; with the busiest device's
+floor the shorter window ranks as well (on the 96 async grid shapes at (8, 16): 85 under the 3%
+bubble target against 88, the chosen plans' settled times 0.0-0.1% apart) and costs a third
+less, which pays for ranking every candidate this way (`choose_plan`)."""
 
 
 def spread(plan: Plan | _Candidate) -> float:

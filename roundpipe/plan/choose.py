@@ -336,6 +336,9 @@ def _ranked_candidates(
         # at 94 layers); the order changes what is pruned, not the first ``reads`` (see `_rank`).
         first=0 if async_optimizer else len(proxies),
         shapes=shapes,
+        # A loop waiting for each loss: every candidate by the loop's model (the late loop runs
+        # most plans as a chained run does, so its ranking stays chained).
+        loop=loop and not late,
     )
     # With sync bounds (as above) a wider plan whose bound is past the best modelled plan above
     # could not be timed (see `choose_plan`), so it need not be modelled.
