@@ -80,7 +80,9 @@ def choose_plan(
     from the best (8.5% on the grid's 24-32 layer shapes at (8, 16), now 4.5%). Elsewhere it
     found less than it cost: sync, 8 of the grid's 288 shapes shorter, by at most 2.1%; the
     waiting async loop, 58 of 288, 0.3% on the mean, for about 15 ms more at 94 layers (half
-    again), against a 50 ms target (docs/performance.md).
+    again), against a 50 ms target (docs/performance.md). An ``evaluate`` with a ``floor(plan)``
+    method, a lower bound of its figure (`roundpipe.plan_eval`'s loop evaluators), spares the
+    plans whose floor is past the best time so far (`_Timer`): the same choice, fewer timings.
     """
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
