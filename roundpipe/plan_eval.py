@@ -78,6 +78,7 @@ def engine_evaluator(
         if not 0 <= first < last:
             raise ValueError(f"the steady window {window} must be two iterations, first < last")
     settled = async_optimizer and loop and window is None
+    floor = functools.partial(_busiest, num_devices, num_microbatches, round_size)
 
     def replay(plan: Plan) -> float:
         with _collections_paused():
@@ -114,8 +115,7 @@ def engine_evaluator(
             )
             return trace.makespan_ms()
         if settled:
-            floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
-            return settled_ms(lambda iterations: first_computes(plan, iterations), floor)
+            return settled_ms(lambda iterations: first_computes(plan, iterations), floor(plan))
         first, last = window if window is not None else STEADY_WINDOW
         starts = first_computes(plan, last + 1)
         return (starts[last] - starts[first]) / (last - first)
@@ -123,7 +123,7 @@ def engine_evaluator(
     run = evaluate if engine else replay
     if not settled:
         return run
-    return FlooredEvaluator(run, functools.partial(_busiest, num_devices, num_microbatches, round_size))
+    return FlooredEvaluator(run, floor)
 
 
 class FlooredEvaluator:

@@ -24,13 +24,7 @@ from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import FlooredEvaluator, engine_evaluator, iteration_starts, late_loop_evaluator
 from roundpipe.plan_replay import SETTLE_LONG, TAIL_GAPS, settled_ms
 from roundpipe.simulate import simulate
-
-
-def grid_costs(layers: int, bwd_ratio: float, head: float) -> LayerCosts:
-    """As in bench/schedule.py: an embedding of 1% of a layer, decoder layers, the head (bwd 2x)."""
-    fwd = [0.01, *[1.0] * layers, head]
-    bwd = [0.01 * bwd_ratio, *[bwd_ratio] * layers, 2.0 * head]
-    return LayerCosts(tuple(fwd), tuple(bwd), (0,) * len(fwd))
+from tests.test_plan_choice import grid_costs
 
 
 def even_plan(costs: LayerCosts, slots: int, fused_start: int, forward_stages: int) -> Plan:
