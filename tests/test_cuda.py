@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,3 +247,45 @@ def test_cuda_main_job_trains_through_the_command_line(
     assert summary["steady_tokens_per_s"] > summary["tokens_per_s"]
     assert (tmp_path / "gpu" / "checkpoint").is_dir()
     assert inductor_config.cpp_wrapper == before
+
+
+def _budget_run(budget: str | None, batch: dict, steps: int) -> tuple[list[float], int]:
+    """Train ``steps`` sync steps of an 8-layer model as wide as Qwen3-1.7B (bf16, AdamW) under
+    ``budget``; return the losses and the plan's slots."""
+    config = roundpipe.RunConfig(
+        devices="cuda:0",
+        num_microbatches=8,
+        precision="bf16",
+        memory_budget=budget,
+        async_optimizer=False,
+        replan=False,
+    )
+    model = _qwen3(layers=8, hidden=2048)
+    optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
+    with roundpipe.RoundPipe(model, optimizer=optimizer, config=config) as pipe:
+        losses = []
+        for _ in range(steps):
+            losses.append(pipe.forward_backward(batch))
+            pipe.step()
+        pipe.synchronize()
+        pipe.trace().check_rules()
+        return losses, pipe.plan.num_slots
+
+
+def test_cuda_tight_budget_split_plan_follows_the_unbudgeted_run() -> None:
+    """A tight budget splits the model into one-layer stages whose backward recomputes from an
+    activation uploaded on another stream. The backward must keep that upload alive until its
+    kernels have run: when only the recompute held it, autograd let go of what the graph saved of
+    it (the rotary tables, the mask) once the kernels were launched, the next upload landed in the
+    block while the compute stream still read it, and workload A turned NaN at a 4 GiB budget.
+    The same steps with and without the budget must give the same finite losses."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32768, (8, 4096), generator=g)
+    batch = {"input_ids": ids, "labels": ids}
+    free_losses, free_slots = _budget_run(None, batch, steps=6)
+    tight_losses, tight_slots = _budget_run("3GiB", batch, steps=6)
+    print(f"unbudgeted {free_slots} slots {free_losses}; 3 GiB {tight_slots} slots {tight_losses}")
+    assert tight_slots > free_slots and tight_slots >= 8
+    assert all(map(math.isfinite, tight_losses)), tight_losses
+    # Each layer runs the same kernels on the same data whichever stage it is in.
+    assert tight_losses == pytest.approx(free_losses, rel=1e-2)
