@@ -28,10 +28,9 @@ engine (the tests compare the two).
 from __future__ import annotations
 
 import functools
-import gc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
+from roundpipe.plan._collector import collections_paused
 from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_ms
@@ -81,7 +80,7 @@ def engine_evaluator(
     floor = functools.partial(_busiest, num_devices, num_microbatches, round_size)
 
     def replay(plan: Plan) -> float:
-        with _collections_paused():
+        with collections_paused():
             return replay_iteration_ms(
                 plan,
                 costs,
@@ -237,7 +236,7 @@ def _submissions_of(
     round_size: int | None,
 ) -> tuple[float, float]:
     costs = _times_only(fwd_ms, bwd_ms)
-    with _collections_paused():
+    with collections_paused():
         waiting, late = loop_iteration_ms(
             plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size
         )
@@ -248,16 +247,3 @@ def _submissions_of(
 def _times_only(fwd_ms: tuple[float, ...], bwd_ms: tuple[float, ...]) -> LayerCosts:
     """The layer times as `LayerCosts` (no bytes), checked once per table, not once per plan."""
     return LayerCosts(fwd_ms, bwd_ms, (0,) * len(fwd_ms))
-
-
-@contextmanager
-def _collections_paused() -> Iterator[None]:
-    """The garbage collector off for a replay: its graph is thousands of small lists, which a
-    collection would only walk."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()

@@ -310,6 +310,9 @@ def _first_computes(graph: ReplayGraph, iterations: int, loop: bool, loss_lag: i
     for task in graph.computes[iterations - 1]:
         stop[task] = 1
     starts = replay_starts(graph, stop, loop=loop, loss_lag=loss_lag)
+    kernels = native.kernels()
+    if kernels is not None and graph.packed_computes is not None:
+        return kernels.first_starts(starts, *graph.packed_computes, iterations)  # type: ignore[no-any-return]
     return [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in range(iterations)]
 
 

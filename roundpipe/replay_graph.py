@@ -54,6 +54,7 @@ class ReplayGraph:
         self.batches: list[int] = []  # where each submitted batch ends
         self.computes: list[list[int]] = []  # per iteration: its `COMPUTE` tasks (not recomputes)
         self.losses: list[list[int]] = []  # per iteration: its fused stage's computes (the losses)
+        self.packed_computes: tuple[array, array] | None = None  # `computes` as CSR, where `native` built it
         self._packed: tuple[array, ...] | None = None
         self._dependents: list[list[int]] | None = None
 
@@ -200,6 +201,7 @@ def _built(
     graph.res, graph.rank, graph.dur, graph.seq = res, rank, dur, seq
     graph.batches = batches.tolist()
     graph.computes = [computes[a:b].tolist() for a, b in itertools.pairwise(comp_offsets)]
+    graph.packed_computes = (comp_offsets, computes)
     graph.losses = [losses[a:b].tolist() for a, b in itertools.pairwise(loss_offsets)]
     graph.set_packed((res, rank, dur, *dependents, batches))  # dependents: offsets, flat, unmet
     return graph

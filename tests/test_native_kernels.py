@@ -27,7 +27,7 @@ from roundpipe.plan._steady import steady_period
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
-from roundpipe.plan_replay import replay_starts
+from roundpipe.plan_replay import _first_computes, replay_starts
 from roundpipe.replay_graph import build_graph
 
 needs_native = pytest.mark.skipif(not native.built(), reason="the compiled loops were not built here")
@@ -38,6 +38,29 @@ def test_the_compiled_loops_are_built_where_ci_expects_them() -> None:
         pytest.skip("ROUNDPIPE_EXPECT_NATIVE is not set")
     assert native.built(), "roundpipe.plan._kernels did not build: is a C compiler installed?"
     assert native.kernels() is not None
+
+
+@needs_native
+def test_an_extension_built_from_older_source_is_set_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install not rebuilt since `_kernels.c` gained a function: planning falls back
+    to the Python loops with a warning that says how to rebuild, instead of failing mid-plan."""
+    import importlib
+    import sys
+    import types
+
+    stale = types.ModuleType("roundpipe.plan._kernels")
+    for name in native.FUNCTIONS:
+        if name != "first_starts":
+            setattr(stale, name, getattr(native.kernels(), name))
+    monkeypatch.setitem(sys.modules, "roundpipe.plan._kernels", stale)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"older source \(no first_starts\).*build_ext --inplace"):
+            importlib.reload(native)
+        assert not native.built() and native.kernels() is None
+    finally:
+        monkeypatch.undo()
+        importlib.reload(native)
+    assert native.built()
 
 
 def costs_of(layers: int, ratio: float, head: float) -> LayerCosts:
@@ -117,6 +140,16 @@ def replay_both(plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, r
     assert list(replay_starts(graph, stop, loop=loop, loss_lag=lag)) == expected
     compiled_graph = build_graph(plan, costs, n, m, its, asynch, rs)
     assert list(replay_starts(compiled_graph, stop, loop=loop, loss_lag=lag)) == expected
+    if asynch:  # each iteration's first compute, as the settled evaluation reads them
+        upto = rng.randint(1, its)
+        try:
+            with native.pure_python():
+                first = _first_computes(graph, upto, loop, lag)
+        except ValueError:  # an earlier iteration not started yet (chained, zero-time stages)
+            with pytest.raises(ValueError):
+                _first_computes(compiled_graph, upto, loop, lag)
+        else:
+            assert _first_computes(compiled_graph, upto, loop, lag) == first
 
 
 @needs_native
@@ -219,6 +252,10 @@ def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
         kernels.invert(ints([0, 1]), ints([5]))
     with pytest.raises(TypeError, match="items of 8 bytes"):  # a list of 4-byte ints
         kernels.invert(ints([0, 0]), native.array("i", []))
+    with pytest.raises(ValueError, match="out of range"):  # a group past the offsets
+        kernels.first_starts(floats([0.0]), ints([0, 1]), ints([0]), 2)
+    with pytest.raises(ValueError, match="never started"):
+        kernels.first_starts(floats([-1.0]), ints([0, 1]), ints([0]), 1)
 
 
 @needs_native

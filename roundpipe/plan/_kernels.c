@@ -137,14 +137,34 @@ static PyObject *float_list(const double *values, Py_ssize_t count) {
     return list;
 }
 
+/* A block kept from one call to the next (`build`'s and `invert`'s working arrays): see `build`
+   for why. Every kernel runs holding the GIL, so one block per use serves all calls. */
+typedef struct {
+    void *p;
+    size_t cap;
+} Kept;
+
+static void *kept(Kept *k, size_t bytes) {
+    if (bytes > k->cap) {
+        void *grown = malloc(bytes ? bytes : 8);
+        if (!grown) return NULL;
+        free(k->p);
+        k->p = grown;
+        k->cap = bytes;
+    }
+    return k->p;
+}
+
 /* Per-group heaps carved from one block: group g's heap holds at most size[g] items. */
 typedef struct {
     i64 *items;
     Py_ssize_t *start, *len;
+    int kept_items; /* ``items`` is a `Kept` block, not to be freed */
 } Heaps;
 
-static int heaps_init(Heaps *h, const i64 *group_of, Py_ssize_t count, Py_ssize_t groups) {
-    h->items = malloc(sizeof(i64) * (count > 0 ? count : 1));
+static int heaps_init(Heaps *h, const i64 *group_of, Py_ssize_t count, Py_ssize_t groups, Kept *items) {
+    h->kept_items = items != NULL;
+    h->items = items ? kept(items, sizeof(i64) * count) : malloc(sizeof(i64) * (count > 0 ? count : 1));
     h->start = calloc(groups + 1, sizeof(Py_ssize_t));
     h->len = calloc(groups > 0 ? groups : 1, sizeof(Py_ssize_t));
     if (!h->items || !h->start || !h->len) return -1;
@@ -154,7 +174,7 @@ static int heaps_init(Heaps *h, const i64 *group_of, Py_ssize_t count, Py_ssize_
 }
 
 static void heaps_free(Heaps *h) {
-    free(h->items);
+    if (!h->kept_items) free(h->items);
     free(h->start);
     free(h->len);
 }
@@ -210,7 +230,7 @@ static int stream_loop(Stream *s, double *result) {
     i64 *met = malloc(sizeof(i64) * (s->met_cap ? s->met_cap : 1));
     Heaps ready;
     Vec touched = {0};
-    int failed = heaps_init(&ready, device, k, n) || !busy || !ends || !met;
+    int failed = heaps_init(&ready, device, k, n, NULL) || !busy || !ends || !met;
     if (!failed) {
         for (Py_ssize_t t = 0; t < k; t++) /* ascending: each device's is a heap */
             if (!s->unmet[t]) HEAP(ready, device[t])[ready.len[device[t]]++] = t;
@@ -497,16 +517,18 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "replay: arrays of unequal lengths");
         return NULL;
     }
-    i64 *unmet = malloc(sizeof(i64) * (count ? count : 1));
+    static Kept kept_unmet, kept_wave, kept_heap;
+    i64 *unmet = kept(&kept_unmet, sizeof(i64) * count);
     i64 *losses_left = malloc(sizeof(i64) * (LEN(b[8]) ? LEN(b[8]) : 1));
-    double *start = malloc(sizeof(double) * (count ? count : 1));
+    double *start = NULL; /* written straight into the array returned */
+    PyObject *a_start = new_array("d", count, (void **)&start);
     unsigned char *is_free = malloc(resources ? resources : 1);
     Event *timed = malloc(sizeof(Event) * (resources + 1));
-    i64 *wave = malloc(sizeof(i64) * (count ? count : 1));
+    i64 *wave = kept(&kept_wave, sizeof(i64) * count);
     Heaps heaps;
     Vec touched = {0};
-    int failed = heaps_init(&heaps, res, count, resources) || !unmet || !losses_left || !start ||
-                 !is_free || !timed || !wave;
+    int failed = heaps_init(&heaps, res, count, resources, &kept_heap) || !unmet || !losses_left ||
+                 !a_start || !is_free || !timed || !wave;
     Py_ssize_t stalled = 0;
     if (!failed) {
         memcpy(unmet, I64(b[5]), sizeof(i64) * count);
@@ -578,16 +600,15 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         if (!failed && !stopped) stalled = count - done_count;
     }
     PyObject *out = NULL;
-    if (failed)
-        PyErr_NoMemory();
-    else
-        out = Py_BuildValue("(Nn)", vec_array("d", start, count), stalled);
-    free(unmet);
+    if (failed) {
+        Py_XDECREF(a_start);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+    } else {
+        out = Py_BuildValue("(Nn)", a_start, stalled);
+    }
     free(losses_left);
-    free(start);
     free(is_free);
     free(timed);
-    free(wave);
     free(touched.items);
     heaps_free(&heaps);
     release(b, 10);
@@ -597,18 +618,15 @@ static PyObject *replay(PyObject *self, PyObject *args) {
 /* ---- invert: dependencies to dependents (`ReplayGraph.dependents`) -------------------- */
 
 static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data) {
-    /* array.array(typecode, bytes(count * 8)): zeroed, writable through the buffer */
+    /* array.array(typecode, [0]) * count: zeroed, writable through the buffer; one block
+       (through bytes it took two, each a fresh mapping to fault in at a large graph's size) */
     PyObject *module = PyImport_ImportModule("array");
     if (module == NULL) return NULL;
-    PyObject *zeros = PyBytes_FromStringAndSize(NULL, count * 8);
-    if (zeros == NULL) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    memset(PyBytes_AS_STRING(zeros), 0, count * 8);
-    PyObject *out = PyObject_CallMethod(module, "array", "sO", typecode, zeros);
-    Py_DECREF(zeros);
+    PyObject *one = PyObject_CallMethod(module, "array", "s[i]", typecode, 0);
     Py_DECREF(module);
+    if (one == NULL) return NULL;
+    PyObject *out = PySequence_Repeat(one, count);
+    Py_DECREF(one);
     if (out == NULL) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE) < 0) {
@@ -628,7 +646,8 @@ static PyObject *invert_csr(const i64 *off, const i64 *idx, Py_ssize_t count) {
     PyObject *a_off = new_array("q", count + 1, (void **)&out_off);
     PyObject *a_idx = a_off ? new_array("q", edges, (void **)&out_idx) : NULL;
     PyObject *a_unmet = a_idx ? new_array("q", count, (void **)&unmet) : NULL;
-    i64 *fill = a_unmet ? malloc(sizeof(i64) * (count ? count : 1)) : NULL;
+    static Kept kept_fill;
+    i64 *fill = a_unmet ? kept(&kept_fill, sizeof(i64) * count) : NULL;
     if (fill == NULL) {
         Py_XDECREF(a_off);
         Py_XDECREF(a_idx);
@@ -644,7 +663,6 @@ static PyObject *invert_csr(const i64 *off, const i64 *idx, Py_ssize_t count) {
     /* tasks in ascending order, so each task's dependents come in task order */
     for (Py_ssize_t t = 0; t < count; t++)
         for (i64 j = off[t]; j < off[t + 1]; j++) out_idx[fill[idx[j]]++] = t;
-    free(fill);
     return Py_BuildValue("(NNN)", a_off, a_idx, a_unmet);
 }
 
@@ -776,10 +794,18 @@ static PyObject *build(PyObject *self, PyObject *args) {
     i64 *hist_count = calloc(n, sizeof(i64));
     i64 *act_down = malloc(sizeof(i64) * S * m), *act_up = malloc(sizeof(i64) * S * m);
     i64 *last_grad_down = malloc(sizeof(i64) * S);
-    Vec params = {0}, chain = {0}, batches = {0}, computes = {0}, comp_off = {0}, losses = {0},
-        loss_off = {0};
-    Graph g;
-    memset(&g, 0, sizeof g);
+    /* The growing lists keep their blocks from one build to the next: a 20-iteration graph's are
+       megabytes, which malloc maps afresh and unmaps on free, so each build faulted every page
+       in again (more than half of its time at 94 layers). The GIL makes one set enough. */
+    static Graph kept_graph;
+    static Vec kept_lists[7];
+    Vec params = kept_lists[0], chain = kept_lists[1], batches = kept_lists[2],
+        computes = kept_lists[3], comp_off = kept_lists[4], losses = kept_lists[5],
+        loss_off = kept_lists[6];
+    params.len = chain.len = batches.len = computes.len = comp_off.len = losses.len = loss_off.len = 0;
+    Graph g = kept_graph;
+    g.res.len = g.level.len = g.dep_off.len = g.dep_idx.len = g.tmp.len = g.dur.len = 0;
+    g.failed = g.broken = 0;
     int failed = !readers || !grads || !p_copy || !step || !last_g_copy || !hist_last ||
                  !hist_before || !hist_count || !act_down || !act_up || !last_grad_down;
     failed = failed || vpush(&g.dep_off, 0) || vpush(&comp_off, 0) || vpush(&loss_off, 0);
@@ -923,7 +949,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
         while (((Py_ssize_t)1 << bits) <= count) bits++; /* count.bit_length() */
         i64 seq = (i64)1 << bits;
         if (seq < seq_floor) seq = seq_floor;
-        i64 *rank = malloc(sizeof(i64) * (count ? count : 1));
+        i64 *rank = g.level.items; /* the levels become the heap keys in place */
         if (!rank) {
             PyErr_NoMemory();
         } else {
@@ -951,7 +977,6 @@ static PyObject *build(PyObject *self, PyObject *args) {
                 Py_XDECREF(a_loff);
                 Py_XDECREF(a_loss);
             }
-            free(rank);
         }
     }
     if (readers)
@@ -969,19 +994,9 @@ static PyObject *build(PyObject *self, PyObject *args) {
     free(act_down);
     free(act_up);
     free(last_grad_down);
-    free(params.items);
-    free(chain.items);
-    free(batches.items);
-    free(computes.items);
-    free(comp_off.items);
-    free(losses.items);
-    free(loss_off.items);
-    free(g.res.items);
-    free(g.level.items);
-    free(g.dep_off.items);
-    free(g.dep_idx.items);
-    free(g.tmp.items);
-    free(g.dur.items);
+    Vec lists[7] = {params, chain, batches, computes, comp_off, losses, loss_off};
+    memcpy(kept_lists, lists, sizeof lists);
+    kept_graph = g;
     release(b, 8);
     return out;
 }
@@ -1286,6 +1301,47 @@ static PyObject *span(PyObject *self, PyObject *args) {
     }
     release(b, 2);
     return PyFloat_FromDouble(last - first);
+}
+
+/* ---- first_starts: each iteration's first compute (`plan_replay._first_computes`) ----- */
+
+/* Per group g (``idx[off[g]..off[g+1]]``, task numbers): the least of their starts that is not
+   negative (a task that never started has -1). */
+static PyObject *first_starts(PyObject *self, PyObject *args) {
+    PyObject *o_start, *o_off, *o_idx;
+    Py_ssize_t groups;
+    if (!PyArg_ParseTuple(args, "OOOn", &o_start, &o_off, &o_idx, &groups)) return NULL;
+    Buf b[3];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_start, &b[0], 8, "starts") || get_buf(o_off, &b[1], 8, "offsets") ||
+        get_buf(o_idx, &b[2], 8, "tasks")) {
+        release(b, 3);
+        return NULL;
+    }
+    const double *start = F64(b[0]);
+    const i64 *off = I64(b[1]), *idx = I64(b[2]);
+    Py_ssize_t count = LEN(b[0]), bad = groups < 0 || groups >= LEN(b[1]);
+    for (Py_ssize_t g = 0; !bad && g < groups; g++)
+        bad = off[g] < 0 || off[g] > off[g + 1] || off[g + 1] > LEN(b[2]);
+    for (Py_ssize_t j = 0; !bad && groups && j < off[groups]; j++) bad = idx[j] < 0 || idx[j] >= count;
+    PyObject *out = bad ? NULL : PyList_New(groups);
+    for (Py_ssize_t g = 0; out && g < groups; g++) {
+        double first = -1.0;
+        for (i64 j = off[g]; j < off[g + 1]; j++) {
+            double at = start[idx[j]];
+            if (at >= 0.0 && (first < 0.0 || at < first)) first = at;
+        }
+        PyObject *f = first < 0.0 ? NULL : PyFloat_FromDouble(first);
+        if (f == NULL) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "first_starts: group %zd never started", g);
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, g, f);
+    }
+    if (bad) PyErr_SetString(PyExc_ValueError, "first_starts: groups out of range");
+    release(b, 3);
+    return out;
 }
 
 /* ---- steady_policy: `_steady.steady_period`'s policy iteration ------------------------- */
@@ -1650,6 +1706,7 @@ static PyMethodDef methods[] = {
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},
     {"replay", replay, METH_VARARGS, "`plan_replay.replay_starts` on packed arrays."},
+    {"first_starts", first_starts, METH_VARARGS, "Per group of tasks, the least start not negative."},
     {NULL, NULL, 0, NULL},
 };
 

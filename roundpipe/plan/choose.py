@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from roundpipe.plan import _candidates, _search, _stream
+from roundpipe.plan._collector import collections_paused
 from roundpipe.plan._ranking import _Candidate, _rank, _stages, _StageTimes, spread
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
@@ -84,6 +85,36 @@ def choose_plan(
     method, a lower bound of its figure (`roundpipe.plan_eval`'s loop evaluators), spares the
     plans whose floor is past the best time so far (`_Timer`): the same choice, fewer timings.
     """
+    with collections_paused():  # planning's objects are freed by reference counting (`_collector`)
+        return _choose(
+            costs,
+            num_devices,
+            num_microbatches,
+            mem_limit_bytes,
+            async_optimizer,
+            round_size,
+            evaluate,
+            evaluations,
+            loop,
+            late,
+            refine,
+        )
+
+
+def _choose(
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    mem_limit_bytes: int | None,
+    async_optimizer: bool,
+    round_size: int | None,
+    evaluate: Evaluate | None,
+    evaluations: int | None,
+    loop: bool,
+    late: bool,
+    refine: bool | None,
+) -> Plan:
+    """`choose_plan`'s work."""
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
     if costs.num_layers > max(STEADY_SEARCH_MAX_LAYERS, EVALUATE_MAX_LAYERS):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,33 @@ try:  # a compiled leaf that imports nothing (by name: ``from roundpipe.plan imp
     # to the layering check as an import of the package, a cycle)
     _compiled: ModuleType | None = importlib.import_module("roundpipe.plan._kernels")
 except ImportError:  # no compiler when it was installed: the Python loops run
+    _compiled = None
+
+FUNCTIONS = (
+    "balanced_split",
+    "build",
+    "first_starts",
+    "invert",
+    "list_schedule",
+    "replay",
+    "span",
+    "split_layout",
+    "split_schedule",
+    "steady_policy",
+    "stream_base",
+    "stream_extras",
+)
+"""What the callers use. An extension built from an older `_kernels.c` (an editable install not
+rebuilt since) lacks some: it is set aside, with a warning, rather than fail mid-plan."""
+
+if _compiled is not None and (_missing := [f for f in FUNCTIONS if not hasattr(_compiled, f)]):
+    warnings.warn(
+        f"roundpipe.plan._kernels was built from an older source (no {', '.join(_missing)}): "
+        "planning runs the Python loops, slower; rebuild it with `pip install -e .` "
+        "or `python setup.py build_ext --inplace`",
+        RuntimeWarning,
+        stacklevel=1,
+    )
     _compiled = None
 
 _enabled = os.environ.get("ROUNDPIPE_PURE_PYTHON", "") in ("", "0")
