@@ -35,7 +35,14 @@ from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.partition import Plan
-from roundpipe.plan_replay import CHAINED_WINDOW, loop_iteration_ms, replay_iteration_ms, settled_ms
+from roundpipe.plan_replay import (
+    CHAINED_WINDOW,
+    loop_estimates,
+    loop_iteration_ms,
+    replay_iteration_ms,
+    settled_ms,
+    short_estimate,
+)
 from roundpipe.simulate import SimulationResult, run_fake
 
 STEADY_WINDOW = CHAINED_WINDOW
@@ -119,10 +126,21 @@ def engine_evaluator(
         starts = first_computes(plan, last + 1)
         return (starts[last] - starts[first]) / (last - first)
 
-    run = evaluate if engine else replay
+    def replay_estimate(plan: Plan) -> tuple[float, bool]:
+        with collections_paused():
+            [estimate] = loop_estimates(
+                plan, costs, num_devices, num_microbatches, (loss_lag,), round_size=round_size
+            )
+        return estimate
+
+    def engine_estimate(plan: Plan) -> tuple[float, bool]:
+        return short_estimate(lambda iterations: first_computes(plan, iterations), floor(plan))
+
     if not settled:
-        return run
-    return FlooredEvaluator(run, floor)
+        return evaluate if engine else replay
+    return EstimatingEvaluator(
+        evaluate if engine else replay, floor, engine_estimate if engine else replay_estimate
+    )
 
 
 class FlooredEvaluator:
@@ -139,6 +157,25 @@ class FlooredEvaluator:
 
     def floor(self, plan: Plan) -> float:
         return self._floor(plan)
+
+
+class EstimatingEvaluator(FlooredEvaluator):
+    """A `FlooredEvaluator` with ``estimate(plan)``: the figure of the evaluation's short run alone
+    (`roundpipe.plan_replay.short_estimate`), ``(ms, True)`` where that is the evaluation's
+    figure, ``(ms, False)`` where it is only an estimate (`choose_plan` looks at a shortlist of
+    plans this way before it times them)."""
+
+    def __init__(
+        self,
+        evaluate: Callable[[Plan], float],
+        floor: Callable[[Plan], float],
+        estimate: Callable[[Plan], tuple[float, bool]],
+    ) -> None:
+        super().__init__(evaluate, floor)
+        self._estimate = estimate
+
+    def estimate(self, plan: Plan) -> tuple[float, bool]:
+        return self._estimate(plan)
 
 
 def _busiest(num_devices: int, num_microbatches: int, round_size: int | None, plan: Plan) -> float:
@@ -192,7 +229,15 @@ def late_loop_evaluator(
     def evaluate(plan: Plan) -> float:
         return min(_both_submissions(plan, costs, num_devices, num_microbatches, round_size))
 
-    return FlooredEvaluator(evaluate, functools.partial(_busiest, num_devices, num_microbatches, round_size))
+    def estimate(plan: Plan) -> tuple[float, bool]:
+        # the better submission's figure is exact only where both are (an estimate of the other
+        # could be above or below its figure)
+        with collections_paused():
+            both = loop_estimates(plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size)
+        return min(ms for ms, _ in both), all(settled for _, settled in both)
+
+    floor = functools.partial(_busiest, num_devices, num_microbatches, round_size)
+    return EstimatingEvaluator(evaluate, floor, estimate)
 
 
 def submission_lag(

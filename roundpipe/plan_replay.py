@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 from roundpipe.plan import native
@@ -278,13 +279,44 @@ def settled_ms(first_computes: Callable[[int], Sequence[float]], floor: float) -
     (8, 16), every even plan and both loops, a long run of 20 is within 1% on 98% of the plans
     within 5% of each shape's best (16 iterations: 92%), and the fastest plan by it is within
     1.3% of the fastest by the 40 (docs/performance.md, "Settled iterations")."""
+    ms, settled = short_estimate(first_computes, floor)
+    if settled:
+        return ms
+    starts = first_computes(SETTLE_LONG)
+    return max((starts[-1] - starts[-1 - TAIL_GAPS]) / TAIL_GAPS, floor)
+
+
+def short_estimate(first_computes: Callable[[int], Sequence[float]], floor: float) -> tuple[float, bool]:
+    """`settled_ms` from its short run alone: (its figure, True) where the SETTLE_SHORT iterations
+    have settled; else (the mean of their last SHORT_REPEATS gaps, never under ``floor``, False),
+    an estimate to rank plans by (off by up to tens of percent where a backlog builds), not a
+    figure. The short run is most of a settled evaluation's cost only where it settles."""
     starts = first_computes(SETTLE_SHORT)
     gaps = [b - a for a, b in itertools.pairwise(starts)][-SHORT_REPEATS:]
     tolerance = 1e-9 * max(map(abs, gaps), default=0.0)
     if len(gaps) == SHORT_REPEATS and max(gaps) - min(gaps) <= tolerance:
-        return max(gaps[-1], floor)
-    starts = first_computes(SETTLE_LONG)
-    return max((starts[-1] - starts[-1 - TAIL_GAPS]) / TAIL_GAPS, floor)
+        return max(gaps[-1], floor), True
+    return max(math.fsum(gaps) / max(len(gaps), 1), floor), False
+
+
+def loop_estimates(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    loss_lags: tuple[int, ...],
+    *,
+    round_size: int | None = None,
+) -> list[tuple[float, bool]]:
+    """`short_estimate` of a loop's settled time (`loop_iteration_ms`) for each of ``loss_lags``,
+    from one graph of SETTLE_SHORT iterations."""
+    floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
+    graph = _graph(plan, costs, num_devices, num_microbatches, SETTLE_SHORT, round_size)
+
+    def runs(loss_lag: int) -> Callable[[int], list[float]]:
+        return lambda iterations: _first_computes(graph, iterations, True, loss_lag)
+
+    return [short_estimate(runs(loss_lag), floor) for loss_lag in loss_lags]
 
 
 CHAINED_WINDOW = (1, 5)
@@ -316,4 +348,11 @@ def _first_computes(graph: ReplayGraph, iterations: int, loop: bool, loss_lag: i
     return [min(starts[t] for t in graph.computes[i] if starts[t] >= 0.0) for i in range(iterations)]
 
 
-__all__ = ["loop_iteration_ms", "replay_iteration_ms", "replay_starts", "settled_ms"]
+__all__ = [
+    "loop_estimates",
+    "loop_iteration_ms",
+    "replay_iteration_ms",
+    "replay_starts",
+    "settled_ms",
+    "short_estimate",
+]
