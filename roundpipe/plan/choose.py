@@ -16,6 +16,7 @@ Pure: no torch, no devices, no scheduler (the evaluator is passed in).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 
@@ -36,6 +37,21 @@ proxies decide."""
 SLOT_REACH, FUSED_REACH = 2, 3
 """Candidates: slot counts within SLOT_REACH of a proxy's plan, fused stages starting within
 FUSED_REACH layers of its fused stage."""
+
+
+def many_slots(num_devices: int, num_microbatches: int) -> int:
+    """Sync candidates reach up to this many slots (even plans, the fused stage about the mean
+    slot), beyond the proxies' neighbourhood: 8N, and at most 640 computes per iteration (S * M),
+    past which modelling them costs more than the 50 ms planning target allows at 94 layers.
+
+    Why: a sync iteration's fill and drain cost N(N-1) slot times against M * S of work, so more,
+    shorter slots waste less until the layers run out or the slots grow uneven; the t_max
+    objective stops short of that. On the (8, 16) grid shapes of 24-32 layers the fastest even
+    plans have 24-37 slots where the proxies chose 16-22, and the chosen plans were within 2% of
+    the fastest on 37 of 48 shapes (up to 5.3% slower); with these candidates on 48 (4, 8: 38 to
+    45 of 48)."""
+    return min(8 * num_devices, 640 // max(num_microbatches, 1))
+
 
 LATE_FEW_TIMED = 2
 """A loop one loss late (``choose_plan(..., late=True)``): the plans of up to N slots best in the
@@ -357,7 +373,8 @@ def _ranked_candidates(
     *,
     late: bool = False,
 ) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]], list[tuple[float, Plan]]]:
-    """Even plans around each proxy plan (and the proxies), best modelled first; apart, the best
+    """Even plans around each proxy plan (and the proxies; sync, also those of more slots up to
+    `many_slots`), best modelled first; apart, the best
     modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot; and
     (``loop``, async) the best of the even plans of up to N slots by the model of a training
     loop's submission.
@@ -384,6 +401,10 @@ def _ranked_candidates(
         for proxy in proxies
     )
     few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
+    if not async_optimizer:  # and the sync plans of more slots than the proxies': MANY_SLOTS
+        top = max(p.num_slots for p in proxies) + SLOT_REACH
+        many = _candidates.balanced_fused(chains, range(top + 1, many_slots(n, m) + 1))
+        few_slots = itertools.chain(few_slots, many)
     times = _StageTimes(costs)
     few: dict[object, _Candidate] = {}  # the plans of up to N slots
     for family in (*around, few_slots):
