@@ -401,7 +401,7 @@ def _ranked_candidates(
         for proxy in proxies
     )
     few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
-    if not async_optimizer:  # and the sync plans of more slots than the proxies': MANY_SLOTS
+    if not async_optimizer:  # and the sync plans of more slots than the proxies' (`many_slots`)
         top = max(p.num_slots for p in proxies) + SLOT_REACH
         many = _candidates.balanced_fused(chains, range(top + 1, many_slots(n, m) + 1))
         few_slots = itertools.chain(few_slots, many)
