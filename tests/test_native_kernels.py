@@ -252,6 +252,12 @@ def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
         kernels.invert(ints([0, 1]), ints([5]))
     with pytest.raises(TypeError, match="items of 8 bytes"):  # a list of 4-byte ints
         kernels.invert(ints([0, 0]), native.array("i", []))
+    # an empty graph replays to nothing, whatever the kept working blocks hold from before
+    empty = kernels.replay(
+        ints([]), ints([]), floats([]), ints([0]), ints([]), ints([]), ints([]), bytearray(0), ints([]),
+        bytearray(0), 1, 1 << 20, False, 0,
+    )  # fmt: skip
+    assert (list(empty[0]), empty[1]) == ([], 0)
     with pytest.raises(ValueError, match="out of range"):  # a group past the offsets
         kernels.first_starts(floats([0.0]), ints([0, 1]), ints([0]), 2)
     with pytest.raises(ValueError, match="never started"):

@@ -145,7 +145,7 @@ typedef struct {
 } Kept;
 
 static void *kept(Kept *k, size_t bytes) {
-    if (bytes > k->cap) {
+    if (bytes > k->cap || k->p == NULL) { /* never NULL for an empty graph: malloc(0) may be */
         void *grown = malloc(bytes ? bytes : 8);
         if (!grown) return NULL;
         free(k->p);
