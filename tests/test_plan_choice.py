@@ -348,6 +348,9 @@ def test_an_estimate_said_exact_is_the_evaluations_figure() -> None:
                 assert ms == evaluate(plan)
             assert ms >= evaluate.floor(plan)  # type: ignore[attr-defined]
         assert 0 < exact < len(plans)
+    engine = engine_evaluator(costs, 8, 16, async_optimizer=True, engine=True)  # the engine's own run
+    for plan in plans[::3]:
+        assert engine.estimate(plan) == engine_evaluator(costs, 8, 16, async_optimizer=True).estimate(plan)  # type: ignore[attr-defined]
 
 
 def test_sync_candidates_reach_many_slots(monkeypatch: pytest.MonkeyPatch) -> None:

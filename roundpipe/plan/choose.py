@@ -16,7 +16,6 @@ Pure: no torch, no devices, no scheduler (the evaluator is passed in).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable
 
@@ -400,14 +399,13 @@ def _ranked_candidates(
         _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
         for proxy in proxies
     )
-    few_slots = _candidates.balanced_fused(chains, range(1, n + 1))
+    families = [*around, _candidates.balanced_fused(chains, range(1, n + 1))]
     if not async_optimizer:  # and the sync plans of more slots than the proxies' (`many_slots`)
         top = max(p.num_slots for p in proxies) + SLOT_REACH
-        many = _candidates.balanced_fused(chains, range(top + 1, many_slots(n, m) + 1))
-        few_slots = itertools.chain(few_slots, many)
+        families.append(_candidates.balanced_fused(chains, range(top + 1, many_slots(n, m) + 1)))
     times = _StageTimes(costs)
     few: dict[object, _Candidate] = {}  # the plans of up to N slots
-    for family in (*around, few_slots):
+    for family in families:
         for _, stages in family:
             key = (tuple(stages[0]), stages[1], tuple(stages[2]))
             if key not in plans:
