@@ -269,17 +269,18 @@ def neighbourhood(
             yield from chains.plans(s, q)
 
 
-def balanced_fused(chains: EvenChains, slot_counts: Iterable[int]) -> Iterable[EvenPlan]:
+def balanced_fused(chains: EvenChains, slot_counts: Iterable[int], longer: int = 0) -> Iterable[EvenPlan]:
     """For each slot count S, even plans whose fused stage is about the mean slot: the fused
     starts around the last p at which the fused stage is still no slower than the work / S.
-    Few slots and a long fused stage recompute little; with S <= N whole rounds run side by side."""
+    Few slots and a long fused stage recompute little; with S <= N whole rounds run side by side.
+    ``longer``: also fused stages starting up to that many layers earlier still."""
     ticks = chains.ticks
     n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
     for s_count in slot_counts:
         p = n - 1
         while p > ticks.p_mem and s_count * (fb[n] - fb[p - 1]) <= fwd[p - 1] + fb[n]:
             p -= 1  # a longer fused stage is still no slower than the mean slot
-        for q in range(max(ticks.p_mem, p - 1), min(n - 1, p + 1) + 1):
+        for q in range(max(ticks.p_mem, p - 1 - longer), min(n - 1, p + 1) + 1):
             yield from chains.plans(s_count, q)
 
 
