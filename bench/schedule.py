@@ -43,6 +43,12 @@ Prints one JSON line per profile and mode:
       ``--modes sync [async]``: sync plans too (the makespan of one iteration; "on target" is
       bubble <= analytic + 1.5 points); ``--devices 8 4``: those (N, M) of the grid.
     python bench/schedule.py --exhaustive [--layers 24] [--loss-lag 1] [--modes sync] [--devices 8 4]
+
+  --planning: choose_plan's time on the 16 grid shapes of --layers (default 94) at (8, 16), for
+      sync, the async loop waiting for each loss and the late loop (with its submission check):
+      the median of 5 calls per shape, then per loop the median, the maximum and how many are
+      under the 50 ms target. Run it on a quiet machine: other work moves these by 1.5x.
+    python bench/schedule.py --planning [--layers 94]
 """
 
 from __future__ import annotations
@@ -384,6 +390,56 @@ def exhaustive_row(
     }
 
 
+PLANNING_REPEATS = 5
+
+
+def planning_rows(layers: int, n: int = 8, m: int = 16) -> list[dict[str, object]]:
+    """Planning time per grid shape of ``layers`` at (n, m), for the three loops RoundPipe plans
+    for (sync; async waiting for each loss; async reading each loss one iteration late, with the
+    submission check the pipe makes): the median of PLANNING_REPEATS calls, each with a fresh
+    evaluator and no remembered evaluations."""
+    from roundpipe.plan_eval import _submissions_of
+
+    rows: list[dict[str, object]] = []
+    for ratio, head in itertools.product(GRID_BWD_RATIOS, GRID_HEADS):
+        costs = grid_costs(layers, ratio, head)
+        for loop in ("sync", "async", "late"):
+            times, plan = [], None
+            for _ in range(PLANNING_REPEATS):
+                _submissions_of.cache_clear()
+                start = time.perf_counter()
+                if loop == "late":
+                    plan = choose_plan(
+                        costs,
+                        n,
+                        m,
+                        async_optimizer=True,
+                        evaluate=late_loop_evaluator(costs, n, m),
+                        late=True,
+                    )
+                    submission_lag(plan, costs, n, m, async_optimizer=True, loss_lag=1)
+                else:
+                    asynchronous = loop == "async"
+                    evaluate = engine_evaluator(costs, n, m, async_optimizer=asynchronous)
+                    plan = choose_plan(costs, n, m, async_optimizer=asynchronous, evaluate=evaluate)
+                times.append((time.perf_counter() - start) * 1e3)
+            assert plan is not None
+            rows.append(
+                {
+                    "bench": "schedule-planning",
+                    "layers": layers,
+                    "bwd_ratio": ratio,
+                    "head": head,
+                    "devices": n,
+                    "microbatches": m,
+                    "loop": loop,
+                    "slots": plan.num_slots,
+                    "planning_ms": round(sorted(times)[len(times) // 2], 1),
+                }
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="more layer counts and head sizes")
@@ -404,6 +460,9 @@ def main() -> None:
         "--exhaustive", action="store_true", help="async choices at (8, 16) against every even plan"
     )
     parser.add_argument(
+        "--planning", action="store_true", help="planning ms per grid shape at (8, 16) (default 94 layers)"
+    )
+    parser.add_argument(
         "--loss-lag",
         type=int,
         choices=(0, 1),
@@ -415,6 +474,21 @@ def main() -> None:
     args.modes = args.modes or ["sync", "async"]
     if args.tables:
         tables(args.tables)
+        return
+    if args.planning:
+        for count in args.layers or [94]:
+            rows = planning_rows(count)
+            for row in rows:
+                print(json.dumps(row), flush=True)
+            for loop in ("sync", "async", "late"):
+                ms = sorted(float(r["planning_ms"]) for r in rows if r["loop"] == loop)  # type: ignore[arg-type]
+                summary = {"bench": "schedule-planning-summary", "layers": count, "loop": loop}
+                summary |= {
+                    "median_ms": ms[len(ms) // 2],
+                    "max_ms": ms[-1],
+                    "under_50": sum(x < 50 for x in ms),
+                }
+                print(json.dumps(summary), flush=True)
         return
     if args.exhaustive:
         # async at (8, 16) unless asked otherwise (what the targets name); sync when --modes says
