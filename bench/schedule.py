@@ -62,7 +62,13 @@ from typing import Any
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import steady_iteration_ms
-from roundpipe.plan_eval import engine_evaluator, iteration_starts, late_loop_evaluator, submission_lag
+from roundpipe.plan_eval import (
+    choose_evaluated_plan,
+    engine_evaluator,
+    iteration_starts,
+    late_loop_evaluator,
+    submission_lag,
+)
 from roundpipe.simulate import simulate
 
 N, M = 8, 16
@@ -395,8 +401,8 @@ PLANNING_REPEATS = 5
 
 def planning_rows(layers: int, n: int = 8, m: int = 16) -> list[dict[str, object]]:
     """Planning time per grid shape of ``layers`` at (n, m), for the three loops RoundPipe plans
-    for (sync; async waiting for each loss; async reading each loss one iteration late, with the
-    submission check the pipe makes): the median of PLANNING_REPEATS calls, each with a fresh
+    for (sync; async waiting for each loss; async reading each loss one iteration late), as the
+    pipe plans (`choose_evaluated_plan`, then its `submission_lag` check): the median of PLANNING_REPEATS calls, each with a fresh
     evaluator and no remembered evaluations."""
     from roundpipe.plan_eval import _submissions_of
 
@@ -408,20 +414,11 @@ def planning_rows(layers: int, n: int = 8, m: int = 16) -> list[dict[str, object
             for _ in range(PLANNING_REPEATS):
                 _submissions_of.cache_clear()
                 start = time.perf_counter()
-                if loop == "late":
-                    plan = choose_plan(
-                        costs,
-                        n,
-                        m,
-                        async_optimizer=True,
-                        evaluate=late_loop_evaluator(costs, n, m),
-                        late=True,
-                    )
-                    submission_lag(plan, costs, n, m, async_optimizer=True, loss_lag=1)
-                else:
-                    asynchronous = loop == "async"
-                    evaluate = engine_evaluator(costs, n, m, async_optimizer=asynchronous)
-                    plan = choose_plan(costs, n, m, async_optimizer=asynchronous, evaluate=evaluate)
+                asynchronous, loss_lag = loop != "sync", int(loop == "late")
+                plan = choose_evaluated_plan(
+                    costs, n, m, None, async_optimizer=asynchronous, loss_lag=loss_lag
+                )
+                submission_lag(plan, costs, n, m, async_optimizer=asynchronous, loss_lag=loss_lag)
                 times.append((time.perf_counter() - start) * 1e3)
             assert plan is not None
             rows.append(

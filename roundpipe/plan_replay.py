@@ -252,19 +252,7 @@ def loop_iteration_ms(
             at = _first_computes(graph, last + 1, loop, loss_lag)
             times.append((at[last] - at[first]) / (last - first))
         return times
-    floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
-    graphs: dict[int, ReplayGraph] = {}  # by run length, shared by the loss lags
-
-    def runs(loss_lag: int) -> Callable[[int], list[float]]:
-        def first_computes(iterations: int) -> list[float]:
-            if iterations not in graphs:
-                graphs[iterations] = _graph(
-                    plan, costs, num_devices, num_microbatches, iterations, round_size
-                )
-            return _first_computes(graphs[iterations], iterations, True, loss_lag)
-
-        return first_computes
-
+    floor, runs = _loop_runs(plan, costs, num_devices, num_microbatches, round_size)
     return [settled_ms(runs(loss_lag), floor) for loss_lag in loss_lags]
 
 
@@ -310,13 +298,30 @@ def loop_estimates(
 ) -> list[tuple[float, bool]]:
     """`short_estimate` of a loop's settled time (`loop_iteration_ms`) for each of ``loss_lags``,
     from one graph of SETTLE_SHORT iterations."""
+    floor, runs = _loop_runs(plan, costs, num_devices, num_microbatches, round_size)
+    return [short_estimate(runs(loss_lag), floor) for loss_lag in loss_lags]
+
+
+def _loop_runs(
+    plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, round_size: int | None
+) -> tuple[float, Callable[[int], Callable[[int], list[float]]]]:
+    """A loop's floor (`busiest_device_ms`) and, per loss lag, ``first_computes(k)``: each
+    iteration's first compute start in a run of k iterations, one graph per run length, built
+    when first asked for and shared by the loss lags."""
     floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
-    graph = _graph(plan, costs, num_devices, num_microbatches, SETTLE_SHORT, round_size)
+    graphs: dict[int, ReplayGraph] = {}
 
     def runs(loss_lag: int) -> Callable[[int], list[float]]:
-        return lambda iterations: _first_computes(graph, iterations, True, loss_lag)
+        def first_computes(iterations: int) -> list[float]:
+            if iterations not in graphs:
+                graphs[iterations] = _graph(
+                    plan, costs, num_devices, num_microbatches, iterations, round_size
+                )
+            return _first_computes(graphs[iterations], iterations, True, loss_lag)
 
-    return [short_estimate(runs(loss_lag), floor) for loss_lag in loss_lags]
+        return first_computes
+
+    return floor, runs
 
 
 CHAINED_WINDOW = (1, 5)

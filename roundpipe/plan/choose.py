@@ -233,28 +233,31 @@ class _Timer:
         """A plan past the few timed in full (with an evaluator that estimates: ``estimate(plan)``,
         from the evaluation's short run): its estimate where that is its time, else timed in full
         only where the estimate is within ESTIMATE_MARGIN of the best time so far."""
-        key = _stages(plan)
-        if self.estimate is None or key in self.timed or key in self.spared:
-            return
-        if self.floor is not None and self.floor(plan) > self.best_ms * (1 + 1e-9):
-            self.spared.add(key)
+        if self.estimate is None or not self._open(plan):
             return
         ms, exact = self.estimate(plan)
         if exact:
-            self.timed[key] = (ms, plan)
-            self.best_ms = min(self.best_ms, ms)
+            self._record(plan, ms)
         elif ms <= self.best_ms * (1 + ESTIMATE_MARGIN):
-            self.time(plan)
+            self._record(plan, self.evaluate(plan))
 
     def time(self, plan: Plan) -> None:
+        if self._open(plan):
+            self._record(plan, self.evaluate(plan))
+
+    def _open(self, plan: Plan) -> bool:
+        """Whether ``plan`` still wants a figure: not timed yet, and not spared (now or before)
+        by its floor."""
         key = _stages(plan)
         if key in self.timed or key in self.spared:
-            return
+            return False
         if self.floor is not None and self.floor(plan) > self.best_ms * (1 + 1e-9):
             self.spared.add(key)
-            return
-        ms = self.evaluate(plan)
-        self.timed[key] = (ms, plan)
+            return False
+        return True
+
+    def _record(self, plan: Plan, ms: float) -> None:
+        self.timed[_stages(plan)] = (ms, plan)
         self.best_ms = min(self.best_ms, ms)
 
 
