@@ -191,10 +191,72 @@ def test_device_times_never_end_after_the_host_saw_them_end() -> None:
     """The CUDA backend maps its event times onto the host clock, which drifts from the GPU's
     (0.2 ms in 96 s on an H200): bounded by when the host saw the end, a host task that waited
     for a device task can never appear to start before it ended."""
-    from roundpipe.backends.cuda import device_times_on_host_clock
+    from roundpipe.backends.device_clock import DeviceClock
 
+    seen = iter([1008.5, 1008.6, 1030.0])
+    clock = DeviceClock(1000.0, lambda: next(seen))
     # the GPU clock ran ahead: the end is pulled back to when the host saw it, the start too
-    assert device_times_on_host_clock(1000.0, 5.0, 9.0, 1008.5) == (1005.0, 1008.5)
-    assert device_times_on_host_clock(1000.0, 9.0, 9.5, 1008.5) == (1008.5, 1008.5)
+    assert clock.place(5.0, 9.0) == (1005.0, 1008.5)
+    assert clock.place(9.0, 9.5) == (1008.5, 1008.6)
     # behind (or on time): unchanged
-    assert device_times_on_host_clock(1000.0, 5.0, 9.0, 1012.0) == (1005.0, 1009.0)
+    assert clock.place(20.0, 25.0) == (1020.0, 1025.0)
+
+
+def test_device_times_keep_the_order_the_device_ran_them_in() -> None:
+    """Two lanes of one device have two waiter threads: one may see its task late, the other
+    early. An activation download that the GPU started when its compute ended must not be
+    placed before that compute's end (an H200 run failed `check_rules` so, 13 us apart, when
+    each task was bounded by its own observation alone)."""
+    from roundpipe.backends.device_clock import DeviceClock
+
+    seen = iter([12951.540, 12951.600])
+    clock = DeviceClock(0.0, lambda: next(seen))
+    download = clock.place(12951.553, 12951.700)  # seen first, early: its waiter was free
+    compute = clock.place(12940.0, 12951.553)  # seen later: its waiter was busy
+    assert compute[1] <= download[0]
+    assert download[1] <= 12951.540 and compute[1] <= 12951.600
+
+
+def test_device_times_stay_ordered_and_bounded_under_drift_and_late_observations() -> None:
+    """Random tasks on one device, a GPU clock that runs ahead, observations in random order
+    and delay: every end before a start on the device stays so on the host, no end lies after
+    its observation, no time after the device's own reading."""
+    import random
+
+    from roundpipe.backends.device_clock import DeviceClock
+
+    rng = random.Random(7)
+    for _ in range(50):
+        tasks, t = [], 0.0
+        for _ in range(60):
+            start = t + rng.choice([0.0, 0.0, rng.uniform(0.0, 0.05)])
+            end = start + rng.uniform(0.0, 2.0)
+            tasks.append((start, end))
+            t = rng.choice([end, start + rng.uniform(0.0, end - start)])
+        drift = rng.uniform(0.0, 0.02)  # GPU ahead by this fraction of the elapsed time
+        seen = sorted(
+            (end * (1.0 - drift) + rng.choice([0.0, rng.uniform(0.0, 0.3)]), i)
+            for i, (_, end) in enumerate(tasks)
+        )
+        clock = DeviceClock(0.0, iter([time for time, _ in seen]).__next__)
+        placed: dict[int, tuple[float, float]] = {}
+        for observed, i in seen:
+            placed[i] = clock.place(*tasks[i])
+            assert placed[i][0] <= placed[i][1] <= observed
+            assert placed[i][0] <= tasks[i][0] and placed[i][1] <= tasks[i][1]
+        for a, (_, end_a) in enumerate(tasks):
+            for b, (start_b, _) in enumerate(tasks):
+                if end_a <= start_b:
+                    assert placed[a][1] <= placed[b][0], (a, b)
+
+
+def test_device_clock_forgets_old_observations() -> None:
+    """A long run keeps a bounded list: observations a minute old are dropped in halves."""
+    from roundpipe.backends.device_clock import KEEP_OBSERVED_MS, DeviceClock
+
+    now = [0.0]
+    clock = DeviceClock(0.0, lambda: now[0])
+    for i in range(20_000):
+        now[0] = i * 10.0 + 1.0
+        assert clock.place(i * 10.0, i * 10.0 + 1.0) == (i * 10.0, i * 10.0 + 1.0)
+    assert len(clock._ends) <= 2 * KEEP_OBSERVED_MS / 10.0 + 1

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from roundpipe.backends.device_clock import DeviceClock
 from roundpipe.backends.runtime import Runtime
 from roundpipe.backends.threads import LaneThreadBackend, Waiter
 from roundpipe.errors import ConfigError
@@ -60,14 +61,15 @@ class CudaBackend(LaneThreadBackend):
         self._streams: dict[str, Any] = {}
         self._events: dict[Any, Any] = {}  # key of an issued, not yet completed device task -> end event
         self._events_lock = threading.Lock()
-        # One clock for host and devices: a base event per device, recorded now.
-        self._base: dict[int, tuple[Any, float]] = {}
+        # One clock for host and devices: a base event per device, recorded now, and each
+        # device's times mapped onto the host clock by one monotone map (`DeviceClock`).
+        self._base: dict[int, tuple[Any, DeviceClock]] = {}
         for d, index in enumerate(device_indices):
             with torch.cuda.device(index):
                 base = torch.cuda.Event(enable_timing=True)
                 base.record()
                 base.synchronize()
-                self._base[d] = (base, self.now())
+                self._base[d] = (base, DeviceClock(self.now(), self.now))
         self._limit_host_threads(host_threads)
         runtime.compiler.open()
 
@@ -111,10 +113,8 @@ class CudaBackend(LaneThreadBackend):
     def _wait(self, task: Task, start: Any, end: Any) -> None:
         try:
             end.synchronize()  # sleeps (blocking event), releases the GIL
-            base, base_ms = self._base[task.device]
-            task.start_t, task.end_t = device_times_on_host_clock(
-                base_ms, base.elapsed_time(start), base.elapsed_time(end), self.now()
-            )
+            base, clock = self._base[task.device]
+            task.start_t, task.end_t = clock.place(base.elapsed_time(start), base.elapsed_time(end))
         finally:
             with self._events_lock:
                 self._events.pop(task.key, None)
@@ -125,20 +125,6 @@ class CudaBackend(LaneThreadBackend):
         self._streams.clear()
         _release_cublas_workspaces()
         self.runtime.compiler.close()
-
-
-def device_times_on_host_clock(
-    base_ms: float, start_elapsed_ms: float, end_elapsed_ms: float, observed_ms: float
-) -> tuple[float, float]:
-    """A device task's (start, end) on the host clock: its events' times after a base event
-    recorded at host time ``base_ms``, no later than ``observed_ms``, when the host saw it end.
-
-    Why the bound: the GPU's event clock and the host's drift apart (about 0.2 ms in 96 s was
-    seen on an H200), and a host task that waited for this one (a G-copy after its gradient
-    download) starts on the host clock after ``observed_ms``. Unbounded, the trace could show it
-    starting before its dependency ended, and `Trace.check_rules` failed on a correct run."""
-    end = min(base_ms + end_elapsed_ms, observed_ms)
-    return min(base_ms + start_elapsed_ms, end), end
 
 
 def _release_cublas_workspaces() -> None:

@@ -1,0 +1,71 @@
+"""One device's event times on the host clock: one monotone map per device.
+
+Why this exists: the CUDA backend times every task with two events on the device and reports
+the times on the host's millisecond clock, as a base event's host time plus the events' elapsed
+time since it. The two clocks drift apart (about 0.2 ms in 96 s was seen on an H200, the GPU's
+ahead), so a mapped end can lie after the moment the host saw the task end, and a host task that
+waited for it (a G-copy after its gradient download) would seem to start before its dependency
+ended. Each end must therefore be bounded by its task's observation.
+
+Bounding each task by its own observation alone breaks the order *on* the device: two lanes
+have two waiter threads, one may see its task late and the other early, and a copy that the
+GPU started right after a compute ended could be pulled back further than that compute, before
+it (seen on an H200: an activation download 13 us before its compute's end, 13 s into a run).
+
+So every time on one device goes through one non-decreasing map
+
+    f(g) = min(base + g, min{observed_i : end_i >= g})
+
+over the observations (end_i, observed_i) of that device's tasks: the largest non-decreasing map
+under the GPU's own reading that puts no end after its observation. Non-decreasing keeps the
+device's order (an end before a start on the GPU stays so on the host), the bound keeps the
+host's. Observations are taken under one lock, so they arrive in increasing order; then only
+those with an end later than every earlier one matter, a list increasing in both, and a time
+placed once never needs lowering when later observations arrive: the map is computed online.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+
+# Observations older than this are dropped: no task is seen this long after its end, and a
+# dropped one could only loosen the bound, never misplace an order the GPU enforced.
+KEEP_OBSERVED_MS = 60_000.0
+
+
+class DeviceClock:
+    """Places one device's event times on the host clock; see the module docstring.
+
+    ``base_ms`` is the host time of the device's base event; `place` takes a task's start and
+    end as elapsed milliseconds since that event and returns them on the host clock.
+    """
+
+    def __init__(self, base_ms: float, now: Callable[[], float]) -> None:
+        self.base_ms = base_ms
+        self._now = now
+        self._lock = threading.Lock()
+        self._ends: list[float] = []  # device ends of the kept observations, increasing
+        self._observed: list[float] = []  # their host observations, increasing
+
+    def place(self, start_elapsed_ms: float, end_elapsed_ms: float) -> tuple[float, float]:
+        """The task's (start, end) on the host clock; call once it has ended on the device."""
+        with self._lock:
+            observed = self._now()  # under the lock: observations arrive in increasing order
+            if not self._ends or end_elapsed_ms > self._ends[-1]:
+                self._ends.append(end_elapsed_ms)
+                self._observed.append(observed)
+                self._forget(observed)
+            return self._map(start_elapsed_ms), self._map(end_elapsed_ms)
+
+    def _map(self, elapsed_ms: float) -> float:
+        at = bisect.bisect_left(self._ends, elapsed_ms)
+        mapped = self.base_ms + elapsed_ms
+        return min(mapped, self._observed[at]) if at < len(self._ends) else mapped
+
+    def _forget(self, observed: float) -> None:
+        stale = bisect.bisect_left(self._observed, observed - KEEP_OBSERVED_MS)
+        if stale > len(self._observed) // 2:  # in halves: amortised constant per observation
+            del self._ends[:stale]
+            del self._observed[:stale]
