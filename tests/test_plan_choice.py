@@ -174,6 +174,26 @@ def test_async_stream_model_waits_for_the_uploads_before_a_p_copy() -> None:
     assert under_without >= 3
 
 
+def test_sharers_are_every_overlapping_slot() -> None:
+    """`sharers` walks the forward and backward chains side by side: the same as comparing every
+    pair of slots, on every even plan of a few shapes and on stages of another form."""
+
+    def every_pair(fwd: tuple[range, ...], fused: range, bwd: tuple[range, ...]) -> list[list[int]]:
+        stages = (*fwd, fused, *bwd)
+        return [[j for j, h in enumerate(stages) if h.start < r.stop and r.start < h.stop] for r in stages]
+
+    plans = every_even_plan(grid_costs(12, 2.5, 2.0), 8, 16) + every_even_plan(grid_costs(9, 1.3, 1.0), 4, 8)
+    assert len(plans) > 100
+    for plan in plans:
+        stages = (plan.fwd_stages, plan.fused, plan.bwd_stages)
+        assert sharers(*stages) == every_pair(*stages), stages
+    for odd in [
+        ((range(0, 3), range(2, 5)), range(5, 7), (range(3, 5), range(0, 3))),  # overlapping stages
+        ((range(0, 3), range(3, 3), range(3, 5)), range(5, 7), (range(0, 5),)),  # an empty one
+    ]:
+        assert sharers(*odd) == every_pair(*odd)
+
+
 def test_equal_times_go_to_the_more_even_plan() -> None:
     costs = grid_costs(28, 3.8, 1.0)
     seen: list[Plan] = []
@@ -387,3 +407,36 @@ def test_sync_candidates_take_longer_fused_stages(monkeypatch: pytest.MonkeyPatc
     assert best == pytest.approx(227.6, abs=0.05)
     monkeypatch.setattr(choose, "SYNC_LONGER_FUSED", 0)
     assert evaluate(choose_plan(costs, 4, 8, evaluate=evaluate)) == pytest.approx(235.23, abs=0.01)
+
+
+def test_dealt_backward_plans_give_every_device_two_backward_runs() -> None:
+    """`dealt_backward`: plans of more than 2N slots with exactly 2N backward stages (1 to N
+    forward ones) over the same layers as the forward chain, each a plan the even chains make."""
+    from roundpipe.plan import _candidates, choose
+
+    costs = grid_costs(24, 3.8, 2.0)
+    chains = choose._even_chains(costs, None)
+    plans = list(_candidates.dealt_backward(chains, 8))
+    assert {len(fwd) for _, (fwd, _, _) in plans} == set(range(1, 9))
+    for slots, (fwd, fused, bwd) in plans:
+        assert len(bwd) == 16 and len(slots) == len(fwd) + 1 + len(bwd) > 16
+        assert fwd[0].start == bwd[-1].start == 0 and fwd[-1].stop == bwd[0].stop == fused.start
+        assert fused.stop == costs.num_layers and len(fused) <= 3  # about the mean slot: the head
+        assert chains.plan(len(fwd), len(bwd), fused.start) == (slots, (fwd, fused, bwd))
+
+
+def test_a_waiting_loop_lists_plans_that_deal_the_backward_evenly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backward runs are most of the work, and 2N backward stages deal every device two of them a
+    round: on 24 layers, backward 3.8x, head 2x at (8, 16), the fastest even plan has 20 slots
+    (3 forward, the head, 16 backward: 294.48 ms), outside every other family; the waiting loop
+    reaches it through its shortlist (`DEALT_LISTED`), and settles 3.9% slower without."""
+    from roundpipe.plan import choose
+
+    costs = grid_costs(24, 3.8, 2.0)
+    evaluate = engine_evaluator(costs, 8, 16, async_optimizer=True)
+    chosen = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert (len(chosen.fwd_stages), len(chosen.fused), len(chosen.bwd_stages)) == (3, 1, 16)
+    assert evaluate(chosen) == pytest.approx(294.48, abs=0.01)
+    monkeypatch.setattr(choose, "DEALT_LISTED", 0)
+    without = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert evaluate(without) == pytest.approx(306.42, abs=0.01)

@@ -245,17 +245,25 @@ class EvenChains:
         counts = {math.floor(even), math.ceil(even), round(even) + 1}
         out: list[EvenPlan] = []
         for kf in sorted({min(max(k, need), s_count - 1 - need) for k in counts}):
-            kb = s_count - 1 - kf
-            if not (1 <= kf <= p and 1 <= kb <= p):
-                continue
-            f_parts, b_parts = self.split(0, p, kf), self.split(1, p, kb)
-            if f_parts is None or b_parts is None:
-                continue
-            slots = [fwd[r.stop] - fwd[r.start] for r in f_parts]
-            slots.append(fused_t)
-            slots += [fb[r.stop] - fb[r.start] for r in reversed(b_parts)]  # deepest first: larger there
-            out.append((slots, (f_parts, range(p, n), b_parts[::-1])))
+            plan = self.plan(kf, s_count - 1 - kf, p)
+            if plan is not None:
+                out.append(plan)
         return out
+
+    def plan(self, kf: int, kb: int, p: int) -> EvenPlan | None:
+        """The plan of ``kf`` forward and ``kb`` backward stages, each chain split evenly, and the
+        fused stage from layer ``p`` (0 < p); None where the counts do not fit the layers or memory."""
+        ticks = self.ticks
+        n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
+        if not (1 <= kf <= p and 1 <= kb <= p):
+            return None
+        f_parts, b_parts = self.split(0, p, kf), self.split(1, p, kb)
+        if f_parts is None or b_parts is None:
+            return None
+        slots = [fwd[r.stop] - fwd[r.start] for r in f_parts]
+        slots.append(fb[n] - fb[p])
+        slots += [fb[r.stop] - fb[r.start] for r in reversed(b_parts)]  # deepest first: larger there
+        return slots, (f_parts, range(p, n), b_parts[::-1])
 
 
 def neighbourhood(
@@ -275,13 +283,36 @@ def balanced_fused(chains: EvenChains, slot_counts: Iterable[int], longer: int =
     Few slots and a long fused stage recompute little; with S <= N whole rounds run side by side.
     ``longer``: also fused stages starting up to that many layers earlier still."""
     ticks = chains.ticks
-    n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
     for s_count in slot_counts:
-        p = n - 1
-        while p > ticks.p_mem and s_count * (fb[n] - fb[p - 1]) <= fwd[p - 1] + fb[n]:
-            p -= 1  # a longer fused stage is still no slower than the mean slot
-        for q in range(max(ticks.p_mem, p - 1 - longer), min(n - 1, p + 1) + 1):
+        p = _mean_slot_fused_start(ticks, s_count)
+        for q in range(max(ticks.p_mem, p - 1 - longer), min(ticks.n - 1, p + 1) + 1):
             yield from chains.plans(s_count, q)
+
+
+def dealt_backward(chains: EvenChains, num_devices: int) -> Iterable[EvenPlan]:
+    """Even plans of more than 2N slots with exactly 2N backward stages (1 to N forward stages,
+    the fused stage about the mean slot: `balanced_fused`'s middle one). Round-robin then deals
+    every device two backward runs a round. Backward runs are most of the work (1.3x to 3.8x the
+    forward), so how evenly they are dealt sets the busiest device's load, which an async run
+    settles at; `EvenChains.plans` splits S - 1 by the work instead and rarely gives 2N. On small
+    models (24 layers on 8 devices) these plans are the fastest the exhaustive search finds,
+    1.7-3.9% faster than any candidate of the other families."""
+    kb = 2 * num_devices
+    for kf in range(1, num_devices + 1):
+        p = _mean_slot_fused_start(chains.ticks, kf + 1 + kb)
+        plan = chains.plan(kf, kb, p) if p > 0 else None
+        if plan is not None:
+            yield plan
+
+
+def _mean_slot_fused_start(ticks: Ticks, s_count: int) -> int:
+    """The last fused start at which the fused stage is still no slower than the work over
+    ``s_count`` slots (a longer one would be slower than the mean slot)."""
+    n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
+    p = n - 1
+    while p > ticks.p_mem and s_count * (fb[n] - fb[p - 1]) <= fwd[p - 1] + fb[n]:
+        p -= 1
+    return p
 
 
 def steady_search(
