@@ -197,3 +197,23 @@ def test_lora_on_experts_matches_peft_loop(make: Any) -> None:
     for name, param in model.named_parameters():
         if name in frozen:
             assert torch.equal(param, frozen[name]), f"frozen {name} changed"
+
+
+@pytest.mark.parametrize("make", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3-moe", "gpt-oss"])
+def test_lora_on_experts_matches_peft_loop_while_another_thread_caches(make: Any) -> None:
+    """peft computes expert-LoRA weights under `torch.nn.utils.parametrize.cached()`, whose cache
+    is one dict for the process, emptied only when the last thread inside a ``cached()`` leaves.
+    With another lane inside one, a replica's entry outlived its call and the next call read
+    the old weight and its graph: wrong gradients, or a backward through a freed graph (one
+    parity run in ten on a busy CPU). Holding ``cached()`` open here for the whole run stands in
+    for that other lane, every time: the results must not change (`Binder.forget_cached`)."""
+    from torch.nn.utils import parametrize
+
+    model = expert_lora(make())
+    reference = copy.deepcopy(model)
+    data = token_data(2)
+    expected = reference_loop(reference, data)
+    with parametrize.cached():
+        losses = pipe_loop(model, data)
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert_same_weights(model, reference)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from roundpipe.backends.host_data import ReplicaKey
 from roundpipe.errors import StageError
@@ -82,10 +83,12 @@ class Replicas:
         try:
             with self._rng(task.iteration, layer, task.microbatch):
                 binder.bind(params.get(layer, {}))
+                binder.forget_cached()
                 try:
                     return replica(x)
                 finally:
                     binder.unbind()  # the replica must not keep a finished run's weights alive
+                    binder.forget_cached()
         except torch.OutOfMemoryError as exc:
             raise self.out_of_memory(task, f"layer {layer} ({self.names[layer]}), ") from exc
         except StageError:
@@ -115,9 +118,19 @@ class Binder:
     A layer may re-register a parameter during its call: `torch.nn.utils.parametrize` (which peft's
     ``target_parameters`` LoRA, e.g. on 3-D expert weights, applies for each forward) takes the
     bound tensor out of the slot and, when it removes the parametrization, registers it back as
-    a buffer since it is no ``nn.Parameter``. `unbind` drops that buffer and restores the slot."""
+    a buffer since it is no ``nn.Parameter``. `unbind` drops that buffer and restores the slot.
+
+    peft also computes those weights under `torch.nn.utils.parametrize.cached()`, whose cache is
+    one dict for the process, keyed by (id(module), name) and emptied only when the last thread
+    inside a ``cached()`` leaves it. With another device's lane inside one, an entry of this
+    replica outlived its call, and the next call (the next microbatch, or a backward stage's
+    recompute on the replica the forward stage used) read the old weight and its graph: gradients
+    went to a finished run's copies, or a backward ran through a freed graph (the expert-LoRA
+    parity tests failed about one run in ten on a busy CPU). `forget_cached` drops this replica's
+    entries before and after each call."""
 
     def __init__(self, module: nn.Module) -> None:
+        self.module_ids = frozenset(id(m) for m in module.modules())
         canonical: dict[int, str] = {}
         self.slots: list[tuple[dict[str, Any], str, str, nn.Parameter, dict[str, Any]]] = []
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -137,6 +150,15 @@ class Binder:
             slots[leaf] = placeholder
             if leaf in buffers:  # a bound tensor that a parametrization registered back as a buffer
                 del buffers[leaf]
+
+    def forget_cached(self) -> None:
+        """Drop the replica's entries from the process-wide parametrization cache (see above)."""
+        cache: dict[tuple[int, str], Any] | None = getattr(parametrize, "_cache", None)
+        if not cache:
+            return
+        for key in list(cache):  # one copy under the GIL: other lanes may add entries meanwhile
+            if key[0] in self.module_ids:
+                cache.pop(key, None)
 
 
 class SeededSection:
