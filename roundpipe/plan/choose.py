@@ -135,7 +135,8 @@ def choose_plan(
     the evaluation's short run, and whether that is its figure) lets the loop waiting for each
     loss look past its few at a shortlist of the ranking's next best (SHORTLISTED): each taken at
     its estimate where that is exact, timed in full where it promises to be faster
-    (`_Timer.consider`). An explicit ``evaluations`` turns the shortlist off.
+    (`_Timer.consider`); with it, the best plan of 2N backward stages (`DEALT_LISTED`). An
+    explicit ``evaluations`` turns the shortlist off.
     """
     with collections_paused():  # planning's objects are freed by reference counting (`_collector`)
         return _choose(
@@ -397,9 +398,11 @@ def _ranked_candidates(
 ]:
     """Even plans around each proxy plan (and the proxies; sync, also those of more slots up to
     `many_slots`), best modelled first; apart, the best
-    modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot; and
+    modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot;
     (``loop``, async) the best of the even plans of up to N slots by the model of a training
-    loop's submission.
+    loop's submission; and the best ``dealt`` of the plans with 2N backward stages beyond 2N
+    slots (`_candidates.dealt_backward`) by that model too, those it puts no slower than the
+    ``needed``-th of the first list (`DEALT_LISTED`).
 
     Those wider plans (a 1-3 layer fused stage, stages a little shorter than with N slots) are the
     fastest on several grid shapes (up to 11% faster than the others), but the ranking model is
