@@ -439,11 +439,19 @@ def _ranked_candidates(
                 plans[key] = _Candidate(None, key, times.of(*key), n, m)
             if len(stages[0]) + 1 + len(stages[2]) <= n:
                 few[key] = plans[key]
-    wider: dict[object, _Candidate] = {}
-    for _, stages in _candidates.balanced_fused(chains, range(n + 1, 2 * n + 1), longer):
-        key = (tuple(stages[0]), stages[1], tuple(stages[2]))
-        if key not in plans and key not in wider:
-            wider[key] = _Candidate(None, key, times.of(*key), n, m)
+
+    def apart(
+        family: Iterable[_candidates.EvenPlan], *seen: dict[object, _Candidate]
+    ) -> dict[object, _Candidate]:
+        """A family's plans not among ``plans`` nor ``seen``, to be ranked apart from them."""
+        out: dict[object, _Candidate] = {}
+        for _, stages in family:
+            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
+            if key not in plans and key not in out and all(key not in other for other in seen):
+                out[key] = _Candidate(None, key, times.of(*key), n, m)
+        return out
+
+    wider = apart(_candidates.balanced_fused(chains, range(n + 1, 2 * n + 1), longer))
     # Sync bounds are meant as true lower bounds of the model, so that the first ``needed`` are
     # exact with ``keep=needed`` (they are not quite: see `_rank`'s shared bound); the async
     # window's time per iteration can fall under its bound (iterations overlap), so there the
@@ -480,11 +488,7 @@ def _ranked_candidates(
         few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
     dealt_best: list[tuple[float, Plan]] = []
     if dealt and ranked:  # by the loop's model, as ``ranked``, and only where they would be listed
-        others: dict[object, _Candidate] = {}
-        for _, stages in _candidates.dealt_backward(chains, n):
-            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
-            if key not in plans and key not in wider and key not in others:
-                others[key] = _Candidate(None, key, times.of(*key), n, m)
+        others = apart(_candidates.dealt_backward(chains, n), wider)
         listed_ms = ranked[min(len(ranked), needed) - 1][0]
         dealt_best = _rank(
             list(others.values()),
