@@ -52,9 +52,33 @@ def test_an_extension_built_from_older_source_is_set_aside(monkeypatch: pytest.M
     for name in native.FUNCTIONS:
         if name != "first_starts":
             setattr(stale, name, getattr(native.kernels(), name))
+    stale.INTERFACE = native.INTERFACE  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "roundpipe.plan._kernels", stale)
     try:
         with pytest.warns(RuntimeWarning, match=r"older source \(no first_starts\).*build_ext --inplace"):
+            importlib.reload(native)
+        assert not native.built() and native.kernels() is None
+    finally:
+        monkeypatch.undo()
+        importlib.reload(native)
+    assert native.built()
+
+
+@needs_native
+def test_an_extension_of_another_interface_is_set_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An editable install not rebuilt since a function's arguments changed (every function
+    there, called with arguments it does not take): set aside with the same warning."""
+    import importlib
+    import sys
+    import types
+
+    stale = types.ModuleType("roundpipe.plan._kernels")
+    for name in native.FUNCTIONS:
+        setattr(stale, name, getattr(native.kernels(), name))
+    stale.INTERFACE = native.INTERFACE - 1  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "roundpipe.plan._kernels", stale)
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"older source \(no interface {native.INTERFACE}\)"):
             importlib.reload(native)
         assert not native.built() and native.kernels() is None
     finally:
@@ -178,6 +202,7 @@ def test_the_compiled_stream_model_gives_the_python_times() -> None:
             options |= {"weight_waits": waits, "sharers": rng.choice([None, shares])}
             if kind == "loop":
                 options["gate"] = rng.randrange(s_count)
+                options["gate_lag"] = rng.choice([0, 1])
         with native.pure_python():
             full = stream_ms(slots, n, rounds, **options)  # type: ignore[arg-type]
             bound = full * rng.choice([0.5, 0.99, 1.0, 1.01]) if full < math.inf else math.inf

@@ -1005,12 +1005,12 @@ static PyObject *build(PyObject *self, PyObject *args) {
 
 static PyObject *stream_extras(PyObject *self, PyObject *args) {
     PyObject *o_run_start, *o_unmet, *o_woff, *o_widx, *o_soff, *o_sidx;
-    Py_ssize_t s_count, nrounds, gate, num_devices;
+    Py_ssize_t s_count, nrounds, gate, gate_lag, num_devices;
     long long gate_code, weight_code, upload_code;
     int waits, shares;
-    if (!PyArg_ParseTuple(args, "OOnnnOOOOppnLLL", &o_run_start, &o_unmet, &s_count, &nrounds, &gate,
-                          &o_woff, &o_widx, &o_soff, &o_sidx, &waits, &shares, &num_devices, &gate_code,
-                          &weight_code, &upload_code))
+    if (!PyArg_ParseTuple(args, "OOnnnnOOOOppnLLL", &o_run_start, &o_unmet, &s_count, &nrounds, &gate,
+                          &gate_lag, &o_woff, &o_widx, &o_soff, &o_sidx, &waits, &shares, &num_devices,
+                          &gate_code, &weight_code, &upload_code))
         return NULL;
     Buf b[6];
     memset(b, 0, sizeof b);
@@ -1024,7 +1024,7 @@ static PyObject *stream_extras(PyObject *self, PyObject *args) {
     const i64 *sidx = I64(b[5]);
     Py_ssize_t runs = LEN(b[0]) - 1, count = LEN(b[1]), per = s_count * nrounds;
     int bad = runs < 0 || s_count < 1 || nrounds < 1 || (waits && LEN(b[2]) != s_count + 1) ||
-              (shares && LEN(b[4]) != s_count + 1) || (gate >= s_count);
+              (shares && LEN(b[4]) != s_count + 1) || (gate >= s_count) || gate_lag < 0;
     for (Py_ssize_t i = 0; !bad && waits && i < LEN(b[3]); i++) bad = widx[i] < 0 || widx[i] >= s_count;
     for (Py_ssize_t i = 0; !bad && shares && i < LEN(b[5]); i++) bad = sidx[i] < 0 || sidx[i] >= s_count;
     if (bad) {
@@ -1039,12 +1039,12 @@ static PyObject *stream_extras(PyObject *self, PyObject *args) {
     int failed = a_unmet == NULL;
     if (!failed) {
         memcpy(unmet, I64(b[1]), sizeof(i64) * count);
-        if (gate >= 0) /* iteration t's runs after iteration t - 1's fused runs (its losses) */
-            for (Py_ssize_t t = 1; t < runs / per; t++)
+        if (gate >= 0) /* iteration t's runs after iteration t - 1 - gate_lag's fused runs (its losses) */
+            for (Py_ssize_t t = 1 + gate_lag; t < runs / per; t++)
                 for (Py_ssize_t run = t * per; run < (t + 1) * per; run++) {
                     i64 first = run_start[run];
                     for (Py_ssize_t r = 0; r < nrounds; r++) {
-                        failed |= vpush(&sources, run_start[(t - 1) * per + r * s_count + gate + 1] - 1);
+                        failed |= vpush(&sources, run_start[(t - 1 - gate_lag) * per + r * s_count + gate + 1] - 1);
                         failed |= vpush(&codes, gate_code + first);
                         unmet[first] += 1;
                     }
@@ -1714,4 +1714,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
                                     "Compiled inner loops of plan evaluation (see the source).", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+/* INTERFACE: `native.INTERFACE`, raised whenever a function's arguments change, so that an
+   extension built from an older source is set aside rather than called with the wrong ones. */
+PyMODINIT_FUNC PyInit__kernels(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", 2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

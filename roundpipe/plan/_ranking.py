@@ -32,6 +32,12 @@ of 4. It was the evaluator's own window (1 to 5 of 6) until the evaluator read t
 floor the shorter window ranks as well (on the 96 async grid shapes at (8, 16): 85 under the 3%
 bubble target against 88, the chosen plans' settled times 0.0-0.1% apart) and costs a third
 less, which pays for ranking every candidate this way (`choose_plan`)."""
+LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW = 8, (3, 7)
+"""Async ranking with ``late`` (a loop that reads each loss one iteration late: iteration t + 2
+submitted once iteration t's fused runs are done): iterations 3 to 7 of 8. Plans of up to N
+slots submitted that way settle only after a few slow iterations: on the 24-layer grid shape of
+backward 1.3x and head 3x the fastest (7 slots, 172.77 ms settled) reads 253 ms over iterations
+1 to 3 and 177.5 over 3 to 7 (the chained model over 1 to 3: 253 too)."""
 
 
 def spread(plan: Plan | _Candidate) -> float:
@@ -154,6 +160,7 @@ def _rank(
     times: _StageTimes,
     first: int = 0,
     loop: bool = False,
+    late: bool = False,
     shapes: dict[object, _stream.Shape] | None = None,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
@@ -168,7 +175,8 @@ def _rank(
 
     Async plans are modelled by `stream_ms` over a window of chained iterations, or (``loop``)
     of iterations each submitted once the previous one's fused runs are done, as a training loop
-    submits them. Sync plans are modelled by `split_ms` (a backward stage's recompute ahead of
+    submits them, or (``loop`` and ``late``) once those of the one before it are, as a loop that
+    reads each loss one iteration late submits them. Sync plans are modelled by `split_ms` (a backward stage's recompute ahead of
     its gradient, as the engine runs it: the whole-microbatch `stream_ms` is up to 16% slow on
     plans whose backward runs wait for gradients, and often left the engine's best out of the few
     timed), and bounded for it."""
@@ -189,7 +197,7 @@ def _rank(
             # computes its round's microbatches one after the other, the first once it has been
             # through the forward slots: no iteration is shorter than that.
             f = len(p.fwd_stages)
-            return max(work, math.fsum(p.slot_ms[:f]) + largest_round * p.slot_ms[f])
+            return max(work, (math.fsum(p.slot_ms[:f]) + largest_round * p.slot_ms[f]) / (1 + late))
         if async_optimizer:
             return work
         # `split_ms`: `Split.heads` of the first N slots, `Split.tails` of the last N
@@ -217,6 +225,12 @@ def _rank(
         split = split_of(p)
         return max(least, device_bound(p.slot_ms, n, rounds, split.heads(p.slot_ms), split.tails(p.slot_ms)))
 
+    if late:
+        iterations, window = LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW
+    else:
+        iterations, window = (
+            (LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW) if loop else (MODEL_ITERATIONS, MODEL_WINDOW)
+        )
     modelled: list[tuple[float, float, int, _Candidate]] = []
     if shapes is None:
         shapes = {}  # plans of one slot count share a task graph (the caller's, if it ranks again)
@@ -235,13 +249,14 @@ def _rank(
                 p.slot_ms,
                 n,
                 rounds,
-                iterations=LOOP_MODEL_ITERATIONS if loop else MODEL_ITERATIONS,
-                window=LOOP_MODEL_WINDOW if loop else MODEL_WINDOW,
+                iterations=iterations,
+                window=window,
                 weight_waits=waits,
                 sharers=shares,
                 give_up=give_up,
                 shapes=shapes,
                 gate=len(p.fwd_stages) if loop else None,
+                gate_lag=int(late),
             )
             ms = max(ms, floor(p))
         else:

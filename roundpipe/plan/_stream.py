@@ -151,13 +151,14 @@ def _structure(
     base: Shape | None = None,
     sharers: tuple[tuple[int, ...], ...] | None = None,
     gate: int | None = None,
+    gate_lag: int = 0,
 ) -> Shape:
     """Every microbatch task in dispatch order (see `Shape`). Only the slot count shapes it, not
     the slot times, so candidates of one slot count share it (`stream_ms`'s ``shapes``). The async
     weight waits differ between plans of one count, so they go on ``base`` (the same graph without
     them, built here if not given) as extra dependents; so does ``gate`` (the fused slot:
-    iteration t's runs start only once iteration t - 1's fused runs, which compute the losses, are
-    done, as a training loop submits them)."""
+    iteration t's runs start only once iteration t - 1 - ``gate_lag``'s fused runs, which compute
+    the losses, are done, as a training loop submits them)."""
     if base is None:
         base = _runs_structure(s_count, num_devices, rounds, iterations)
     if weight_waits is None and gate is None:
@@ -168,7 +169,14 @@ def _structure(
         waits_offsets, waits_flat = native.csr(weight_waits or ())
         shares_offsets, shares_flat = native.csr(sharers or ())
         unmet_array, sources_array, codes_array = kernels.stream_extras(
-            *(base.run_starts(), base.packed()[4], s_count, len(rounds), -1 if gate is None else gate),
+            *(
+                base.run_starts(),
+                base.packed()[4],
+                s_count,
+                len(rounds),
+                -1 if gate is None else gate,
+                gate_lag,
+            ),
             *(waits_offsets, waits_flat, shares_offsets, shares_flat),
             *(weight_waits is not None, sharers is not None, num_devices),
             *(_GATE_HOPS * count, _WEIGHT_HOPS * count, _UPLOAD_HOPS * count),
@@ -184,8 +192,10 @@ def _structure(
     per = s_count * len(rounds)
     if gate is not None:
         code = _GATE_HOPS * count
-        for t in range(1, (len(run_start) - 1) // per):
-            losses = [run_start[(t - 1) * per + r * s_count + gate + 1] - 1 for r in range(len(rounds))]
+        for t in range(1 + gate_lag, (len(run_start) - 1) // per):
+            losses = [
+                run_start[(t - 1 - gate_lag) * per + r * s_count + gate + 1] - 1 for r in range(len(rounds))
+            ]
             for run in range(t * per, (t + 1) * per):
                 first = run_start[run]
                 for source in losses:
@@ -288,12 +298,14 @@ def stream_ms(
     give_up: float = math.inf,
     shapes: dict[object, Shape] | None = None,
     gate: int | None = None,
+    gate_lag: int = 0,
 ) -> float:
     """Modelled ms per iteration: the makespan of ``iterations`` chained iterations (fill and drain
     included), or with ``window=(a, b)`` the time from iteration a's first compute to iteration b's,
     over b - a (the steady time of an async run; needs ``iterations > b``). ``gate`` (the fused
     slot's index): iterations submitted as a training loop submits them, each once the previous
-    one's fused runs (its losses) are done, instead of chained.
+    one's fused runs (its losses) are done, instead of chained; with ``gate_lag`` 1, once those of
+    the one before it are (a loop that reads each loss one iteration late).
 
     ``weight_waits[i]`` (async runs): the slots whose gradients slot i's weights wait for, two
     iterations back (the backward and fused slots that hold slot i's layers). ``sharers[i]`` (async
@@ -307,16 +319,16 @@ def stream_ms(
     waits = None if weight_waits is None else tuple(tuple(w) for w in weight_waits)
     shares = None if sharers is None or waits is None else tuple(tuple(w) for w in sharers)
     s_count = len(slot_ms)
-    key = (s_count, num_devices, tuple(rounds), iterations, waits, shares, gate)
+    key = (s_count, num_devices, tuple(rounds), iterations, waits, shares, gate, gate_lag)
     shape = shapes.get(key) if shapes is not None else None
     if shape is None:
         base = None
         if shapes is not None and (waits is not None or gate is not None):  # the bare graph, shared
-            bare = (s_count, num_devices, tuple(rounds), iterations, None, None, None)
+            bare = (s_count, num_devices, tuple(rounds), iterations, None, None, None, 0)
             base = shapes.get(bare)
             if base is None:
                 base = shapes[bare] = _runs_structure(*bare[:4])
-        shape = _structure(*key[:5], base=base, sharers=shares, gate=gate)
+        shape = _structure(*key[:5], base=base, sharers=shares, gate=gate, gate_lag=gate_lag)
         if shapes is not None:
             shapes[key] = shape
     if window is None:

@@ -65,6 +65,13 @@ LATE_FEW_TIMED = 2
 """A loop one loss late (``choose_plan(..., late=True)``): the plans of up to N slots best in the
 chained ranking, this many, are timed too; few slots make small graphs, cheap to time."""
 
+LATE_MODELLED = 2
+"""And this many of the plans of up to N slots best by the model of a loop one loss late
+(`_ranking.LATE_MODEL_ITERATIONS`: each iteration gated on the losses of the one two back, over
+a longer window): those plans settle late in such a loop and both other models read them 20-45%
+slow. On the 48 (8, 16) grid shapes of 24-32 layers: 47 within 2% of the fastest even plan
+instead of 45, 0.16% over it on the mean instead of 0.33% (1 gave 46; replacing the chained
+ranking's few instead of adding to them, 45)."""
 SHORTLISTED = 5
 """With an evaluator that estimates (`roundpipe.plan_eval`'s loop evaluators: `_Timer.consider`),
 the waiting loop looks at the best this many by the ranking, not only the `default_evaluations`
@@ -486,6 +493,19 @@ def _ranked_candidates(
     if late:  # a loop one loss late runs most plans as the chained model does (`choose_plan`):
         # the best few-slot plans of the chained ranking above (modelled there already)
         few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
+        if LATE_MODELLED:  # and the best few by the model of a loop one loss late
+            late_ranked = _rank(
+                list(few.values()),
+                n,
+                rounds,
+                True,
+                keep=LATE_MODELLED,
+                times=times,
+                loop=True,
+                late=True,
+                shapes=shapes,
+            )
+            few_best += late_ranked[:LATE_MODELLED]
     dealt_best: list[tuple[float, Plan]] = []
     if dealt and ranked:  # by the loop's model, as ``ranked``, and only where they would be listed
         others = apart(_candidates.dealt_backward(chains, n), wider)

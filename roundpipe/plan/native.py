@@ -48,7 +48,15 @@ FUNCTIONS = (
 """What the callers use. An extension built from an older `_kernels.c` (an editable install not
 rebuilt since) lacks some: it is set aside, with a warning, rather than fail mid-plan."""
 
-if _compiled is not None and (_missing := [f for f in FUNCTIONS if not hasattr(_compiled, f)]):
+INTERFACE = 2
+"""The arguments the callers pass (`_kernels.c`'s ``INTERFACE``, raised with every change to
+them; 2: `stream_extras` takes the gate's lag). An extension without it, or of another, is set
+aside as one lacking functions is."""
+
+if _compiled is not None and (
+    _missing := [f for f in FUNCTIONS if not hasattr(_compiled, f)]
+    + ([] if getattr(_compiled, "INTERFACE", 1) == INTERFACE else [f"interface {INTERFACE}"])
+):
     warnings.warn(
         f"roundpipe.plan._kernels was built from an older source (no {', '.join(_missing)}): "
         "planning runs the Python loops, slower; rebuild it with `pip install -e .` "
