@@ -448,3 +448,21 @@ def test_a_waiting_loop_lists_plans_that_deal_the_backward_evenly(monkeypatch: p
     monkeypatch.setattr(choose, "DEALT_LISTED", 0)
     without = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
     assert evaluate(without) == pytest.approx(306.42, abs=0.01)
+
+
+def test_a_waiting_loop_rechecks_the_plans_past_its_shortlist_over_a_longer_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On 32 layers, backward 3.8x, head 4x at (8, 16), the fastest even plan (11 slots, 402.67
+    ms) is ranked past the shortlist by the loop's model over iterations 1-3 of 4, which reads
+    the first iteration after the fill; over 2-4 of 5 (`RECHECKED`) it is among the best two of
+    the next ten, and chosen. Without it, a 13-slot plan 2.5% slower."""
+    from roundpipe.plan import choose
+
+    costs = grid_costs(32, 3.8, 4.0)
+    evaluate = engine_evaluator(costs, 8, 16, async_optimizer=True)
+    chosen = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert (chosen.num_slots, evaluate(chosen)) == (11, pytest.approx(402.67, abs=0.01))
+    monkeypatch.setattr(choose, "RECHECKED", 0)
+    without = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert (without.num_slots, evaluate(without)) == (13, pytest.approx(412.80, abs=0.01))

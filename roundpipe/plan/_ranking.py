@@ -32,6 +32,13 @@ of 4. It was the evaluator's own window (1 to 5 of 6) until the evaluator read t
 floor the shorter window ranks as well (on the 96 async grid shapes at (8, 16): 85 under the 3%
 bubble target against 88, the chosen plans' settled times 0.0-0.1% apart) and costs a third
 less, which pays for ranking every candidate this way (`choose_plan`)."""
+LONG_LOOP_MODEL_ITERATIONS, LONG_LOOP_MODEL_WINDOW = 5, (2, 4)
+"""Async ranking with ``loop`` and ``longer``: iterations 2 to 4 of 5, past the first
+iteration after the fill, which on some plans still runs slow. It ranks the fastest plan of
+the (8, 16) grid shape of 32 layers, backward 3.8x and head 4x 4th of all even plans (the
+window of 1 to 3: 19th), but as the only ranking it chose worse on 23 of the 288 async grid
+shapes (most at (4, 8): the model is about 6% off there with either window), so it re-orders
+only the plans just past the shortlist (`choose.RECHECKED`)."""
 LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW = 8, (3, 7)
 """Async ranking with ``late`` (a loop that reads each loss one iteration late: iteration t + 2
 submitted once iteration t's fused runs are done): iterations 3 to 7 of 8. Plans of up to N
@@ -161,6 +168,7 @@ def _rank(
     first: int = 0,
     loop: bool = False,
     late: bool = False,
+    longer: bool = False,
     shapes: dict[object, _stream.Shape] | None = None,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
@@ -175,8 +183,9 @@ def _rank(
 
     Async plans are modelled by `stream_ms` over a window of chained iterations, or (``loop``)
     of iterations each submitted once the previous one's fused runs are done, as a training loop
-    submits them, or (``loop`` and ``late``) once those of the one before it are, as a loop that
-    reads each loss one iteration late submits them. Sync plans are modelled by `split_ms` (a backward stage's recompute ahead of
+    submits them (``longer``: over `LONG_LOOP_MODEL_WINDOW`), or (``loop`` and ``late``) once
+    those of the one before it are, as a loop that reads each loss one iteration late submits
+    them. Sync plans are modelled by `split_ms` (a backward stage's recompute ahead of
     its gradient, as the engine runs it: the whole-microbatch `stream_ms` is up to 16% slow on
     plans whose backward runs wait for gradients, and often left the engine's best out of the few
     timed), and bounded for it."""
@@ -227,6 +236,8 @@ def _rank(
 
     if late:
         iterations, window = LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW
+    elif loop and longer:
+        iterations, window = LONG_LOOP_MODEL_ITERATIONS, LONG_LOOP_MODEL_WINDOW
     else:
         iterations, window = (
             (LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW) if loop else (MODEL_ITERATIONS, MODEL_WINDOW)

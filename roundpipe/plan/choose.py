@@ -88,6 +88,17 @@ them among the shortlist. No other family holds those plans; on the 48 (8, 16) g
 24-32 layers they bring 3 chosen iterations 1.7-3.9% closer to the exhaustive best (47 within 2%
 instead of 45), none slower (2 or 3 gave the same, for more planning time)."""
 
+RECHECKED, RECHECK_LISTED = 15, 2
+"""The waiting loop's shortlist also takes the best ``RECHECK_LISTED`` of the ranking's next
+plans, up to the ``RECHECKED``-th, by the loop's model over a longer window
+(`_ranking.LONG_LOOP_MODEL_WINDOW`). The ranking's window starts at the first iteration after
+the fill, which on some plans still runs slow: on the (8, 16) grid shape of 32 layers, backward
+3.8x and head 4x the fastest even plan (11 slots, 402.67 ms) was past the shortlist and the
+choice 2.5% slower. With it, 48 of the 48 (8, 16) grid shapes of 24-32 layers within 2% of the
+fastest even plan (47), 0.06% over it on the mean (0.15%); 11 of the 288 async grid shapes
+shorter, none longer; about 3 ms more at 94 layers. Added to the shortlist, not re-ordering it:
+replacing it by the best 5 of the longer window made 8 grid shapes longer (up to 2.6%)."""
+
 ESTIMATE_MARGIN = -0.01
 """`_Timer.consider` times in full a plan whose short run has not settled only where its estimate
 is this much under the best time so far (-1%: 1% faster). Such estimates fall within 3% of the
@@ -221,14 +232,37 @@ def _choose(
         chosen.setdefault(_stages(plan), plan)
     for plan in chosen.values():
         timer.time(plan)
-    for _, plan in [*ranked[:listed], *dealt] if shortlist else ():  # by the evaluation's short run
-        timer.consider(plan)
+    if shortlist:  # by the evaluation's short run
+        rechecked = _recheck(ranked[listed:RECHECKED], costs, rounds) if async_optimizer and loop else []
+        for _, plan in [*ranked[:listed], *dealt, *rechecked]:
+            timer.consider(plan)
     if (late and loop and async_optimizer) if refine is None else refine:
         _refine(timer, [p for _, p in extra], chains, costs, rounds, async_optimizer, loop)
     timed = timer.timed
     best_ms = min(ms for ms, _ in timed.values())
     ties = [p for ms, p in timed.values() if ms <= best_ms * (1 + 1e-9)]
     return min(ties, key=lambda p: (spread(p), p.num_slots, -len(p.fused)))
+
+
+def _recheck(
+    ranked: list[tuple[float, Plan]], costs: LayerCosts, rounds: tuple[int, ...]
+) -> list[tuple[float, Plan]]:
+    """The best `RECHECK_LISTED` of ``ranked`` (plans a waiting loop's ranking put just past its
+    shortlist) by the loop's model over the longer window (`RECHECKED`)."""
+    if not ranked:
+        return []
+    n = ranked[0][1].num_devices
+    candidates = [_Candidate(plan) for _, plan in ranked]
+    return _rank(
+        candidates,
+        n,
+        rounds,
+        True,
+        keep=RECHECK_LISTED,
+        times=_StageTimes(costs),
+        loop=True,
+        longer=True,
+    )[:RECHECK_LISTED]
 
 
 class _Timer:
