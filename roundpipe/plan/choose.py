@@ -140,7 +140,8 @@ def choose_plan(
     ``loop=False`` for an evaluator that times chained runs. ``late`` (async, with ``loop``): the
     loop reads each loss one iteration late (`roundpipe.plan_eval.late_loop_evaluator`), which on
     most plans submits as a chained run does, so the best two of those few-slot plans by the
-    chained model are timed as well. ``refine``: then the plans next to the best timed ones
+    chained model are timed as well, and the best two by a model of its own submission
+    (`LATE_MODELLED`). ``refine``: then the plans next to the best timed ones
     (`_refine`); by default for the late loop only, whose ranking is the least exact (the chained
     model, for a loop that runs each plan the better of two ways) and whose choices were furthest
     from the best (8.5% on the grid's 24-32 layer shapes at (8, 16), now 4.5%). Elsewhere it
@@ -153,8 +154,9 @@ def choose_plan(
     the evaluation's short run, and whether that is its figure) lets the loop waiting for each
     loss look past its few at a shortlist of the ranking's next best (SHORTLISTED): each taken at
     its estimate where that is exact, timed in full where it promises to be faster
-    (`_Timer.consider`); with it, the best plan of 2N backward stages (`DEALT_LISTED`). An
-    explicit ``evaluations`` turns the shortlist off.
+    (`_Timer.consider`); with it, the best plan of 2N backward stages (`DEALT_LISTED`) and the
+    best two of the ranking's next plans over a longer window (`RECHECKED`). An explicit
+    ``evaluations`` turns the shortlist off.
     """
     with collections_paused():  # planning's objects are freed by reference counting (`_collector`)
         return _choose(
