@@ -72,6 +72,7 @@ a longer window): those plans settle late in such a loop and both other models r
 slow. On the 48 (8, 16) grid shapes of 24-32 layers: 47 within 2% of the fastest even plan
 instead of 45, 0.16% over it on the mean instead of 0.33% (1 gave 46; replacing the chained
 ranking's few instead of adding to them, 45)."""
+
 SHORTLISTED = 5
 """With an evaluator that estimates (`roundpipe.plan_eval`'s loop evaluators: `_Timer.consider`),
 the waiting loop looks at the best this many by the ranking, not only the `default_evaluations`
