@@ -41,44 +41,33 @@ def test_the_compiled_loops_are_built_where_ci_expects_them() -> None:
 
 
 @needs_native
-def test_an_extension_built_from_older_source_is_set_aside(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An editable install not rebuilt since `_kernels.c` gained a function: planning falls back
-    to the Python loops with a warning that says how to rebuild, instead of failing mid-plan."""
+@pytest.mark.parametrize(
+    ("missing", "interface_behind", "message"),
+    [
+        ("first_starts", 0, r"older source \(no first_starts\).*build_ext --inplace"),
+        (None, 1, r"older source \(no interface \d+\).*build_ext --inplace"),
+    ],
+    ids=["a-function-missing", "another-interface"],
+)
+def test_an_extension_built_from_older_source_is_set_aside(
+    monkeypatch: pytest.MonkeyPatch, missing: str | None, interface_behind: int, message: str
+) -> None:
+    """An editable install not rebuilt since `_kernels.c` gained a function, or since a function's
+    arguments changed (its ``INTERFACE`` behind `native.INTERFACE`: every function there, called
+    with arguments it does not take): planning falls back to the Python loops with a warning that
+    says how to rebuild, instead of failing mid-plan."""
     import importlib
     import sys
     import types
 
     stale = types.ModuleType("roundpipe.plan._kernels")
     for name in native.FUNCTIONS:
-        if name != "first_starts":
+        if name != missing:
             setattr(stale, name, getattr(native.kernels(), name))
-    stale.INTERFACE = native.INTERFACE  # type: ignore[attr-defined]
+    stale.INTERFACE = native.INTERFACE - interface_behind  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "roundpipe.plan._kernels", stale)
     try:
-        with pytest.warns(RuntimeWarning, match=r"older source \(no first_starts\).*build_ext --inplace"):
-            importlib.reload(native)
-        assert not native.built() and native.kernels() is None
-    finally:
-        monkeypatch.undo()
-        importlib.reload(native)
-    assert native.built()
-
-
-@needs_native
-def test_an_extension_of_another_interface_is_set_aside(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An editable install not rebuilt since a function's arguments changed (every function
-    there, called with arguments it does not take): set aside with the same warning."""
-    import importlib
-    import sys
-    import types
-
-    stale = types.ModuleType("roundpipe.plan._kernels")
-    for name in native.FUNCTIONS:
-        setattr(stale, name, getattr(native.kernels(), name))
-    stale.INTERFACE = native.INTERFACE - 1  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "roundpipe.plan._kernels", stale)
-    try:
-        with pytest.warns(RuntimeWarning, match=rf"older source \(no interface {native.INTERFACE}\)"):
+        with pytest.warns(RuntimeWarning, match=message):
             importlib.reload(native)
         assert not native.built() and native.kernels() is None
     finally:
