@@ -13,7 +13,9 @@
   its window's end gives the window of the whole run; its task graph built run by run (weight
   waits on a copy of the graph without them) is the graph built task by task;
 - the sync split model (`split_ms`) given up past a bound was past it, `device_bound` with its
-  heads and tails never exceeds it, and modelling the proxies first ranks the same plans first.
+  heads and tails never exceeds it, and modelling the proxies first ranks the same plans first;
+- every async ranking (chained, a loop's, over the longer window, a loop one loss late) pruned
+  by its bounds gives the first plans of modelling them all.
 """
 
 from __future__ import annotations
@@ -467,3 +469,39 @@ def test_modelling_the_proxies_first_ranks_the_same() -> None:
         for keep in (1, 2, 4):
             ranked = [_rank(plans, n, rounds, False, keep, reads=keep, times=times, first=f) for f in (0, 1)]
             assert ranked[0][:keep] == ranked[1][:keep]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"loop": True}, {"loop": True, "longer": True}, {"loop": True, "late": True}],
+    ids=["chained", "loop", "loop-longer", "loop-one-loss-late"],
+)
+def test_async_rankings_pruned_by_their_bounds_rank_the_same_first(mode: dict[str, bool]) -> None:
+    """`_rank` skips a plan whose bound is past the ``keep``-th best so far; each async model's
+    bound must be one. A loop one loss late submits iteration t + 2 after iteration t's losses,
+    so its gate bounds two iterations, not one: with the waiting loop's bound there, 6 of these
+    15 rankings lose a plan from their first ``keep``."""
+    for layers, ratio, head, n, m in [
+        (24, 2.0, 3.0, 4, 8),
+        (28, 1.3, 1.0, 8, 16),
+        (12, 3.8, 4.0, 2, 4),
+        (24, 3.8, 1.0, 8, 16),
+        (32, 2.5, 4.0, 8, 16),
+    ]:
+        costs = grid_costs(layers, ratio, head)
+        times = _StageTimes(costs)
+        chains = chains_of(costs)
+        plans: dict[object, _Candidate] = {}
+        for _, stages in _candidates.balanced_fused(chains, range(1, 2 * n + 1), 2):
+            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
+            plans[key] = _Candidate(None, key, times.of(*key), n, m)
+        candidates = list(plans.values())
+        rounds = round_sizes(m, n)
+        every = _rank(
+            candidates, n, rounds, True, len(candidates), reads=len(candidates), times=times, **mode
+        )
+        for keep in (1, 2, 4):
+            pruned = _rank(candidates, n, rounds, True, keep, reads=keep, times=times, **mode)
+            assert [(round(ms, 9), p) for ms, p in pruned[:keep]] == [
+                (round(ms, 9), p) for ms, p in every[:keep]
+            ]
