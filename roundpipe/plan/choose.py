@@ -540,42 +540,36 @@ def _ranked_candidates(
     extra = _rank(
         list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, times=times, shapes=shapes
     )
-    few_best = (
-        _rank(list(few.values()), n, rounds, True, keep=1, times=times, loop=True, shapes=shapes)[:1]
-        if loop
-        else []
-    )
+
+    def best_in_loop(
+        candidates: dict[object, _Candidate], keep: int, cutoff: float = math.inf, late: bool = False
+    ) -> list[tuple[float, Plan]]:
+        """The best ``keep`` of ``candidates`` by the model of a training loop's submission (one
+        loss late with ``late``), none past ``cutoff``."""
+        return _rank(
+            list(candidates.values()),
+            n,
+            rounds,
+            True,
+            keep=keep,
+            cutoff=cutoff,
+            times=times,
+            loop=True,
+            late=late,
+            shapes=shapes,
+        )[:keep]
+
+    few_best = best_in_loop(few, 1) if loop else []
     if late:  # a loop one loss late runs most plans as the chained model does (`choose_plan`):
         # the best few-slot plans of the chained ranking above (modelled there already)
         few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
         if LATE_MODELLED:  # and the best few by the model of a loop one loss late
-            late_ranked = _rank(
-                list(few.values()),
-                n,
-                rounds,
-                True,
-                keep=LATE_MODELLED,
-                times=times,
-                loop=True,
-                late=True,
-                shapes=shapes,
-            )
-            few_best += late_ranked[:LATE_MODELLED]
+            few_best += best_in_loop(few, LATE_MODELLED, late=True)
     dealt_best: list[tuple[float, Plan]] = []
     if dealt and ranked:  # by the loop's model, as ``ranked``, and only where they would be listed
         others = apart(_candidates.dealt_backward(chains, n), wider)
         listed_ms = ranked[min(len(ranked), needed) - 1][0]
-        dealt_best = _rank(
-            list(others.values()),
-            n,
-            rounds,
-            True,
-            keep=dealt,
-            cutoff=listed_ms,
-            times=times,
-            loop=True,
-            shapes=shapes,
-        )[:dealt]
+        dealt_best = best_in_loop(others, dealt, cutoff=listed_ms)
     return ranked, extra[:1], few_best, dealt_best
 
 
