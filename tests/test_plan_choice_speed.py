@@ -15,7 +15,9 @@
 - the sync split model (`split_ms`) given up past a bound was past it, `device_bound` with its
   heads and tails never exceeds it, and modelling the proxies first ranks the same plans first;
 - every async ranking (chained, a loop's, over the longer window, a loop one loss late) pruned
-  by its bounds gives the first plans of modelling them all.
+  by its bounds gives the first plans of modelling them all;
+- timing the best-modelled plans first, so that the best time's floor spares more of the rest,
+  chooses what timing every plan chooses.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, partition
+from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, choose_plan, partition
 from roundpipe.plan._candidates import _nearest_target
 from roundpipe.plan._ranking import _Candidate, _rank, _StageTimes, device_bound
 from roundpipe.plan._split_stream import split_ms
 from roundpipe.plan._steady import steady_bound, steady_period
 from roundpipe.plan._stream import stream_ms
-from roundpipe.plan.choose import _steady_plan, even_plan
+from roundpipe.plan.choose import _stages, _steady_plan, even_plan
 from roundpipe.plan.rounds import round_sizes
+from roundpipe.plan_eval import EstimatingEvaluator, engine_evaluator, late_loop_evaluator
 
 
 def grid_costs(layers: int, ratio: float, head: float) -> LayerCosts:
@@ -505,3 +508,26 @@ def test_async_rankings_pruned_by_their_bounds_rank_the_same_first(mode: dict[st
             assert [(round(ms, 9), p) for ms, p in pruned[:keep]] == [
                 (round(ms, 9), p) for ms, p in every[:keep]
             ]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["waiting-loop", "loop-one-loss-late"])
+def test_timing_the_best_modelled_first_spares_the_proxies_plan(late: bool) -> None:
+    """`choose_plan` times its few best-modelled first: the floor (busiest device) of the first
+    figure spares the proxies' plan here (8 slots, timed first before), and the choice is the
+    one timing every plan makes (an evaluator without a floor)."""
+    costs = grid_costs(24, 1.3, 4.0)
+    evaluate = (
+        late_loop_evaluator(costs, 8, 16) if late else engine_evaluator(costs, 8, 16, async_optimizer=True)
+    )
+    timed: list[object] = []
+
+    def recorded(plan: Plan) -> float:
+        timed.append(_stages(plan))
+        return evaluate(plan)
+
+    floored = EstimatingEvaluator(recorded, evaluate.floor, evaluate.estimate)  # type: ignore[attr-defined]
+    options = {"async_optimizer": True, "late": late, "refine": False}
+    chosen = choose_plan(costs, 8, 16, evaluate=floored, **options)  # type: ignore[arg-type]
+    proxies = choose_plan(costs, 8, 16, **options)  # type: ignore[arg-type]
+    assert proxies.num_slots == 8 and _stages(proxies) not in timed
+    assert chosen == choose_plan(costs, 8, 16, evaluate=lambda plan: evaluate(plan), **options)  # type: ignore[arg-type]
