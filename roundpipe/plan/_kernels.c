@@ -511,10 +511,11 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     const double *dur = F64(b[2]);
     const unsigned char *loss_of = U8(b[7]), *flags = U8(b[9]);
     Py_ssize_t count = LEN(b[0]), nbatches = LEN(b[6]);
+    const i64 seq_mask = seq - 1; /* seq is a power of two (checked below): the task of a heap key */
     if (LEN(b[1]) != count || LEN(b[2]) != count || LEN(b[3]) != count + 1 || LEN(b[5]) != count ||
-        LEN(b[7]) != count || LEN(b[9]) != count || seq <= 0) {
+        LEN(b[7]) != count || LEN(b[9]) != count || seq <= 0 || (seq & (seq - 1))) {
         release(b, 10);
-        PyErr_SetString(PyExc_ValueError, "replay: arrays of unequal lengths");
+        PyErr_SetString(PyExc_ValueError, "replay: arrays of unequal lengths, or a seq not a power of two");
         return NULL;
     }
     static Kept kept_unmet, kept_wave, kept_heap;
@@ -582,7 +583,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < touched.len; i++) {
                 i64 r = touched.items[i];
                 if (is_free[r] && heaps.len[r]) {
-                    i64 task = ipop(HEAP(heaps, r), &heaps.len[r]) % seq;
+                    i64 task = ipop(HEAP(heaps, r), &heaps.len[r]) & seq_mask;
                     is_free[r] = 0;
                     start[task] = now;
                     stopped = stopped || flags[task];
