@@ -79,7 +79,8 @@ def plan_summary(
 def print_plan(
     info: dict[str, Any], source: str, devices: int, microbatches: int, mem_limit: int | None
 ) -> None:
-    """The ``roundpipe plan`` table: one row per slot, then t_max, the objective and the bubble."""
+    """The ``roundpipe plan`` table: one row per slot, then t_max, the evaluated iteration that chose
+    the plan, the objective and the bubble."""
     from rich.table import Table
 
     out = console()
@@ -103,10 +104,15 @@ def print_plan(
     out.print(table)
     out.print(f"t_max            {info['t_max_ms']:.2f} ms (slowest stage)")
     out.print(f"slots            {info['num_slots']}")
+    if "iteration_ms" in info:  # what chose the plan (the objective only generates candidates)
+        out.print(f"iteration        {info['iteration_ms']:.1f} ms ({info['iteration_measure']})")
+        out.print("                 what chose the plan: the engine on the fake backend")
     out.print(f"objective        {info['objective_ms']:.1f} ms = {info['objective_formula']}")
     out.print(f"analytic bubble  {info['analytic_bubble']:.2%}")
     if mem_limit is not None:
         out.print(f"memory limit     {bytes_text(mem_limit)} per stage")
+    if "planning_ms" in info:
+        out.print(f"planned in       {info['planning_ms']:.0f} ms")
 
 
 def print_simulation(

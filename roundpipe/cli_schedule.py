@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,14 @@ def add_parser(subparsers: Any) -> None:
         description="Partition layer costs into forward, fused and backward stages and print the plan.",
     )
     _add_model_args(p)
+    p.add_argument(
+        "--loss-lag",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="async: the training loop to plan for: 0 waits for each loss (RunConfig's default), 1 "
+        "reads it one iteration late, as roundpipe train does (RunConfig.loss_lag)",
+    )
     p.set_defaults(run=run_plan)
     _add_simulate_parser(subparsers)
     _add_trace_parser(subparsers)
@@ -305,13 +314,42 @@ def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
     )
 
 
+def _evaluated(plan: Plan, costs: LayerCosts, args: argparse.Namespace) -> dict[str, Any]:
+    """What chose ``plan`` (`choose_evaluated_plan`): its iteration as the engine runs it on the
+    fake backend (free transfers and optimizer), for the loop ``args`` plans for."""
+    from roundpipe.plan_eval import engine_evaluator, late_loop_evaluator, submission_lag
+
+    n, m, asynch = args.devices, args.microbatches, args.async_optimizer
+    lag = args.loss_lag if asynch else 0
+    evaluate = (
+        late_loop_evaluator(costs, n, m) if lag else engine_evaluator(costs, n, m, async_optimizer=asynch)
+    )
+    # A loop one loss late is let run ahead only where that is faster on this plan (`submission_lag`)
+    submits = submission_lag(plan, costs, n, m, async_optimizer=asynch, loss_lag=lag)
+    measure = "one iteration, fill and drain"
+    if asynch:
+        measure = "settled, a loop waiting for each loss"
+    if lag:
+        measure = "settled, a loop one loss late" + ("" if submits else ", which waits here (faster)")
+    return {
+        "loss_lag": lag,
+        "submission_lag": submits,
+        "iteration_ms": evaluate(plan),
+        "iteration_measure": measure,
+    }
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    import roundpipe.plan_eval  # noqa: F401  (imported before the clock starts)
     from roundpipe.cli_report import plan_summary, print_plan
 
     source, costs = _load_costs(args)
+    started = time.perf_counter()
     plan = _partition(costs, args)
+    planning_ms = (time.perf_counter() - started) * 1e3
     info = plan_summary(plan, costs, args.devices, args.microbatches, args.async_optimizer)
     info.update(source=source, async_optimizer=args.async_optimizer, mem_limit_bytes=args.mem_limit)
+    info.update(_evaluated(plan, costs, args), planning_ms=planning_ms)
     if args.json:
         print(json.dumps(info))
     else:

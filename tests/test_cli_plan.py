@@ -37,8 +37,40 @@ def test_plan_table(costs_file: Path, capsys: pytest.CaptureFixture[str]) -> Non
         "t_max",
         "analytic bubble",
         "objective",
+        "iteration",
+        "planned in",
     ):
         assert word in out
+
+
+@pytest.mark.parametrize("loss_lag", [0, 1])
+def test_plan_shows_the_iteration_that_chose_it(capsys: pytest.CaptureFixture[str], loss_lag: int) -> None:
+    """The plan is `choose_evaluated_plan`'s for the loop asked for, and its figure the evaluator's:
+    on the built-in example one loss late runs a plan of its own (5 slots; waiting, 10)."""
+    from roundpipe.plan.examples import EXAMPLES
+    from roundpipe.plan_eval import (
+        choose_evaluated_plan,
+        engine_evaluator,
+        late_loop_evaluator,
+        submission_lag,
+    )
+
+    assert main(["plan", "--loss-lag", str(loss_lag), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    costs = EXAMPLES["qwen3-1.7b"].costs()
+    plan = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=loss_lag)
+    assert [s["layers"] for s in info["slots"]] == [[s.layers.start, s.layers.stop] for s in plan.slots]
+    evaluate = (
+        late_loop_evaluator(costs, 8, 16)
+        if loss_lag
+        else engine_evaluator(costs, 8, 16, async_optimizer=True)
+    )
+    assert info["iteration_ms"] == pytest.approx(evaluate(plan))
+    assert info["loss_lag"] == loss_lag and info["planning_ms"] > 0
+    assert info["submission_lag"] == submission_lag(
+        plan, costs, 8, 16, async_optimizer=True, loss_lag=loss_lag
+    )
+    assert info["num_slots"] == (5 if loss_lag else 10)
 
 
 def test_plan_json(costs_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
