@@ -73,8 +73,12 @@ def _value_policy(ins: Arcs, policy: list[int], x: list[float], eta: list[float]
         if state[v] == 1:  # a new cycle: path[k:] in reverse arc order
             k = path.index(v)
             cycle = path[k:]
-            weight = sum(ins[c][policy[c]][1] for c in cycle)
-            transit = sum(ins[c][policy[c]][2] for c in cycle)
+            # left to right, as the compiled loop adds them: Python 3.12's sum() of floats is
+            # compensated, and would give another period than `native` there
+            weight, transit = 0.0, 0
+            for c in cycle:
+                weight += ins[c][policy[c]][1]
+                transit += ins[c][policy[c]][2]
             ratio = weight / transit
             for j in range(len(path) - 1, k, -1):  # the anchor path[k] keeps its bias
                 c = path[j]
