@@ -139,3 +139,30 @@ def test_a_late_loop_times_the_few_slot_plans_its_own_model_ranks_best(
     monkeypatch.setattr(choose, "LATE_MODELLED", 0)
     chained_only = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert (chained_only.num_slots, evaluate(chained_only)) == (19, pytest.approx(266.05, abs=0.01))
+
+
+def test_a_late_loop_refines_around_few_slot_plans_by_its_own_model_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """94 layers, backward 2.5x, head 1x, 8 x 16: the fastest even plan for a loop one loss late
+    (6 slots, fused stage from layer 75: 814.04 ms) is a neighbour of the best ranked plan (fused
+    from 76: 832.04), 7th among its neighbours by the waiting loop's model and 3rd by the late
+    loop's own; `_refine` times the best three by that model too (`REFINE_LATE_TIMED`)."""
+    from roundpipe.plan import choose
+    from roundpipe.plan_eval import late_loop_evaluator
+
+    costs = grid_costs(94, 2.5, 1.0)
+    evaluate = late_loop_evaluator(costs, 8, 16)
+    chosen = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
+    assert (chosen.num_slots, chosen.fused.start, evaluate(chosen)) == (
+        6,
+        75,
+        pytest.approx(814.04, abs=0.01),
+    )
+    monkeypatch.setattr(choose, "REFINE_LATE_TIMED", 0)
+    before = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
+    assert (before.num_slots, before.fused.start, evaluate(before)) == (
+        6,
+        76,
+        pytest.approx(832.04, abs=0.01),
+    )

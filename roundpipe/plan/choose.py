@@ -262,7 +262,7 @@ def _choose(
         for _, plan in [*ranked[:listed], *dealt, *rechecked]:
             timer.consider(plan)
     if (late and loop and async_optimizer) if refine is None else refine:
-        _refine(timer, [p for _, p in extra], chains, costs, rounds, async_optimizer, loop)
+        _refine(timer, [p for _, p in extra], chains, costs, rounds, async_optimizer, loop, late and loop)
     timed = timer.timed
     best_ms = min(ms for ms, _ in timed.values())
     ties = [p for ms, p in timed.values() if ms <= best_ms * (1 + 1e-9)]
@@ -341,6 +341,18 @@ REFINE_TIMED = 4
 timing costs a millisecond or two at 94 layers (the compiled replay), the model a tenth of that."""
 
 
+REFINE_LATE_TIMED = 3
+"""Around a plan of up to N slots, a loop one loss late (``late``) also times this many of the
+neighbours best by its own model (`_ranking.LATE_MODEL_WINDOW`), which reads those plans within a
+few percent where the waiting loop's model (the REFINE_TIMED above) is 20-30% slow and misorders
+them: at 94 layers, backward 2.5x, head 1x, the fastest even plan (6 slots, a fused stage one
+layer longer than the choice's; 814.0 ms) was 7th of the neighbours by that model and 3rd by
+its own, and the choice 2.2% slower. Against every even plan, on the (8, 16) grid shapes of 24 to
+94 layers (80 shapes): 24-32 layers 47 of 48 within 2% (mean 0.157% -> 0.145%), 48-94 layers 48
+of 48 (47; mean 0.266% -> 0.159%), 8 choices faster, none slower, for 99 -> 105 timings over the
+16 grid shapes at 94 layers (the better plan, found sooner, spares others). Replacing the other
+model's picks instead of adding to them lost shapes either way (1-4 of them: 0.5-1.7% slower)."""
+
 OTHER_KIND_WITHIN = 1.05
 """`_refine` looks around the best plan of the other kind only when it is within this of the best."""
 
@@ -353,6 +365,7 @@ def _refine(
     rounds: tuple[int, ...],
     async_optimizer: bool,
     loop: bool,
+    late: bool = False,
 ) -> None:
     """Time the plans next to the best timed ones (with ``timer``).
 
@@ -367,7 +380,9 @@ def _refine(
     of the other kind (up to N slots, whose rounds run side by side, or more than N: the fastest
     plans fall in two such groups, and the ranking can leave the better group's best untimed),
     the even plans with a slot count and a fused start within one of it, the `REFINE_TIMED` best
-    by the ranking model (the loop's model for plans of up to N slots when ``loop``)."""
+    by the ranking model (the loop's model for plans of up to N slots when ``loop``), and around
+    a plan of up to N slots for a loop one loss late (``late``) the `REFINE_LATE_TIMED` best by
+    that loop's own model."""
     n, m = chains.ticks.n, sum(rounds)
     timed, time = timer.timed, timer.time
     num_devices = next(iter(timed.values()))[1].num_devices
@@ -415,6 +430,10 @@ def _refine(
         )
         for _, plan in modelled[:REFINE_TIMED]:
             time(plan)
+        if few and late and REFINE_LATE_TIMED:  # and by the late loop's own model
+            own = _rank(list(near.values()), num_devices, rounds, True, keep=REFINE_LATE_TIMED, times=times, loop=True, late=True)  # fmt: skip
+            for _, plan in own[:REFINE_LATE_TIMED]:
+                time(plan)
 
 
 def shortlisted(plan: Plan, num_microbatches: int, iterations: int) -> int:
