@@ -35,7 +35,8 @@ Prints one JSON line per profile and mode:
                                     [--no-refine]   # the ranking's choice, without choose_plan's refinement
 
   --exhaustive: for the async grid shapes at (N, M) = (8, 16) of --layers (default 24 28 32; each
-      shape times about a thousand plans, 10-30 s), the chosen plan against every even plan
+      shape times about a thousand plans, 1-30 s; --layers 48 64 94 reach 4,200, 7,500 and 16,000
+      plans a shape, about 2, 4.5 and 14 minutes per 16 shapes for the late loop), the chosen plan against every even plan
       (`every_even_plan`), all timed as choose_plan's evaluator times them (a training loop's
       submission, the time per iteration it settles at): chosen_ms, best_ms, gap (chosen / best - 1), and the fastest even plan whose
       chained steady bubble is under 3% (none when there is none within 10% of the chosen).

@@ -40,8 +40,11 @@ FUSED_REACH layers of its fused stage."""
 
 def many_slots(num_devices: int, num_microbatches: int) -> int:
     """Sync candidates reach up to this many slots (even plans, the fused stage about the mean
-    slot), beyond the proxies' neighbourhood: 8N, and at most 640 computes per iteration (S * M),
-    past which modelling them costs more than the 50 ms planning target allows at 94 layers.
+    slot), beyond the proxies' neighbourhood: 8N, and at most 800 computes per iteration (S * M).
+    At 48 and 64 layers the fastest sync plans at (8, 16) have 46-83 slots; with 640 computes (40
+    slots) 30 of those 32 grid shapes were within 2% of the fastest even plan (64L r1.3 h1 4.9%,
+    64L r2 h2 2.65%), with 800 (50) 32 (mean 0.21%), with 1024 (64) 32 (mean 0.07%), but then
+    5 of the 16 94-layer grid shapes took 50-67 ms to plan (800: 16 of 16 under 50, at most 43).
 
     Why: a sync iteration's fill and drain cost N(N-1) slot times against M * S of work, so more,
     shorter slots waste less until the layers run out or the slots grow uneven; the t_max
@@ -49,7 +52,7 @@ def many_slots(num_devices: int, num_microbatches: int) -> int:
     plans have 24-37 slots where the proxies chose 16-22, and the chosen plans were within 2% of
     the fastest on 37 of 48 shapes (up to 5.3% slower); with these candidates on 48 (4, 8: 38 to
     45 of 48)."""
-    return min(8 * num_devices, 640 // max(num_microbatches, 1))
+    return min(8 * num_devices, 800 // max(num_microbatches, 1))
 
 
 SYNC_LONGER_FUSED = 2
