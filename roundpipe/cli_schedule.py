@@ -148,17 +148,19 @@ def add_parser(subparsers: Any) -> None:
         description="Partition layer costs into forward, fused and backward stages and print the plan.",
     )
     _add_model_args(p)
-    p.add_argument(
-        "--loss-lag",
-        type=int,
-        choices=(0, 1),
-        default=0,
-        help="async: the training loop to plan for: 0 waits for each loss (RunConfig's default), 1 "
+    _add_loss_lag(
+        p,
+        "async: the training loop to plan for: 0 waits for each loss (RunConfig's default), 1 "
         "reads it one iteration late, as roundpipe train does (RunConfig.loss_lag)",
     )
     p.set_defaults(run=run_plan)
     _add_simulate_parser(subparsers)
     _add_trace_parser(subparsers)
+
+
+def _add_loss_lag(parser: argparse.ArgumentParser, text: str) -> None:
+    """``--loss-lag 0|1`` (`RunConfig.loss_lag`), with what it means for the command."""
+    parser.add_argument("--loss-lag", type=int, choices=(0, 1), default=0, help=text)
 
 
 def _add_simulate_parser(subparsers: Any) -> None:
@@ -213,12 +215,9 @@ def _add_simulate_parser(subparsers: Any) -> None:
         help="submit each iteration once the previous one's losses are in, as a training loop of "
         "RoundPipe.forward_backward does (default: all at once, the chained run)",
     )
-    s.add_argument(
-        "--loss-lag",
-        type=int,
-        choices=(0, 1),
-        default=0,
-        help="with --after-loss: 1 reads each loss one iteration late, as roundpipe train does "
+    _add_loss_lag(
+        s,
+        "with --after-loss: 1 reads each loss one iteration late, as roundpipe train does "
         "(RunConfig.loss_lag; the plan is chosen for it)",
     )
     s.add_argument("--trace", metavar="OUT.json", help="save the trace (roundpipe trace ... reads it)")
