@@ -252,7 +252,7 @@ def _choose(
     # loop's first few by the chained model are its proxies' many-slot plans, the slowest to time
     # (11 ms of 60 at 94 layers), and most are slower than its few-slot best. On the 16 grid
     # shapes of 94 layers, the late loop's timings took 284-290 ms in all at (8, 16) against
-    # 332-365 (33-35 against 65-67 at (4, 8)); the waiting loop's within noise (93-112 against
+    # 332-365 (33-35 against 65-67 at (4, 8)); the waiting loop's within noise (95-112 against
     # 89-98). The choices of 384 grid shape/loop/device cases stayed the same.
     modelled: dict[object, float] = {}
     for ms, plan in [*ranked, *extra, *few]:
