@@ -434,7 +434,14 @@ def _refine(
         for _, plan in modelled[:REFINE_TIMED]:
             time(plan)
         if few and late and REFINE_LATE_TIMED:  # and by the late loop's own model
-            own = _rank(list(near.values()), num_devices, rounds, True, keep=REFINE_LATE_TIMED, times=times, loop=True, late=True)  # fmt: skip
+            own = _rank(
+                list(near.values()),
+                *(num_devices, rounds, True),
+                keep=REFINE_LATE_TIMED,
+                times=times,
+                loop=True,
+                late=True,
+            )
             for _, plan in own[:REFINE_LATE_TIMED]:
                 time(plan)
 
