@@ -385,8 +385,8 @@ def test_sync_candidates_reach_many_slots(monkeypatch: pytest.MonkeyPatch) -> No
     """A sync iteration wastes N(N-1) slot times on fill and drain against M * S of work, so the
     fastest sync plans often have more slots than the proxies' neighbourhood holds. With the
     candidates of up to `many_slots` slots the choice is within 2% of the fastest even plan
-    (24 layers, backward 3.8x, head 2x at (8, 16): 339.2 ms, 30 slots); without them it was
-    357.17 ms (16 slots, 5.3% slower)."""
+    (24 layers, backward 3.8x, head 2x at (8, 16): 339.2 ms, 30 slots); without them (and the
+    finest plans, one of which it is too) it was 357.17 ms (16 slots, 5.3% slower)."""
     from roundpipe.plan import choose
 
     for layers, ratio, head, n, m in [(24, 3.8, 2.0, 8, 16), (28, 1.3, 1.0, 4, 8)]:
@@ -398,6 +398,7 @@ def test_sync_candidates_reach_many_slots(monkeypatch: pytest.MonkeyPatch) -> No
     costs = grid_costs(24, 3.8, 2.0)
     evaluate = engine_evaluator(costs, 8, 16, async_optimizer=False)
     monkeypatch.setattr(choose, "many_slots", lambda num_devices, num_microbatches: 0)
+    monkeypatch.setattr(choose, "FINEST_FUSED_LAYERS", 0)  # which find that plan too
     near = choose_plan(costs, 8, 16, evaluate=evaluate)
     assert (near.num_slots, evaluate(near)) == (16, pytest.approx(357.17, abs=0.01))
 
@@ -415,6 +416,45 @@ def test_sync_candidates_take_longer_fused_stages(monkeypatch: pytest.MonkeyPatc
     assert best == pytest.approx(227.6, abs=0.05)
     monkeypatch.setattr(choose, "SYNC_LONGER_FUSED", 0)
     assert evaluate(choose_plan(costs, 4, 8, evaluate=evaluate)) == pytest.approx(235.23, abs=0.01)
+
+
+def test_finest_plans_have_one_layer_per_backward_stage() -> None:
+    """`finest`: backward stages of one layer (or one of two), the fused stage the last one or
+    two layers, and the fewest forward stages none slower than the slowest of those."""
+    from roundpipe.plan import _candidates, choose
+
+    costs = grid_costs(24, 2.5, 1.0)
+    chains = choose._even_chains(costs, None)
+    fwd_ticks, fb_ticks, n = chains.ticks.fwd, chains.ticks.fb, costs.num_layers
+    plans = list(_candidates.finest(chains, 2))
+    assert {(len(fused), len(bwd)) for _, (_, fused, bwd) in plans} == {(1, 25), (1, 24), (2, 24), (2, 23)}
+    for slots, (fwd, fused, bwd) in plans:
+        assert sorted(len(r) for r in bwd)[-2:] in ([1, 1], [1, 2]) and fused.stop == n
+        slowest = max(
+            fb_ticks[n] - fb_ticks[fused.start], *(fb_ticks[r.stop] - fb_ticks[r.start] for r in bwd)
+        )
+        assert max(fwd_ticks[r.stop] - fwd_ticks[r.start] for r in fwd) <= slowest == max(slots)
+        fewer = chains.split(0, fused.start, len(fwd) - 1)
+        assert fewer is not None and max(fwd_ticks[r.stop] - fwd_ticks[r.start] for r in fewer) > slowest
+        assert chains.plan(len(fwd), len(bwd), fused.start) == (slots, (fwd, fused, bwd))
+
+
+def test_sync_candidates_take_the_finest_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 64 layers, backward 2.5x, head 1x at (8, 16) the fastest sync plan the exhaustive search
+    finds among even plans takes 616.3 ms (83 slots), past `many_slots`; the finest plan (87 slots:
+    a 1-layer backward stage per layer, the embedding's with the first layer's, 22 forward stages)
+    takes 606.57 ms, its forward stage count not the even split's. Without the finest plans the
+    choice took 627.53 ms (44 slots)."""
+    from roundpipe.plan import choose
+
+    costs = grid_costs(64, 2.5, 1.0)
+    evaluate = engine_evaluator(costs, 8, 16, async_optimizer=False)
+    chosen = choose_plan(costs, 8, 16, evaluate=evaluate)
+    assert (chosen.num_slots, len(chosen.fwd_stages), len(chosen.bwd_stages)) == (87, 22, 64)
+    assert evaluate(chosen) == pytest.approx(606.57, abs=0.01)
+    monkeypatch.setattr(choose, "FINEST_FUSED_LAYERS", 0)
+    near = choose_plan(costs, 8, 16, evaluate=evaluate)
+    assert (near.num_slots, evaluate(near)) == (44, pytest.approx(627.53, abs=0.01))
 
 
 def test_dealt_backward_plans_give_every_device_two_backward_runs() -> None:

@@ -289,6 +289,29 @@ def balanced_fused(chains: EvenChains, slot_counts: Iterable[int], longer: int =
             yield from chains.plans(s_count, q)
 
 
+def finest(chains: EvenChains, fused_layers: int) -> Iterable[EvenPlan]:
+    """Even plans whose backward stages hold one layer each (or one of them two), the fused stage
+    the last 1 to ``fused_layers`` layers, and the fewest forward stages none slower than the
+    slowest of those: about the most slots a plan can have before its slowest stage grows. Their
+    forward/backward split is set by the backward layers, not by the even split of the work, so
+    `EvenChains.plans` does not list them."""
+    ticks = chains.ticks
+    n, fwd, fb, reach = ticks.n, ticks.fwd, ticks.fb, ticks.reach
+    for p in range(n - 1, max(ticks.p_mem, n - fused_layers, 1) - 1, -1):
+        for kb in (p, p - 1):
+            bwd = chains.split(1, p, kb) if kb >= 1 else None
+            if bwd is None:
+                continue
+            slowest = max(fb[n] - fb[p], *(fb[r.stop] - fb[r.start] for r in bwd))
+            kf = i = 0
+            while i < p:  # greedy: each forward stage as long as ``slowest`` and memory allow
+                longest = min(bisect_right(fwd, fwd[i] + slowest, i + 1, p + 1) - 1, reach[i])
+                i, kf = max(i + 1, longest), kf + 1  # a layer slower than ``slowest`` stands alone
+            plan = chains.plan(max(kf, chains.memory_parts(p)), kb, p)
+            if plan is not None:
+                yield plan
+
+
 def dealt_backward(chains: EvenChains, num_devices: int) -> Iterable[EvenPlan]:
     """Even plans of more than 2N slots with exactly 2N backward stages (1 to N forward stages,
     the fused stage about the mean slot: `balanced_fused`'s middle one). Round-robin then deals

@@ -55,6 +55,19 @@ def many_slots(num_devices: int, num_microbatches: int) -> int:
     return min(8 * num_devices, 800 // max(num_microbatches, 1))
 
 
+FINEST_FUSED_LAYERS = 2
+"""Sync candidates also take the finest plans (`_candidates.finest`: one layer per backward stage,
+the fewest forward stages no slower), with fused stages of the last 1 to this many layers (0:
+none). At 94 layers on (8, 16) the fastest sync plans have 100-125 slots, twice what the t_max
+objective and `many_slots` reach: without these 13 of the 16 grid shapes were within 2% of the
+fastest even plan (up to 3.7% slower), with them 16 of 16 (mean 0.87% -> 0.28%), two faster
+than any even plan (their forward stage count is not the even split's); 48-64 layers: 32 of 32
+either way (mean 0.21% -> -0.03%). Over the 288 sync grid shapes 24 choices are 0.1-3.4%
+shorter (every one with a lower bubble), none longer. Planning at 94 layers the same within this
+machine's noise: the 16 grid shapes alternated in one process, 466 and 514 ms in all without them,
+467 and 511 with (at most 42-49 ms a shape either way)."""
+
+
 SYNC_LONGER_FUSED = 2
 """Sync candidates of up to 2N slots (`_ranked_candidates`' few-slot and wider plans) also take
 fused stages starting up to this many layers before the one about the mean slot: a fused stage
@@ -532,6 +545,7 @@ def _ranked_candidates(
     if not async_optimizer:  # and the sync plans of more slots than the proxies' (`many_slots`)
         top = max(p.num_slots for p in proxies) + SLOT_REACH
         families.append(_candidates.balanced_fused(chains, range(top + 1, many_slots(n, m) + 1)))
+        families.append(_candidates.finest(chains, FINEST_FUSED_LAYERS))
     times = _StageTimes(costs)
     few: dict[object, _Candidate] = {}  # the plans of up to N slots
     for family in families:
