@@ -490,6 +490,22 @@ def test_a_waiting_loop_lists_plans_that_deal_the_backward_evenly(monkeypatch: p
     assert evaluate(without) == pytest.approx(306.42, abs=0.01)
 
 
+def test_a_waiting_loop_lists_the_wider_plans_best_by_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 48 layers, backward 1.3x, head 4x at (8, 16) the fastest even plan (13 slots, the head
+    alone in the fused stage: 340.97 ms) is one of the wider plans, 13th of them by the chained
+    model that picks the one timed apart and 5th by the waiting loop's: listed with the best three
+    by the loop's model (`WIDER_LISTED`) it is chosen; without, the choice took 346.16 ms."""
+    from roundpipe.plan import choose
+
+    costs = grid_costs(48, 1.3, 4.0)
+    evaluate = engine_evaluator(costs, 8, 16, async_optimizer=True)
+    chosen = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert (chosen.num_slots, len(chosen.fused), evaluate(chosen)) == (13, 1, pytest.approx(340.97, abs=0.01))
+    monkeypatch.setattr(choose, "WIDER_LISTED", 0)
+    near = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert (near.num_slots, evaluate(near)) == (11, pytest.approx(346.16, abs=0.01))
+
+
 def test_a_waiting_loop_rechecks_the_plans_past_its_shortlist_over_a_longer_window(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -127,6 +127,19 @@ fastest even plan (47), 0.06% over it on the mean (0.15%); 11 of the 288 async g
 shorter, none longer; about 3 ms more at 94 layers. Added to the shortlist, not re-ordering it:
 replacing it by the best 5 of the longer window made 8 grid shapes longer (up to 2.6%)."""
 
+WIDER_LISTED = 3
+"""The waiting loop's shortlist also takes the best this many of the wider plans (N+1 to 2N slots,
+the fused stage about the mean slot), by the loop's model, those it puts no slower than the
+shortlist's last (as `DEALT_LISTED`). `_ranked_candidates` ranks those plans apart by the chained
+model and times the best only when it comes first of all; the loop's model, 5-9% slow on some of
+them (it runs a backward stage's recompute after the gradient, the engine ahead of it), puts the
+fastest 5th of 47 on 48 layers, backward 1.3x, head 4x at (8, 16) and the chained model 13th.
+With them, on the 96 (8, 16) grid shapes of 24-94 layers (every even plan timed): 4 choices
+0.1-1.5% shorter, none longer, mean 0.195% -> 0.169% over the fastest; that shape's choice the
+fastest (340.97 ms against 346.16) and under the 3% bubble target (1.25% against 3.13%). (4, 8)
+and (2, 4): the same choices. About 2-3 ms more at 94 layers (one more ranking, 9 more short
+runs over the 16 grid shapes). 2 found 2 of the 4."""
+
 ESTIMATE_MARGIN = -0.01
 """`_Timer.consider` times in full a plan whose short run has not settled only where its estimate
 is this much under the best time so far (-1%: 1% faster). Such estimates fall within 3% of the
@@ -182,8 +195,9 @@ def choose_plan(
     the evaluation's short run, and whether that is its figure) lets the loop waiting for each
     loss look past its few at a shortlist of the ranking's next best (SHORTLISTED): each taken at
     its estimate where that is exact, timed in full where it promises to be faster
-    (`_Timer.consider`); with it, the best plan of 2N backward stages (`DEALT_LISTED`) and the
-    best two of the ranking's next plans over a longer window (`RECHECKED`). An explicit
+    (`_Timer.consider`); with it, the best plan of 2N backward stages (`DEALT_LISTED`), the best
+    three wider plans by the loop's model (`WIDER_LISTED`) and the best two of the ranking's next
+    plans over a longer window (`RECHECKED`). An explicit
     ``evaluations`` turns the shortlist off.
     """
     with collections_paused():  # planning's objects are freed by reference counting (`_collector`)
@@ -517,7 +531,8 @@ def _ranked_candidates(
     (``loop``, async) the best of the even plans of up to N slots by the model of a training
     loop's submission; and the best ``dealt`` of the plans with 2N backward stages beyond 2N
     slots (`_candidates.dealt_backward`) by that model too, those it puts no slower than the
-    ``needed``-th of the first list (`DEALT_LISTED`).
+    ``needed``-th of the first list (`DEALT_LISTED`), and with them the best `WIDER_LISTED` of
+    the wider plans below by that model, on the same condition.
 
     Those wider plans (a 1-3 layer fused stage, stages a little shorter than with N slots) are the
     fastest on several grid shapes (up to 11% faster than the others), but the ranking model is
@@ -624,6 +639,7 @@ def _ranked_candidates(
         others = apart(_candidates.dealt_backward(chains, n), wider)
         listed_ms = ranked[min(len(ranked), needed) - 1][0]
         dealt_best = best_in_loop(others, dealt, cutoff=listed_ms)
+        dealt_best += best_in_loop(wider, WIDER_LISTED, cutoff=listed_ms) if WIDER_LISTED else []
     return ranked, extra[:1], few_best, dealt_best
 
 
