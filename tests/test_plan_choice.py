@@ -477,7 +477,7 @@ def test_a_waiting_loop_lists_plans_that_deal_the_backward_evenly(monkeypatch: p
     """Backward runs are most of the work, and 2N backward stages deal every device two of them a
     round: on 24 layers, backward 3.8x, head 2x at (8, 16), the fastest even plan has 20 slots
     (3 forward, the head, 16 backward: 294.48 ms), outside every other family; the waiting loop
-    reaches it through its shortlist (`DEALT_LISTED`), and settles 3.9% slower without."""
+    reaches it through its shortlist (`DEALT_LISTED`), and settles 3.6% slower without."""
     from roundpipe.plan import choose
 
     costs = grid_costs(24, 3.8, 2.0)
@@ -487,14 +487,14 @@ def test_a_waiting_loop_lists_plans_that_deal_the_backward_evenly(monkeypatch: p
     assert evaluate(chosen) == pytest.approx(294.48, abs=0.01)
     monkeypatch.setattr(choose, "DEALT_LISTED", 0)
     without = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
-    assert evaluate(without) == pytest.approx(306.42, abs=0.01)
+    assert evaluate(without) == pytest.approx(305.04, abs=0.01)
 
 
 def test_a_waiting_loop_lists_the_wider_plans_best_by_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """On 48 layers, backward 1.3x, head 4x at (8, 16) the fastest even plan (13 slots, the head
     alone in the fused stage: 340.97 ms) is one of the wider plans, 13th of them by the chained
     model that picks the one timed apart and 5th by the waiting loop's: listed with the best three
-    by the loop's model (`WIDER_LISTED`) it is chosen; without, the choice took 346.16 ms."""
+    by the loop's model (`WIDER_LISTED`) it is chosen; without, the choice took 346.06 ms."""
     from roundpipe.plan import choose
 
     costs = grid_costs(48, 1.3, 4.0)
@@ -503,7 +503,26 @@ def test_a_waiting_loop_lists_the_wider_plans_best_by_its_model(monkeypatch: pyt
     assert (chosen.num_slots, len(chosen.fused), evaluate(chosen)) == (13, 1, pytest.approx(340.97, abs=0.01))
     monkeypatch.setattr(choose, "WIDER_LISTED", 0)
     near = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
-    assert (near.num_slots, evaluate(near)) == (11, pytest.approx(346.16, abs=0.01))
+    assert (near.num_slots, evaluate(near)) == (11, pytest.approx(346.06, abs=0.01))
+
+
+def test_a_waiting_loop_times_small_plans_its_estimate_puts_under_the_best(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On 48 layers, backward 2.5x, head 4x at (8, 16) the fastest even plan (19 slots: 461.52 ms)
+    is 10th in the waiting loop's ranking and reached by its recheck, but its short run's estimate
+    is less than 1% under the best so far (465.52), which `ESTIMATE_MARGIN` asks of a plan before
+    it is timed in full. Plans of up to `ESTIMATE_SMALL_COMPUTES` computes are cheap to time and
+    are timed wherever their estimate is under the best; without that the choice took 465.52 ms."""
+    from roundpipe.plan import choose
+
+    costs = grid_costs(48, 2.5, 4.0)
+    evaluate = engine_evaluator(costs, 8, 16, async_optimizer=True)
+    chosen = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert (chosen.num_slots, evaluate(chosen)) == (19, pytest.approx(461.52, abs=0.01))
+    monkeypatch.setattr(choose, "ESTIMATE_SMALL_COMPUTES", 0)
+    near = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
+    assert (near.num_slots, evaluate(near)) == (12, pytest.approx(465.52, abs=0.01))
 
 
 def test_a_waiting_loop_rechecks_the_plans_past_its_shortlist_over_a_longer_window(

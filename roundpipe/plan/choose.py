@@ -147,6 +147,27 @@ settled figure either way, so this trades a little reach for time: at 0 the same
 shapes are within 2%, but planning at 94 layers rose to 56 ms on one grid shape (backward 3.8x,
 head 1x: a 0.24% shorter plan, after four 20-iteration evaluations), against 44 ms at -1%."""
 
+ESTIMATE_SMALL_COMPUTES = 320
+"""A plan of up to this many computes per iteration (S * M: 20 slots at M = 16) is timed in full
+wherever its estimate is under the best time so far, ESTIMATE_MARGIN or not: such plans are
+cheap to time (1-2 ms at 94 layers, replays of 20 iterations included), where a 23-25 slot plan
+that has not settled takes 10-16 ms, and the margin was there for those. On the 96 (8, 16)
+waiting-loop grid shapes of 24-94 layers, 6 choices 0.2-0.9% shorter (48 layers, backward 2.5x,
+head 4x: the fastest even plan, 461.52 ms against 465.52, and under the 3% bubble target), none
+longer, mean 0.169% -> 0.136% over the fastest; at (4, 8) and (2, 4) 3 shorter (0.7-0.9%),
+mean 0.050% -> 0.025%. Planning at 94 layers, the 16 grid shapes, the least of 6 runs each,
+alternated: 665 -> 672 ms in all at (8, 16), 280 -> 292 at (4, 8). With a margin of 0 for
+every plan: 3 more shorter at (8, 16), but 94 layers, backward 3.8x, head 1x took 70.5 ms at
+least against 55.0 (two 25-slot plans timed, 22 ms, neither the best)."""
+
+
+def _estimate_margin(plan: Plan) -> float:
+    """How far under the best time so far a plan's unsettled estimate must be for `_Timer.consider`
+    to time it in full: 0 for small plans (`ESTIMATE_SMALL_COMPUTES`), else ESTIMATE_MARGIN."""
+    small = plan.num_slots * plan.num_microbatches <= ESTIMATE_SMALL_COMPUTES
+    return 0.0 if small else ESTIMATE_MARGIN
+
+
 ASYNC_EVALUATED_ITERATIONS = 6
 """What one async evaluation runs (`roundpipe.plan_eval`: a chained run of 6); sizes the budget."""
 
@@ -343,7 +364,7 @@ class _Timer:
         ms, exact = self.estimate(plan)
         if exact:
             self._record(plan, ms)
-        elif ms <= self.best_ms * (1 + ESTIMATE_MARGIN):
+        elif ms <= self.best_ms * (1 + _estimate_margin(plan)):
             self._record(plan, self.evaluate(plan))
 
     def time(self, plan: Plan) -> None:
