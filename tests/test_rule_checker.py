@@ -250,6 +250,56 @@ def test_device_times_stay_ordered_and_bounded_under_drift_and_late_observations
                     assert placed[a][1] <= placed[b][0], (a, b)
 
 
+def test_a_device_task_never_starts_before_the_host_issued_it() -> None:
+    """The GPU's clock can run behind the host's: an H200 run placed a parameter upload 15 us
+    before the host's P-copy it waited for ended. A task's start is bounded below by when the
+    host issued it, and the map shifts later for the tasks after it, keeping the device's order."""
+    from roundpipe.backends.device_clock import DeviceClock
+
+    seen = iter([49341.0, 49342.0, 49350.0])
+    clock = DeviceClock(0.0, lambda: next(seen))
+    compute = clock.place(49330.0, 49340.7)  # ran before the upload on this device
+    upload = clock.place(49340.789, 49340.9, issued_ms=49340.804)  # issued once the P-copy ended
+    assert upload[0] >= 49340.804 and compute[1] <= upload[0] <= upload[1] <= 49342.0
+    later = clock.place(49341.0, 49345.0)  # the shift carries on: 15 us later than its reading
+    assert later == (pytest.approx(49341.015), pytest.approx(49345.015))
+
+
+def test_device_times_hold_both_bounds_and_the_order_when_the_gpu_runs_behind() -> None:
+    """Random tasks on one device over about a minute, a GPU clock that runs behind or ahead by
+    up to 1e-5 (five times the drift seen on an H200), issue times before the starts and
+    observations after the ends by random delays up to 0.3 ms: every start at or after its issue,
+    every end at or before its observation, and every end before a start on the device so on the
+    host. (With 100 times that drift the online map misses an issue bound on about 1 run in 300:
+    a time placed before the drift showed can hold a later start below its issue; the order wins.)"""
+    import random
+
+    from roundpipe.backends.device_clock import DeviceClock
+
+    rng = random.Random(11)
+    for _ in range(100):
+        tasks, t = [], 0.0
+        for _ in range(60):
+            start = t + rng.choice([0.0, 0.0, rng.uniform(0.0, 50.0)])
+            end = start + rng.uniform(0.0, 2000.0)
+            tasks.append((start, end))
+            t = rng.choice([end, start + rng.uniform(0.0, end - start)])
+        rate = 1.0 + rng.uniform(-1e-5, 1e-5)  # host ms per GPU ms: behind (> 1) or ahead
+        issued = [start * rate - rng.choice([0.0, rng.uniform(0.0, 0.3)]) for start, _ in tasks]
+        seen = sorted(
+            (end * rate + rng.choice([0.0, rng.uniform(0.0, 0.3)]), i) for i, (_, end) in enumerate(tasks)
+        )
+        clock = DeviceClock(0.0, iter([time for time, _ in seen]).__next__)
+        placed: dict[int, tuple[float, float]] = {}
+        for observed, i in seen:
+            placed[i] = clock.place(*tasks[i], issued_ms=issued[i])
+            assert issued[i] <= placed[i][0] <= placed[i][1] <= observed, (i, placed[i], issued[i], observed)
+        for a, (_, end_a) in enumerate(tasks):
+            for b, (start_b, _) in enumerate(tasks):
+                if end_a <= start_b:
+                    assert placed[a][1] <= placed[b][0], (a, b)
+
+
 def test_device_clock_forgets_old_observations() -> None:
     """A long run keeps a bounded list: observations a minute old are dropped in halves."""
     from roundpipe.backends.device_clock import KEEP_OBSERVED_MS, DeviceClock
@@ -260,3 +310,4 @@ def test_device_clock_forgets_old_observations() -> None:
         now[0] = i * 10.0 + 1.0
         assert clock.place(i * 10.0, i * 10.0 + 1.0) == (i * 10.0, i * 10.0 + 1.0)
     assert len(clock._ends) <= 2 * KEEP_OBSERVED_MS / 10.0 + 1
+    assert len(clock._at) == len(clock._placed) <= 4 * KEEP_OBSERVED_MS / 10.0 + 2

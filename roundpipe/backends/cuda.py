@@ -101,6 +101,7 @@ class CudaBackend(LaneThreadBackend):
                 waits = [self._events[k] for k in task.deps if k in self._events]
             for event in waits:
                 stream.wait_event(event)
+            issued = self.now()  # the GPU cannot start the task before this (`DeviceClock`)
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             self.runtime.run(task)
@@ -108,13 +109,13 @@ class CudaBackend(LaneThreadBackend):
             end.record(stream)
         with self._events_lock:
             self._events[task.key] = end
-        return lambda: self._wait(task, start, end)
+        return lambda: self._wait(task, start, end, issued)
 
-    def _wait(self, task: Task, start: Any, end: Any) -> None:
+    def _wait(self, task: Task, start: Any, end: Any, issued: float) -> None:
         try:
             end.synchronize()  # sleeps (blocking event), releases the GIL
             base, clock = self._base[task.device]
-            task.start_t, task.end_t = clock.place(base.elapsed_time(start), base.elapsed_time(end))
+            task.start_t, task.end_t = clock.place(base.elapsed_time(start), base.elapsed_time(end), issued)
         finally:
             with self._events_lock:
                 self._events.pop(task.key, None)

@@ -22,11 +22,20 @@ device's order (an end before a start on the GPU stays so on the host), the boun
 host's. Observations are taken under one lock, so they arrive in increasing order; then only
 those with an end later than every earlier one matter, a list increasing in both, and a time
 placed once never needs lowering when later observations arrive: the map is computed online.
+
+The GPU's clock can also run behind the host's (an H200 run placed a parameter upload 15 us
+before the host's P-copy it waited for ended, 49 s in). A task cannot start on the device before
+the host issued it, so each task also brings a lower bound: its start is no earlier than its
+issue. The map's reading shifts later by the least amount that puts the start there (the shift
+only grows), and every time is kept between the times already placed before and after it on the
+device (the placed points, a list increasing in both), so the device's order holds whatever the
+shift does; where the bounds and the order cannot all hold, the order wins.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Callable
 
@@ -46,26 +55,53 @@ class DeviceClock:
         self.base_ms = base_ms
         self._now = now
         self._lock = threading.Lock()
+        self._shift = 0.0  # added to the device's reading: how far it was seen to run behind
         self._ends: list[float] = []  # device ends of the kept observations, increasing
         self._observed: list[float] = []  # their host observations, increasing
+        self._at: list[tuple[float, bool]] = []  # device times placed so far (and: a start?), increasing
+        self._placed: list[float] = []  # where they were placed, non-decreasing
 
-    def place(self, start_elapsed_ms: float, end_elapsed_ms: float) -> tuple[float, float]:
-        """The task's (start, end) on the host clock; call once it has ended on the device."""
+    def place(
+        self, start_elapsed_ms: float, end_elapsed_ms: float, issued_ms: float | None = None
+    ) -> tuple[float, float]:
+        """The task's (start, end) on the host clock; call once it has ended on the device.
+        ``issued_ms``: the host time at which the task was issued (its start is no earlier)."""
         with self._lock:
             observed = self._now()  # under the lock: observations arrive in increasing order
             if not self._ends or end_elapsed_ms > self._ends[-1]:
                 self._ends.append(end_elapsed_ms)
                 self._observed.append(observed)
                 self._forget(observed)
-            return self._map(start_elapsed_ms), self._map(end_elapsed_ms)
+            if issued_ms is not None and self.base_ms + self._shift + start_elapsed_ms < issued_ms:
+                self._shift = issued_ms - self.base_ms - start_elapsed_ms
+            start = self._map(start_elapsed_ms, -math.inf if issued_ms is None else issued_ms)
+            return start, self._map(end_elapsed_ms)
 
-    def _map(self, elapsed_ms: float) -> float:
+    def _map(self, elapsed_ms: float, least: float | None = None) -> float:
+        """``elapsed_ms`` on the host clock: a start with ``least`` (its issue), else an end."""
         at = bisect.bisect_left(self._ends, elapsed_ms)
-        mapped = self.base_ms + elapsed_ms
-        return min(mapped, self._observed[at]) if at < len(self._ends) else mapped
+        mapped = self.base_ms + self._shift + elapsed_ms
+        if at < len(self._ends):
+            mapped = min(mapped, self._observed[at])
+        if least is not None:
+            mapped = max(mapped, least)
+        # Between the times placed before and after it on the device. At one device time ends
+        # come before starts (a task that starts as another ends may not be placed before it).
+        key = (elapsed_ms, least is not None)
+        before = bisect.bisect_right(self._at, key)
+        if before:
+            mapped = max(mapped, self._placed[before - 1])
+        if before < len(self._at):
+            mapped = min(mapped, self._placed[before])
+        self._at.insert(before, key)
+        self._placed.insert(before, mapped)
+        return mapped
 
     def _forget(self, observed: float) -> None:
         stale = bisect.bisect_left(self._observed, observed - KEEP_OBSERVED_MS)
         if stale > len(self._observed) // 2:  # in halves: amortised constant per observation
             del self._ends[:stale]
             del self._observed[:stale]
+            old = bisect.bisect_left(self._placed, observed - KEEP_OBSERVED_MS)
+            del self._at[:old]
+            del self._placed[:old]
