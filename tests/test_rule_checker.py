@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from random import Random
 
 import pytest
 
@@ -217,6 +218,29 @@ def test_device_times_keep_the_order_the_device_ran_them_in() -> None:
     assert download[1] <= 12951.540 and compute[1] <= 12951.600
 
 
+def _random_device_tasks(rng: Random, scale: float) -> list[tuple[float, float]]:
+    """60 tasks of one device's lanes, as (start, end) in ms since its base event: each starts as
+    or soon after the one before it ends, or while it runs (another lane); up to 2 ms x ``scale``."""
+    tasks: list[tuple[float, float]] = []
+    t = 0.0
+    for _ in range(60):
+        start = t + rng.choice([0.0, 0.0, rng.uniform(0.0, 0.05 * scale)])
+        end = start + rng.uniform(0.0, 2.0 * scale)
+        tasks.append((start, end))
+        t = rng.choice([end, start + rng.uniform(0.0, end - start)])
+    return tasks
+
+
+def _assert_device_order_kept(
+    tasks: list[tuple[float, float]], placed: dict[int, tuple[float, float]]
+) -> None:
+    """Every end before a start on the device is so on the host."""
+    for a, (_, end_a) in enumerate(tasks):
+        for b, (start_b, _) in enumerate(tasks):
+            if end_a <= start_b:
+                assert placed[a][1] <= placed[b][0], (a, b)
+
+
 def test_device_times_stay_ordered_and_bounded_under_drift_and_late_observations() -> None:
     """Random tasks on one device, a GPU clock that runs ahead, observations in random order
     and delay: every end before a start on the device stays so on the host, no end lies after
@@ -227,12 +251,7 @@ def test_device_times_stay_ordered_and_bounded_under_drift_and_late_observations
 
     rng = random.Random(7)
     for _ in range(50):
-        tasks, t = [], 0.0
-        for _ in range(60):
-            start = t + rng.choice([0.0, 0.0, rng.uniform(0.0, 0.05)])
-            end = start + rng.uniform(0.0, 2.0)
-            tasks.append((start, end))
-            t = rng.choice([end, start + rng.uniform(0.0, end - start)])
+        tasks = _random_device_tasks(rng, 1.0)
         drift = rng.uniform(0.0, 0.02)  # GPU ahead by this fraction of the elapsed time
         seen = sorted(
             (end * (1.0 - drift) + rng.choice([0.0, rng.uniform(0.0, 0.3)]), i)
@@ -244,10 +263,7 @@ def test_device_times_stay_ordered_and_bounded_under_drift_and_late_observations
             placed[i] = clock.place(*tasks[i])
             assert placed[i][0] <= placed[i][1] <= observed
             assert placed[i][0] <= tasks[i][0] and placed[i][1] <= tasks[i][1]
-        for a, (_, end_a) in enumerate(tasks):
-            for b, (start_b, _) in enumerate(tasks):
-                if end_a <= start_b:
-                    assert placed[a][1] <= placed[b][0], (a, b)
+        _assert_device_order_kept(tasks, placed)
 
 
 def test_a_device_task_never_starts_before_the_host_issued_it() -> None:
@@ -278,12 +294,7 @@ def test_device_times_hold_both_bounds_and_the_order_when_the_gpu_runs_behind() 
 
     rng = random.Random(11)
     for _ in range(100):
-        tasks, t = [], 0.0
-        for _ in range(60):
-            start = t + rng.choice([0.0, 0.0, rng.uniform(0.0, 50.0)])
-            end = start + rng.uniform(0.0, 2000.0)
-            tasks.append((start, end))
-            t = rng.choice([end, start + rng.uniform(0.0, end - start)])
+        tasks = _random_device_tasks(rng, 1000.0)
         rate = 1.0 + rng.uniform(-1e-5, 1e-5)  # host ms per GPU ms: behind (> 1) or ahead
         issued = [start * rate - rng.choice([0.0, rng.uniform(0.0, 0.3)]) for start, _ in tasks]
         seen = sorted(
@@ -294,10 +305,7 @@ def test_device_times_hold_both_bounds_and_the_order_when_the_gpu_runs_behind() 
         for observed, i in seen:
             placed[i] = clock.place(*tasks[i], issued_ms=issued[i])
             assert issued[i] <= placed[i][0] <= placed[i][1] <= observed, (i, placed[i], issued[i], observed)
-        for a, (_, end_a) in enumerate(tasks):
-            for b, (start_b, _) in enumerate(tasks):
-                if end_a <= start_b:
-                    assert placed[a][1] <= placed[b][0], (a, b)
+        _assert_device_order_kept(tasks, placed)
 
 
 def test_device_clock_forgets_old_observations() -> None:
