@@ -137,8 +137,9 @@ fastest 5th of 47 on 48 layers, backward 1.3x, head 4x at (8, 16) and the chaine
 With them, on the 96 (8, 16) grid shapes of 24-94 layers (every even plan timed): 4 choices
 0.1-1.5% shorter, none longer, mean 0.195% -> 0.169% over the fastest; that shape's choice the
 fastest (340.97 ms against 346.16) and under the 3% bubble target (1.25% against 3.13%). (4, 8)
-and (2, 4): the same choices. About 2-3 ms more at 94 layers (one more ranking, 9 more short
-runs over the 16 grid shapes). 2 found 2 of the 4."""
+and (2, 4): the same choices. At 94 layers about 2.6 ms more a shape (one more ranking, 9 more
+short runs over the 16 grid shapes; the least of 6 runs each, alternated: 607 -> 649 ms in all,
+the heaviest 53.6 -> 59.1). With 2 listed, 2 of the 4 were found."""
 
 ESTIMATE_MARGIN = -0.01
 """`_Timer.consider` times in full a plan whose short run has not settled only where its estimate
@@ -218,8 +219,9 @@ def choose_plan(
     its estimate where that is exact, timed in full where it promises to be faster
     (`_Timer.consider`); with it, the best plan of 2N backward stages (`DEALT_LISTED`), the best
     three wider plans by the loop's model (`WIDER_LISTED`) and the best two of the ranking's next
-    plans over a longer window (`RECHECKED`). An explicit
-    ``evaluations`` turns the shortlist off.
+    plans over a longer window (`RECHECKED`); small plans are timed wherever their estimate is
+    under the best (`ESTIMATE_SMALL_COMPUTES`). An explicit ``evaluations`` turns the shortlist
+    off.
     """
     with collections_paused():  # planning's objects are freed by reference counting (`_collector`)
         return _choose(
