@@ -403,6 +403,21 @@ def test_sync_candidates_reach_many_slots(monkeypatch: pytest.MonkeyPatch) -> No
     assert (near.num_slots, evaluate(near)) == (16, pytest.approx(357.17, abs=0.01))
 
 
+def test_sync_candidates_reach_ten_slots_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At (4, 8), 32 layers, backward 2.5x, head 2x the fastest even sync plan has 34 slots
+    (317.18 ms), past 8N: with `many_slots` at 10N it is chosen, at 8N the choice took 321.15 ms
+    (29 slots)."""
+    from roundpipe.plan import choose
+
+    costs = grid_costs(32, 2.5, 2.0)
+    evaluate = engine_evaluator(costs, 4, 8, async_optimizer=False)
+    chosen = choose_plan(costs, 4, 8, evaluate=evaluate)
+    assert (chosen.num_slots, evaluate(chosen)) == (34, pytest.approx(317.18, abs=0.01))
+    monkeypatch.setattr(choose, "many_slots", lambda num_devices, num_microbatches: 8 * num_devices)
+    near = choose_plan(costs, 4, 8, evaluate=evaluate)
+    assert (near.num_slots, evaluate(near)) == (29, pytest.approx(321.15, abs=0.01))
+
+
 def test_sync_candidates_take_longer_fused_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fused stage recomputes nothing: on 28 layers, backward 1.3x, head 4x at (4, 8) the
     fastest sync plan has 6 slots, one forward stage and a fused stage two layers longer than the
