@@ -296,17 +296,15 @@ def finest(chains: EvenChains, fused_layers: int) -> Iterable[EvenPlan]:
     forward/backward split is set by the backward layers, not by the even split of the work, so
     `EvenChains.plans` does not list them."""
     ticks = chains.ticks
-    n, fwd, fb, reach = ticks.n, ticks.fwd, ticks.fb, ticks.reach
+    n, fb = ticks.n, ticks.fb
     for p in range(n - 1, max(ticks.p_mem, n - fused_layers, 1) - 1, -1):
         for kb in (p, p - 1):
             bwd = chains.split(1, p, kb) if kb >= 1 else None
             if bwd is None:
                 continue
+            # at least every layer's forward: each one's forward and backward is in one of these
             slowest = max(fb[n] - fb[p], *(fb[r.stop] - fb[r.start] for r in bwd))
-            kf = i = 0
-            while i < p:  # greedy: each forward stage as long as ``slowest`` and memory allow
-                longest = min(bisect_right(fwd, fwd[i] + slowest, i + 1, p + 1) - 1, reach[i])
-                i, kf = max(i + 1, longest), kf + 1  # a layer slower than ``slowest`` stands alone
+            kf = len(ticks.cut(ticks.fwd, p, slowest))
             plan = chains.plan(max(kf, chains.memory_parts(p)), kb, p)
             if plan is not None:
                 yield plan

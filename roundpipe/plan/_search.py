@@ -109,16 +109,18 @@ class Ticks:
     def stages(self, t: int) -> tuple[list[range], range, list[range]]:
         """The greedy plan at bound ``t``: forward stages, fused stage, backward stages (deepest first)."""
         p = self.fused_start(t)
-        out: list[list[range]] = []
-        for pre in (self.fwd, self.fb):
-            runs: list[range] = []
-            i = 0
-            while i < p:
-                j = min(bisect_right(pre, pre[i] + t, i + 1, p + 1) - 1, self.reach[i])
-                runs.append(range(i, j))
-                i = j
-            out.append(runs)
-        return out[0], range(p, self.n), out[1][::-1]
+        return self.cut(self.fwd, p, t), range(p, self.n), self.cut(self.fb, p, t)[::-1]
+
+    def cut(self, pre: Sequence[int], stop: int, t: int) -> list[range]:
+        """Layers [0, ``stop``) of one chain (prefix sums ``pre``: `fwd` or `fb`) cut greedily, each
+        stage as long as ``t`` and memory allow (``t`` at least every layer's time there)."""
+        runs: list[range] = []
+        i = 0
+        while i < stop:
+            j = min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, self.reach[i])
+            runs.append(range(i, j))
+            i = j
+        return runs
 
 
 def search(ticks: Ticks, num_microbatches: int, fill_drain: int, slot_floor: int) -> int:
