@@ -35,7 +35,6 @@ shift does; where the bounds and the order cannot all hold, the order wins.
 from __future__ import annotations
 
 import bisect
-import math
 import threading
 from collections.abc import Callable
 
@@ -74,11 +73,10 @@ class DeviceClock:
                 self._forget(observed)
             if issued_ms is not None and self.base_ms + self._shift + start_elapsed_ms < issued_ms:
                 self._shift = issued_ms - self.base_ms - start_elapsed_ms
-            start = self._map(start_elapsed_ms, -math.inf if issued_ms is None else issued_ms)
-            return start, self._map(end_elapsed_ms)
+            return self._map(start_elapsed_ms, True, issued_ms), self._map(end_elapsed_ms, False)
 
-    def _map(self, elapsed_ms: float, least: float | None = None) -> float:
-        """``elapsed_ms`` on the host clock: a start with ``least`` (its issue), else an end."""
+    def _map(self, elapsed_ms: float, start: bool, least: float | None = None) -> float:
+        """``elapsed_ms`` (a task's start or end) on the host clock, no earlier than ``least``."""
         at = bisect.bisect_left(self._ends, elapsed_ms)
         mapped = self.base_ms + self._shift + elapsed_ms
         if at < len(self._ends):
@@ -87,7 +85,7 @@ class DeviceClock:
             mapped = max(mapped, least)
         # Between the times placed before and after it on the device. At one device time ends
         # come before starts (a task that starts as another ends may not be placed before it).
-        key = (elapsed_ms, least is not None)
+        key = (elapsed_ms, start)
         before = bisect.bisect_right(self._at, key)
         if before:
             mapped = max(mapped, self._placed[before - 1])
