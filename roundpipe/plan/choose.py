@@ -282,7 +282,7 @@ def _choose(
     # its starting points and lost more than it found (44 of 48 within 2% against 45).
     shortlist = timer.estimate is not None and evaluations is None and not (late and loop)
     listed = max(count, shortlisted(proxies[0], num_microbatches, iterations)) if shortlist else count
-    ranked, extra, few, dealt = _ranked_candidates(
+    ranked, extra, few, also_listed = _ranked_candidates(
         costs,
         proxies,
         chains,
@@ -292,6 +292,7 @@ def _choose(
         loop and async_optimizer,
         late=late and loop and async_optimizer,
         dealt=DEALT_LISTED if shortlist and async_optimizer and loop else 0,
+        wider_listed=WIDER_LISTED if shortlist and async_optimizer and loop else 0,
     )
     # The proxies' choice always runs in the comparison: evaluation never does worse than it.
     chosen = {_stages(proxies[0]): proxies[0]}
@@ -318,7 +319,7 @@ def _choose(
         timer.time(plan)
     if shortlist:  # by the evaluation's short run
         rechecked = _recheck(ranked[listed:RECHECKED], costs, rounds) if async_optimizer and loop else []
-        for _, plan in [*ranked[:listed], *dealt, *rechecked]:
+        for _, plan in [*ranked[:listed], *also_listed, *rechecked]:
             timer.consider(plan)
     if (late and loop and async_optimizer) if refine is None else refine:
         _refine(timer, [p for _, p in extra], chains, costs, rounds, async_optimizer, loop, late and loop)
@@ -551,6 +552,7 @@ def _ranked_candidates(
     *,
     late: bool = False,
     dealt: int = 0,
+    wider_listed: int = 0,
 ) -> tuple[
     list[tuple[float, Plan]], list[tuple[float, Plan]], list[tuple[float, Plan]], list[tuple[float, Plan]]
 ]:
@@ -560,8 +562,8 @@ def _ranked_candidates(
     (``loop``, async) the best of the even plans of up to N slots by the model of a training
     loop's submission; and the best ``dealt`` of the plans with 2N backward stages beyond 2N
     slots (`_candidates.dealt_backward`) by that model too, those it puts no slower than the
-    ``needed``-th of the first list (`DEALT_LISTED`), and with them the best `WIDER_LISTED` of
-    the wider plans below by that model, on the same condition.
+    ``needed``-th of the first list (`DEALT_LISTED`), and with them the best ``wider_listed`` of
+    the wider plans below by that model, on the same condition (`WIDER_LISTED`).
 
     Those wider plans (a 1-3 layer fused stage, stages a little shorter than with N slots) are the
     fastest on several grid shapes (up to 11% faster than the others), but the ranking model is
@@ -663,13 +665,15 @@ def _ranked_candidates(
         few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
         if LATE_MODELLED:  # and the best few by the model of a loop one loss late
             few_best += best_in_loop(few, LATE_MODELLED, late=True)
-    dealt_best: list[tuple[float, Plan]] = []
-    if dealt and ranked:  # by the loop's model, as ``ranked``, and only where they would be listed
-        others = apart(_candidates.dealt_backward(chains, n), wider)
+    also_listed: list[tuple[float, Plan]] = []
+    if ranked:  # by the loop's model, as ``ranked``, and only where they would be listed
         listed_ms = ranked[min(len(ranked), needed) - 1][0]
-        dealt_best = best_in_loop(others, dealt, cutoff=listed_ms)
-        dealt_best += best_in_loop(wider, WIDER_LISTED, cutoff=listed_ms) if WIDER_LISTED else []
-    return ranked, extra[:1], few_best, dealt_best
+        if dealt:
+            others = apart(_candidates.dealt_backward(chains, n), wider)
+            also_listed += best_in_loop(others, dealt, cutoff=listed_ms)
+        if wider_listed:
+            also_listed += best_in_loop(wider, wider_listed, cutoff=listed_ms)
+    return ranked, extra[:1], few_best, also_listed
 
 
 def every_even_plan(costs: LayerCosts, num_devices: int, num_microbatches: int) -> list[Plan]:
