@@ -24,7 +24,8 @@ from roundpipe.plan._ranking import _StageTimes
 from roundpipe.plan._search import Ticks, to_ticks
 from roundpipe.plan._split_stream import SplitGraph, split_ms
 from roundpipe.plan._steady import steady_period
-from roundpipe.plan._stream import stream_ms
+from roundpipe.plan._stream import sharers_and_waits, stream_ms
+from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
 from roundpipe.plan_replay import _first_computes, replay_starts
@@ -255,12 +256,12 @@ def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
     with pytest.raises(ValueError, match="unequal lengths"):  # offsets one short
         kernels.list_schedule(
             floats([1.0]), ints([0, 0]), ints([0, 0]), ints([0, 0]), ints([]), ints([0, 0]), ints([]),
-            ints([]), 1, floats([0.0]), math.inf, ints([]), math.inf,
+            ints([]), 1, floats([0.0]), math.inf, ints([]), math.inf, True,
         )  # fmt: skip
     with pytest.raises(ValueError, match="out of range"):  # a task of a slot the plan lacks
         kernels.list_schedule(
             floats([1.0]), ints([0, 3]), ints([0, 0]), ints([0, 0, 0]), ints([]), ints([0, 0]), ints([]),
-            ints([]), 1, floats([0.0]), math.inf, ints([]), math.inf,
+            ints([]), 1, floats([0.0]), math.inf, ints([]), math.inf, True,
         )  # fmt: skip
     with pytest.raises(ValueError, match="out of range"):  # a dependency past the graph
         kernels.invert(ints([0, 1]), ints([5]))
@@ -310,6 +311,38 @@ def test_the_compiled_policy_iteration_gives_the_python_period() -> None:
         with native.pure_python():
             expected = steady_period(slots, n, rounds, lead)
         assert steady_period(slots, n, rounds, lead) == expected, (slots, n, rounds, lead)
+
+
+@needs_native
+def test_the_compiled_busiest_share_is_the_python_share() -> None:
+    """`busiest_device_share` (every async candidate's floor): the same float, to the last bit,
+    slot counts that do and do not divide the device count, uneven rounds included."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        n, rounds = random_rounds(rng)
+        slots = tuple(
+            rng.choice([0.0, 0.1, 0.3, 1.0, 2.7]) * rng.uniform(0.5, 3.0) for _ in range(rng.randint(0, 30))
+        )
+        with native.pure_python():
+            expected = busiest_device_share(slots, n, rounds)
+        assert busiest_device_share(slots, n, rounds) == expected, (slots, n, rounds)
+
+
+@needs_native
+def test_the_compiled_sharers_are_the_python_sharers() -> None:
+    """`sharers_and_waits`: the pairs the chain walk finds, and (stages it does not walk: empty
+    ones, chains that do not meet) those of comparing every pair, in the same order."""
+    rng = random.Random(6)
+    for _ in range(3000):
+        layers = rng.randint(1, 30)
+        p = rng.randint(0, layers - 1)
+        fwd, bwd = (random_chain(rng, p), random_chain(rng, p)[::-1]) if p else ([], [])
+        if rng.random() < 0.2 and fwd:  # an empty or overlapping stage: the pairwise path
+            fwd[rng.randrange(len(fwd))] = rng.choice([range(0, 0), range(0, p)])
+        fused = rng.choice([range(p, layers), range(p, layers), range(p, p)])
+        with native.pure_python():
+            expected = sharers_and_waits(fwd, fused, bwd)
+        assert sharers_and_waits(fwd, fused, bwd) == expected, (fwd, fused, bwd)
 
 
 @needs_native

@@ -316,13 +316,15 @@ static int stream_loop(Stream *s, double *result) {
     return failed ? -1 : 0;
 }
 
-/* `_stream._list_schedule`: returns (now, starts). */
+/* `_stream._list_schedule`: returns (now, starts): every task's, or (``every`` false) the watched
+   tasks', in their order. */
 static PyObject *list_schedule(PyObject *self, PyObject *args) {
     PyObject *o_slot_ms, *o_slot, *o_dev, *o_off, *o_idx, *o_unmet, *o_xsrc, *o_xcode, *o_left, *o_watched;
     Py_ssize_t num_devices;
     double give_up, span;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOnOdOd", &o_slot_ms, &o_slot, &o_dev, &o_off, &o_idx, &o_unmet,
-                          &o_xsrc, &o_xcode, &num_devices, &o_left, &give_up, &o_watched, &span))
+    int every;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnOdOdp", &o_slot_ms, &o_slot, &o_dev, &o_off, &o_idx, &o_unmet,
+                          &o_xsrc, &o_xcode, &num_devices, &o_left, &give_up, &o_watched, &span, &every))
         return NULL;
     Buf b[10];
     memset(b, 0, sizeof b);
@@ -399,7 +401,12 @@ static PyObject *list_schedule(PyObject *self, PyObject *args) {
     if (failed) {
         PyErr_NoMemory();
     } else {
-        PyObject *starts = float_list(s.start, k);
+        PyObject *starts = every ? float_list(s.start, k) : PyList_New(nwatched);
+        for (Py_ssize_t i = 0; starts && !every && i < nwatched; i++) {
+            PyObject *f = PyFloat_FromDouble(s.start[watched[i]]);
+            if (f == NULL) Py_CLEAR(starts);
+            else PyList_SET_ITEM(starts, i, f);
+        }
         if (starts) out = Py_BuildValue("(dN)", result, starts);
     }
     free(duration);
@@ -1695,6 +1702,140 @@ done:
     return out;
 }
 
+/* ---- busiest_share: `dispatch.busiest_device_share` ------------------------------------- */
+
+/* Slot times (a sequence of floats), the device count and the round sizes (ints): the busiest
+   device's compute per iteration over the iterations after which dispatch is back at device 0,
+   the loads added up in the Python loop's order. */
+static PyObject *busiest_share(PyObject *self, PyObject *args) {
+    PyObject *o_ms, *o_rounds;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnO", &o_ms, &n, &o_rounds)) return NULL;
+    if (n < 1) {
+        PyErr_SetString(PyExc_ValueError, "busiest_share: at least one device");
+        return NULL;
+    }
+    PyObject *ms = PySequence_Fast(o_ms, "busiest_share: slot times must be a sequence");
+    if (ms == NULL) return NULL;
+    PyObject *rounds = PySequence_Fast(o_rounds, "busiest_share: round sizes must be a sequence");
+    if (rounds == NULL) {
+        Py_DECREF(ms);
+        return NULL;
+    }
+    Py_ssize_t s_count = PySequence_Fast_GET_SIZE(ms), r_count = PySequence_Fast_GET_SIZE(rounds);
+    double *by_offset = calloc((size_t)n, sizeof(double)), *load = calloc((size_t)n, sizeof(double));
+    double *sizes = malloc(sizeof(double) * (size_t)(r_count ? r_count : 1));
+    PyObject *out = NULL;
+    if (!by_offset || !load || !sizes) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < s_count; i++) {
+        double x = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(ms, i));
+        if (x == -1.0 && PyErr_Occurred()) goto done;
+        by_offset[i % n] += x;
+    }
+    for (Py_ssize_t r = 0; r < r_count; r++) {
+        long long size = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(rounds, r));
+        if (size == -1 && PyErr_Occurred()) goto done;
+        sizes[r] = (double)size; /* int * float in Python: the int as a double, exactly */
+    }
+    Py_ssize_t g0 = 0, iterations = 0;
+    do {
+        for (Py_ssize_t r = 0; r < r_count; r++) {
+            for (Py_ssize_t offset = 0; offset < n; offset++) load[(g0 + offset) % n] += sizes[r] * by_offset[offset];
+            g0 = (g0 + s_count) % n;
+        }
+        iterations++;
+    } while (g0 != 0);
+    double most = load[0];
+    for (Py_ssize_t d = 1; d < n; d++)
+        if (load[d] > most) most = load[d];
+    out = PyFloat_FromDouble(most / (double)iterations);
+done:
+    free(by_offset);
+    free(load);
+    free(sizes);
+    Py_DECREF(ms);
+    Py_DECREF(rounds);
+    return out;
+}
+
+/* ---- sharers: `_stream.sharers` and `_stream.weight_waits` ------------------------------ */
+
+/* The stages in dispatch order (a sequence of ranges) and the forward stage count: per stage the
+   stages that overlap it, itself included, ascending (`_stream.sharers`: its chain walk finds the
+   same pairs), and of those the ones from the fused stage on (`weight_waits`), as tuples. */
+static int range_bounds(PyObject *r, i64 *start, i64 *stop) {
+    PyObject *a = PyObject_GetAttrString(r, "start");
+    PyObject *b = a ? PyObject_GetAttrString(r, "stop") : NULL;
+    int bad = a == NULL || b == NULL;
+    if (!bad) {
+        *start = PyLong_AsLongLong(a);
+        *stop = PyLong_AsLongLong(b);
+        bad = PyErr_Occurred() != NULL;
+    }
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return bad ? -1 : 0;
+}
+
+static PyObject *sharers(PyObject *self, PyObject *args) {
+    PyObject *o_stages;
+    Py_ssize_t f_count;
+    if (!PyArg_ParseTuple(args, "On", &o_stages, &f_count)) return NULL;
+    PyObject *stages = PySequence_Fast(o_stages, "sharers: stages must be a sequence of ranges");
+    if (stages == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(stages);
+    i64 *bounds = malloc(sizeof(i64) * 2 * (size_t)(count ? count : 1));
+    Py_ssize_t *row = malloc(sizeof(Py_ssize_t) * (size_t)(count ? count : 1));
+    PyObject *shares = NULL, *waits = NULL, *out = NULL;
+    if (!bounds || !row) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (range_bounds(PySequence_Fast_GET_ITEM(stages, i), &bounds[2 * i], &bounds[2 * i + 1])) goto done;
+    shares = PyTuple_New(count);
+    waits = shares ? PyTuple_New(count) : NULL;
+    for (Py_ssize_t i = 0; waits && i < count; i++) {
+        Py_ssize_t held = 0, from = 0;
+        for (Py_ssize_t j = 0; j < count; j++)
+            if (bounds[2 * j] < bounds[2 * i + 1] && bounds[2 * i] < bounds[2 * j + 1]) {
+                if (j < f_count) from++;
+                row[held++] = j;
+            }
+        PyObject *all = PyTuple_New(held), *late = all ? PyTuple_New(held - from) : NULL;
+        if (late == NULL) {
+            Py_XDECREF(all);
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < held; k++) {
+            PyObject *v = PyLong_FromSsize_t(row[k]);
+            if (v == NULL) {
+                Py_DECREF(all);
+                Py_DECREF(late);
+                goto done;
+            }
+            if (k >= from) {
+                Py_INCREF(v);
+                PyTuple_SET_ITEM(late, k - from, v);
+            }
+            PyTuple_SET_ITEM(all, k, v);
+        }
+        PyTuple_SET_ITEM(shares, i, all);
+        PyTuple_SET_ITEM(waits, i, late);
+    }
+    if (waits) out = PyTuple_Pack(2, shares, waits);
+done:
+    Py_XDECREF(shares);
+    Py_XDECREF(waits);
+    free(bounds);
+    free(row);
+    Py_DECREF(stages);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
     {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
@@ -1708,6 +1849,8 @@ static PyMethodDef methods[] = {
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},
     {"replay", replay, METH_VARARGS, "`plan_replay.replay_starts` on packed arrays."},
     {"first_starts", first_starts, METH_VARARGS, "Per group of tasks, the least start not negative."},
+    {"busiest_share", busiest_share, METH_VARARGS, "`dispatch.busiest_device_share`."},
+    {"sharers", sharers, METH_VARARGS, "`_stream.sharers` and `_stream.weight_waits`, as tuples."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1719,7 +1862,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
    extension built from an older source is set aside rather than called with the wrong ones. */
 PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", 2) < 0) {
+    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", 3) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from roundpipe.plan import _split_stream, _stream
 from roundpipe.plan._split_stream import Split, split_ms
-from roundpipe.plan._stream import sharers, stream_ms, weight_waits
+from roundpipe.plan._stream import sharers_and_waits, stream_ms
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.partition import Plan
@@ -254,8 +254,7 @@ def _rank(
             break
         give_up = min(best[reads - 1] if len(best) >= reads else math.inf, cutoff)
         if async_optimizer:
-            shares = sharers(p.fwd_stages, p.fused, p.bwd_stages)
-            waits = weight_waits(p.fwd_stages, p.fused, p.bwd_stages, shares)
+            shares, waits = sharers_and_waits(p.fwd_stages, p.fused, p.bwd_stages)
             ms = stream_ms(
                 p.slot_ms,
                 n,

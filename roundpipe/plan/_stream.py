@@ -316,8 +316,8 @@ def stream_ms(
     few needs no more about a plan that cannot be one of them): for a window, once iteration b's
     first compute has not started ``(b - a) * give_up`` after iteration a's. ``shapes``: the task
     graphs of earlier calls by slot count, for calls that rank many plans."""
-    waits = None if weight_waits is None else tuple(tuple(w) for w in weight_waits)
-    shares = None if sharers is None or waits is None else tuple(tuple(w) for w in sharers)
+    waits = None if weight_waits is None else _frozen(weight_waits)
+    shares = None if sharers is None or waits is None else _frozen(sharers)
     s_count = len(slot_ms)
     key = (s_count, num_devices, tuple(rounds), iterations, waits, shares, gate, gate_lag)
     shape = shapes.get(key) if shapes is not None else None
@@ -335,16 +335,23 @@ def stream_ms(
         left = _tails(slot_ms, shape, num_devices) if give_up < math.inf else None
         # float sums: the bound must never pass the makespan by rounding, hence the margin
         margin = give_up * (1 + 1e-9)
-        now, _ = _list_schedule(slot_ms, shape, give_up=margin, left=left)
+        now, _ = _list_schedule(slot_ms, shape, give_up=margin, left=left, every_start=False)
         return now
     per = len(rounds) * s_count
     a, b = window
     watched = (shape.run_start[a * per], shape.run_start[b * per])
     span = give_up * (1 + 1e-9) * (b - a)  # the margin as above
-    now, start = _list_schedule(slot_ms, shape, watched=watched, span=span)
+    now, (first, last) = _list_schedule(slot_ms, shape, watched=watched, span=span, every_start=False)
     if now == math.inf:
         return now
-    return (start[watched[1]] - start[watched[0]]) / (b - a)
+    return (last - first) / (b - a)
+
+
+def _frozen(rows: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """``rows`` as a tuple of tuples (a key of `stream_ms`'s graphs); as given if it is one."""
+    if type(rows) is tuple and all(type(row) is tuple for row in rows):
+        return rows
+    return tuple(tuple(row) for row in rows)
 
 
 def _tails(slot_ms: Sequence[float], shape: Shape, num_devices: int) -> list[float]:
@@ -371,19 +378,35 @@ def _list_schedule(
     left: list[float] | None = None,
     watched: tuple[int, ...] = (),
     span: float = math.inf,
+    every_start: bool = True,
 ) -> tuple[float, list[float]]:
     """Run the tasks of `_structure`: a free device starts its ready task first in dispatch order.
-    Returns when the last ends and when each started; early (inf) once device d, starting a task at
-    ``now`` with ``left[d]`` to do, shows the makespan past ``give_up``, or once ``watched`` started
-    (early, inf, once a compute ends ``span`` after the first of them started while the other has
-    not: it can start no earlier than that)."""
+    Returns when the last ends and when each started (``every_start=False``: the ``watched``
+    tasks only, in their order; the compiled loop then makes no float of the others, a fifth of
+    its time); early (inf) once device d, starting a task at ``now`` with ``left[d]`` to do, shows
+    the makespan past ``give_up``, or once ``watched`` started (early, inf, once a compute ends
+    ``span`` after the first of them started while the other has not: it can start no earlier
+    than that)."""
     kernels = native.kernels()
     if kernels is not None:  # the same loop, compiled (`native`)
         n = shape.num_devices
         return kernels.list_schedule(  # type: ignore[no-any-return]
             *(native.floats(slot_ms), *shape.packed(), n),
-            *(native.floats(left or [0.0] * n), give_up, native.ints(watched), span),
+            *(native.floats(left or [0.0] * n), give_up, native.ints(watched), span, every_start),
         )
+    now, start = _list_schedule_loop(slot_ms, shape, give_up, left, watched, span)
+    return now, start if every_start else [start[t] for t in watched]
+
+
+def _list_schedule_loop(
+    slot_ms: Sequence[float],
+    shape: Shape,
+    give_up: float,
+    left: list[float] | None,
+    watched: tuple[int, ...],
+    span: float,
+) -> tuple[float, list[float]]:
+    """`_list_schedule`'s loop in Python (the reference of the compiled one): every start."""
     duration = [slot_ms[i] for i in shape.slot]
     device, after, k = shape.device, shape.after, shape.count
     unmet = list(shape.unmet)
@@ -494,6 +517,22 @@ def sharers(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> list[li
     for b_slot in range(f_count + 1, f_count + 1 + b_count):
         rows[b_slot].append(b_slot)
     return rows
+
+
+Rows = tuple[tuple[int, ...], ...]
+
+
+def sharers_and_waits(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> tuple[Rows, Rows]:
+    """`sharers` and `weight_waits` of the same stages, as tuples (what `stream_ms` keys its task
+    graphs by). The async ranking asks them of every candidate it models (a fifth of its time at
+    94 layers in Python): compiled where `native` was built, which compares every pair of stages
+    (the walk above finds the same pairs, in the same order)."""
+    kernels = native.kernels()
+    if kernels is not None:
+        return kernels.sharers((*fwd, fused, *bwd), len(fwd))  # type: ignore[no-any-return]
+    shares = sharers(fwd, fused, bwd)
+    waits = weight_waits(fwd, fused, bwd, shares)
+    return tuple(map(tuple, shares)), tuple(map(tuple, waits))
 
 
 def _chains_meet(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from roundpipe.errors import PlanError
-from roundpipe.plan import _search
+from roundpipe.plan import _search, native
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan, Slot
 from roundpipe.plan.rounds import positive_count, round_sizes
@@ -85,7 +85,12 @@ def busiest_device_ms(
 
 
 def busiest_device_share(slot_ms: Sequence[float], num_devices: int, rounds: Sequence[int]) -> float:
-    """`busiest_device_ms` from the slot times and the round sizes (what the ranking models have)."""
+    """`busiest_device_ms` from the slot times and the round sizes (what the ranking models have).
+    The ranking takes it of every candidate it reaches (a third of its time at 94 layers in
+    Python): compiled where `native` was built, the same loop."""
+    kernels = native.kernels()
+    if kernels is not None:
+        return kernels.busiest_share(slot_ms, num_devices, rounds)  # type: ignore[no-any-return]
     n = num_devices
     by_offset = [0.0] * n  # slot time by (slot index mod N): a round starting at g0 puts it on g0 + offset
     for index, ms in enumerate(slot_ms):

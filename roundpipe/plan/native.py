@@ -34,10 +34,12 @@ except ImportError:  # no compiler when it was installed: the Python loops run
 FUNCTIONS = (
     "balanced_split",
     "build",
+    "busiest_share",
     "first_starts",
     "invert",
     "list_schedule",
     "replay",
+    "sharers",
     "span",
     "split_layout",
     "split_schedule",
@@ -48,9 +50,9 @@ FUNCTIONS = (
 """What the callers use. An extension built from an older `_kernels.c` (an editable install not
 rebuilt since) lacks some: it is set aside, with a warning, rather than fail mid-plan."""
 
-INTERFACE = 2
+INTERFACE = 3
 """The arguments the callers pass (`_kernels.c`'s ``INTERFACE``, raised with every change to
-them; 2: `stream_extras` takes the gate's lag). An extension without it, or of another, is set
+them; 2: `stream_extras` takes the gate's lag; 3: `list_schedule` whether to give every start). An extension without it, or of another, is set
 aside as one lacking functions is."""
 
 if _compiled is not None and (
