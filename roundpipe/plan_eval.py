@@ -283,7 +283,7 @@ def _submissions_of(
     costs = _times_only(fwd_ms, bwd_ms)
     with collections_paused():
         waiting, late = loop_iteration_ms(
-            plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size
+            plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size, long_first=True
         )
     return waiting, late
 

@@ -270,13 +270,13 @@ def test_the_compiled_loops_refuse_arrays_that_do_not_match() -> None:
     # an empty graph replays to nothing, whatever the kept working blocks hold from before
     empty = kernels.replay(
         ints([]), ints([]), floats([]), ints([0]), ints([]), ints([]), ints([]), bytearray(0), ints([]),
-        bytearray(0), 1, 1 << 20, False, 0,
+        bytearray(0), 1, 1 << 20, False, 0, 0,
     )  # fmt: skip
-    assert (list(empty[0]), empty[1]) == ([], 0)
+    assert (list(empty[0]), empty[1], empty[2]) == ([], 0, -1.0)
     with pytest.raises(ValueError, match="power of two"):  # heap keys are read back with a mask
         kernels.replay(
             ints([]), ints([]), floats([]), ints([0]), ints([]), ints([]), ints([]), bytearray(0), ints([]),
-            bytearray(0), 1, 3 << 19, False, 0,
+            bytearray(0), 1, 3 << 19, False, 0, 0,
         )  # fmt: skip
     with pytest.raises(ValueError, match="out of range"):  # a group past the offsets
         kernels.first_starts(floats([0.0]), ints([0, 1]), ints([0]), 2)

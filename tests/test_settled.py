@@ -16,13 +16,15 @@ from collections.abc import Callable
 
 import pytest
 
+from roundpipe import plan_replay
 from roundpipe.plan import LayerCosts, Plan, choose_plan
 from roundpipe.plan._ranking import _stages
 from roundpipe.plan.choose import _Timer, every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms, busiest_device_share, dispatch
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import FlooredEvaluator, engine_evaluator, iteration_starts, late_loop_evaluator
-from roundpipe.plan_replay import SETTLE_LONG, TAIL_GAPS, settled_ms
+from roundpipe.plan_replay import SETTLE_LONG, SETTLE_SHORT, TAIL_GAPS, loop_iteration_ms, settled_ms
+from roundpipe.replay_graph import ReplayGraph
 from roundpipe.simulate import simulate
 from tests.test_plan_choice import grid_costs
 
@@ -166,3 +168,28 @@ def test_floored_plans_are_spared_without_changing_the_choice() -> None:
     best_ms = min(ms for ms, _ in timer.timed.values())
     for key in timer.spared:  # each spared plan is slower than the best timed one
         assert late(plans[key]) > best_ms
+
+
+def test_the_short_run_read_from_the_long_one_gives_the_same_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`loop_iteration_ms(..., long_first=True)` (the late loop's evaluation) reads the short run
+    from the long one where the batches after it started nothing in time, else replays the short
+    graph: the same figures both ways, on plans of every size, both loss lags, and both branches
+    taken (a loop one loss late lets an iteration in early enough on some plans)."""
+    shorts: list[int] = []
+    replay_short = plan_replay._first_computes
+
+    def counted(graph: ReplayGraph, iterations: int, loop: bool, loss_lag: int) -> list[float]:
+        shorts.append(iterations)
+        return replay_short(graph, iterations, loop, loss_lag)
+
+    monkeypatch.setattr(plan_replay, "_first_computes", counted)
+    read = replayed = 0
+    for layers, ratio, head in ((24, 1.3, 1.0), (24, 2.5, 4.0), (28, 3.8, 2.0)):
+        costs = grid_costs(layers, ratio, head)
+        for plan in every_even_plan(costs, 8, 16)[::9]:
+            expected = loop_iteration_ms(plan, costs, 8, 16, (0, 1))
+            shorts.clear()
+            assert loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True) == expected, plan
+            replayed += SETTLE_SHORT in shorts
+            read += SETTLE_SHORT not in shorts
+    assert read > 10 * replayed > 0, (read, replayed)

@@ -496,12 +496,12 @@ static PyObject *split_schedule(PyObject *self, PyObject *args) {
 static PyObject *replay(PyObject *self, PyObject *args) {
     PyObject *o_res, *o_rank, *o_dur, *o_off, *o_idx, *o_unmet, *o_batches, *o_loss_of, *o_losses,
         *o_flags;
-    Py_ssize_t resources;
+    Py_ssize_t resources, beyond;
     long long seq;
     int loop, loss_lag;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOnLpi", &o_res, &o_rank, &o_dur, &o_off, &o_idx, &o_unmet,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOnLpin", &o_res, &o_rank, &o_dur, &o_off, &o_idx, &o_unmet,
                           &o_batches, &o_loss_of, &o_losses, &o_flags, &resources, &seq, &loop,
-                          &loss_lag))
+                          &loss_lag, &beyond))
         return NULL;
     Buf b[10];
     memset(b, 0, sizeof b);
@@ -538,6 +538,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     int failed = heaps_init(&heaps, res, count, resources, &kept_heap) || !unmet || !losses_left ||
                  !a_start || !is_free || !timed || !wave;
     Py_ssize_t stalled = 0;
+    double earliest = -1.0; /* the first start of a task numbered ``beyond`` or more */
     if (!failed) {
         memcpy(unmet, I64(b[5]), sizeof(i64) * count);
         memcpy(losses_left, I64(b[8]), sizeof(i64) * LEN(b[8]));
@@ -593,6 +594,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                     i64 task = ipop(HEAP(heaps, r), &heaps.len[r]) & seq_mask;
                     is_free[r] = 0;
                     start[task] = now;
+                    if (task >= beyond && earliest < 0.0) earliest = now;
                     stopped = stopped || flags[task];
                     double end = now + dur[task];
                     if (end == now) {
@@ -612,7 +614,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         Py_XDECREF(a_start);
         if (!PyErr_Occurred()) PyErr_NoMemory();
     } else {
-        out = Py_BuildValue("(Nn)", a_start, stalled);
+        out = Py_BuildValue("(Nnd)", a_start, stalled, earliest);
     }
     free(losses_left);
     free(is_free);
@@ -1875,7 +1877,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
    extension built from an older source is set aside rather than called with the wrong ones. */
 PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", 3) < 0) {
+    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", 4) < 0) {
         Py_DECREF(m);
         return NULL;
     }

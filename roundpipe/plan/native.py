@@ -50,9 +50,10 @@ FUNCTIONS = (
 """What the callers use. An extension built from an older `_kernels.c` (an editable install not
 rebuilt since) lacks some: it is set aside, with a warning, rather than fail mid-plan."""
 
-INTERFACE = 3
+INTERFACE = 4
 """The arguments the callers pass (`_kernels.c`'s ``INTERFACE``, raised with every change to
-them; 2: `stream_extras` takes the gate's lag; 3: `list_schedule` whether to give every start). An extension without it, or of another, is set
+them; 2: `stream_extras` takes the gate's lag; 3: `list_schedule` whether to give every start;
+4: `replay` the first task it reports the earliest start of). An extension without it, or of another, is set
 aside as one lacking functions is."""
 
 if _compiled is not None and (
