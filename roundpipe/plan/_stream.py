@@ -524,7 +524,7 @@ Rows = tuple[tuple[int, ...], ...]
 
 def sharers_and_waits(fwd: Sequence[range], fused: range, bwd: Sequence[range]) -> tuple[Rows, Rows]:
     """`sharers` and `weight_waits` of the same stages, as tuples (what `stream_ms` keys its task
-    graphs by). The async ranking asks them of every candidate it models (a fifth of its time at
+    graphs by). The async ranking asks them of every candidate it models (a quarter of its time at
     94 layers in Python): compiled where `native` was built, which compares every pair of stages
     (the walk above finds the same pairs, in the same order)."""
     kernels = native.kernels()

@@ -86,7 +86,7 @@ def busiest_device_ms(
 
 def busiest_device_share(slot_ms: Sequence[float], num_devices: int, rounds: Sequence[int]) -> float:
     """`busiest_device_ms` from the slot times and the round sizes (what the ranking models have).
-    The ranking takes it of every candidate it reaches (a third of its time at 94 layers in
+    The ranking takes it of every candidate it reaches (a fifth of its time at 94 layers in
     Python): compiled where `native` was built, the same loop."""
     kernels = native.kernels()
     if kernels is not None:
