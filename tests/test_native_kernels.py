@@ -28,7 +28,7 @@ from roundpipe.plan._stream import sharers_and_waits, stream_ms
 from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
-from roundpipe.plan_replay import _first_computes, replay_starts
+from roundpipe.plan_replay import _first_computes, replay_run, replay_starts
 from roundpipe.replay_graph import build_graph
 
 needs_native = pytest.mark.skipif(not native.built(), reason="the compiled loops were not built here")
@@ -150,10 +150,14 @@ def replay_both(plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, r
         if asynch:
             for task in graph.computes[rng.choice([2, 5])]:
                 stop[task] = 1
-        expected = list(replay_starts(graph, stop, loop=loop, loss_lag=lag))
+        beyond = rng.randint(0, len(graph.res))  # and the earliest start of the tasks from there
+        expected_run = replay_run(graph, stop, loop=loop, loss_lag=lag, beyond=beyond)
+        expected = list(expected_run[0])
     assert list(replay_starts(graph, stop, loop=loop, loss_lag=lag)) == expected
     compiled_graph = build_graph(plan, costs, n, m, its, asynch, rs)
-    assert list(replay_starts(compiled_graph, stop, loop=loop, loss_lag=lag)) == expected
+    starts, earliest = replay_run(compiled_graph, stop, loop=loop, loss_lag=lag, beyond=beyond)
+    assert (list(starts), earliest) == (expected, expected_run[1])
+    assert earliest == min((at for at in expected[beyond:] if at >= 0.0), default=-1.0)
     if asynch:  # each iteration's first compute, as the settled evaluation reads them
         upto = rng.randint(1, its)
         try:
