@@ -37,7 +37,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
@@ -272,7 +275,9 @@ def loop_iteration_ms(
             at = _first_computes(graph, last + 1, loop, loss_lag)
             times.append((at[last] - at[first]) / (last - first))
         return times
-    floor, runs = _loop_runs(plan, costs, num_devices, num_microbatches, round_size, long_first)
+    floor, runs = _loop_runs(
+        plan, costs, num_devices, num_microbatches, round_size, long_first, loss_lags if long_first else ()
+    )
     return [settled_ms(runs(loss_lag), floor) for loss_lag in loss_lags]
 
 
@@ -329,6 +334,7 @@ def _loop_runs(
     num_microbatches: int,
     round_size: int | None,
     long_first: bool = False,
+    side_by_side: tuple[int, ...] = (),
 ) -> tuple[float, Callable[[int], Callable[[int], list[float]]]]:
     """A loop's floor (`busiest_device_ms`) and, per loss lag, ``first_computes(k)``: each
     iteration's first compute start in a run of k iterations, one graph per run length, built
@@ -343,7 +349,11 @@ def _loop_runs(
     changes no other start); else (a loop one loss late can let the next iteration in that
     early) the short graph is built and replayed. A loop one loss late has to run the long run
     on most plans (93 of 105 evaluations over the 16 grid shapes of 94 layers at (8, 16)),
-    and this spares it the short graph and both short replays."""
+    and this spares it the short graph and both short replays.
+
+    ``side_by_side`` (with ``long_first``, the loss lags to be asked for): the first ask starts
+    the other lags' long replays on a worker thread (`_replay_pool`), which the compiled replay
+    runs without the GIL, beside its own; each lag's figures are the same as one by one."""
     floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
     graphs: dict[int, ReplayGraph] = {}
 
@@ -352,15 +362,26 @@ def _loop_runs(
             graphs[iterations] = _graph(plan, costs, num_devices, num_microbatches, iterations, round_size)
         return graphs[iterations]
 
+    pending: dict[int, Future[tuple[list[float], float]]] = {}
+    asked: list[int] = []
+
+    def long_run(loss_lag: int) -> tuple[list[float], float]:
+        graph = graph_of(SETTLE_LONG)
+        if loss_lag in pending:
+            return pending.pop(loss_lag).result()
+        if not asked and native.kernels() is not None:
+            for other in dict.fromkeys(side_by_side):
+                if other != loss_lag:
+                    pending[other] = _replay_pool().submit(_long_run, graph, other)
+        asked.append(loss_lag)
+        return _long_run(graph, loss_lag)
+
     def runs(loss_lag: int) -> Callable[[int], list[float]]:
         read: dict[int, list[float]] = {}  # first computes by run length
 
         def first_computes(iterations: int) -> list[float]:
             if iterations not in read and long_first and iterations == SETTLE_SHORT < SETTLE_LONG:
-                graph = graph_of(SETTLE_LONG)
-                # where the short graph's batches end: its last iteration's graph (no step after it)
-                beyond = graph.batches[2 * SETTLE_SHORT - 2]
-                starts, earliest = _run_first_computes(graph, SETTLE_LONG, True, loss_lag, beyond)
+                starts, earliest = long_run(loss_lag)
                 read[SETTLE_LONG] = starts
                 if earliest < 0.0 or earliest > starts[SETTLE_SHORT - 1]:
                     read[SETTLE_SHORT] = starts[:SETTLE_SHORT]
@@ -371,6 +392,40 @@ def _loop_runs(
         return first_computes
 
     return floor, runs
+
+
+def _long_run(graph: ReplayGraph, loss_lag: int) -> tuple[list[float], float]:
+    """A loop's long run (SETTLE_LONG iterations) on ``graph``: each iteration's first compute, and
+    the earliest start past the batches of the short run (`_loop_runs`): where the short graph's
+    batches end, its last iteration's graph (no step after it)."""
+    beyond = graph.batches[2 * SETTLE_SHORT - 2]
+    return _run_first_computes(graph, SETTLE_LONG, True, loss_lag, beyond)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _replay_pool() -> ThreadPoolExecutor:
+    """One worker thread, started on first use and kept: the late loop's second replay of each
+    plan runs there (`_loop_runs`). One thread is what two submissions use; the compiled replay
+    keeps its working blocks per thread, so a thread that lasts keeps them warm. A forked child
+    starts its own (`_forget_pool`)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="roundpipe-replay")
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's worker thread is not there, and an executor that still
+    counts it would never start another (its replays would wait forever)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 CHAINED_WINDOW = (1, 5)

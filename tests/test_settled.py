@@ -12,12 +12,14 @@ gap between consecutive iterations once it repeats, never under the busiest devi
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 from collections.abc import Callable
 
 import pytest
 
 from roundpipe import plan_replay
-from roundpipe.plan import LayerCosts, Plan, choose_plan
+from roundpipe.plan import LayerCosts, Plan, choose_plan, native
 from roundpipe.plan._ranking import _stages
 from roundpipe.plan.choose import _Timer, every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms, busiest_device_share, dispatch
@@ -193,3 +195,35 @@ def test_the_short_run_read_from_the_long_one_gives_the_same_figures(monkeypatch
             replayed += SETTLE_SHORT in shorts
             read += SETTLE_SHORT not in shorts
     assert read > 10 * replayed > 0, (read, replayed)
+
+
+def test_a_forked_child_replays_the_late_loop_side_by_side_too() -> None:
+    """The late loop's second replay runs on a worker thread (`plan_replay._replay_pool`). A child
+    forked after the parent started it has no such thread: it starts its own instead of waiting
+    forever for the parent's."""
+    costs = grid_costs(24, 2.5, 4.0)
+    plan = every_even_plan(costs, 8, 16)[100]
+    expected = loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True)
+    assert plan_replay._pool is not None or not native.built()
+    pid = os.fork()
+    if pid == 0:  # the child: the same figures, or exit 1; never return into pytest
+        try:
+            os._exit(0 if loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True) == expected else 1)
+        finally:
+            os._exit(2)
+
+    def too_long(*_: object) -> None:
+        raise TimeoutError
+
+    before = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(60)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except TimeoutError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's late-loop replay did not finish in 60 s")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert os.waitstatus_to_exitcode(status) == 0

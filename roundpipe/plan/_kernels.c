@@ -24,6 +24,12 @@ in CSR form: `off[t]..off[t+1]` index `idx` for task t's dependents. */
 
 typedef long long i64;
 
+#if defined(_MSC_VER)
+#define THREAD_LOCAL __declspec(thread)
+#else
+#define THREAD_LOCAL _Thread_local
+#endif
+
 static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data);
 static PyObject *vec_array(const char *typecode, const void *items, Py_ssize_t count);
 
@@ -525,7 +531,8 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "replay: arrays of unequal lengths, or a seq not a power of two");
         return NULL;
     }
-    static Kept kept_unmet, kept_wave, kept_heap;
+    /* per thread: `plan_replay` replays a graph's two submissions side by side, the GIL let go */
+    static THREAD_LOCAL Kept kept_unmet, kept_wave, kept_heap;
     i64 *unmet = kept(&kept_unmet, sizeof(i64) * count);
     i64 *losses_left = malloc(sizeof(i64) * (LEN(b[8]) ? LEN(b[8]) : 1));
     double *start = NULL; /* written straight into the array returned */
@@ -539,6 +546,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                  !a_start || !is_free || !timed || !wave;
     Py_ssize_t stalled = 0;
     double earliest = -1.0; /* the first start of a task numbered ``beyond`` or more */
+    Py_BEGIN_ALLOW_THREADS /* from here on, C arrays only (the buffers stay held) */
     if (!failed) {
         memcpy(unmet, I64(b[5]), sizeof(i64) * count);
         memcpy(losses_left, I64(b[8]), sizeof(i64) * LEN(b[8]));
@@ -609,6 +617,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         }
         if (!failed && !stopped) stalled = count - done_count;
     }
+    Py_END_ALLOW_THREADS
     PyObject *out = NULL;
     if (failed) {
         Py_XDECREF(a_start);
