@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import nullcontext
 
 from roundpipe.plan._collector import collections_paused
 from roundpipe.plan.choose import choose_plan
@@ -42,6 +43,7 @@ from roundpipe.plan_replay import (
     replay_iteration_ms,
     settled_ms,
     short_estimate,
+    side_by_side,
 )
 from roundpipe.simulate import SimulationResult, run_fake
 
@@ -207,16 +209,17 @@ def choose_evaluated_plan(
         evaluate = engine_evaluator(
             costs, num_devices, num_microbatches, async_optimizer=async_optimizer, round_size=round_size
         )
-    return choose_plan(
-        costs,
-        num_devices,
-        num_microbatches,
-        mem_limit_bytes,
-        async_optimizer=async_optimizer,
-        round_size=round_size,
-        evaluate=evaluate,
-        late=bool(loss_lag and async_optimizer),
-    )
+    with side_by_side() if loss_lag and async_optimizer else nullcontext():
+        return choose_plan(
+            costs,
+            num_devices,
+            num_microbatches,
+            mem_limit_bytes,
+            async_optimizer=async_optimizer,
+            round_size=round_size,
+            evaluate=evaluate,
+            late=bool(loss_lag and async_optimizer),
+        )
 
 
 def late_loop_evaluator(

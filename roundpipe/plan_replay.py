@@ -39,8 +39,9 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
@@ -351,9 +352,10 @@ def _loop_runs(
     on most plans (93 of 105 evaluations over the 16 grid shapes of 94 layers at (8, 16)),
     and this spares it the short graph and both short replays.
 
-    ``side_by_side`` (with ``long_first``, the loss lags to be asked for): the first ask starts
-    the other lags' long replays on a worker thread (`_replay_pool`), which the compiled replay
-    runs without the GIL, beside its own; each lag's figures are the same as one by one."""
+    ``side_by_side`` (with ``long_first``, the loss lags to be asked for): within
+    `side_by_side()`, the first ask starts the other lags' long replays on its worker thread,
+    which the compiled replay runs without the GIL, beside its own; each lag's figures are the
+    same as one by one."""
     floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
     graphs: dict[int, ReplayGraph] = {}
 
@@ -369,10 +371,11 @@ def _loop_runs(
         graph = graph_of(SETTLE_LONG)
         if loss_lag in pending:
             return pending.pop(loss_lag).result()
-        if not asked and native.kernels() is not None:
+        pool = getattr(_side, "pool", None)
+        if not asked and pool is not None:
             for other in dict.fromkeys(side_by_side):
                 if other != loss_lag:
-                    pending[other] = _replay_pool().submit(_long_run, graph, other)
+                    pending[other] = pool.submit(_long_run, graph, other)
         asked.append(loss_lag)
         return _long_run(graph, loss_lag)
 
@@ -402,30 +405,37 @@ def _long_run(graph: ReplayGraph, loss_lag: int) -> tuple[list[float], float]:
     return _run_first_computes(graph, SETTLE_LONG, True, loss_lag, beyond)
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_side = threading.local()  # per planning thread: the worker of its open `side_by_side`, if any
 
 
-def _replay_pool() -> ThreadPoolExecutor:
-    """One worker thread, started on first use and kept: the late loop's second replay of each
-    plan runs there (`_loop_runs`). One thread is what two submissions use; the compiled replay
-    keeps its working blocks per thread, so a thread that lasts keeps them warm. A forked child
-    starts its own (`_forget_pool`)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="roundpipe-replay")
-        return _pool
+@contextmanager
+def side_by_side() -> Iterator[None]:
+    """Within it, this thread's late-loop evaluations replay their second submission on a worker
+    thread (`_loop_runs`), which the compiled replay runs without the GIL, beside the first; the
+    figures are the same as one by one. The worker is this block's: it starts here and is joined
+    on the way out (a pipe leaves no thread behind), and the compiled replay's working blocks are
+    the thread's own, freed as it ends. Without the compiled loops (all Python, GIL-bound) it does
+    nothing. `roundpipe.plan_eval.choose_evaluated_plan` opens one around a late loop's choice."""
+    if native.kernels() is None or getattr(_side, "pool", None) is not None:
+        yield
+        return
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="roundpipe-replay")
+    _side.pool = pool
+    try:
+        yield
+    finally:
+        _side.pool = None
+        pool.shutdown(wait=True)
 
 
-def _forget_pool() -> None:
-    """In a forked child: the parent's worker thread is not there, and an executor that still
-    counts it would never start another (its replays would wait forever)."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+def _forget_side_by_side() -> None:
+    """In a forked child: a worker the parent had open is not there (and one counted but absent
+    would never start: the replays would wait forever), so the child replays one by one."""
+    global _side
+    _side = threading.local()
 
 
-os.register_at_fork(after_in_child=_forget_pool)
+os.register_at_fork(after_in_child=_forget_side_by_side)
 
 
 CHAINED_WINDOW = (1, 5)

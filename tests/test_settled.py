@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -24,8 +25,21 @@ from roundpipe.plan._ranking import _stages
 from roundpipe.plan.choose import _Timer, every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms, busiest_device_share, dispatch
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import FlooredEvaluator, engine_evaluator, iteration_starts, late_loop_evaluator
-from roundpipe.plan_replay import SETTLE_LONG, SETTLE_SHORT, TAIL_GAPS, loop_iteration_ms, settled_ms
+from roundpipe.plan_eval import (
+    FlooredEvaluator,
+    choose_evaluated_plan,
+    engine_evaluator,
+    iteration_starts,
+    late_loop_evaluator,
+)
+from roundpipe.plan_replay import (
+    SETTLE_LONG,
+    SETTLE_SHORT,
+    TAIL_GAPS,
+    loop_iteration_ms,
+    settled_ms,
+    side_by_side,
+)
 from roundpipe.replay_graph import ReplayGraph
 from roundpipe.simulate import simulate
 from tests.test_plan_choice import grid_costs
@@ -194,23 +208,51 @@ def test_the_short_run_read_from_the_long_one_gives_the_same_figures(monkeypatch
             assert loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True) == expected, plan
             replayed += SETTLE_SHORT in shorts
             read += SETTLE_SHORT not in shorts
+            with side_by_side():  # the second submission's replays on the worker thread
+                assert loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True) == expected, plan
     assert read > 10 * replayed > 0, (read, replayed)
 
 
-def test_a_forked_child_replays_the_late_loop_side_by_side_too() -> None:
-    """The late loop's second replay runs on a worker thread (`plan_replay._replay_pool`). A child
-    forked after the parent started it has no such thread: it starts its own instead of waiting
-    forever for the parent's."""
+def test_the_late_loop_choice_leaves_no_thread_behind() -> None:
+    """`choose_evaluated_plan` for a loop one loss late replays side by side on a worker thread of
+    its own (`plan_replay.side_by_side`), joined before it returns: the same plan as one by one,
+    and no thread left (a closed pipe leaves none)."""
+    costs = grid_costs(24, 3.8, 2.0)
+    before = {t.name for t in threading.enumerate()}
+    seen: list[str] = []
+    run_long = plan_replay._long_run
+
+    def watched(graph: ReplayGraph, loss_lag: int) -> tuple[list[float], float]:
+        seen.append(threading.current_thread().name)
+        return run_long(graph, loss_lag)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_replay, "_long_run", watched)
+        plan = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
+    assert {t.name for t in threading.enumerate()} - before == set()
+    if native.built():
+        assert any(name.startswith("roundpipe-replay") for name in seen)
+    with native.pure_python():  # no worker: one by one
+        assert choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1) == plan
+
+
+def test_a_child_forked_inside_side_by_side_replays_one_by_one() -> None:
+    """Within `plan_replay.side_by_side` the late loop's second replay runs on a worker thread. A
+    child forked there has no such thread: it replays one by one instead of waiting forever for
+    the parent's."""
     costs = grid_costs(24, 2.5, 4.0)
     plan = every_even_plan(costs, 8, 16)[100]
     expected = loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True)
-    assert plan_replay._pool is not None or not native.built()
-    pid = os.fork()
-    if pid == 0:  # the child: the same figures, or exit 1; never return into pytest
-        try:
-            os._exit(0 if loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True) == expected else 1)
-        finally:
-            os._exit(2)
+    with side_by_side():
+        assert loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True) == expected
+        pid = os.fork()
+        if pid == 0:  # the child: the same figures, or exit 1; never return into pytest
+            try:
+                os._exit(
+                    0 if loop_iteration_ms(plan, costs, 8, 16, (0, 1), long_first=True) == expected else 1
+                )
+            finally:
+                os._exit(2)
 
     def too_long(*_: object) -> None:
         raise TimeoutError

@@ -19,16 +19,12 @@ in CSR form: `off[t]..off[t+1]` index `idx` for task t's dependents. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef long long i64;
 
-#if defined(_MSC_VER)
-#define THREAD_LOCAL __declspec(thread)
-#else
-#define THREAD_LOCAL _Thread_local
-#endif
 
 static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data);
 static PyObject *vec_array(const char *typecode, const void *items, Py_ssize_t count);
@@ -499,6 +495,39 @@ static PyObject *split_schedule(PyObject *self, PyObject *args) {
 
 /* ---- replay: `roundpipe.plan_replay.replay_starts` -------------------------------------- */
 
+/* The replay's working blocks, one set per thread: `plan_replay.side_by_side` replays a graph's
+   two submissions at once, each on its own thread with the GIL let go, so they cannot share one
+   set as the kernels holding the GIL do. A thread's set is freed when the thread ends (its
+   worker is joined after each choice: no thread, and no block, outlives it). */
+typedef struct {
+    Kept unmet, wave, heap;
+} ReplayBlocks;
+
+static pthread_key_t replay_key;
+static pthread_once_t replay_once = PTHREAD_ONCE_INIT;
+static int replay_key_made;
+
+static void replay_blocks_free(void *p) {
+    ReplayBlocks *r = p;
+    free(r->unmet.p);
+    free(r->wave.p);
+    free(r->heap.p);
+    free(r);
+}
+
+static void replay_key_make(void) { replay_key_made = pthread_key_create(&replay_key, replay_blocks_free) == 0; }
+
+static ReplayBlocks *replay_blocks(void) {
+    pthread_once(&replay_once, replay_key_make);
+    if (!replay_key_made) return NULL;
+    ReplayBlocks *r = pthread_getspecific(replay_key);
+    if (r == NULL && (r = calloc(1, sizeof *r)) != NULL && pthread_setspecific(replay_key, r) != 0) {
+        free(r);
+        r = NULL;
+    }
+    return r;
+}
+
 static PyObject *replay(PyObject *self, PyObject *args) {
     PyObject *o_res, *o_rank, *o_dur, *o_off, *o_idx, *o_unmet, *o_batches, *o_loss_of, *o_losses,
         *o_flags;
@@ -531,18 +560,21 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "replay: arrays of unequal lengths, or a seq not a power of two");
         return NULL;
     }
-    /* per thread: `plan_replay` replays a graph's two submissions side by side, the GIL let go */
-    static THREAD_LOCAL Kept kept_unmet, kept_wave, kept_heap;
-    i64 *unmet = kept(&kept_unmet, sizeof(i64) * count);
+    ReplayBlocks *blocks = replay_blocks();
+    if (blocks == NULL) {
+        release(b, 10);
+        return PyErr_NoMemory();
+    }
+    i64 *unmet = kept(&blocks->unmet, sizeof(i64) * count);
     i64 *losses_left = malloc(sizeof(i64) * (LEN(b[8]) ? LEN(b[8]) : 1));
     double *start = NULL; /* written straight into the array returned */
     PyObject *a_start = new_array("d", count, (void **)&start);
     unsigned char *is_free = malloc(resources ? resources : 1);
     Event *timed = malloc(sizeof(Event) * (resources + 1));
-    i64 *wave = kept(&kept_wave, sizeof(i64) * count);
+    i64 *wave = kept(&blocks->wave, sizeof(i64) * count);
     Heaps heaps;
     Vec touched = {0};
-    int failed = heaps_init(&heaps, res, count, resources, &kept_heap) || !unmet || !losses_left ||
+    int failed = heaps_init(&heaps, res, count, resources, &blocks->heap) || !unmet || !losses_left ||
                  !a_start || !is_free || !timed || !wave;
     Py_ssize_t stalled = 0;
     double earliest = -1.0; /* the first start of a task numbered ``beyond`` or more */
