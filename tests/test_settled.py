@@ -236,6 +236,8 @@ def test_the_late_loop_choice_leaves_no_thread_behind() -> None:
         assert choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1) == plan
 
 
+# The fork is the point: the parent has the worker thread running (Python 3.12 warns of it).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_child_forked_inside_side_by_side_replays_one_by_one() -> None:
     """Within `plan_replay.side_by_side` the late loop's second replay runs on a worker thread. A
     child forked there has no such thread: it replays one by one instead of waiting forever for
