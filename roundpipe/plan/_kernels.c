@@ -25,7 +25,6 @@ in CSR form: `off[t]..off[t+1]` index `idx` for task t's dependents. */
 
 typedef long long i64;
 
-
 static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data);
 static PyObject *vec_array(const char *typecode, const void *items, Py_ssize_t count);
 
@@ -140,7 +139,8 @@ static PyObject *float_list(const double *values, Py_ssize_t count) {
 }
 
 /* A block kept from one call to the next (`build`'s and `invert`'s working arrays): see `build`
-   for why. Every kernel runs holding the GIL, so one block per use serves all calls. */
+   for why. Those kernels run holding the GIL, so one block per use serves all calls; the replay
+   lets the GIL go and keeps its blocks per thread (`ReplayBlocks`). */
 typedef struct {
     void *p;
     size_t cap;
