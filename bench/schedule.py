@@ -48,7 +48,8 @@ Prints one JSON line per profile and mode:
   --planning: choose_plan's time on the 16 grid shapes of --layers (default 94) at (8, 16), for
       sync, the async loop waiting for each loss and the late loop (with its submission check):
       the median of 5 calls per shape, then per loop the median, the maximum and how many are
-      under the 50 ms target. Run it on a quiet machine: other work moves these by 1.5x.
+      under the 50 ms target. Run it on a quiet machine: other work moves these by 1.5x. To
+      compare two versions of the code, alternate them instead: bench/planning_ab.py.
     python bench/schedule.py --planning [--layers 94]
 """
 
