@@ -23,7 +23,7 @@ from roundpipe.plan._candidates import balanced_split
 from roundpipe.plan._ranking import _StageTimes
 from roundpipe.plan._search import Ticks, to_ticks
 from roundpipe.plan._split_stream import SplitGraph, split_ms
-from roundpipe.plan._steady import steady_period
+from roundpipe.plan._steady import steady_bound, steady_bound_ticks, steady_period
 from roundpipe.plan._stream import sharers_and_waits, stream_ms
 from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.rounds import round_sizes
@@ -310,8 +310,12 @@ def test_the_compiled_policy_iteration_gives_the_python_period() -> None:
     for _ in range(1500):
         n = rng.choice([1, 2, 3, 4, 8])
         rounds = round_sizes(rng.choice([n, 2 * n, 3 * n + 1]), n)
-        slots = [rng.choice([0.0, 0.3, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 24))]
+        slots: list[float] = [
+            rng.choice([0.0, 0.3, 1.0, 2.0, 3.7]) * rng.randint(1, 9) for _ in range(rng.randint(1, 24))
+        ]
         lead = rng.choice([None, [rng.choice([0.0, 0.5]) * x for x in slots]])
+        if rng.random() < 0.3:  # the steady search's: integer ticks of up to 2**44, no lead
+            slots, lead = [rng.randint(0, 1 << rng.choice([4, 30, 44])) for _ in slots], None
         with native.pure_python():
             expected = steady_period(slots, n, rounds, lead)
         assert steady_period(slots, n, rounds, lead) == expected, (slots, n, rounds, lead)
@@ -347,6 +351,22 @@ def test_the_compiled_sharers_are_the_python_sharers() -> None:
         with native.pure_python():
             expected = sharers_and_waits(fwd, fused, bwd)
         assert sharers_and_waits(fwd, fused, bwd) == expected, (fwd, fused, bwd)
+
+
+@needs_native
+def test_the_compiled_tick_bound_is_the_python_bound() -> None:
+    """`steady_bound_ticks` (every candidate of the steady search): `steady_bound`'s float to the
+    last bit on integer slot times of the ticks' size (up to 2**44), slot counts above, equal to
+    and below the device count, one round size or several."""
+    rng = random.Random(8)
+    for _ in range(4000):
+        n, rounds = random_rounds(rng)
+        scale = rng.choice([1, 1000, 1 << 30, 1 << 40])
+        slots = [rng.randint(0, scale) for _ in range(rng.randint(0, 3 * n + 2))]
+        with native.pure_python():
+            expected = steady_bound_ticks(slots, n, rounds)
+        assert expected == steady_bound(slots, n, rounds)
+        assert steady_bound_ticks(slots, n, rounds) == expected, (slots, n, rounds)
 
 
 @needs_native

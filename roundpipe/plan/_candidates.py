@@ -21,7 +21,7 @@ from operator import neg, sub
 from typing import TYPE_CHECKING
 
 from roundpipe.plan import native
-from roundpipe.plan._steady import steady_bound, steady_period
+from roundpipe.plan._steady import steady_bound_ticks, steady_period
 
 if TYPE_CHECKING:
     from roundpipe.plan._search import Ticks
@@ -372,7 +372,7 @@ def steady_search(
                 continue  # a fused stage slower than all others starves the backward stages behind it
             if max(slots) * len(slots) > STEADY_MAX_SPREAD * sum(slots):
                 continue
-            yield steady_bound(slots, num_devices, rounds), len(slots), p, order, k, slots, stages
+            yield steady_bound_ticks(slots, num_devices, rounds), len(slots), p, order, k, slots, stages
 
     return _least_period(pairs, candidates, num_devices, rounds)
 

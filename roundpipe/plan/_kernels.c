@@ -1430,43 +1430,19 @@ static PyObject *first_starts(PyObject *self, PyObject *args) {
 
 /* ---- steady_policy: `_steady.steady_period`'s policy iteration ------------------------- */
 
-/* `_value_policy` and `_improve_policy`, on in-arcs in CSR form (per node its arcs: source,
-   weight, transit), from the caller's first policy. Returns max(eta) once no node improves. */
-static PyObject *steady_policy(PyObject *self, PyObject *args) {
-    PyObject *o_off, *o_src, *o_w, *o_t, *o_policy;
-    double tol;
-    Py_ssize_t rounds_max;
-    if (!PyArg_ParseTuple(args, "OOOOOdn", &o_off, &o_src, &o_w, &o_t, &o_policy, &tol, &rounds_max))
-        return NULL;
-    Buf b[5];
-    memset(b, 0, sizeof b);
-    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_src, &b[1], 8, "sources") ||
-        get_buf(o_w, &b[2], 8, "weights") || get_buf(o_t, &b[3], 8, "transits") ||
-        get_buf(o_policy, &b[4], 8, "policy")) {
-        release(b, 5);
-        return NULL;
-    }
-    const i64 *off = I64(b[0]), *src = I64(b[1]), *tr = I64(b[3]);
-    const double *wt = F64(b[2]);
-    Py_ssize_t count = LEN(b[0]) - 1, arcs = LEN(b[1]);
-    int bad = count < 1 || LEN(b[4]) != count || LEN(b[2]) != arcs || LEN(b[3]) != arcs || off[count] != arcs;
-    for (Py_ssize_t j = 0; !bad && j < arcs; j++) bad = src[j] < 0 || src[j] >= count;
-    for (Py_ssize_t v = 0; !bad && v < count; v++)
-        bad = off[v + 1] <= off[v] || I64(b[4])[v] < 0 || I64(b[4])[v] >= off[v + 1] - off[v];
-    if (bad) {
-        release(b, 5);
-        PyErr_SetString(PyExc_ValueError, "steady_policy: arcs or a policy that do not fit");
-        return NULL;
-    }
-    i64 *policy = malloc(sizeof(i64) * count), *path = malloc(sizeof(i64) * count);
+/* `_value_policy` and `_improve_policy` on in-arcs in CSR form (per node its arcs: source,
+   weight, transit), from ``policy`` (changed in place). 0 and *top = max(eta) once no node
+   improves; 1 if it did not settle in ``rounds_max`` rounds; -1 out of memory. */
+static int policy_iterate(const i64 *off, const i64 *src, const double *wt, const i64 *tr, i64 *policy,
+                          Py_ssize_t count, double tol, Py_ssize_t rounds_max, double *top) {
+    i64 *path = malloc(sizeof(i64) * count);
     unsigned char *state = malloc(count);
     double *x = calloc(count, sizeof(double)), *eta = calloc(count, sizeof(double));
-    PyObject *out = NULL;
-    if (!policy || !path || !state || !x || !eta) {
-        PyErr_NoMemory();
+    int result = 1;
+    if (!path || !state || !x || !eta) {
+        result = -1;
         goto done;
     }
-    memcpy(policy, I64(b[4]), sizeof(i64) * count);
 #define ARC(c) (off[c] + policy[c])
     for (Py_ssize_t round = 0; round < rounds_max; round++) {
         /* `_value_policy` */
@@ -1529,23 +1505,209 @@ static PyObject *steady_policy(PyObject *self, PyObject *args) {
                 }
             }
         if (!changed) {
-            double top = eta[0];
+            *top = eta[0];
             for (Py_ssize_t v = 1; v < count; v++)
-                if (eta[v] > top) top = eta[v];
-            out = PyFloat_FromDouble(top);
+                if (eta[v] > *top) *top = eta[v];
+            result = 0;
             goto done;
         }
     }
 #undef ARC
-    PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
 done:
-    free(policy);
     free(path);
     free(state);
     free(x);
     free(eta);
+    return result;
+}
+
+/* `policy_iterate` on the caller's arcs (checked) and first policy: max(eta). */
+static PyObject *steady_policy(PyObject *self, PyObject *args) {
+    PyObject *o_off, *o_src, *o_w, *o_t, *o_policy;
+    double tol;
+    Py_ssize_t rounds_max;
+    if (!PyArg_ParseTuple(args, "OOOOOdn", &o_off, &o_src, &o_w, &o_t, &o_policy, &tol, &rounds_max))
+        return NULL;
+    Buf b[5];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_src, &b[1], 8, "sources") ||
+        get_buf(o_w, &b[2], 8, "weights") || get_buf(o_t, &b[3], 8, "transits") ||
+        get_buf(o_policy, &b[4], 8, "policy")) {
+        release(b, 5);
+        return NULL;
+    }
+    const i64 *off = I64(b[0]), *src = I64(b[1]), *tr = I64(b[3]);
+    const double *wt = F64(b[2]);
+    Py_ssize_t count = LEN(b[0]) - 1, arcs = LEN(b[1]);
+    int bad = count < 1 || LEN(b[4]) != count || LEN(b[2]) != arcs || LEN(b[3]) != arcs || off[count] != arcs;
+    for (Py_ssize_t j = 0; !bad && j < arcs; j++) bad = src[j] < 0 || src[j] >= count;
+    for (Py_ssize_t v = 0; !bad && v < count; v++)
+        bad = off[v + 1] <= off[v] || I64(b[4])[v] < 0 || I64(b[4])[v] >= off[v + 1] - off[v];
+    if (bad) {
+        release(b, 5);
+        PyErr_SetString(PyExc_ValueError, "steady_policy: arcs or a policy that do not fit");
+        return NULL;
+    }
+    i64 *policy = malloc(sizeof(i64) * count);
+    PyObject *out = NULL;
+    double top = 0.0;
+    int result = -1;
+    if (policy) {
+        memcpy(policy, I64(b[4]), sizeof(i64) * count);
+        result = policy_iterate(off, src, wt, tr, policy, count, tol, rounds_max, &top);
+    }
+    if (result < 0)
+        PyErr_NoMemory();
+    else if (result > 0)
+        PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
+    else
+        out = PyFloat_FromDouble(top);
+    free(policy);
     release(b, 5);
     return out;
+}
+
+/* ---- steady_period_of: `_steady.steady_period`, its graph built here too ---------------- */
+
+/* `_steady._steady_graph`'s in-arcs, node by node in its order, each node's first policy (its
+   heaviest arc crossing the most iterations, the first such), then the policy iteration above.
+   ``slot_ms`` and ``lead_ms`` (empty: none) as floats, ``rounds`` as ints, ``tol`` as the caller
+   works it out (it multiplies the caller's own numbers). Floor division as Python's divmod. */
+static PyObject *steady_period_of(PyObject *self, PyObject *args) {
+    PyObject *o_ms, *o_rounds, *o_lead;
+    Py_ssize_t n;
+    double tol;
+    if (!PyArg_ParseTuple(args, "OnOOd", &o_ms, &n, &o_rounds, &o_lead, &tol)) return NULL;
+    Buf b[3];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_ms, &b[0], 8, "slot_ms") || get_buf(o_rounds, &b[1], 8, "rounds") ||
+        get_buf(o_lead, &b[2], 8, "lead_ms")) {
+        release(b, 3);
+        return NULL;
+    }
+    const double *ms = F64(b[0]), *lead = LEN(b[2]) ? F64(b[2]) : NULL;
+    const i64 *rounds = I64(b[1]);
+    Py_ssize_t s_count = LEN(b[0]), r_count = LEN(b[1]);
+    if (s_count < 1 || r_count < 1 || n < 1 || (lead && LEN(b[2]) != s_count)) {
+        release(b, 3);
+        PyErr_SetString(PyExc_ValueError, "steady_period_of: no slots, no rounds, no devices, or a lead per slot missing");
+        return NULL;
+    }
+    Py_ssize_t period = s_count * r_count, count = 2 * period, most = 5 * period;
+    i64 *off = malloc(sizeof(i64) * (count + 1)), *src = malloc(sizeof(i64) * most);
+    i64 *tr = malloc(sizeof(i64) * most), *policy = malloc(sizeof(i64) * count);
+    double *wt = malloc(sizeof(double) * most);
+    PyObject *out = NULL;
+    if (!off || !src || !tr || !policy || !wt) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t arcs = 0;
+#define ARC_ADD(u, w, t) (src[arcs] = (u), wt[arcs] = (w), tr[arcs] = (t), arcs++)
+    for (Py_ssize_t k = 0; k < period; k++) {
+        Py_ssize_t rnd = k / s_count, i = k % s_count;
+        double lead_i = lead ? lead[i] : 0.0;
+        /* node 2k (the run starts) */
+        off[2 * k] = arcs;
+        if (i) ARC_ADD(2 * (k - 1), ms[i - 1] - lead_i, 0);
+        for (int back_twice = 0; back_twice < 2; back_twice++) {
+            Py_ssize_t back = (back_twice + 1) * n, diff = k - back;
+            Py_ssize_t q = diff >= 0 ? diff / period : -((-diff + period - 1) / period);
+            Py_ssize_t m = diff - q * period; /* divmod(k - back, period): m in [0, period) */
+            if (!back_twice)
+                ARC_ADD(2 * m, (double)rounds[m / s_count] * ms[m % s_count], -q);
+            else
+                ARC_ADD(2 * m + 1, 0.0, -q);
+        }
+        /* node 2k + 1 (its last microbatch ends) */
+        off[2 * k + 1] = arcs;
+        ARC_ADD(2 * k, (double)rounds[rnd] * ms[i], 0);
+        if (i) ARC_ADD(2 * (k - 1) + 1, ms[i] - lead_i, 0);
+    }
+    off[count] = arcs;
+#undef ARC_ADD
+    for (Py_ssize_t v = 0; v < count; v++) { /* max by (transit, weight), the first of the best */
+        i64 best = off[v];
+        for (i64 a = off[v] + 1; a < off[v + 1]; a++)
+            if (tr[a] > tr[best] || (tr[a] == tr[best] && wt[a] > wt[best])) best = a;
+        policy[v] = best - off[v];
+    }
+    double top = 0.0;
+    int result = policy_iterate(off, src, wt, tr, policy, count, tol, 4 * count + 16, &top);
+    if (result < 0)
+        PyErr_NoMemory();
+    else if (result > 0)
+        PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
+    else
+        out = PyFloat_FromDouble(top);
+done:
+    free(off);
+    free(src);
+    free(tr);
+    free(policy);
+    free(wt);
+    release(b, 3);
+    return out;
+}
+
+/* ---- steady_bound_ticks: `_steady.steady_bound` on integer slot times ------------------- */
+
+/* The same bound, its sums exact in 64-bit integers (the ticks of `steady_search` stay far
+   under 2**53, where Python's fsum of them is the exact sum), each float operation the one
+   Python makes: an int times a float, a float over an int, a float plus an int. */
+static PyObject *steady_bound_ticks(PyObject *self, PyObject *args) {
+    PyObject *o_slots, *o_rounds;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OnO", &o_slots, &n, &o_rounds)) return NULL;
+    Buf b[2];
+    memset(b, 0, sizeof b);
+    if (get_buf(o_slots, &b[0], 8, "slots") || get_buf(o_rounds, &b[1], 8, "rounds")) {
+        release(b, 2);
+        return NULL;
+    }
+    const i64 *slots = I64(b[0]), *rounds = I64(b[1]);
+    Py_ssize_t s_count = LEN(b[0]), r_count = LEN(b[1]);
+    if (n < 1 || r_count < 1) {
+        release(b, 2);
+        PyErr_SetString(PyExc_ValueError, "steady_bound_ticks: no devices or no rounds");
+        return NULL;
+    }
+    i64 total = 0, r_sum = 0;
+    int one_size = 1;
+    for (Py_ssize_t i = 0; i < s_count; i++) total += slots[i];
+    for (Py_ssize_t r = 0; r < r_count; r++) {
+        r_sum += rounds[r];
+        one_size = one_size && rounds[r] == rounds[0];
+    }
+    double bound = (double)r_sum * (double)total / (double)n;
+    Py_ssize_t g = s_count, h = n; /* gcd(S, N) */
+    while (h) {
+        Py_ssize_t t = g % h;
+        g = h;
+        h = t;
+    }
+    if (g > 1 && one_size) {
+        i64 most = 0;
+        for (Py_ssize_t i = 0; i < g; i++) {
+            i64 part = 0;
+            for (Py_ssize_t j = i; j < s_count; j += g) part += slots[j];
+            if (i == 0 || part > most) most = part;
+        }
+        double device = (double)(r_sum * g) * (double)most / (double)n;
+        if (device > bound) bound = device;
+    }
+    Py_ssize_t d = s_count - n;
+    if (d >= 0) {
+        i64 window = 0; /* slots[h - d .. h) */
+        for (Py_ssize_t j = 0; j < d; j++) window += slots[j];
+        for (Py_ssize_t at = d; at < s_count; at++) {
+            if (at > d) window += slots[at - 1] - slots[at - 1 - d];
+            double wave = (double)r_count * (double)window + (double)(r_sum * slots[at]);
+            if (wave > bound) bound = wave;
+        }
+    }
+    release(b, 2);
+    return PyFloat_FromDouble(bound);
 }
 
 /* ---- balanced_split: `_candidates.balanced_split` --------------------------------------- */
@@ -1926,6 +2088,8 @@ static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS, "`plan_replay.replay_starts` on packed arrays."},
     {"first_starts", first_starts, METH_VARARGS, "Per group of tasks, the least start not negative."},
     {"busiest_share", busiest_share, METH_VARARGS, "`dispatch.busiest_device_share`."},
+    {"steady_period_of", steady_period_of, METH_VARARGS, "`_steady.steady_period`, graph and all."},
+    {"steady_bound_ticks", steady_bound_ticks, METH_VARARGS, "`_steady.steady_bound` on integer slots."},
     {"sharers", sharers, METH_VARARGS, "`_stream.sharers` and `_stream.weight_waits`, as tuples."},
     {NULL, NULL, 0, NULL},
 };

@@ -43,6 +43,8 @@ FUNCTIONS = (
     "span",
     "split_layout",
     "split_schedule",
+    "steady_bound_ticks",
+    "steady_period_of",
     "steady_policy",
     "stream_base",
     "stream_extras",
