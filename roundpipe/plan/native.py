@@ -55,8 +55,8 @@ rebuilt since) lacks some: it is set aside, with a warning, rather than fail mid
 INTERFACE = 4
 """The arguments the callers pass (`_kernels.c`'s ``INTERFACE``, raised with every change to
 them; 2: `stream_extras` takes the gate's lag; 3: `list_schedule` whether to give every start;
-4: `replay` the first task it reports the earliest start of). An extension without it, or of another, is set
-aside as one lacking functions is."""
+4: `replay` the first task it reports the earliest start of). An extension without it, or of
+another, is set aside as one lacking functions is."""
 
 if _compiled is not None and (
     _missing := [f for f in FUNCTIONS if not hasattr(_compiled, f)]
