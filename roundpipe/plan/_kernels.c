@@ -119,6 +119,18 @@ static void release(Buf *bufs, int count) {
         if (bufs[i].held) PyBuffer_Release(&bufs[i].view);
 }
 
+/* The buffers of ``count`` objects of 8-byte items (``names`` for the errors): 0, or -1 with the
+   error set and every buffer released. */
+static int get_bufs(Buf *b, int count, PyObject *const *objs, const char *const *names) {
+    memset(b, 0, sizeof(Buf) * count);
+    for (int i = 0; i < count; i++)
+        if (get_buf(objs[i], &b[i], 8, names[i])) {
+            release(b, count);
+            return -1;
+        }
+    return 0;
+}
+
 #define LEN(b) ((b).view.len / (b).view.itemsize)
 #define I64(b) ((i64 *)(b).view.buf)
 #define F64(b) ((double *)(b).view.buf)
@@ -721,11 +733,7 @@ static PyObject *invert(PyObject *self, PyObject *args) {
     PyObject *o_off, *o_idx;
     if (!PyArg_ParseTuple(args, "OO", &o_off, &o_idx)) return NULL;
     Buf b[2];
-    memset(b, 0, sizeof b);
-    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_idx, &b[1], 8, "dependencies")) {
-        release(b, 2);
-        return NULL;
-    }
+    if (get_bufs(b, 2, (PyObject *[]){o_off, o_idx}, (const char *[]){"offsets", "dependencies"})) return NULL;
     const i64 *off = I64(b[0]), *idx = I64(b[1]);
     Py_ssize_t count = LEN(b[0]) - 1, edges = LEN(b[1]);
     const char *bad = count < 0 || off[count] != edges ? "offsets do not match the dependencies" : NULL;
@@ -1521,6 +1529,19 @@ done:
     return result;
 }
 
+/* `policy_iterate`'s period as a float, or its error set. */
+static PyObject *policy_period(const i64 *off, const i64 *src, const double *wt, const i64 *tr, i64 *policy,
+                               Py_ssize_t count, double tol, Py_ssize_t rounds_max) {
+    double top = 0.0;
+    int result = policy_iterate(off, src, wt, tr, policy, count, tol, rounds_max, &top);
+    if (result < 0) return PyErr_NoMemory();
+    if (result > 0) {
+        PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
+        return NULL;
+    }
+    return PyFloat_FromDouble(top);
+}
+
 /* `policy_iterate` on the caller's arcs (checked) and first policy: max(eta). */
 static PyObject *steady_policy(PyObject *self, PyObject *args) {
     PyObject *o_off, *o_src, *o_w, *o_t, *o_policy;
@@ -1549,19 +1570,11 @@ static PyObject *steady_policy(PyObject *self, PyObject *args) {
         return NULL;
     }
     i64 *policy = malloc(sizeof(i64) * count);
-    PyObject *out = NULL;
-    double top = 0.0;
-    int result = -1;
+    PyObject *out = policy ? NULL : PyErr_NoMemory();
     if (policy) {
         memcpy(policy, I64(b[4]), sizeof(i64) * count);
-        result = policy_iterate(off, src, wt, tr, policy, count, tol, rounds_max, &top);
+        out = policy_period(off, src, wt, tr, policy, count, tol, rounds_max);
     }
-    if (result < 0)
-        PyErr_NoMemory();
-    else if (result > 0)
-        PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
-    else
-        out = PyFloat_FromDouble(top);
     free(policy);
     release(b, 5);
     return out;
@@ -1579,12 +1592,8 @@ static PyObject *steady_period_of(PyObject *self, PyObject *args) {
     double tol;
     if (!PyArg_ParseTuple(args, "OnOOd", &o_ms, &n, &o_rounds, &o_lead, &tol)) return NULL;
     Buf b[3];
-    memset(b, 0, sizeof b);
-    if (get_buf(o_ms, &b[0], 8, "slot_ms") || get_buf(o_rounds, &b[1], 8, "rounds") ||
-        get_buf(o_lead, &b[2], 8, "lead_ms")) {
-        release(b, 3);
+    if (get_bufs(b, 3, (PyObject *[]){o_ms, o_rounds, o_lead}, (const char *[]){"slot_ms", "rounds", "lead_ms"}))
         return NULL;
-    }
     const double *ms = F64(b[0]), *lead = LEN(b[2]) ? F64(b[2]) : NULL;
     const i64 *rounds = I64(b[1]);
     Py_ssize_t s_count = LEN(b[0]), r_count = LEN(b[1]);
@@ -1632,14 +1641,7 @@ static PyObject *steady_period_of(PyObject *self, PyObject *args) {
             if (tr[a] > tr[best] || (tr[a] == tr[best] && wt[a] > wt[best])) best = a;
         policy[v] = best - off[v];
     }
-    double top = 0.0;
-    int result = policy_iterate(off, src, wt, tr, policy, count, tol, 4 * count + 16, &top);
-    if (result < 0)
-        PyErr_NoMemory();
-    else if (result > 0)
-        PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
-    else
-        out = PyFloat_FromDouble(top);
+    out = policy_period(off, src, wt, tr, policy, count, tol, 4 * count + 16);
 done:
     free(off);
     free(src);
@@ -1660,11 +1662,7 @@ static PyObject *steady_bound_ticks(PyObject *self, PyObject *args) {
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "OnO", &o_slots, &n, &o_rounds)) return NULL;
     Buf b[2];
-    memset(b, 0, sizeof b);
-    if (get_buf(o_slots, &b[0], 8, "slots") || get_buf(o_rounds, &b[1], 8, "rounds")) {
-        release(b, 2);
-        return NULL;
-    }
+    if (get_bufs(b, 2, (PyObject *[]){o_slots, o_rounds}, (const char *[]){"slots", "rounds"})) return NULL;
     const i64 *slots = I64(b[0]), *rounds = I64(b[1]);
     Py_ssize_t s_count = LEN(b[0]), r_count = LEN(b[1]);
     if (n < 1 || r_count < 1) {
