@@ -1436,7 +1436,7 @@ static PyObject *first_starts(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- steady_policy: `_steady.steady_period`'s policy iteration ------------------------- */
+/* ---- policy_iterate: `_steady.steady_period`'s policy iteration ------------------------ */
 
 /* `_value_policy` and `_improve_policy` on in-arcs in CSR form (per node its arcs: source,
    weight, transit), from ``policy`` (changed in place). 0 and *top = max(eta) once no node
@@ -1529,57 +1529,6 @@ done:
     return result;
 }
 
-/* `policy_iterate`'s period as a float, or its error set. */
-static PyObject *policy_period(const i64 *off, const i64 *src, const double *wt, const i64 *tr, i64 *policy,
-                               Py_ssize_t count, double tol, Py_ssize_t rounds_max) {
-    double top = 0.0;
-    int result = policy_iterate(off, src, wt, tr, policy, count, tol, rounds_max, &top);
-    if (result < 0) return PyErr_NoMemory();
-    if (result > 0) {
-        PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
-        return NULL;
-    }
-    return PyFloat_FromDouble(top);
-}
-
-/* `policy_iterate` on the caller's arcs (checked) and first policy: max(eta). */
-static PyObject *steady_policy(PyObject *self, PyObject *args) {
-    PyObject *o_off, *o_src, *o_w, *o_t, *o_policy;
-    double tol;
-    Py_ssize_t rounds_max;
-    if (!PyArg_ParseTuple(args, "OOOOOdn", &o_off, &o_src, &o_w, &o_t, &o_policy, &tol, &rounds_max))
-        return NULL;
-    Buf b[5];
-    memset(b, 0, sizeof b);
-    if (get_buf(o_off, &b[0], 8, "offsets") || get_buf(o_src, &b[1], 8, "sources") ||
-        get_buf(o_w, &b[2], 8, "weights") || get_buf(o_t, &b[3], 8, "transits") ||
-        get_buf(o_policy, &b[4], 8, "policy")) {
-        release(b, 5);
-        return NULL;
-    }
-    const i64 *off = I64(b[0]), *src = I64(b[1]), *tr = I64(b[3]);
-    const double *wt = F64(b[2]);
-    Py_ssize_t count = LEN(b[0]) - 1, arcs = LEN(b[1]);
-    int bad = count < 1 || LEN(b[4]) != count || LEN(b[2]) != arcs || LEN(b[3]) != arcs || off[count] != arcs;
-    for (Py_ssize_t j = 0; !bad && j < arcs; j++) bad = src[j] < 0 || src[j] >= count;
-    for (Py_ssize_t v = 0; !bad && v < count; v++)
-        bad = off[v + 1] <= off[v] || I64(b[4])[v] < 0 || I64(b[4])[v] >= off[v + 1] - off[v];
-    if (bad) {
-        release(b, 5);
-        PyErr_SetString(PyExc_ValueError, "steady_policy: arcs or a policy that do not fit");
-        return NULL;
-    }
-    i64 *policy = malloc(sizeof(i64) * count);
-    PyObject *out = policy ? NULL : PyErr_NoMemory();
-    if (policy) {
-        memcpy(policy, I64(b[4]), sizeof(i64) * count);
-        out = policy_period(off, src, wt, tr, policy, count, tol, rounds_max);
-    }
-    free(policy);
-    release(b, 5);
-    return out;
-}
-
 /* ---- steady_period_of: `_steady.steady_period`, its graph built here too ---------------- */
 
 /* `_steady._steady_graph`'s in-arcs, node by node in its order, each node's first policy (its
@@ -1641,7 +1590,14 @@ static PyObject *steady_period_of(PyObject *self, PyObject *args) {
             if (tr[a] > tr[best] || (tr[a] == tr[best] && wt[a] > wt[best])) best = a;
         policy[v] = best - off[v];
     }
-    out = policy_period(off, src, wt, tr, policy, count, tol, 4 * count + 16);
+    double top = 0.0;
+    int result = policy_iterate(off, src, wt, tr, policy, count, tol, 4 * count + 16, &top);
+    if (result < 0)
+        PyErr_NoMemory();
+    else if (result > 0)
+        PyErr_SetString(PyExc_AssertionError, "policy iteration did not converge");
+    else
+        out = PyFloat_FromDouble(top);
 done:
     free(off);
     free(src);
@@ -2078,7 +2034,6 @@ static PyMethodDef methods[] = {
     {"split_layout", split_layout, METH_VARARGS, "`SplitGraph.layout`, packed."},
     {"stream_base", stream_base, METH_VARARGS, "`_stream._runs_structure`, packed."},
     {"span", span, METH_VARARGS, "The makespan of a replay: max(start + dur) - min(start)."},
-    {"steady_policy", steady_policy, METH_VARARGS, "`_steady.steady_period`'s policy iteration."},
     {"balanced_split", balanced_split, METH_VARARGS, "`_candidates.balanced_split`: the part ends."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},

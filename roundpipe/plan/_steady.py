@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import accumulate
 
 from roundpipe.plan import native
 
@@ -135,15 +134,6 @@ def steady_period(
     ins = _steady_graph(slot_ms, num_devices, rounds, lead_ms)
     # Start from the heaviest arc that crosses the most iterations: close to the final policy.
     policy = [max(range(len(arcs)), key=[(t, w) for _, w, t in arcs].__getitem__) for arcs in ins]
-    if kernels is not None:  # the same iteration, compiled (`native`)
-        offsets = native.ints(accumulate(map(len, ins), initial=0))
-        sources = native.ints(u for arcs in ins for u, _, _ in arcs)
-        weights = native.floats([w for arcs in ins for _, w, _ in arcs])
-        transits = native.ints(t for arcs in ins for _, _, t in arcs)
-        period = kernels.steady_policy(
-            offsets, sources, weights, transits, native.ints(policy), tol, 4 * count + 16
-        )
-        return period  # type: ignore[no-any-return]
     x = [0.0] * count
     eta = [0.0] * count
     for _ in range(4 * count + 16):

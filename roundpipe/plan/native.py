@@ -45,7 +45,6 @@ FUNCTIONS = (
     "split_schedule",
     "steady_bound_ticks",
     "steady_period_of",
-    "steady_policy",
     "stream_base",
     "stream_extras",
 )
