@@ -276,9 +276,7 @@ def loop_iteration_ms(
             at = _first_computes(graph, last + 1, loop, loss_lag)
             times.append((at[last] - at[first]) / (last - first))
         return times
-    floor, runs = _loop_runs(
-        plan, costs, num_devices, num_microbatches, round_size, long_first, loss_lags if long_first else ()
-    )
+    floor, runs = _loop_runs(plan, costs, num_devices, num_microbatches, round_size, long_first, loss_lags)
     return [settled_ms(runs(loss_lag), floor) for loss_lag in loss_lags]
 
 
@@ -335,7 +333,7 @@ def _loop_runs(
     num_microbatches: int,
     round_size: int | None,
     long_first: bool = False,
-    side_by_side: tuple[int, ...] = (),
+    lags: tuple[int, ...] = (),
 ) -> tuple[float, Callable[[int], Callable[[int], list[float]]]]:
     """A loop's floor (`busiest_device_ms`) and, per loss lag, ``first_computes(k)``: each
     iteration's first compute start in a run of k iterations, one graph per run length, built
@@ -352,10 +350,9 @@ def _loop_runs(
     on most plans (93 of 105 evaluations over the 16 grid shapes of 94 layers at (8, 16)),
     and this spares it the short graph and both short replays.
 
-    ``side_by_side`` (with ``long_first``, the loss lags to be asked for): within
-    `side_by_side()`, the first ask starts the other lags' long replays on its worker thread,
-    which the compiled replay runs without the GIL, beside its own; each lag's figures are the
-    same as one by one."""
+    ``lags``: the loss lags that will be asked for. With ``long_first``, within `side_by_side()`,
+    the first ask starts the other lags' long replays on its worker thread, which the compiled
+    replay runs without the GIL, beside its own; each lag's figures are the same as one by one."""
     floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
     graphs: dict[int, ReplayGraph] = {}
 
@@ -365,18 +362,19 @@ def _loop_runs(
         return graphs[iterations]
 
     pending: dict[int, Future[tuple[list[float], float]]] = {}
-    asked: list[int] = []
+    started = False  # the other lags' long replays, on the worker
 
     def long_run(loss_lag: int) -> tuple[list[float], float]:
-        graph = graph_of(SETTLE_LONG)
+        nonlocal started
         if loss_lag in pending:
             return pending.pop(loss_lag).result()
+        graph = graph_of(SETTLE_LONG)
         pool = getattr(_side, "pool", None)
-        if not asked and pool is not None:
-            for other in dict.fromkeys(side_by_side):
+        if not started and pool is not None:
+            for other in dict.fromkeys(lags):
                 if other != loss_lag:
                     pending[other] = pool.submit(_long_run, graph, other)
-        asked.append(loss_lag)
+        started = True
         return _long_run(graph, loss_lag)
 
     def runs(loss_lag: int) -> Callable[[int], list[float]]:
