@@ -19,7 +19,6 @@ in CSR form: `off[t]..off[t+1]` index `idx` for task t's dependents. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -150,9 +149,8 @@ static PyObject *float_list(const double *values, Py_ssize_t count) {
     return list;
 }
 
-/* A block kept from one call to the next (`build`'s and `invert`'s working arrays): see `build`
-   for why. Those kernels run holding the GIL, so one block per use serves all calls; the replay
-   lets the GIL go and keeps its blocks per thread (`ReplayBlocks`). */
+/* A block kept from one call to the next (the working arrays of the replay, the builder and the
+   inversion, in sets: `WorkingBlocks`): see `build` for why. */
 typedef struct {
     void *p;
     size_t cap;
@@ -212,6 +210,27 @@ static inline int vpush(Vec *v, i64 x) {
     v->items[v->len++] = x;
     return 0;
 }
+
+typedef struct {
+    double *items;
+    Py_ssize_t len, cap;
+} DVec;
+
+static inline int dgrow(DVec *v) {
+    Py_ssize_t cap = v->cap ? 2 * v->cap : 64;
+    double *grown = realloc(v->items, sizeof(double) * cap);
+    if (!grown) return -1;
+    v->items = grown;
+    v->cap = cap;
+    return 0;
+}
+
+typedef struct {
+    Vec res, level, dep_off, dep_idx, tmp;
+    DVec dur;
+    int failed; /* out of memory */
+    int broken; /* a dependency on a task that does not exist: `_Builder` would raise */
+} Graph;
 
 /* ---- the stream models' loop: `_stream._list_schedule` and `_split_stream._split_schedule` - */
 
@@ -507,37 +526,42 @@ static PyObject *split_schedule(PyObject *self, PyObject *args) {
 
 /* ---- replay: `roundpipe.plan_replay.replay_starts` -------------------------------------- */
 
-/* The replay's working blocks, one set per thread: `plan_replay.side_by_side` replays a graph's
-   two submissions at once, each on its own thread with the GIL let go, so they cannot share one
-   set as the kernels holding the GIL do. A thread's set is freed when the thread ends (its
-   worker is joined after each choice: no thread, and no block, outlives it). */
-typedef struct {
-    Kept unmet, wave, heap;
-} ReplayBlocks;
+/* The working blocks of the replay, the graph builder and its inversion. `plan_replay.side_by_side`
+   replays a graph's two submissions at once, each on a thread of its own with the GIL let go, so
+   two replays cannot share one set. Each call takes a set from a free list and gives it back
+   (both holding the GIL, which guards the list): a set is kept from one call to the next (see
+   `build` for why) and outlives the thread that used it. Kept per thread instead, the worker's
+   were freed as it was joined after each choice (a pipe leaves no thread behind), and its next
+   choice faulted every page in again. There are as many sets as calls have run at once: two. */
+typedef struct WorkingBlocks {
+    Kept unmet, wave, heap; /* the replay's */
+    Kept fill;              /* the inversion's */
+    /* the builder's: per layer and version, the uploads that read it and the gradient downloads
+       (``lv`` of each), the graph's growing lists and its other lists */
+    Vec *readers, *grads;
+    Py_ssize_t lv;
+    Graph graph;
+    Vec lists[7];
+    struct WorkingBlocks *next; /* in the free list */
+} WorkingBlocks;
 
-static pthread_key_t replay_key;
-static pthread_once_t replay_once = PTHREAD_ONCE_INIT;
-static int replay_key_made;
+static WorkingBlocks *free_blocks;
 
-static void replay_blocks_free(void *p) {
-    ReplayBlocks *r = p;
-    free(r->unmet.p);
-    free(r->wave.p);
-    free(r->heap.p);
-    free(r);
+/* A set of blocks for a call, the GIL held: NULL out of memory. */
+static WorkingBlocks *take_blocks(void) {
+    WorkingBlocks *t = free_blocks;
+    if (t != NULL) {
+        free_blocks = t->next;
+        return t;
+    }
+    return calloc(1, sizeof *t);
 }
 
-static void replay_key_make(void) { replay_key_made = pthread_key_create(&replay_key, replay_blocks_free) == 0; }
-
-static ReplayBlocks *replay_blocks(void) {
-    pthread_once(&replay_once, replay_key_make);
-    if (!replay_key_made) return NULL;
-    ReplayBlocks *r = pthread_getspecific(replay_key);
-    if (r == NULL && (r = calloc(1, sizeof *r)) != NULL && pthread_setspecific(replay_key, r) != 0) {
-        free(r);
-        r = NULL;
-    }
-    return r;
+/* The set back to the free list, the GIL held. */
+static void give_blocks(WorkingBlocks *t) {
+    if (t == NULL) return;
+    t->next = free_blocks;
+    free_blocks = t;
 }
 
 static PyObject *replay(PyObject *self, PyObject *args) {
@@ -572,7 +596,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "replay: arrays of unequal lengths, or a seq not a power of two");
         return NULL;
     }
-    ReplayBlocks *blocks = replay_blocks();
+    WorkingBlocks *blocks = take_blocks();
     if (blocks == NULL) {
         release(b, 10);
         return PyErr_NoMemory();
@@ -674,6 +698,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     free(timed);
     free(touched.items);
     heaps_free(&heaps);
+    give_blocks(blocks);
     release(b, 10);
     return out;
 }
@@ -702,15 +727,14 @@ static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data) 
 }
 
 /* Dependencies (CSR, every one in range) to (dependents offsets, dependents, unmet counts): each
-   task's dependents in task order, as the engine lists them. */
-static PyObject *invert_csr(const i64 *off, const i64 *idx, Py_ssize_t count) {
+   task's dependents in task order, as the engine lists them; ``blocks``: the caller's set. */
+static PyObject *invert_csr(const i64 *off, const i64 *idx, Py_ssize_t count, WorkingBlocks *blocks) {
     Py_ssize_t edges = off[count];
     i64 *out_off, *out_idx, *unmet;
     PyObject *a_off = new_array("q", count + 1, (void **)&out_off);
     PyObject *a_idx = a_off ? new_array("q", edges, (void **)&out_idx) : NULL;
     PyObject *a_unmet = a_idx ? new_array("q", count, (void **)&unmet) : NULL;
-    static Kept kept_fill;
-    i64 *fill = a_unmet ? kept(&kept_fill, sizeof(i64) * count) : NULL;
+    i64 *fill = a_unmet ? kept(&blocks->fill, sizeof(i64) * count) : NULL;
     if (fill == NULL) {
         Py_XDECREF(a_off);
         Py_XDECREF(a_idx);
@@ -742,8 +766,11 @@ static PyObject *invert(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     if (bad)
         PyErr_Format(PyExc_ValueError, "invert: %s", bad);
-    else
-        out = invert_csr(off, idx, count);
+    else {
+        WorkingBlocks *blocks = take_blocks();
+        out = blocks ? invert_csr(off, idx, count, blocks) : PyErr_NoMemory();
+        give_blocks(blocks);
+    }
     release(b, 2);
     return out;
 }
@@ -758,27 +785,6 @@ static PyObject *invert(PyObject *self, PyObject *args) {
 enum { COMPUTE_RES = 0, H2D_RES = 1, D2H_RES = 2 };
 enum { HIGH = 30, MID = 20, LOW = 10, P_COPY_LEVEL = 12 };
 enum { KIND_FWD = 0, KIND_FUSED = 1, KIND_BWD = 2 };
-
-typedef struct {
-    double *items;
-    Py_ssize_t len, cap;
-} DVec;
-
-static inline int dgrow(DVec *v) {
-    Py_ssize_t cap = v->cap ? 2 * v->cap : 64;
-    double *grown = realloc(v->items, sizeof(double) * cap);
-    if (!grown) return -1;
-    v->items = grown;
-    v->cap = cap;
-    return 0;
-}
-
-typedef struct {
-    Vec res, level, dep_off, dep_idx, tmp;
-    DVec dur;
-    int failed; /* out of memory */
-    int broken; /* a dependency on a task that does not exist: `_Builder` would raise */
-} Graph;
 
 /* Room for ``more`` items; 0, or -1 out of memory. */
 static inline int vreserve(Vec *v, Py_ssize_t more) {
@@ -869,22 +875,26 @@ static PyObject *build(PyObject *self, PyObject *args) {
     /* Per layer and version, the uploads that read it and the gradient downloads: thousands of
        short lists, kept from one build to the next with their blocks (allocating and freeing
        each was a fifth of a 20-iteration build at 94 layers), emptied here. */
-    static Vec *kept_readers, *kept_grads;
-    static Py_ssize_t kept_lv;
-    if (LV > kept_lv) {
-        Vec *more_readers = realloc(kept_readers, sizeof(Vec) * LV);
-        if (more_readers) kept_readers = more_readers;
-        Vec *more_grads = more_readers ? realloc(kept_grads, sizeof(Vec) * LV) : NULL;
-        if (more_grads) kept_grads = more_grads;
+    WorkingBlocks *blocks = take_blocks();
+    if (blocks == NULL) {
+        release(b, 8);
+        return PyErr_NoMemory();
+    }
+    if (LV > blocks->lv) {
+        Vec *more_readers = realloc(blocks->readers, sizeof(Vec) * LV);
+        if (more_readers) blocks->readers = more_readers;
+        Vec *more_grads = more_readers ? realloc(blocks->grads, sizeof(Vec) * LV) : NULL;
+        if (more_grads) blocks->grads = more_grads;
         if (!more_readers || !more_grads) {
+            give_blocks(blocks);
             release(b, 8);
             return PyErr_NoMemory();
         }
-        memset(kept_readers + kept_lv, 0, sizeof(Vec) * (LV - kept_lv));
-        memset(kept_grads + kept_lv, 0, sizeof(Vec) * (LV - kept_lv));
-        kept_lv = LV;
+        memset(blocks->readers + blocks->lv, 0, sizeof(Vec) * (LV - blocks->lv));
+        memset(blocks->grads + blocks->lv, 0, sizeof(Vec) * (LV - blocks->lv));
+        blocks->lv = LV;
     }
-    Vec *readers = kept_readers, *grads = kept_grads;
+    Vec *readers = blocks->readers, *grads = blocks->grads;
     for (Py_ssize_t i = 0; i < LV; i++) readers[i].len = grads[i].len = 0;
     i64 *p_copy = malloc(sizeof(i64) * LV), *step = malloc(sizeof(i64) * LV);
     i64 *last_g_copy = malloc(sizeof(i64) * layers);
@@ -894,14 +904,13 @@ static PyObject *build(PyObject *self, PyObject *args) {
     i64 *last_grad_down = malloc(sizeof(i64) * S);
     /* The growing lists keep their blocks from one build to the next: a 20-iteration graph's are
        megabytes, which malloc maps afresh and unmaps on free, so each build faulted every page
-       in again (more than half of its time at 94 layers). The GIL makes one set enough. */
-    static Graph kept_graph;
-    static Vec kept_lists[7];
+       in again (more than half of its time at 94 layers). */
+    Vec *kept_lists = blocks->lists;
     Vec params = kept_lists[0], chain = kept_lists[1], batches = kept_lists[2],
         computes = kept_lists[3], comp_off = kept_lists[4], losses = kept_lists[5],
         loss_off = kept_lists[6];
     params.len = chain.len = batches.len = computes.len = comp_off.len = losses.len = loss_off.len = 0;
-    Graph g = kept_graph;
+    Graph g = blocks->graph;
     g.res.len = g.level.len = g.dep_off.len = g.dep_idx.len = g.tmp.len = g.dur.len = 0;
     g.failed = g.broken = 0;
     int failed = !readers || !grads || !p_copy || !step || !last_g_copy || !hist_last ||
@@ -1055,7 +1064,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
             PyObject *a_res = vec_array("q", g.res.items, count);
             PyObject *a_rank = vec_array("q", rank, count);
             PyObject *a_dur = vec_array("d", g.dur.items, count);
-            PyObject *a_dependents = invert_csr(g.dep_off.items, g.dep_idx.items, count);
+            PyObject *a_dependents = invert_csr(g.dep_off.items, g.dep_idx.items, count, blocks);
             PyObject *a_batches = vec_array("q", batches.items, batches.len);
             PyObject *a_coff = vec_array("q", comp_off.items, comp_off.len);
             PyObject *a_comp = vec_array("q", computes.items, computes.len);
@@ -1088,7 +1097,8 @@ static PyObject *build(PyObject *self, PyObject *args) {
     free(last_grad_down);
     Vec lists[7] = {params, chain, batches, computes, comp_off, losses, loss_off};
     memcpy(kept_lists, lists, sizeof lists);
-    kept_graph = g;
+    blocks->graph = g;
+    give_blocks(blocks);
     release(b, 8);
     return out;
 }
