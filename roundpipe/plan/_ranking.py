@@ -39,12 +39,16 @@ the (8, 16) grid shape of 32 layers, backward 3.8x and head 4x 4th of all even p
 window of 1 to 3: 19th), but as the only ranking it chose worse on 23 of the 288 async grid
 shapes (most at (4, 8): the model is about 6% off there with either window), so it re-orders
 only the plans just past the shortlist (`choose.RECHECKED`)."""
-LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW = 8, (3, 7)
+LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW = 10, (3, 9)
 """Async ranking with ``late`` (a loop that reads each loss one iteration late: iteration t + 2
-submitted once iteration t's fused runs are done): iterations 3 to 7 of 8. Plans of up to N
+submitted once iteration t's fused runs are done): iterations 3 to 9 of 10. Plans of up to N
 slots submitted that way settle only after a few slow iterations: on the 24-layer grid shape of
 backward 1.3x and head 3x the fastest (7 slots, 172.77 ms settled) reads 253 ms over iterations
-1 to 3 and 177.5 over 3 to 7 (the chained model over 1 to 3: 253 too)."""
+1 to 3 and 177.5 over 3 to 7 (the chained model over 1 to 3: 253 too). The window of 3 to 7 of 8
+still misordered them: over every even plan of up to N slots on the 48 (8, 16) grid shapes of
+24-32 layers, the faster of its best two was 4.1-4.6% slower than the fastest on the mean (the
+fastest ranked up to 30th); over 3 to 9 of 10, 0.39-0.54% (up to 6th; 3 to 11 of 12 ranks as
+well, 3 to 13 of 14 no better). The eighteenth session's change (docs/performance.md)."""
 
 
 def spread(plan: Plan | _Candidate) -> float:

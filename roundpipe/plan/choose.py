@@ -87,13 +87,15 @@ LATE_FEW_TIMED = 2
 """A loop one loss late (``choose_plan(..., late=True)``): the plans of up to N slots best in the
 chained ranking, this many, are timed too; few slots make small graphs, cheap to time."""
 
-LATE_MODELLED = 2
+LATE_MODELLED = 3
 """And this many of the plans of up to N slots best by the model of a loop one loss late
 (`_ranking.LATE_MODEL_ITERATIONS`: each iteration gated on the losses of the one two back, over
 a longer window): those plans settle late in such a loop and both other models read them 20-45%
 slow. On the 48 (8, 16) grid shapes of 24-32 layers: 47 within 2% of the fastest even plan
 instead of 45, 0.16% over it on the mean instead of 0.33% (1 gave 46; replacing the chained
-ranking's few instead of adding to them, 45)."""
+ranking's few instead of adding to them, 45). Three since the model's longer window (eighteenth
+session), which ranks the fastest of them in its best three on 38 of those 48 shapes (two: 24L
+backward 1.3x head 3x 3.3% over the fastest even plan, against 2.6%)."""
 
 SHORTLISTED = 5
 """With an evaluator that estimates (`roundpipe.plan_eval`'s loop evaluators: `_Timer.consider`),
@@ -401,17 +403,20 @@ REFINE_TIMED = 4
 timing costs a millisecond or two at 94 layers (the compiled replay), the model a tenth of that."""
 
 
-REFINE_LATE_TIMED = 3
+REFINE_LATE_TIMED = 1
 """Around a plan of up to N slots, a loop one loss late (``late``) also times this many of the
 neighbours best by its own model (`_ranking.LATE_MODEL_WINDOW`), which reads those plans within a
 few percent where the waiting loop's model (the REFINE_TIMED above) is 20-30% slow and misorders
 them: at 94 layers, backward 2.5x, head 1x, the fastest even plan (6 slots, a fused stage one
 layer longer than the choice's; 814.0 ms) was 7th of the neighbours by that model and 3rd by
-its own, and the choice 2.2% slower. Against every even plan, on the (8, 16) grid shapes of 24 to
-94 layers (80 shapes): 24-32 layers 47 of 48 within 2% (mean 0.157% -> 0.145%), 48-94 layers 48
-of 48 (47; mean 0.266% -> 0.159%), 8 choices faster, none slower, for 99 -> 105 timings over the
-16 grid shapes at 94 layers (the better plan, found sooner, spares others). Replacing the other
-model's picks instead of adding to them lost shapes either way (1-4 of them: 0.5-1.7% slower)."""
+its own, and the choice 2.2% slower. Three with the model's shorter window (iterations 3 to 7 of
+8): against every even plan, on the (8, 16) grid shapes of 24 to 94 layers, 8 choices faster,
+none slower, for 99 -> 105 timings over the 16 grid shapes at 94 layers. With the longer window
+(3 to 9 of 10) and three few-slot plans timed by that model (`LATE_MODELLED`), one gives the
+same choices as three on the 288 late-loop grid shapes ((8, 16), (4, 8) and (2, 4); 24-94
+layers) for fewer timings (20 fewer over the 48 (8, 16) shapes of 24-32 layers, 3-7 over the 16
+of each of 48, 64 and 94 layers); none, 21 fewer at 24-32 layers, but a 28- and a 32-layer
+shape 0.05% and 0.8% slower."""
 
 OTHER_KIND_WITHIN = 1.05
 """`_refine` looks around the best plan of the other kind only when it is within this of the best."""
