@@ -104,7 +104,8 @@ def test_a_late_loop_also_times_the_runner_up_few_slot_plan(monkeypatch: pytest.
     late loop's best plan (the fastest of every even plan, `bench/schedule.py --exhaustive
     --loss-lag 1`: 250.14 ms, settled) is the chained ranking's second few-slot plan: with only
     the first timed, a 19-slot plan settling at 265.67 ms was chosen (and still is, where the
-    late loop's own model does not look: `LATE_MODELLED` 0; with it, a 6-slot plan at 251.77)."""
+    late loop's own model does not look: `LATE_MODELLED` and `LATE_EQUAL_TIMED` 0; with it, a
+    6-slot plan at 251.77)."""
     from roundpipe.plan import choose
     from roundpipe.plan.choose import even_plan
     from roundpipe.plan_eval import late_loop_evaluator
@@ -116,6 +117,7 @@ def test_a_late_loop_also_times_the_runner_up_few_slot_plan(monkeypatch: pytest.
     assert evaluate(chosen) <= evaluate(best) == pytest.approx(250.14, abs=0.01)
     monkeypatch.setattr(choose, "LATE_FEW_TIMED", 1)
     monkeypatch.setattr(choose, "LATE_MODELLED", 0)
+    monkeypatch.setattr(choose, "LATE_EQUAL_TIMED", 0)
     first_only = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert evaluate(first_only) == pytest.approx(265.67, abs=0.01)
 
@@ -138,8 +140,30 @@ def test_a_late_loop_times_the_few_slot_plans_its_own_model_ranks_best(
     chosen = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert (chosen.num_slots, evaluate(chosen)) == (7, pytest.approx(259.61, abs=0.01))
     monkeypatch.setattr(choose, "LATE_MODELLED", 0)
+    monkeypatch.setattr(choose, "LATE_EQUAL_TIMED", 0)
     chained_only = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert (chained_only.num_slots, evaluate(chained_only)) == (19, pytest.approx(266.05, abs=0.01))
+
+
+def test_a_late_loop_times_the_best_plan_of_equal_stages_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 layers, backward 1.3x, head 3x, 8 x 16: the fastest even plan for a loop one loss late
+    (7 slots: forward stages of 10 and 10 layers, the fused stage from layer 20, backward stages
+    of 5: 172.77 ms) lies outside the families the late loop ranks (its fused stage 3 layers
+    longer than the mean slot's); of the plans of equal stages (`_candidates.equal_splits`) it is
+    the late loop's model's best, and timed (`LATE_EQUAL_TIMED`). Without, a 5-slot plan at
+    177.18 ms, 2.6% slower."""
+    from roundpipe.plan import choose
+    from roundpipe.plan_eval import late_loop_evaluator
+
+    costs = grid_costs(24, 1.3, 3.0)
+    evaluate = late_loop_evaluator(costs, 8, 16)
+    chosen = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
+    assert [len(r) for r in chosen.fwd_stages] == [10, 10] and chosen.fused.start == 20
+    assert [len(r) for r in chosen.bwd_stages] == [5, 5, 5, 5]
+    assert evaluate(chosen) == pytest.approx(172.77, abs=0.01)
+    monkeypatch.setattr(choose, "LATE_EQUAL_TIMED", 0)
+    without = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
+    assert (without.num_slots, evaluate(without)) == (5, pytest.approx(177.18, abs=0.01))
 
 
 def test_a_late_loop_refines_around_few_slot_plans_by_its_own_model_too(

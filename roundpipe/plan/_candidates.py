@@ -289,6 +289,27 @@ def balanced_fused(chains: EvenChains, slot_counts: Iterable[int], longer: int =
             yield from chains.plans(s_count, q)
 
 
+def equal_splits(chains: EvenChains, slot_counts: Iterable[int], reach: int) -> Iterable[EvenPlan]:
+    """For each slot count S, the even plans whose forward stages all hold one number of layers
+    and whose backward stages all hold one number, with a fused stage starting (at a multiple of
+    both numbers) within ``reach`` layers of the mean slot's (`balanced_fused`). Balanced by time
+    alone, a chain's stages differ by a layer here and there; these do not, and a loop one loss
+    late runs some of them 2-3% faster than any plan nearby (`choose.LATE_EQUAL_TIMED`)."""
+    ticks = chains.ticks
+    for s_count in slot_counts:
+        mid = _mean_slot_fused_start(ticks, s_count)
+        low, high = max(ticks.p_mem, 1, mid - reach), min(ticks.n, mid + reach + 1)
+        for kf in range(1, s_count - 1):
+            kb = s_count - 1 - kf
+            step = math.lcm(kf, kb)
+            for p in range(step * -(-low // step), high, step):
+                plan = chains.plan(kf, kb, p)
+                if plan is not None and all(
+                    len({len(r) for r in chain}) == 1 for chain in (plan[1][0], plan[1][2])
+                ):
+                    yield plan
+
+
 def finest(chains: EvenChains, fused_layers: int) -> Iterable[EvenPlan]:
     """Even plans whose backward stages hold one layer each (or one of them two), the fused stage
     the last 1 to ``fused_layers`` layers, and the fewest forward stages none slower than the

@@ -97,6 +97,18 @@ ranking's few instead of adding to them, 45). Three since the model's longer win
 session), which ranks the fastest of them in its best three on 38 of those 48 shapes (two: 24L
 backward 1.3x head 3x 3.3% over the fastest even plan, against 2.6%)."""
 
+LATE_EQUAL_TIMED, EQUAL_SPLIT_REACH = 1, 4
+"""And the best of the plans of up to N slots whose forward stages all hold one number of layers
+and backward stages another (`_candidates.equal_splits`, fused stages within EQUAL_SPLIT_REACH
+layers of the mean slot's), by that model, where the families above do not hold them. On the
+24-layer grid shape of backward 1.3x and head 3x the fastest even plan is one (7 slots: two
+forward stages of 10 layers, a fused stage from layer 20, four backward stages of 5), 2.5% faster
+than the others the late loop timed and outside the families (the fused stage 3 layers longer
+than the mean slot's). On the 64 (8, 16) grid shapes of 24-48 layers: all within 2% of the
+fastest even plan (63), 0.009% over it on the mean (0.074%); at 64 layers 2 of 16 choices
+shorter (0.47%, 0.85%), at 94 the same, at (4, 8) and (2, 4) the same on every shape; 7% more of the
+late loop's planning instructions at 94 layers (reach 8: 10%, no better; 2: the miss stays)."""
+
 SHORTLISTED = 5
 """With an evaluator that estimates (`roundpipe.plan_eval`'s loop evaluators: `_Timer.consider`),
 the waiting loop looks at the best this many by the ranking, not only the `default_evaluations`
@@ -670,6 +682,9 @@ def _ranked_candidates(
         few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
         if LATE_MODELLED:  # and the best few by the model of a loop one loss late
             few_best += best_in_loop(few, LATE_MODELLED, late=True)
+        if LATE_EQUAL_TIMED:  # and of the plans of equal stages, not among them
+            equal = apart(_candidates.equal_splits(chains, range(1, n + 1), EQUAL_SPLIT_REACH), few)
+            few_best += best_in_loop(equal, LATE_EQUAL_TIMED, late=True)
     also_listed: list[tuple[float, Plan]] = []
     if ranked:  # by the loop's model, as ``ranked``, and only where they would be listed
         listed_ms = ranked[min(len(ranked), needed) - 1][0]
