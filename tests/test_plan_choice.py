@@ -434,6 +434,38 @@ def test_sync_candidates_take_longer_fused_stages(monkeypatch: pytest.MonkeyPatc
     assert evaluate(choose_plan(costs, 4, 8, evaluate=evaluate)) == pytest.approx(235.23, abs=0.01)
 
 
+def test_equal_splits_are_every_plan_of_equal_stages_near_the_mean_slot() -> None:
+    """`equal_splits`: of every even plan of up to N slots, exactly those whose forward stages
+    hold one layer count and backward stages another, with a fused stage starting within the
+    reach of the mean slot's; among them the 24-layer shape's fastest for a late loop."""
+    from roundpipe.plan import _candidates, choose
+
+    costs = grid_costs(24, 1.3, 3.0)
+    chains = choose._even_chains(costs, None)
+    reach = 4
+    listed = {
+        (tuple(f), fused, tuple(b))
+        for _, (f, fused, b) in _candidates.equal_splits(chains, range(1, 9), reach)
+    }
+    every = set()
+    for s_count in range(1, 9):
+        mid = _candidates._mean_slot_fused_start(chains.ticks, s_count)
+        for p in range(max(1, mid - reach), min(costs.num_layers, mid + reach + 1)):
+            for kf in range(1, s_count - 1):
+                plan = chains.plan(kf, s_count - 1 - kf, p)
+                if plan is not None and all(
+                    len({len(r) for r in chain}) == 1 for chain in (plan[1][0], plan[1][2])
+                ):
+                    every.add((tuple(plan[1][0]), plan[1][1], tuple(plan[1][2])))
+    assert listed == every and len(listed) > 5
+    fastest = (
+        (range(0, 10), range(10, 20)),
+        range(20, 26),
+        (range(15, 20), range(10, 15), range(5, 10), range(0, 5)),
+    )
+    assert fastest in listed
+
+
 def test_finest_plans_have_one_layer_per_backward_stage() -> None:
     """`finest`: backward stages of one layer (or one of two), the fused stage the last one or
     two layers, and the fewest forward stages none slower than the slowest of those."""
