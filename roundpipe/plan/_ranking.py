@@ -47,8 +47,8 @@ backward 1.3x and head 3x the fastest (7 slots, 172.77 ms settled) reads 253 ms 
 1 to 3 and 177.5 over 3 to 7 (the chained model over 1 to 3: 253 too). The window of 3 to 7 of 8
 still misordered them: over every even plan of up to N slots on the 48 (8, 16) grid shapes of
 24-32 layers, the faster of its best two was 4.1-4.6% slower than the fastest on the mean (the
-fastest ranked up to 30th); over 3 to 9 of 10, 0.39-0.54% (up to 6th; 3 to 11 of 12 ranks as
-well, 3 to 13 of 14 no better). The eighteenth session's change (docs/performance.md)."""
+fastest ranked as low as 31st); over 3 to 9 of 10, 0.39-0.54% (7th at worst; 3 to 11 of 12
+ranks as well, 3 to 13 of 14 no better). The eighteenth session's change (docs/performance.md)."""
 
 
 def spread(plan: Plan | _Candidate) -> float:

@@ -106,8 +106,9 @@ forward stages of 10 layers, a fused stage from layer 20, four backward stages o
 than the others the late loop timed and outside the families (the fused stage 3 layers longer
 than the mean slot's). On the 64 (8, 16) grid shapes of 24-48 layers: all within 2% of the
 fastest even plan (63), 0.009% over it on the mean (0.074%); at 64 layers 2 of 16 choices
-shorter (0.47%, 0.85%), at 94 the same, at (4, 8) and (2, 4) the same on every shape; 7% more of the
-late loop's planning instructions at 94 layers (reach 8: 10%, no better; 2: the miss stays)."""
+shorter (0.47%, 0.85%); at 94 layers, (4, 8) and (2, 4) the same choices on every shape; 7%
+more of the late loop's planning instructions at 94 layers (reach 8: 10%, no better; 2: the
+miss stays)."""
 
 SHORTLISTED = 5
 """With an evaluator that estimates (`roundpipe.plan_eval`'s loop evaluators: `_Timer.consider`),
