@@ -6,6 +6,7 @@ import copy
 import gc
 import json
 import math
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import roundpipe
+from roundpipe.backends.cuda import GIL_SWITCH_INTERVAL_S
 from tests.helpers import assert_weights_equal, async_reference, batches, mlp, sync_reference, tiny_causal_lm
 
 pytestmark = pytest.mark.gpu
@@ -45,8 +47,10 @@ def run(
 ) -> tuple[list[float], list[dict]]:
     config = roundpipe.RunConfig(devices=devices, num_microbatches=4, async_optimizer=async_optimizer, **cfg)
     losses, weights = [], []
+    switch_interval = sys.getswitchinterval()
     with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
         assert type(pipe._backend).__name__ == "CudaBackend"
+        assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S  # the lanes hand the GIL on sooner
         for x, y in data:
             losses.append(pipe.forward_backward(x, y, mse))
             pipe.step()
@@ -55,6 +59,7 @@ def run(
         pipe.trace().check_rules()
         assert {t.device for t in pipe.trace() if t.kind == "compute"} <= set(range(pipe.num_devices))
     assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
+    assert sys.getswitchinterval() == switch_interval  # given back at close
     return losses, weights
 
 

@@ -22,7 +22,7 @@ first run (the compiled code is cached on disk for the next). Setting ``TORCHIND
 in the environment (to 0 or 1) leaves the choice to inductor's own setting.
 
 The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
-compiles is open (`CppWrapper`), not as a per-compile option: inductor compiles a graph's
+compiles is open (`CPP_WRAPPER`), not as a per-compile option: inductor compiles a graph's
 backward lazily, at its first backward call, and torch 2.11 (the lent H200s' version) applies a
 per-compile ``cpp_wrapper`` to the forward only, so every compiled decoder layer's first
 backward failed there with "CudaKernelParamCache not populated" (also with
@@ -48,6 +48,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from roundpipe.backends.held_setting import HeldSetting
 from roundpipe.errors import ConfigError
 
 CompileSetting = bool | Literal["auto"]
@@ -76,7 +77,7 @@ class Compiler:
 def default_options(device_type: str) -> dict[str, Any]:
     """torch.compile's options for the layers of a run on ``device_type``: `DEFAULT_OPTIONS`
     (tests choose a backend there), else torch.compile's defaults."""
-    del device_type  # one answer for every device today; the C++ wrapper is `CppWrapper`'s
+    del device_type  # one answer for every device today; the C++ wrapper is `CPP_WRAPPER`'s
     return dict(DEFAULT_OPTIONS)
 
 
@@ -92,44 +93,22 @@ def wants_cpp_wrapper(device_type: str) -> bool:
     )
 
 
-class CppWrapper:
-    """Inductor's process-wide ``cpp_wrapper`` setting, on while at least one holder is open.
+def _read_cpp_wrapper() -> bool:
+    import torch._inductor.config as inductor_config
 
-    Why process-wide and counted: see the module docstring (a lazily compiled backward reads
-    the global setting). Each open CUDA pipe that compiles holds it once; the setting it found
-    comes back when the last one closes, so compiling outside roundpipe is as the user left it
-    before and after (while a pipe is open, their own compiles use the C++ wrapper too)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._previous = False
-
-    @property
-    def holders(self) -> int:
-        return self._holders
-
-    def acquire(self) -> None:
-        import torch._inductor.config as inductor_config
-
-        with self._lock:
-            if self._holders == 0:
-                self._previous = bool(inductor_config.cpp_wrapper)
-                inductor_config.cpp_wrapper = True
-            self._holders += 1
-
-    def release(self) -> None:
-        import torch._inductor.config as inductor_config
-
-        with self._lock:
-            if self._holders == 0:
-                return
-            self._holders -= 1
-            if self._holders == 0:
-                inductor_config.cpp_wrapper = self._previous
+    return bool(inductor_config.cpp_wrapper)
 
 
-CPP_WRAPPER = CppWrapper()
+def _write_cpp_wrapper(on: bool) -> None:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp_wrapper = on
+
+
+# Inductor's process-wide ``cpp_wrapper``, on while at least one compiling CUDA pipe is open.
+# Process-wide and held: a lazily compiled backward reads the global setting (module docstring);
+# while a pipe is open the user's own compiles use the C++ wrapper too.
+CPP_WRAPPER: HeldSetting[bool] = HeldSetting(_read_cpp_wrapper, _write_cpp_wrapper, lambda found: True)
 
 
 def _cpp_compiler() -> bool:

@@ -22,22 +22,39 @@ before the reader is done. The runtime keeps such tensors alive until the readin
 completed (`Runtime.hold` / `Runtime.finish`), so the caching allocator only recycles them
 afterwards.
 
+The lanes are threads of one interpreter, so the compute lane shares the GIL with the waiters,
+the copy lanes, the optimizer lane and the engine's loop; each torch call lets go of the GIL and
+takes it back, and a thread that wants it back waits until the holder drops it, by default up to
+5 ms (`sys.getswitchinterval`). While a CUDA pipe is open the interval is 0.5 ms at most
+(`GIL_SWITCH`, given back when the last one closes). On an H200, workload A (4,096-token
+microbatches, the host issuing kernels about as fast as the GPU runs them) went from 25,443 and
+21,338 tokens/s to 26,762 and 26,452, alternated on one machine, the GPU waiting on the host for
+35-37% of the step instead of 42-65% (docs/performance.md, nineteenth session).
+
 It must never decide ordering and never leave a thread running after `close()`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any
 
 import torch
 
 from roundpipe.backends.device_clock import DeviceClock
+from roundpipe.backends.held_setting import HeldSetting
 from roundpipe.backends.runtime import Runtime
 from roundpipe.backends.threads import LaneThreadBackend, Waiter
 from roundpipe.errors import ConfigError
 from roundpipe.sched.task import Task
+
+# The interpreter's GIL switch interval while a CUDA pipe is open: at most this (module docstring).
+GIL_SWITCH_INTERVAL_S = 0.0005
+GIL_SWITCH: HeldSetting[float] = HeldSetting(
+    sys.getswitchinterval, sys.setswitchinterval, lambda found: min(found, GIL_SWITCH_INTERVAL_S)
+)
 
 
 class CudaBackend(LaneThreadBackend):
@@ -72,6 +89,8 @@ class CudaBackend(LaneThreadBackend):
                 self._base[d] = (base, DeviceClock(self.now(), self.now))
         self._limit_host_threads(host_threads)
         runtime.compiler.open()
+        GIL_SWITCH.acquire()
+        self._holds_gil_switch = True
 
     def _limit_host_threads(self, host_threads: int | None) -> None:
         """Keep cores free for the lane threads that launch kernels: torch's intra-op pool (the
@@ -126,6 +145,9 @@ class CudaBackend(LaneThreadBackend):
         self._streams.clear()
         _release_cublas_workspaces()
         self.runtime.compiler.close()
+        if self._holds_gil_switch:
+            self._holds_gil_switch = False
+            GIL_SWITCH.release()
 
 
 def _release_cublas_workspaces() -> None:
