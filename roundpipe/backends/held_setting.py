@@ -5,7 +5,8 @@ C++ launch wrapper (`compiling.CPP_WRAPPER`) and the interpreter's GIL switch in
 (`cuda.GIL_SWITCH`). Each open pipe holds such a setting once; the first holder sets it, and the
 last one to let go gives back what the first found, so the user's process is as they left it
 before the first pipe opened and after the last one closed. A value the user set while a pipe
-was open is theirs: it is left as it is.
+was open is theirs and is left as it is (one equal to roundpipe's cannot be told apart from it).
+Where the setting already had the value roundpipe wants, nothing is written or given back.
 """
 
 from __future__ import annotations
