@@ -61,6 +61,7 @@ class CudaBackend(LaneThreadBackend):
     """Issues each lane's tasks on that lane's CUDA stream; see the module docstring."""
 
     issues_ahead = True
+    _holds_gil_switch = False  # set once `GIL_SWITCH` is acquired (the end of __init__)
 
     def __init__(
         self, runtime: Runtime, device_indices: tuple[int, ...], *, host_threads: int | None = None
