@@ -234,6 +234,9 @@ def test_device_times_keep_the_lengths_the_device_measured() -> None:
     measured = sum(end - start for start, end in computes)
     mapped = sum(placed[i][1] - placed[i][0] for i in range(len(computes)))
     assert mapped == pytest.approx(measured, rel=1e-3)  # bounded point by point: 8% short
+    stats = clock.statistics()  # what a benchmark reports of the map
+    assert stats.tasks == len(tasks) and stats.lost_ms == pytest.approx(0.0, abs=1e-3 * stats.device_ms)
+    assert stats.shift_ms < -ahead  # the reading is moved earlier by at least the late base
     _assert_device_order_kept(tasks, placed)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.backends.device_clock import DeviceClock
+from roundpipe.backends.device_clock import DeviceClock, DeviceClockStatistics
 from roundpipe.backends.held_setting import HeldSetting
 from roundpipe.backends.runtime import Runtime
 from roundpipe.backends.threads import LaneThreadBackend, Waiter
@@ -139,6 +139,11 @@ class CudaBackend(LaneThreadBackend):
         finally:
             with self._events_lock:
                 self._events.pop(task.key, None)
+
+    def clock_statistics(self) -> dict[int, DeviceClockStatistics]:
+        """Per device, what its map onto the host clock has done (`DeviceClock.statistics`): a
+        trace whose tasks lost length in the map reads a larger bubble than the GPU had."""
+        return {d: clock.statistics() for d, (_, clock) in self._base.items()}
 
     def close(self) -> None:
         super().close()

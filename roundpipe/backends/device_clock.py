@@ -48,10 +48,28 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # Observations older than this are dropped: no task is seen this long after its end, and a
 # dropped one could only loosen the bound, never misplace an order the GPU enforced.
 KEEP_OBSERVED_MS = 60_000.0
+
+
+@dataclass(frozen=True)
+class DeviceClockStatistics:
+    """What one device's map has done so far: ``device_ms`` is the summed task lengths as the GPU
+    measured them, ``mapped_ms`` as placed on the host clock; ``lost_ms`` (their difference) is
+    what the map took from the tasks (time a trace's bubble would wrongly count), ``shift_ms``
+    how far the GPU's reading is now moved (later: > 0)."""
+
+    tasks: int
+    device_ms: float
+    mapped_ms: float
+    shift_ms: float
+
+    @property
+    def lost_ms(self) -> float:
+        return self.device_ms - self.mapped_ms
 
 
 class DeviceClock:
@@ -70,6 +88,7 @@ class DeviceClock:
         self._observed: list[float] = []  # their host observations, increasing
         self._at: list[tuple[float, bool]] = []  # device times placed so far (and: a start?), increasing
         self._placed: list[float] = []  # where they were placed, non-decreasing
+        self._tasks, self._device_ms, self._mapped_ms = 0, 0.0, 0.0  # for `statistics`
 
     def place(
         self, start_elapsed_ms: float, end_elapsed_ms: float, issued_ms: float | None = None
@@ -86,7 +105,15 @@ class DeviceClock:
                 self._shift = issued_ms - self.base_ms - start_elapsed_ms
             if self.base_ms + self._shift + end_elapsed_ms > observed:  # the end bound wins a conflict
                 self._shift = observed - self.base_ms - end_elapsed_ms
-            return self._map(start_elapsed_ms, True, issued_ms), self._map(end_elapsed_ms, False)
+            start, end = self._map(start_elapsed_ms, True, issued_ms), self._map(end_elapsed_ms, False)
+            self._tasks += 1
+            self._device_ms += end_elapsed_ms - start_elapsed_ms
+            self._mapped_ms += end - start
+            return start, end
+
+    def statistics(self) -> DeviceClockStatistics:
+        with self._lock:
+            return DeviceClockStatistics(self._tasks, self._device_ms, self._mapped_ms, self._shift)
 
     def _map(self, elapsed_ms: float, start: bool, least: float | None = None) -> float:
         """``elapsed_ms`` (a task's start or end) on the host clock, no earlier than ``least``."""
