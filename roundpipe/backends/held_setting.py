@@ -29,7 +29,6 @@ class HeldSetting(Generic[T]):
         self._holders = 0
         self._found: T | None = None
         self._set: T | None = None
-        self._wrote = False
 
     @property
     def holders(self) -> int:
@@ -40,8 +39,7 @@ class HeldSetting(Generic[T]):
             if self._holders == 0:
                 self._found = self._read()
                 self._set = self._value(self._found)
-                self._wrote = self._set != self._found
-                if self._wrote:  # writing what is there could still change it (a float rounded)
+                if self._set != self._found:  # writing what is there could still change it (a float rounded)
                     self._write(self._set)
             self._holders += 1
 
@@ -50,5 +48,6 @@ class HeldSetting(Generic[T]):
             if self._holders == 0:
                 return
             self._holders -= 1
-            if self._holders == 0 and self._wrote and self._read() == self._set:
+            wrote = self._set != self._found
+            if self._holders == 0 and wrote and self._read() == self._set:
                 self._write(self._found)  # type: ignore[arg-type]  # set by acquire
