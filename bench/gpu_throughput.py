@@ -210,6 +210,7 @@ def run_roundpipe(
     waiting: list[Any] = []  # `PendingLoss`es not read yet
     with RssSampler() as rss, roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe:
         warm_peaks: dict[str, float] = {}
+        retries_before = alloc_retries(indices)
         first, measured_start = 0, time.perf_counter()
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
@@ -218,6 +219,7 @@ def run_roundpipe(
                 pipe.synchronize()
                 warm_peaks = device_memory(indices)
                 reset_peaks(indices)
+                retries_before = alloc_retries(indices)
                 first, measured_start = pipe.iteration_count, time.perf_counter()
             start = time.perf_counter()
             waiting.append(pipe.forward_backward(data, wait=False))
@@ -262,11 +264,8 @@ def run_roundpipe(
         "step_s_median": round(step_s, 4),
         "peak_gib": peaks,
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
-        # Allocations the caching allocator could only serve after freeing its cache (each one
-        # synchronizes the device): a budget tight enough to make them frequent costs speed.
-        "alloc_retries": {
-            f"cuda:{i}": torch.cuda.memory_stats(i).get("num_alloc_retries", 0) for i in indices
-        },
+        "alloc_retries": alloc_retries(indices),  # whole process: profiling and warm-up included
+        "alloc_retries_measured": {d: n - retries_before[d] for d, n in alloc_retries(indices).items()},
         **predicted,
         "slots": plan.num_slots,
         "plan": str(plan).splitlines()[0],
@@ -288,6 +287,13 @@ def run_roundpipe(
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "loss_lag": args.loss_lag,
     }
+
+
+def alloc_retries(indices: tuple[int, ...]) -> dict[str, int]:
+    """Each device's count of allocations the caching allocator served only after freeing its
+    cache (each one synchronizes the device): a budget tight enough to make them frequent costs
+    speed."""
+    return {f"cuda:{i}": int(torch.cuda.memory_stats(i).get("num_alloc_retries", 0)) for i in indices}
 
 
 # --------------------------------------------------------------------- plain side (own process)

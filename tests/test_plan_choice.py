@@ -434,6 +434,24 @@ def test_sync_candidates_take_longer_fused_stages(monkeypatch: pytest.MonkeyPatc
     assert evaluate(choose_plan(costs, 4, 8, evaluate=evaluate)) == pytest.approx(235.23, abs=0.01)
 
 
+def test_sync_candidates_reach_fused_stages_four_layers_longer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 48 layers, backward 1.3x, head 4x at (4, 8) the fastest even sync plan has 6 slots and a
+    12-layer fused stage (366.37 ms, the exhaustive search's best), and it meets the bubble target
+    (within 1.5 points of its slot count's analytic bubble); with fused stages at most two layers
+    longer than the mean slot's the choice was a 23-slot plan, 370.31 ms and off the target."""
+    from roundpipe.plan import choose
+
+    costs = grid_costs(48, 1.3, 4.0)
+    evaluate = engine_evaluator(costs, 4, 8, async_optimizer=False)
+    chosen = choose_plan(costs, 4, 8, evaluate=evaluate)
+    assert (chosen.num_slots, len(chosen.fused), evaluate(chosen)) == (6, 12, pytest.approx(366.37, abs=0.01))
+    bubble = simulate(chosen, costs, 4, 8, iterations=1, async_optimizer=False).bubble_ratio
+    assert bubble <= analytic_bubble(4, 8, chosen.num_slots) + SYNC_SLACK
+    monkeypatch.setattr(choose, "SYNC_LONGER_FUSED", 2)
+    near = choose_plan(costs, 4, 8, evaluate=evaluate)
+    assert (near.num_slots, evaluate(near)) == (23, pytest.approx(370.31, abs=0.01))
+
+
 def test_equal_splits_are_every_plan_of_equal_stages_near_the_mean_slot() -> None:
     """`equal_splits`: of every even plan of up to N slots, exactly those whose forward stages
     hold one layer count and backward stages another, with a fused stage starting within the

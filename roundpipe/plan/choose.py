@@ -74,14 +74,20 @@ machine's noise: the 16 grid shapes alternated in one process, 466 and 514 ms in
 467 and 511 with (at most 42-49 ms a shape either way)."""
 
 
-SYNC_LONGER_FUSED = 2
+SYNC_LONGER_FUSED = 4
 """Sync candidates of up to 2N slots (`_ranked_candidates`' few-slot and wider plans) also take
 fused stages starting up to this many layers before the one about the mean slot: a fused stage
 recomputes nothing, and on sync runs a longer one saves more than its imbalance costs. On the
 (4, 8) grid shapes of 24-32 layers the fastest plans have 6 slots, one forward stage and a fused
-stage 2 layers longer than that; with them the choice is within 2% of the fastest even plan on
-48 of 48 (45 without), 6 grid iterations shorter (up to 3.2%), none longer, for 1-3 ms more
-planning at 94 layers."""
+stage 2-4 layers longer than that. Reach 2 (the sixteenth session's): the choice within 2% of the
+fastest even plan on 48 of 48 (45 with none), 6 grid iterations shorter (up to 3.2%). Reach 4
+(twentieth session): 4 more (4, 8) choices shorter, none longer over the 288 sync grid shapes
+(24L backward 1.3x head 4x 0.56%, 28L 1.3x 3x 0.44%, 32L 1.3x 4x 0.62%, 48L 1.3x 4x 1.06%: the
+fastest even plan, a 6-slot plan with a 12-layer fused stage, 366.37 ms against 23 slots at
+370.31, and on the bubble target where the 23-slot plan was not), for about 5% more sync planning
+at 94 layers on (4, 8) (the 16 grid shapes, alternated: 370 and 380 ms in all against 397 and 399)
+and no change on (8, 16) within this machine's noise; reach 8 and 16 found nothing more on 48L
+1.3x 4x and cost 5-13 ms more there."""
 
 LATE_FEW_TIMED = 2
 """A loop one loss late (``choose_plan(..., late=True)``): the plans of up to N slots best in the
