@@ -84,10 +84,10 @@ fastest even plan on 48 of 48 (45 with none), 6 grid iterations shorter (up to 3
 (twentieth session): 4 more (4, 8) choices shorter, none longer over the 288 sync grid shapes
 (24L backward 1.3x head 4x 0.56%, 28L 1.3x 3x 0.44%, 32L 1.3x 4x 0.62%, 48L 1.3x 4x 1.06%: the
 fastest even plan, a 6-slot plan with a 12-layer fused stage, 366.37 ms against 23 slots at
-370.31, and on the bubble target where the 23-slot plan was not), for about 5% more sync planning
-at 94 layers on (4, 8) (the 16 grid shapes, alternated: 370 and 380 ms in all against 397 and 399)
-and no change on (8, 16) within this machine's noise; reach 8 and 16 found nothing more on 48L
-1.3x 4x and cost 5-13 ms more there."""
+370.31, and on the bubble target where the 23-slot plan was not). Sync planning of the 16 grid
+shapes of 94 layers on the H200 machine's host (`bench/planning_ab.py`, 4 rounds): (8, 16) 382 ->
+390 ms in all (heaviest 38.9 -> 39.3), (4, 8) 245 -> 267 (19.8 -> 21.9), the same plans. Reach 8
+and 16 found nothing more on 48L 1.3x 4x and cost 5-13 ms more there."""
 
 LATE_FEW_TIMED = 2
 """A loop one loss late (``choose_plan(..., late=True)``): the plans of up to N slots best in the
@@ -186,7 +186,11 @@ longer, mean 0.169% -> 0.136% over the fastest; at (4, 8) and (2, 4) 3 shorter (
 mean 0.050% -> 0.025%. Planning at 94 layers, the 16 grid shapes, the least of 6 runs each,
 alternated: 665 -> 672 ms in all at (8, 16), 280 -> 292 at (4, 8). With a margin of 0 for
 every plan: 3 more shorter at (8, 16), but 94 layers, backward 3.8x, head 1x took 70.5 ms at
-least against 55.0 (two 25-slot plans timed, 22 ms, neither the best)."""
+least against 55.0 (two 25-slot plans timed, 22 ms, neither the best). Small plans timed wherever
+their estimate is within 1% over the best (twentieth session): 4 of the 192 waiting-loop grid
+shapes at (8, 16) and (4, 8) 0.02-0.09% shorter (28L backward 3.8x head 4x onto the async bubble
+target), none longer, but on the H200 machine's host planning the 16 grid shapes of 94 layers at
+(8, 16) took 757 ms against 514 (9 under 50 ms against 15), so not kept."""
 
 
 def _estimate_margin(plan: Plan) -> float:
