@@ -8,8 +8,15 @@ much ``torch.compile`` removes, and whether a compiled layer stays one graph whe
 roundpipe's replicas) its parameter slots are rebound to other tensors on every call; and what the
 chunked LM-head loss costs per chunk size. One JSON line per measurement.
 
+``--parts launch``: how long the host takes to issue one layer's forward and forward-backward
+against how long the GPU takes to run them, eager, compiled, and captured as CUDA graphs
+(`torch.cuda.make_graphed_callables`, and inductor's ``mode="reduce-overhead"``). Where the host
+time nears the GPU time, a stage's launches pace the device (the CUDA backend's "host-bound"
+share); this is the bound on what CUDA graphs per layer could give back.
+
     python bench/gpu_kernels.py --tokens 16384                 # Qwen3-1.7B shape, one microbatch of B
     python bench/gpu_kernels.py --tokens 16384 --no-compile    # eager only
+    python bench/gpu_kernels.py --tokens 4096 --seq 4096 --parts launch   # a microbatch of A
 """
 
 from __future__ import annotations
@@ -196,6 +203,119 @@ def rebinding_line(layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: tor
     }
 
 
+def host_and_device_ms(fn: Callable[[], Any], repeat: int = 10, warmup: int = 3) -> tuple[float, float]:
+    """Median (host ms to issue ``fn``, GPU ms to run it), each call started on an idle device: the
+    host figure is the Python and launch work alone (a backward returns once its kernels are
+    queued), the GPU figure that of the kernels."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    host, device = [], []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        # Hold the stream behind a short sleep so that no kernel of ``fn`` can start (and delay
+        # the host's launches) before the host has issued them all.
+        torch.cuda._sleep(50_000_000)  # about 25 ms at the H200's clock
+        start.record()
+        issued = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - issued) * 1e3)
+        end.record()
+        end.synchronize()
+        device.append(start.elapsed_time(end))
+    return sorted(host)[len(host) // 2], sorted(device)[len(device) // 2]
+
+
+def launch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Host issue time against GPU time for one decoder layer, per way of running it."""
+    _, layer, rotary = layer_parts(args)
+    batch = args.tokens // args.seq
+    hidden = torch.randn(batch, args.seq, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(args.seq, device="cuda")[None].expand(batch, -1)
+    cos, sin = rotary(hidden, positions)
+    grad_out = torch.randn_like(hidden)
+
+    class Positional(torch.nn.Module):
+        """The layer with tensor arguments only, as `make_graphed_callables` needs."""
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            out = self.inner(x, attention_mask=None, position_embeddings=(cos, sin))
+            return out[0] if isinstance(out, tuple) else out
+
+    def reference_grad(module: Any) -> torch.Tensor:
+        layer.zero_grad(set_to_none=True)
+        x = hidden.detach().requires_grad_(True)
+        module(x, cos, sin).backward(grad_out)
+        torch.cuda.synchronize()
+        assert x.grad is not None
+        return x.grad.detach().clone()
+
+    eager = Positional(layer)
+    reference = reference_grad(eager)
+    variants: list[tuple[str, Callable[[], Any]]] = [
+        ("eager", lambda: eager),
+        ("compiled", lambda: torch.compile(Positional(layer))),
+        ("reduce-overhead", lambda: torch.compile(Positional(layer), mode="reduce-overhead")),
+        (
+            "graphed",
+            lambda: torch.cuda.make_graphed_callables(
+                Positional(layer), (hidden.detach().requires_grad_(True), cos, sin), num_warmup_iters=3
+            ),
+        ),
+        (
+            "compiled+graphed",
+            lambda: torch.cuda.make_graphed_callables(
+                torch.compile(Positional(layer)),
+                (hidden.detach().requires_grad_(True), cos, sin),
+                num_warmup_iters=3,
+            ),
+        ),
+    ]
+    lines: list[dict[str, Any]] = []
+    for name, make in variants:
+        line: dict[str, Any] = {
+            "bench": "gpu_kernels",
+            "part": "launch",
+            "variant": name,
+            "tokens": args.tokens,
+        }
+        try:
+            started = time.perf_counter()
+            module = make()
+            got = reference_grad(module)
+            line["build_s"] = round(time.perf_counter() - started, 1)
+            line["grad_rel_err_vs_eager"] = (got.float() - reference.float()).abs().max().item() / (
+                reference.float().abs().max().item()
+            )
+
+            def forward(module: Any = module) -> Any:
+                with torch.no_grad():
+                    return module(hidden, cos, sin)
+
+            def forward_backward(module: Any = module) -> Any:
+                x = hidden.detach().requires_grad_(True)
+                module(x, cos, sin).backward(grad_out)
+
+            # make_graphed_callables captures the forward with autograd only: no forward-only line.
+            parts = [("forward_backward", forward_backward)]
+            if not name.endswith("graphed"):
+                parts.insert(0, ("forward", forward))
+            for what, fn in parts:
+                host_ms, device_ms = host_and_device_ms(fn)
+                line[f"{what}_host_ms"] = round(host_ms, 3)
+                line[f"{what}_gpu_ms"] = round(device_ms, 3)
+        except Exception as error:  # a variant this torch cannot run: say so, go on
+            line["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [""])[0][:300]}"
+        lines.append(line)
+        print(json.dumps(line), file=sys.stderr, flush=True)
+    return lines
+
+
 def head_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
     s = QWEN3_1_7B
     hidden = torch.randn(args.tokens, s.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -237,11 +357,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384, help="tokens of one microbatch")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--parts", default="layer,head", help="layer, head (comma list)")
+    p.add_argument("--parts", default="layer,head", help="layer, head, launch (comma list)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     parts = set(args.parts.split(","))
     lines = layer_lines(args, args.compile) if "layer" in parts else []
+    lines += launch_lines(args) if "launch" in parts else []
     for line in [*lines, *(head_lines(args) if "head" in parts else [])]:
         text = json.dumps(line)
         print(text, flush=True)
