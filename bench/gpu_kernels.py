@@ -260,6 +260,9 @@ def launch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
     variants: list[tuple[str, Callable[[], Any]]] = [
         ("eager", lambda: eager),
         ("compiled", lambda: torch.compile(Positional(layer))),
+        # As a CUDA pipe compiles its layers: inductor's process-wide C++ launch wrapper on
+        # (`roundpipe.backends.compiling.CPP_WRAPPER`), for the backward compiled at its first call too.
+        ("compiled, C++ wrapper", lambda: torch.compile(Positional(layer))),
         ("reduce-overhead", lambda: torch.compile(Positional(layer), mode="reduce-overhead")),
         (
             "graphed",
@@ -277,7 +280,11 @@ def launch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
         ),
     ]
     lines: list[dict[str, Any]] = []
+    from torch._inductor import config as inductor_config
+
     for name, make in variants:
+        wrapper_found = inductor_config.cpp_wrapper
+        inductor_config.cpp_wrapper = name.endswith("C++ wrapper")
         line: dict[str, Any] = {
             "bench": "gpu_kernels",
             "part": "launch",
@@ -285,6 +292,9 @@ def launch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
             "tokens": args.tokens,
         }
         try:
+            # Fresh compiles: the wrappers share one forward's code and the layer's parameters, so
+            # dynamo would otherwise reuse the previous variant's graph (compiled without the wrapper).
+            torch._dynamo.reset()
             started = time.perf_counter()
             module = make()
             got = reference_grad(module)
@@ -310,7 +320,10 @@ def launch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
                 line[f"{what}_host_ms"] = round(host_ms, 3)
                 line[f"{what}_gpu_ms"] = round(device_ms, 3)
         except Exception as error:  # a variant this torch cannot run: say so, go on
-            line["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [""])[0][:300]}"
+            first_line = (str(error).splitlines() or [""])[0]
+            line["error"] = f"{type(error).__name__}: {first_line[:300]}"
+        finally:
+            inductor_config.cpp_wrapper = wrapper_found
         lines.append(line)
         print(json.dumps(line), file=sys.stderr, flush=True)
     return lines
