@@ -110,13 +110,23 @@ def layer_parts(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return config, layer, rotary
 
 
-def layer_lines(args: argparse.Namespace, compile_layer: bool) -> list[dict[str, Any]]:
+def layer_inputs(
+    args: argparse.Namespace,
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer on the GPU, a microbatch of hidden states for it (``args.tokens`` tokens in
+    sequences of ``args.seq``), its rotary (cos, sin) and an output gradient."""
     _, layer, rotary = layer_parts(args)
-    batch = args.tokens // args.seq
-    hidden = torch.randn(batch, args.seq, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
-    positions = torch.arange(args.seq, device="cuda")[None].expand(batch, -1)
+    hidden = torch.randn(
+        args.tokens // args.seq, args.seq, layer.hidden_size, device="cuda", dtype=torch.bfloat16
+    )
+    positions = torch.arange(args.seq, device="cuda")[None].expand(hidden.shape[0], -1)
     cos, sin = rotary(hidden, positions)
-    grad_out = torch.randn_like(hidden)
+    return layer, hidden, cos, sin, torch.randn_like(hidden)
+
+
+def layer_lines(args: argparse.Namespace, compile_layer: bool) -> list[dict[str, Any]]:
+    layer, hidden, cos, sin, grad_out = layer_inputs(args)
+    batch = hidden.shape[0]
     flops_fwd = 2 * args.tokens * sum(p.numel() for p in layer.parameters() if p.dim() == 2)
     flops_fwd += 2 * 2 * batch * args.seq * args.seq * layer.self_attn.config.num_attention_heads * 128 // 2
 
@@ -229,12 +239,7 @@ def host_and_device_ms(fn: Callable[[], Any], repeat: int = 10, warmup: int = 3)
 
 def launch_lines(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Host issue time against GPU time for one decoder layer, per way of running it."""
-    _, layer, rotary = layer_parts(args)
-    batch = args.tokens // args.seq
-    hidden = torch.randn(batch, args.seq, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
-    positions = torch.arange(args.seq, device="cuda")[None].expand(batch, -1)
-    cos, sin = rotary(hidden, positions)
-    grad_out = torch.randn_like(hidden)
+    layer, hidden, cos, sin, grad_out = layer_inputs(args)
 
     class Positional(torch.nn.Module):
         """The layer with tensor arguments only, as `make_graphed_callables` needs."""
