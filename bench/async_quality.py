@@ -236,6 +236,7 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
         loss = shadow(**batch).loss
         loss.backward()
         for p, read in zip(params, reads, strict=True):
+            assert read.grad is not None
             p.grad = read.grad.clone()
         if config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)

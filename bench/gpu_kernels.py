@@ -68,7 +68,7 @@ def kernel_categories(fn: Callable[[], Any]) -> dict[str, float]:
     totals: dict[str, float] = {}
     for event in prof.key_averages():
         name = event.key.lower()
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        us: float = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0) or 0.0
         if us <= 0 or event.key.startswith("aten::") or event.key.startswith("cuda"):
             continue
         if any(k in name for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "wgmma", "matmul")):

@@ -128,7 +128,7 @@ class TaskLog:
     def restore(self) -> None:
         module, run, finish, to_device = self._originals
         module.Runtime.run, module.Runtime.finish = run, finish
-        module.to_device = to_device
+        module.to_device = to_device  # type: ignore[attr-defined]
 
     def around_peak(self, count: int = 120) -> list[str]:
         """The task events before the highest allocated figure the log saw."""

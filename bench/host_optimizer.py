@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from roundpipe.optim.prediction import WeightPredictor
 
 # torch's AdamW implementations on CPU tensors: roundpipe's host_adamw uses "fused"; "loop" is
 # what torch.optim.AdamW(params) picks for CPU tensors when nothing is said.
-KERNELS: dict[str, dict[str, bool]] = {
+KERNELS: dict[str, dict[str, Any]] = {
     "fused": {"fused": True},
     "foreach": {"foreach": True},
     "loop": {"foreach": False},

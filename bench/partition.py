@@ -84,7 +84,7 @@ def realistic_costs(num_layers: int, seed: int = 0) -> LayerCosts:
     bwd = [0.1] + [2.0 * (1 + rng.uniform(-0.03, 0.03)) for _ in range(decoders)] + [7.0]
     mem = [GIB // 2] + [int(GIB * (1 + rng.uniform(-0.02, 0.02))) for _ in range(decoders)] + [int(3.5 * GIB)]
     names = ["embed_tokens"] + [f"layers.{i}" for i in range(decoders)] + ["lm_head"]
-    return LayerCosts(fwd, bwd, mem, names)
+    return LayerCosts(tuple(fwd), tuple(bwd), tuple(mem), tuple(names))
 
 
 def naive_objective(costs: LayerCosts, n: int, m: int, limit: int) -> float:

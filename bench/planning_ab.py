@@ -103,7 +103,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, checkout in checkouts.items():
                 for shape, row in _run(checkout, args, loop).items():
-                    ms = float(row["ms"])  # type: ignore[index]
+                    ms = float(row["ms"])  # type: ignore[index,arg-type]
                     least[name][shape] = min(ms, least[name].get(shape, ms))
                     stages[name][shape] = row["stages"]  # type: ignore[index]
         summary: dict[str, object] = {"bench": "planning-ab", "loop": loop, "layers": args.layers}

@@ -86,7 +86,7 @@ def attempt(argv: list[str], faults: str, log: Path, kill_after: tuple[float, in
 
 
 def draw_faults(rng: random.Random, run_seconds: float) -> list[dict[str, Any]]:
-    faults = []
+    faults: list[dict[str, object]] = []
     for _ in range(rng.randint(1, 3)):
         sig = rng.choice(SIGNALS)
         if rng.random() < 0.6:
@@ -163,7 +163,9 @@ def main() -> int:
     sys.modules["matplotlib"] = None  # type: ignore[assignment]  # no timeline.png: it costs more than a run
     out = Path(tempfile.mkdtemp(prefix="roundpipe-soak-"))
     model = out / "config.json"
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    common: dict[str, Any] = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
     Qwen3Config(vocab_size=256, num_key_value_heads=2, head_dim=8, **common).to_json_file(str(model))
 
     t0 = time.monotonic()

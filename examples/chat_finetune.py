@@ -71,7 +71,8 @@ def generate(base_dir: Path, adapters: Path, question: str) -> str:
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
     )
-    ids = prompt if isinstance(prompt, torch.Tensor) else prompt["input_ids"]
+    # A tensor, or (newer transformers) a BatchEncoding holding one.
+    ids: torch.Tensor = prompt if isinstance(prompt, torch.Tensor) else prompt["input_ids"]  # type: ignore[index,call-overload,assignment]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
