@@ -62,8 +62,9 @@ def resolve_budget(config: RunConfig, kind: str, indices: tuple[int, ...]) -> in
     budget = config.memory_budget_bytes()
     if kind != "cuda":
         return budget
-    from roundpipe.backends.budget import default_budget, enforce_budget
+    from roundpipe.backends.budget import default_budget, enforce_budget, require_devices
 
+    require_devices(indices)
     _limit_fragmentation()
     if budget is None:
         budget = min(default_budget(index) for index in indices)

@@ -44,3 +44,37 @@ def test_cuda_and_auto_under_torchrun_take_the_local_share(monkeypatch: pytest.M
     assert parse_devices("cpu:2").indices == (0, 1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert parse_devices("cuda").indices == (0, 1, 2, 3)
+
+
+def test_cuda_devices_without_cuda_are_refused_before_anything_reads_a_card(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """devices="cuda:0" where torch has no CUDA: a ConfigError saying what to use instead, raised
+    before the budget reads the card's free memory (torch's own error came from there)."""
+    import roundpipe
+    from roundpipe.backends import budget
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    free_memory_read: list[int] = []
+    monkeypatch.setattr(
+        budget, "default_budget", lambda index, reserve=None: free_memory_read.append(index) or 0
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match=r'devices="cuda:0,1" but CUDA is not available') as info:
+        roundpipe.RoundPipe(model, config=RunConfig(devices="cuda:0,1"))
+    assert 'use devices="cpu:N"' in str(info.value)
+    assert free_memory_read == []
+
+
+def test_cuda_devices_that_do_not_exist_are_refused_naming_the_ones_that_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from roundpipe.backends.budget import require_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    require_devices((0, 1))
+    with pytest.raises(
+        ConfigError, match=r"cuda:3 does not exist: this machine has 2 CUDA device\(s\) \(cuda:0 to cuda:1\)"
+    ):
+        require_devices((0, 3))

@@ -15,6 +15,30 @@ from roundpipe.plan.sizes import format_bytes
 GiB = 2**30
 
 
+def require_devices(device_indices: tuple[int, ...]) -> None:
+    """Raise a `ConfigError` that says what to change unless CUDA is usable here and every device
+    of ``device_indices`` exists: checked before anything reads a card (the budget's free memory,
+    the backend's streams), where torch would raise its own error from deep inside."""
+    if not torch.cuda.is_available():
+        why = (
+            "this torch build has no CUDA support"
+            if torch.version.cuda is None
+            else "torch finds no usable NVIDIA GPU or driver"
+        )
+        named = ",".join(str(i) for i in device_indices)
+        raise ConfigError(
+            f'devices="cuda:{named}" but CUDA is not available ({why}); use devices="cpu:N" to '
+            "train on CPU workers, or run where torch.cuda.is_available() is True"
+        )
+    count = torch.cuda.device_count()
+    for index in device_indices:
+        if not 0 <= index < count:
+            raise ConfigError(
+                f"cuda:{index} does not exist: this machine has {count} CUDA device(s) "
+                f"(cuda:0 to cuda:{count - 1}); name devices among them"
+            )
+
+
 def default_reserve_bytes(total_bytes: int) -> int:
     """What the default budget leaves free: max(1 GiB, 5% of the card).
 

@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
+from roundpipe.backends.budget import require_devices
 from roundpipe.backends.device_clock import DeviceClock, DeviceClockStatistics
 from roundpipe.backends.held_setting import HeldSetting
 from roundpipe.backends.runtime import Runtime
 from roundpipe.backends.threads import LaneThreadBackend, Waiter
-from roundpipe.errors import ConfigError
 from roundpipe.sched.task import Task
 
 # The interpreter's GIL switch interval while a CUDA pipe is open: at most this (module docstring).
@@ -66,12 +66,7 @@ class CudaBackend(LaneThreadBackend):
     def __init__(
         self, runtime: Runtime, device_indices: tuple[int, ...], *, host_threads: int | None = None
     ) -> None:
-        if not torch.cuda.is_available():
-            raise ConfigError('devices="cuda" but CUDA is not available; use devices="cpu:N"')
-        count = torch.cuda.device_count()
-        for index in device_indices:
-            if not 0 <= index < count:
-                raise ConfigError(f"cuda:{index} does not exist: this machine has {count} CUDA device(s)")
+        require_devices(device_indices)
         super().__init__(runtime)
         self.device_indices = device_indices
         runtime.devices = {d: torch.device("cuda", index) for d, index in enumerate(device_indices)}
