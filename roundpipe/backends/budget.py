@@ -2,7 +2,9 @@
 
 Why apart from the profile: the budget is decided before anything is measured or allocated, from
 the card's free memory, and enforced by the caching allocator's per-process fraction, so a large
-card can stand in for a smaller one; the profile then measures what runs inside it.
+card can stand in for a smaller one; the profile then measures what runs inside it. The budget is
+also the first thing to touch a card, so the check that the devices named exist lives here too
+(`require_devices`, which the CUDA backend calls as well).
 """
 
 from __future__ import annotations
