@@ -247,6 +247,7 @@ def run_roundpipe(
             for d, c in getattr(backend, "clock_statistics", dict)().items()
         }
     peaks = device_memory(indices)
+    retries = alloc_retries(indices)
     step_s = sorted(times[args.warmup :])[len(times[args.warmup :]) // 2]
     if args.loss_lag:
         # A loop iteration that reads the previous step's loss returns when that loss is in, which
@@ -264,8 +265,8 @@ def run_roundpipe(
         "step_s_median": round(step_s, 4),
         "peak_gib": peaks,
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
-        "alloc_retries": alloc_retries(indices),  # whole process: profiling and warm-up included
-        "alloc_retries_measured": {d: n - retries_before[d] for d, n in alloc_retries(indices).items()},
+        "alloc_retries": retries,  # whole process: profiling and warm-up included
+        "alloc_retries_measured": {d: n - retries_before[d] for d, n in retries.items()},
         **predicted,
         "slots": plan.num_slots,
         "plan": str(plan).splitlines()[0],
