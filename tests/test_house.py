@@ -1,15 +1,14 @@
 """The repository speaks of the product, not of how it was made.
 
-Why: comments, docstrings and docs that narrate working periods ("until the sixteenth ...", "the
-last ...", "issue 8's target") go stale the moment they are written and tell a reader nothing that
+Why: comments, docstrings and docs that narrate working periods (which one changed a constant,
+what the last one found, which issue number asked for a target) go stale the moment they are written and tell a reader nothing that
 holds; what changed when belongs in git log. So every tracked text file of the package, its tests,
 docs, benchmarks and examples is searched for the words that such narration needs, and the
 performance page is held to the current figures (at most ``PERFORMANCE_MAX_LINES`` lines).
 
 The patterns are kept precise, so ordinary English passes: ordinals up to "tenth" are common
 ("a tenth faster", "an eighth of the budget", "the second iteration") and are not searched for;
-the ordinals from eleventh up, the word for a working period, and an issue or pull request
-number are. The words are assembled from pieces so that this file does not find itself.
+the ordinals past ten, the word for a working period, and an issue or pull request number are. The words are assembled from pieces so that this file does not find itself.
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ SUFFIXES = {".py", ".md", ".c", ".toml", ".sh", ".yml", ".yaml", ".json"}
 NOT_PROSE = {"roundpipe/data/tokenizer/tokenizer.json"}
 PERFORMANCE_MAX_LINES = 600
 # pytest's own API names its test run so; these exact uses are code, not narration.
-ALLOWED = re.compile(r'scope="session"|request\.session\b|\bsession: pytest\.Session\b')
+_WORD = "sess" + "ion"
+ALLOWED = re.compile(rf'scope="{_WORD}"|request\.{_WORD}\b|\b{_WORD}: pytest\.{_WORD.capitalize()}\b')
 
 _PERIOD = "sess" + "ions?"
 _ORDINALS = "eleven|twelf|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twentie|thirtie"
@@ -82,9 +82,9 @@ def test_the_pattern_finds_narration_and_passes_ordinary_english() -> None:
         f"measured in the last {period}",
         f"{period}s of work",
         f"a section headed Twen{'tieth'} findings",
-        "the target of issue 8",
-        "as asked in #7 (issue #12)",
-        "twenty-first",
+        "the target of iss" + "ue 8",
+        "as asked (iss" + "ue #12)",
+        "twenty" + "-first",
     ]
     for line in narrated:
         assert narration_in(line), line
@@ -97,9 +97,9 @@ def test_the_pattern_finds_narration_and_passes_ordinary_english() -> None:
         "issued ahead; device-side waits",
         "the issue time of a task",
         "a TSV file of 8 columns",
-        '@pytest.fixture(scope="session")',
-        "items = request.session.items",
-        "def pytest_collection_finish(session: pytest.Session) -> None:",
+        f'@pytest.fixture(scope="{period}")',
+        f"items = request.{period}.items",
+        f"def pytest_collection_finish({period}: pytest.{period.capitalize()}) -> None:",
     ]
     for line in ordinary:
         assert not narration_in(line), line
