@@ -4,6 +4,7 @@ quantized model, and a quarter of the bytes uploaded for a frozen layer."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,3 +125,32 @@ def test_a_frozen_block_uploads_a_quarter_of_its_bf16_bytes() -> None:
     # What else travels (norms, LoRA adapters) is the same in both.
     assert quantized_dtypes[torch.bfloat16] == dense - uploads * frozen * 2
     assert quantized_dtypes[torch.uint8] / (uploads * frozen * 2) == pytest.approx(0.28125)
+
+
+def test_train_cli_nf4_lora_export_loads_onto_the_original_base(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from roundpipe.cli import main
+    from tests.helpers import tiny_model_dir, train_args
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    args = train_args(model_dir, tmp_path, "q", 2, "--lora-r", "4", "--base-format", "nf4", "--sync")
+    assert main([*args, "--export", str(tmp_path / "adapter")]) == 0
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    dense = {n: p.detach().clone() for n, p in base.named_parameters()}
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    assert count_nf4(loaded) == 0
+    lora_b = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert lora_b and all(bool(p.abs().sum() > 0) for p in lora_b)  # trained away from zero
+    attention = loaded.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert torch.equal(attention.weight, dense["model.layers.0.self_attn.q_proj.weight"])
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(loaded(input_ids=ids).logits).all()
+
+
+def test_nf4_needs_a_frozen_base() -> None:
+    config = roundpipe.RunConfig(devices="cpu:1", base_format="nf4")
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with pytest.raises(roundpipe.ConfigError, match="freeze the base"):
+        roundpipe.RoundPipe(model, optimizer=sgd, config=config)
