@@ -224,3 +224,17 @@ def test_nf4_weight_sizes() -> None:
     q = quantize_nf4(torch.randn(128, 64))
     assert isinstance(q, NF4Weight) and q.numel == 128 * 64
     assert q.nbytes == 128 * 64 // 2 + 128 * 4
+
+
+def test_profile_counts_the_4_bit_bytes_and_the_dequantized_weight() -> None:
+    from roundpipe.backends.profile import profile_layers
+
+    frozen = nn.Linear(64, 128)
+    frozen.requires_grad_(False)
+    model = quantize_frozen_(nn.Sequential(frozen, nn.Linear(128, 8)))
+    memory, _, _ = profile_layers(
+        list(model), torch.randn(4, 64), torch.device("cpu"), computes_loss=False, dtype=torch.bfloat16
+    )
+    assert memory.param_bytes[0] == 64 * 128 // 2 + 64 * 128 // 64 * 4 + 128 * 2
+    assert memory.work_bytes[0] >= 64 * 128 * 2 and memory.bwd_work_bytes[0] >= 64 * 128 * 2
+    assert memory.work_bytes[1] == 0
