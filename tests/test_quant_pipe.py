@@ -154,3 +154,31 @@ def test_nf4_needs_a_frozen_base() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     with pytest.raises(roundpipe.ConfigError, match="freeze the base"):
         roundpipe.RoundPipe(model, optimizer=sgd, config=config)
+
+
+@pytest.mark.gpu
+def test_nf4_lora_on_cuda_matches_a_plain_peft_loop() -> None:
+    """The same quantized weights through RoundPipe on cuda:0 and through a plain loop on the GPU
+    give the same losses, within bf16's tolerance."""
+    model = lora_qwen3()
+    quantize_frozen_(model)
+    reference = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    data = token_data(3)
+    opt = sgd([p for p in reference.parameters() if p.requires_grad])
+    expected = []
+    for batch in data:
+        loss = reference(**{k: v.cuda() for k, v in batch.items()}).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    config = roundpipe.RunConfig(
+        devices="cuda:0", num_microbatches=1, async_optimizer=False, precision="bf16", base_format="nf4"
+    )
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        losses = []
+        for batch in data:
+            losses.append(pipe.forward_backward(batch, None, None))
+            pipe.step()
+        pipe.synchronize()
+    assert losses == pytest.approx(expected, rel=2e-2, abs=2e-2)
