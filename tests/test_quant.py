@@ -89,7 +89,7 @@ def test_round_trip_error_is_within_half_a_code_gap() -> None:
     error = (dequantize_nf4(q) - weight).view(-1, 64).abs()
     half_gap = max(b - a for a, b in itertools.pairwise(NF4_CODES)) / 2
     assert bool((error <= q.absmax[:, None] * half_gap * (1 + 1e-6)).all())
-    assert float(error.mean()) < 0.1  # about 0.07 of a unit Gaussian's scale
+    assert float(error.mean()) < 0.1  # about 0.07 of a unit Gaussian's standard deviation
     zeros = quantize_nf4(torch.zeros(128))
     assert torch.equal(dequantize_nf4(zeros), torch.zeros(128))
 
