@@ -117,11 +117,22 @@ def quantize_nf4(weight: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> 
     return NF4Weight(packed.contiguous(), absmax.contiguous(), weight.shape, weight.dtype, block_size)
 
 
+_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def _byte_table(device: torch.device) -> torch.Tensor:
-    """[256, 2] fp32: the two code values each byte holds (high nibble first)."""
-    codes = _codes(device)
-    every = torch.arange(256, device=device)
-    return torch.stack((codes[every >> 4], codes[every & 15]), dim=1)
+    """[256, 2] fp32: the two code values each byte holds (high nibble first), made once per
+    device: a fresh table per call would be a host-to-device copy in every layer call, which
+    stalls a host that runs ahead of the GPU."""
+    table = _BYTE_TABLES.get(device)
+    if table is None:
+        codes = _codes(torch.device("cpu"))
+        every = torch.arange(256)
+        table = torch.stack((codes[every >> 4], codes[every & 15]), dim=1).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # complete before another stream reads it
+        _BYTE_TABLES[device] = table
+    return table
 
 
 def _dequantize_flat(
