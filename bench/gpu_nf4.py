@@ -2,8 +2,8 @@
 
 Why: a frozen NF4 base crosses the host link in a quarter of bf16's bytes, but every layer call
 dequantizes its weight on the device (twice per backward stage: forward and backward). This
-measures, on the weights of one 32B-shaped decoder layer (Qwen2.5-32B: hidden 5120, MLP 27648,
-40 query and 8 key/value heads of 128; ``--shapes`` for others), for a microbatch of ``--tokens``:
+measures, on the weights of one 32B-shaped decoder layer (Qwen3-32B: hidden 5120, MLP 25600,
+64 query and 8 key/value heads of 128; ``--shapes`` for others), for a microbatch of ``--tokens``:
 - correctness: the bytes and the dequantized weight against bitsandbytes (when importable), the
   round-trip error against the bf16 weight;
 - dequantization alone: eager (`roundpipe.model.quant.dequantize_nf4`), ``torch.compile``d, and
@@ -33,12 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from roundpipe.model.quant import NF4Linear, dequantize_nf4, quantize_nf4
 
 SHAPES_32B = {
-    "q_proj": (5120, 5120),
+    "q_proj": (8192, 5120),
     "k_proj": (1024, 5120),
-    "o_proj": (5120, 5120),
-    "gate_proj": (27648, 5120),
-    "down_proj": (5120, 27648),
-    "wide_25600": (25600, 5120),
+    "o_proj": (5120, 8192),
+    "gate_proj": (25600, 5120),
+    "down_proj": (5120, 25600),
 }
 
 
