@@ -533,8 +533,8 @@ static PyObject *split_schedule(PyObject *self, PyObject *args) {
    two replays cannot share one set. Each call takes a set from a free list and gives it back
    (both holding the GIL, which guards the list): a set is kept from one call to the next (see
    `build` for why) and outlives the thread that used it. Kept per thread instead, the worker's
-   were freed as it was joined after each choice (a pipe leaves no thread behind), and its next
-   choice faulted every page in again. There are as many sets as calls have run at once: two. */
+   would be freed as it is joined after each choice (a pipe leaves no thread behind), and its next
+   choice would fault every page in again. There are as many sets as calls have run at once: two. */
 typedef struct WorkingBlocks {
     Kept unmet, wave, heap; /* the replay's */
     Kept fill;              /* the inversion's */
@@ -709,7 +709,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
 
 static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data) {
     /* array.array(typecode, [0]) * count: zeroed, writable through the buffer; one block
-       (through bytes it took two, each a fresh mapping to fault in at a large graph's size) */
+       (through bytes it takes two, each a fresh mapping to fault in at a large graph's size) */
     PyObject *module = PyImport_ImportModule("array");
     if (module == NULL) return NULL;
     PyObject *one = PyObject_CallMethod(module, "array", "s[i]", typecode, 0);
@@ -908,8 +908,8 @@ static PyObject *build(PyObject *self, PyObject *args) {
     i64 *act_down = malloc(sizeof(i64) * S * m), *act_up = malloc(sizeof(i64) * S * m);
     i64 *last_grad_down = malloc(sizeof(i64) * S);
     /* The growing lists keep their blocks from one build to the next: a 20-iteration graph's are
-       megabytes, which malloc maps afresh and unmaps on free, so each build faulted every page
-       in again (more than half of its time at 94 layers). */
+       megabytes, which malloc maps afresh and unmaps on free, so each build would fault every
+       page in again (more than half of its time at 94 layers). */
     Vec *kept_lists = blocks->lists;
     Vec params = kept_lists[0], chain = kept_lists[1], batches = kept_lists[2],
         computes = kept_lists[3], comp_off = kept_lists[4], losses = kept_lists[5],

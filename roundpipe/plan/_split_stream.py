@@ -4,14 +4,14 @@ Sync plans are ranked by `split_ms`, the same list schedule with a backward micr
 tasks, its recompute ahead of its gradient as the engine runs it (and the saved activation and
 one parameter upload per layer that the recompute waits for): on the profile grid's even plans
 `stream_ms` is up to 16% slower than the engine (and 36% faster on a few), `split_ms` gives the
-engine's time on most of them and stays within 2%. Ranking by it put 6 more of the grid's 288
-sync shapes on the bubble target and shortened 82 chosen iterations (none got longer). It costs
-about 1.7 times `stream_ms` per plan; async ranking keeps `stream_ms` (not tried there).
+engine's time on most of them and stays within 2% (on one device and on plans of no more slots
+than devices, the engine's time: `tests/test_schedule_models.py`). It costs about 1.7 times
+`stream_ms` per plan; async ranking uses `stream_ms`.
 
 A backward run's recompute waits for its saved activation and one parameter upload per layer,
 never for the gradient; its backward waits for the gradient and its own recompute. It shares the
-list schedule of `_stream._list_schedule` (one loop, `_stream.event_loop`) and its bounds' reasoning; it must never build
-plans or import torch or the scheduler.
+list schedule of `_stream.stream_ms` (one loop, `_stream.event_loop`) and its bounds' reasoning;
+it must never build plans or import torch or the scheduler.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def split_ms(
     after the device's run before last); then the rest, after the recompute and the gradient from
     the slot before. The engine keeps a device busy with recomputes while gradients are on their
     way; the whole-microbatch model (`stream_ms`) cannot, and is up to 16% slow on plans whose
-    first backward runs wait for gradients (measured on the profile grid's even plans; this model
-    gives the engine's time on most of them and is within 2% on all, never under it).
+    first backward runs wait for gradients (the profile grid's even plans; this model gives the
+    engine's time on most of them and is within 2% on all).
 
     ``give_up`` as in `stream_ms`; ``graphs``: the `SplitGraph`s of earlier calls, by slot count."""
     s_count, first_backward, n = len(slot_ms), split.first_backward, num_devices

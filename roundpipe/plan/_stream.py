@@ -382,11 +382,8 @@ def _list_schedule(
 ) -> tuple[float, list[float]]:
     """Run the tasks of `_structure`: a free device starts its ready task first in dispatch order.
     Returns when the last ends and when each started (``every_start=False``: the ``watched``
-    tasks only, in their order; the compiled loop then makes no float of the others: a quarter
-    of a call, 43 -> 32 us on a window of 832 tasks); early (inf) once device d, starting a task at ``now`` with ``left[d]`` to do, shows
-    the makespan past ``give_up``, or once ``watched`` started (early, inf, once a compute ends
-    ``span`` after the first of them started while the other has not: it can start no earlier
-    than that)."""
+    tasks only, in their order, and the compiled loop makes no float of the others: a quarter
+    of a windowed call); early (inf) as `event_loop` says."""
     kernels = native.kernels()
     if kernels is not None:  # the same loop, compiled (`native`)
         n = shape.num_devices
