@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
-from roundpipe.model.shards import MappedShard, checkpoint_files
+from roundpipe.model.shards import MappedShard, checkpoint_files, read_header
 
 FrozenRule = bool | Callable[[str], bool]
 
@@ -66,6 +66,7 @@ class LoadReport:
     quantized_bytes: int = 0
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)  # tied copies present in the files
+    untied: list[str] = field(default_factory=list)  # tied names whose files hold other values
 
     def rate_gbps(self) -> float:
         return self.file_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -109,6 +110,7 @@ class _Slots:
         self.ident: dict[str, int] = {}
         self.holders: dict[int, list[tuple[nn.Module, str]]] = {}
         self.names: dict[int, str] = {}  # the first (canonical) name of each parameter
+        self.holder_of: dict[str, tuple[nn.Module, str]] = {}
         for prefix, module in model.named_modules(remove_duplicate=False):
             for attr, param in module._parameters.items():
                 if param is None:
@@ -116,6 +118,7 @@ class _Slots:
                 name = f"{prefix}.{attr}" if prefix else attr
                 self.ident[name] = id(param)
                 self.holders.setdefault(id(param), []).append((module, attr))
+                self.holder_of[name] = (module, attr)
                 self.names.setdefault(id(param), name)
         self.buffers = {
             name: buf for name, buf in model.state_dict(keep_vars=True).items() if name not in self.ident
@@ -181,8 +184,6 @@ class _Loader:
         self.quantize = quantize
         self.report = LoadReport()
         self.loaded: set[int] = set()
-        # Frozen linear weights waiting for their layer to be complete, with the shard viewing them.
-        self.waiting: dict[int, tuple[MappedShard, str]] = {}
 
     def put(self, shard: MappedShard, name: str) -> None:
         """Install tensor ``name`` of ``shard`` where the model holds it."""
@@ -196,9 +197,8 @@ class _Loader:
             shard.release(name)
             return
         ident = self.slots.ident[name]
-        if ident in self.loaded:  # the tied copy of a parameter already installed
-            self.report.skipped.append(name)
-            shard.release(name)
+        if ident in self.loaded:
+            self._tied_copy(shard, name, ident, source)
             return
         expected = self.slots.holders[ident][0][0]._parameters[self.slots.holders[ident][0][1]]
         assert expected is not None
@@ -220,6 +220,23 @@ class _Loader:
             shard.release(name)
         self.slots.install(ident, value, requires_grad=not frozen)
         self.loaded.add(ident)
+
+    def _tied_copy(self, shard: MappedShard, name: str, ident: int, source: torch.Tensor) -> None:
+        """A second name of a tied parameter in the files: skipped when it holds the same values;
+        otherwise ``name`` gets a parameter of its own, as transformers unties such a pair."""
+        module, attr = self.slots.holder_of[name]
+        installed = module._parameters[attr]
+        assert installed is not None
+        if torch.equal(source.to(installed.dtype), installed.detach()):
+            self.report.skipped.append(name)
+            shard.release(name)
+            return
+        value = source.to(installed.dtype, copy=True)
+        module._parameters[attr] = nn.Parameter(value, requires_grad=installed.requires_grad)
+        self.slots.holders[ident].remove((module, attr))
+        self.report.untied.append(name)
+        self.report.copied_bytes += value.numel() * value.element_size()
+        shard.release(name)
 
     def quantize_ready(self) -> None:
         """Quantize every frozen linear layer whose parameters have all arrived (the one step that
@@ -290,7 +307,10 @@ def load_weights(
     files = checkpoint_files(path)
     loader = _Loader(model, dtype=dtype, frozen=frozen, frozen_dtype=frozen_dtype or dtype, quantize=quantize)
     _check_keys(model, loader.slots, files, path)
-    total = sum(p.stat().st_size for p in files)
+    total = 0
+    for file, names in files.items():
+        entries = read_header(file)
+        total += sum(entries[n].end - entries[n].start for n in names if n in entries)
     done = 0
     start = time.perf_counter()
     for index, (file, names) in enumerate(files.items()):

@@ -11,8 +11,10 @@ vocabulary, which must then cover every id the tokenizer can produce.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +22,9 @@ from torch import nn
 from roundpipe.data.tokenizer import SHIPPED_TOKENIZER, has_tokenizer, load_tokenizer
 from roundpipe.errors import ModelError
 from roundpipe.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from roundpipe.model.loading import LoadProgress
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -42,13 +47,19 @@ def build_tokenizer(config: TrainConfig) -> Any:
     return load_tokenizer(tokenizer_source(config)[0])
 
 
-def build_model(config: TrainConfig, tokenizer: Any | None = None) -> nn.Module:
+def build_model(config: TrainConfig, tokenizer: Any | None = None, reporter: Any | None = None) -> nn.Module:
     """The model ``config`` names (random init seeded by ``config.seed`` unless it is a directory
     with weights), wrapped in LoRA adapters on q/k/v/o (alpha = 2r) when ``lora_r`` is set (and on
     the experts' weights with ``lora_experts``). A
-    random-init model without a tokenizer of its own gets the vocabulary of ``tokenizer``."""
+    random-init model without a tokenizer of its own gets the vocabulary of ``tokenizer``.
+
+    A directory of safetensors weights loads shard by shard (`roundpipe.model.loading`): with LoRA
+    the base is frozen and kept in the compute precision, as views of the files where their dtype
+    is that precision, and adapters are added after loading (peft wraps the loaded layers without
+    copying them). ``reporter`` (the run's, when it draws on a rich console) shows the load."""
     from roundpipe.model import build_model as build
     from roundpipe.model.presets import WEIGHT_FILES
+    from roundpipe.model.shards import is_safetensors_checkpoint
 
     if tokenizer is None:
         tokenizer = build_tokenizer(config)
@@ -56,7 +67,11 @@ def build_model(config: TrainConfig, tokenizer: Any | None = None) -> nn.Module:
     has_weights = path.is_dir() and any((path / w).is_file() for w in WEIGHT_FILES)
     own = tokenizer_source(config)[1]
     vocab_size = None if has_weights or own else len(tokenizer)
-    model = build(config.model, vocab_size=vocab_size, seed=config.seed)
+    if has_weights and is_safetensors_checkpoint(path):
+        model = load_model_dir(config, path, reporter)
+    else:
+        with quiet_transformers():
+            model = build(config.model, vocab_size=vocab_size, seed=config.seed)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and vocab < len(tokenizer):
         raise ModelError(
@@ -86,6 +101,80 @@ def build_model(config: TrainConfig, tokenizer: Any | None = None) -> nn.Module:
                     "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
                 )
                 model = get_peft_model(model, lora)
+    return model
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own progress bars off while it loads (the run draws its own)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def load_display(reporter: Any | None) -> Iterator[Callable[[LoadProgress], None] | None]:
+    """A progress bar of the load on the reporter's rich console (None without one: a caller
+    from Python sees nothing unless its reporter draws)."""
+    console = getattr(reporter, "console", None)
+    if console is None:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    bar = Progress(
+        TextColumn("[bold blue]loading"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[file]}"),
+        console=console,
+        transient=True,
+    )
+    task = bar.add_task("load", total=None, file="")
+
+    def show(state: LoadProgress) -> None:
+        bar.update(
+            task,
+            total=state.bytes_total,
+            completed=state.bytes_done,
+            file=f"shard {state.file_index + 1}/{state.files}",
+        )
+
+    with bar:
+        yield show
+
+
+def load_model_dir(config: TrainConfig, path: Path, reporter: Any | None = None) -> nn.Module:
+    """The model saved in ``path`` (safetensors), loaded shard by shard: trainable weights in fp32
+    (they are the optimizer copy), a LoRA run's frozen base in the compute precision (mapped from
+    the files where that is their dtype)."""
+    from roundpipe.model.loading import load_pretrained
+    from roundpipe.optim.host import PRECISION_DTYPES
+
+    lora = config.lora_r is not None
+    with load_display(reporter) as progress:
+        model, report = load_pretrained(
+            path,
+            dtype=torch.float32,
+            frozen=lora,
+            frozen_dtype=PRECISION_DTYPES[config.precision] if lora else None,
+            progress=progress,
+        )
+    if reporter is not None:
+        gb = 1e9
+        reporter.note(
+            f"loaded {report.file_bytes / gb:.2f} GB from {report.files} file(s) in {report.seconds:.1f} s "
+            f"({report.rate_gbps():.2f} GB/s): {report.mapped_bytes / gb:.2f} GB mapped from the files, "
+            f"{report.copied_bytes / gb:.2f} GB copied"
+            + (f", {report.quantized_bytes / gb:.2f} GB quantized" if report.quantized_bytes else "")
+        )
     return model
 
 
