@@ -210,3 +210,26 @@ def test_tied_copy_in_the_files(tmp_path: Path, same: bool) -> None:
     assert (report.skipped if same else report.untied) == ["model.embed_tokens.weight"]
     for name, tensor in ref.state_dict().items():
         assert torch.equal(got.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_nf4_load_equals_quantizing_from_pretrained(tmp_path: Path, kind: str) -> None:
+    from roundpipe.model.quant import NF4Linear, quantize_frozen_
+
+    path = save_tiny(tmp_path / "m", kind)
+    ref = reference(path, torch.bfloat16)
+    for param in ref.parameters():
+        param.requires_grad_(False)
+    quantize_frozen_(ref)
+    got, report = load_pretrained(path, dtype=torch.bfloat16, frozen=True, base_format="nf4")
+    kinds = {n: type(m) for n, m in got.named_modules()}
+    assert kinds == {n: type(m) for n, m in ref.named_modules()}
+    assert sum(k is NF4Linear for k in kinds.values()) == 14  # 7 linears a block; the head is kept
+    expected, actual = ref.state_dict(), got.state_dict()
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype and torch.equal(actual[name], tensor), name
+    assert report.quantized_bytes > 0 and report.nf4_bytes < report.quantized_bytes / 3
+    assert report.mapped_bytes + report.quantized_bytes == report.file_bytes
+    ranges = mappings(path)
+    assert all(mapped(p, ranges) for n, p in got.named_parameters() if "norm" in n)
