@@ -23,6 +23,7 @@ draw anything: progress goes to the caller's callback.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -64,7 +65,7 @@ def parameters_on_meta() -> Iterator[None]:
             assert made is not None
             module._parameters[name] = type(made)(made.to("meta"), requires_grad=made.requires_grad)
 
-    nn.Module.register_parameter = to_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = to_meta  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -81,7 +82,13 @@ def model_skeleton(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module
 
 
 def _tell(
-    progress: Callable[[LoadProgress], None] | None, file: Path, index: int, files: int, done: int, total: int
+    progress: Callable[[LoadProgress], None] | None,
+    file: Path,
+    index: int,
+    files: int,
+    done: int,
+    *,
+    total: int,
 ) -> None:
     if progress is not None:
         progress(LoadProgress(file.name, index, files, done, total))
@@ -138,15 +145,27 @@ def load_weights(
     done = 0
     start = time.perf_counter()
     for index, (file, names) in enumerate(files.items()):
-        done = _load_file(
-            loader, file, names, done, lambda d, i=index, f=file: _tell(progress, f, i, len(files), d, total)
-        )
+        tell = functools.partial(_tell, progress, file, index, len(files), total=total)
+        done = _load_file(loader, file, names, done, tell)
     left = [name for ident, name in loader.slots.names.items() if ident not in loader.loaded]
     if left:
         raise ModelError(f"{path}: {len(left)} parameter(s) were not loaded ({', '.join(left[:4])})")
     loader.report.files = len(files)
     loader.report.seconds = time.perf_counter() - start
     return loader.report
+
+
+def load_skeleton_config(path: Path) -> Any:
+    """The transformers config saved in directory ``path`` (never from the network)."""
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ModelError(f"directory {path} has no config.json; save the model with save_pretrained(dir)")
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError) as exc:
+        raise ModelError(f"{path}/config.json cannot be read as a transformers config: {exc}") from exc
 
 
 def load_pretrained(
@@ -160,17 +179,8 @@ def load_pretrained(
 ) -> tuple[nn.Module, LoadReport]:
     """The causal LM saved in ``directory`` (config.json + safetensors, sharded or not), loaded by
     `load_weights` into a meta skeleton, in eval mode as ``from_pretrained`` returns it."""
-    from transformers import AutoConfig
-
     path = Path(directory).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelError(f"directory {path} has no config.json; save the model with save_pretrained(dir)")
-    try:
-        json.loads((path / "config.json").read_text(encoding="utf-8"))
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, OSError) as exc:
-        raise ModelError(f"{path}/config.json cannot be read as a transformers config: {exc}") from exc
-    model = model_skeleton(config, dtype)
+    model = model_skeleton(load_skeleton_config(path), dtype)
     report = load_weights(
         model,
         path,
@@ -189,6 +199,7 @@ __all__ = [
     "LoadProgress",
     "LoadReport",
     "load_pretrained",
+    "load_skeleton_config",
     "load_weights",
     "model_skeleton",
     "parameters_on_meta",
