@@ -78,7 +78,7 @@ def test_async_choice_is_never_slower_than_the_proxies() -> None:
         (8, 3.8, 2.0, 2, 4, True),
         (8, 1.3, 4.0, 4, 8, False),
         # Its best plan has 12 slots and a 2-layer fused stage: only the wider even plans of
-        # `choose._ranked_candidates` reach it (6.5% slower without them).
+        # `_families._ranked_candidates` reach it (6.5% slower without them).
         (12, 1.3, 1.0, 8, 16, False),
     ],
 )

@@ -27,6 +27,7 @@ from roundpipe.plan._timer import Evaluate, _Timer
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
 from roundpipe.plan.partition import Plan, partition
+from roundpipe.plan.shape import RunShape
 
 STEADY_SEARCH_MAX_LAYERS = 256
 """Above this the steady-state search costs more than a second; the t_max objective decides."""
@@ -127,28 +128,14 @@ def choose_plan(
     off.
     """
     with collections_paused():  # planning's objects are freed by reference counting (`_collector`)
-        return _choose(
-            costs,
-            num_devices,
-            num_microbatches,
-            mem_limit_bytes,
-            async_optimizer,
-            round_size,
-            evaluate,
-            evaluations,
-            loop,
-            late,
-            refine,
-        )
+        shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size)
+        return _choose(costs, shape, mem_limit_bytes, evaluate, evaluations, loop, late, refine)
 
 
 def _choose(
     costs: LayerCosts,
-    num_devices: int,
-    num_microbatches: int,
+    shape: RunShape,
     mem_limit_bytes: int | None,
-    async_optimizer: bool,
-    round_size: int | None,
     evaluate: Evaluate | None,
     evaluations: int | None,
     loop: bool,
@@ -156,6 +143,8 @@ def _choose(
     refine: bool | None,
 ) -> Plan:
     """`choose_plan`'s work."""
+    num_devices, num_microbatches = shape.num_devices, shape.num_microbatches
+    async_optimizer, round_size = shape.async_optimizer, shape.round_size
     base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
     proxies = [base]
     if costs.num_layers > max(STEADY_SEARCH_MAX_LAYERS, EVALUATE_MAX_LAYERS):
@@ -173,7 +162,7 @@ def _choose(
     count = (
         default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
     )
-    rounds = round_sizes(num_microbatches, num_devices, round_size)
+    rounds = shape.rounds()
     timer = _Timer(evaluate)
     # The late loop has its refinement instead (`_refine`): looking at the shortlist first moved
     # its starting points and lost more than it found (44 of 48 within 2% against 45).
