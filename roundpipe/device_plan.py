@@ -30,7 +30,8 @@ import torch
 from roundpipe.config import RunConfig
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
-from roundpipe.plan_eval import choose_evaluated_plan
+from roundpipe.plan.shape import RunShape
+from roundpipe.plan_eval import choose_for_shape
 from roundpipe.sched.trace import Trace
 
 
@@ -164,6 +165,10 @@ def plan_from(
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
     from roundpipe.plan.memory import predict_peak
 
+    shape = RunShape(
+        num_devices, config.num_microbatches, config.async_optimizer, config.round_size, config.loss_lag
+    )
+
     def make_plan(limit: int | None) -> Plan:
         # A layer whose bound alone exceeds a stage's share (an LM head with its logits and
         # gradients) is still a stage of its own: the exact prediction judges it, and capping it
@@ -173,15 +178,7 @@ def plan_from(
             if limit is None
             else replace(costs, mem_bytes=tuple(min(b, limit // 2) for b in costs.mem_bytes))
         )
-        return choose_evaluated_plan(
-            capped,
-            num_devices,
-            config.num_microbatches,
-            limit,
-            async_optimizer=config.async_optimizer,
-            round_size=config.round_size,
-            loss_lag=config.loss_lag,
-        )
+        return choose_for_shape(capped, shape, limit)
 
     grain = config.recompute_grain
     if budget_bytes is None:

@@ -30,12 +30,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 from roundpipe.plan._collector import collections_paused
 from roundpipe.plan.choose import choose_plan
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.partition import Plan
+from roundpipe.plan.shape import RunShape
 from roundpipe.plan_replay import (
     CHAINED_WINDOW,
     loop_estimates,
@@ -85,64 +87,91 @@ def engine_evaluator(
         first, last = window
         if not 0 <= first < last:
             raise ValueError(f"the steady window {window} must be two iterations, first < last")
-    settled = async_optimizer and loop and window is None
-    floor = functools.partial(_busiest, num_devices, num_microbatches, round_size)
+    shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
+    timing = _Timing(costs, shape, window, loop)
+    if not (async_optimizer and loop and window is None):  # not a loop's settled time
+        return timing.by_engine if engine else timing.by_replay
+    floor = functools.partial(_busiest, shape)
+    if engine:
+        return EstimatingEvaluator(timing.by_engine, floor, timing.engine_estimate)
+    return EstimatingEvaluator(timing.by_replay, floor, timing.replay_estimate)
 
-    def replay(plan: Plan) -> float:
+
+@dataclass(frozen=True)
+class _Timing:
+    """`engine_evaluator`'s figures for one run shape: by the replay (`roundpipe.plan_replay`) or
+    by the engine itself (`roundpipe.simulate.run_fake`), which give the same times."""
+
+    costs: LayerCosts
+    shape: RunShape
+    window: tuple[int, int] | None
+    loop: bool
+
+    def by_replay(self, plan: Plan) -> float:
+        shape = self.shape
         with collections_paused():
             return replay_iteration_ms(
                 plan,
-                costs,
-                num_devices,
-                num_microbatches,
-                async_optimizer=async_optimizer,
-                round_size=round_size,
-                window=window,
-                loop=loop,
-                loss_lag=loss_lag,
+                self.costs,
+                shape.num_devices,
+                shape.num_microbatches,
+                async_optimizer=shape.async_optimizer,
+                round_size=shape.round_size,
+                window=self.window,
+                loop=self.loop,
+                loss_lag=shape.loss_lag,
             )
 
-    def first_computes(plan: Plan, iterations: int) -> list[float]:
+    def by_engine(self, plan: Plan) -> float:
+        shape = self.shape
+        if not shape.async_optimizer:
+            _, trace, _ = run_fake(
+                plan,
+                self.costs,
+                shape.num_devices,
+                shape.num_microbatches,
+                1,
+                False,
+                round_size=shape.round_size,
+            )
+            return trace.makespan_ms()
+        if self.window is None and self.loop:
+            return settled_ms(functools.partial(self.first_computes, plan), _busiest(shape, plan))
+        first, last = self.window if self.window is not None else STEADY_WINDOW
+        starts = self.first_computes(plan, last + 1)
+        return (starts[last] - starts[first]) / (last - first)
+
+    def first_computes(self, plan: Plan, iterations: int) -> list[float]:
+        """The engine's start of each iteration's first compute, in a run of ``iterations``."""
+        shape = self.shape
         run, _, computes = run_fake(
             plan,
-            costs,
-            num_devices,
-            num_microbatches,
+            self.costs,
+            shape.num_devices,
+            shape.num_microbatches,
             iterations,
             True,
-            round_size=round_size,
-            after_loss=loop,
-            loss_lag=loss_lag if loop else 0,
+            round_size=shape.round_size,
+            after_loss=self.loop,
+            loss_lag=shape.loss_lag if self.loop else 0,
         )
         return [min(run.task(key).start_t for key in computes[i]) for i in range(iterations)]
 
-    def evaluate(plan: Plan) -> float:
-        if not async_optimizer:
-            _, trace, _ = run_fake(
-                plan, costs, num_devices, num_microbatches, 1, False, round_size=round_size
-            )
-            return trace.makespan_ms()
-        if settled:
-            return settled_ms(lambda iterations: first_computes(plan, iterations), floor(plan))
-        first, last = window if window is not None else STEADY_WINDOW
-        starts = first_computes(plan, last + 1)
-        return (starts[last] - starts[first]) / (last - first)
-
-    def replay_estimate(plan: Plan) -> tuple[float, bool]:
+    def replay_estimate(self, plan: Plan) -> tuple[float, bool]:
+        shape = self.shape
         with collections_paused():
             [estimate] = loop_estimates(
-                plan, costs, num_devices, num_microbatches, (loss_lag,), round_size=round_size
+                plan,
+                self.costs,
+                shape.num_devices,
+                shape.num_microbatches,
+                (shape.loss_lag,),
+                round_size=shape.round_size,
             )
         return estimate
 
-    def engine_estimate(plan: Plan) -> tuple[float, bool]:
-        return short_estimate(lambda iterations: first_computes(plan, iterations), floor(plan))
-
-    if not settled:
-        return evaluate if engine else replay
-    return EstimatingEvaluator(
-        evaluate if engine else replay, floor, engine_estimate if engine else replay_estimate
-    )
+    def engine_estimate(self, plan: Plan) -> tuple[float, bool]:
+        return short_estimate(functools.partial(self.first_computes, plan), _busiest(self.shape, plan))
 
 
 class FlooredEvaluator:
@@ -180,8 +209,8 @@ class EstimatingEvaluator(FlooredEvaluator):
         return self._estimate(plan)
 
 
-def _busiest(num_devices: int, num_microbatches: int, round_size: int | None, plan: Plan) -> float:
-    return busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
+def _busiest(shape: RunShape, plan: Plan) -> float:
+    return busiest_device_ms(plan, shape.num_microbatches, shape.num_devices, round_size=shape.round_size)
 
 
 def choose_evaluated_plan(
@@ -203,22 +232,34 @@ def choose_evaluated_plan(
     to do) is faster. So such a loop's plans are judged by the better of the two submissions.
     The candidates are the same for both loops (``choose_plan(..., loop=True)``); for the late
     loop the chained ranking's two best plans of up to N slots are timed as well (``late``)."""
-    if loss_lag and async_optimizer:
-        evaluate = late_loop_evaluator(costs, num_devices, num_microbatches, round_size=round_size)
+    shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
+    return choose_for_shape(costs, shape, mem_limit_bytes)
+
+
+def choose_for_shape(costs: LayerCosts, shape: RunShape, mem_limit_bytes: int | None) -> Plan:
+    """`choose_evaluated_plan` for a run of ``shape``."""
+    late = bool(shape.loss_lag and shape.async_optimizer)
+    evaluate: Callable[[Plan], float]
+    if late:
+        evaluate = _late_loop_evaluator(costs, shape)
     else:
         evaluate = engine_evaluator(
-            costs, num_devices, num_microbatches, async_optimizer=async_optimizer, round_size=round_size
+            costs,
+            shape.num_devices,
+            shape.num_microbatches,
+            async_optimizer=shape.async_optimizer,
+            round_size=shape.round_size,
         )
-    with side_by_side() if loss_lag and async_optimizer else nullcontext():
+    with side_by_side() if late else nullcontext():
         return choose_plan(
             costs,
-            num_devices,
-            num_microbatches,
+            shape.num_devices,
+            shape.num_microbatches,
             mem_limit_bytes,
-            async_optimizer=async_optimizer,
-            round_size=round_size,
+            async_optimizer=shape.async_optimizer,
+            round_size=shape.round_size,
             evaluate=evaluate,
-            late=bool(loss_lag and async_optimizer),
+            late=late,
         )
 
 
@@ -228,19 +269,24 @@ def late_loop_evaluator(
     """``evaluate(plan)`` for an async loop that reads each loss one iteration late: the better of
     submitting each iteration early and waiting for the previous one's losses, the latter being
     what the pipe does on such a plan (`submission_lag`)."""
+    shape = RunShape(num_devices, num_microbatches, True, round_size, loss_lag=1)
+    return _late_loop_evaluator(costs, shape)
 
+
+def _late_loop_evaluator(costs: LayerCosts, shape: RunShape) -> EstimatingEvaluator:
     def evaluate(plan: Plan) -> float:
-        return min(_both_submissions(plan, costs, num_devices, num_microbatches, round_size))
+        return min(_both_submissions(plan, costs, shape))
 
     def estimate(plan: Plan) -> tuple[float, bool]:
         # the better submission's figure is exact only where both are (an estimate of the other
         # could be above or below its figure)
         with collections_paused():
-            both = loop_estimates(plan, costs, num_devices, num_microbatches, (0, 1), round_size=round_size)
+            both = loop_estimates(
+                plan, costs, shape.num_devices, shape.num_microbatches, (0, 1), round_size=shape.round_size
+            )
         return min(ms for ms, _ in both), all(settled for _, settled in both)
 
-    floor = functools.partial(_busiest, num_devices, num_microbatches, round_size)
-    return EstimatingEvaluator(evaluate, floor, estimate)
+    return EstimatingEvaluator(evaluate, functools.partial(_busiest, shape), estimate)
 
 
 def submission_lag(
@@ -260,18 +306,20 @@ def submission_lag(
     not model. Sync runs keep the lag (the next iteration waits for the step anyway)."""
     if not loss_lag or not async_optimizer:
         return loss_lag
-    waiting, late = _both_submissions(plan, costs, num_devices, num_microbatches, round_size)
+    shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
+    waiting, late = _both_submissions(plan, costs, shape)
     return 0 if waiting < late else loss_lag
 
 
-def _both_submissions(
-    plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, round_size: int | None
-) -> tuple[float, float]:
+def _both_submissions(plan: Plan, costs: LayerCosts, shape: RunShape) -> tuple[float, float]:
     """The loop's ms per iteration waiting for each loss and reading it one iteration late
     (`engine_evaluator` with ``loss_lag`` 0 and 1), replayed on one graph. Remembered for the
     last few plans: the pipe asks `submission_lag` of the plan `choose_evaluated_plan` has just
-    timed this way (replays read the times only, not the bytes or names)."""
-    return _submissions_of(plan, costs.fwd_ms, costs.bwd_ms, num_devices, num_microbatches, round_size)
+    timed this way (replays read the times only, not the bytes or names; nor the loss lag, which
+    both submissions cover)."""
+    return _submissions_of(
+        plan, costs.fwd_ms, costs.bwd_ms, shape.num_devices, shape.num_microbatches, shape.round_size
+    )
 
 
 @functools.lru_cache(maxsize=64)

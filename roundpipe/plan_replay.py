@@ -34,7 +34,6 @@ to the engine: this module has no notion of bytes. It never imports the schedule
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import os
@@ -47,154 +46,9 @@ from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.partition import Plan
+from roundpipe.plan.shape import RunShape
 from roundpipe.replay_graph import ReplayGraph, build_graph
-
-
-def replay_starts(
-    graph: ReplayGraph, stop: bytearray | None = None, *, loop: bool = False, loss_lag: int = 0
-) -> Sequence[float]:
-    """Every task's start time (ms) under the engine's start rule (see the module docstring), -1
-    where a task did not start. With ``stop`` (a flag per task), the replay ends at the first
-    instant a flagged task starts: later starts cannot come earlier.
-
-    The batches are submitted as `roundpipe.simulate.run_fake` submits them: all at time 0, or
-    (``loop``, its ``after_loss``) as a training loop does: iteration t's optimizer step and
-    iteration t + 1's graph once iteration t's losses are all in and their instant is over (a
-    virtual `Engine.wait` returns then: `roundpipe.sched.waiting`). With ``loss_lag=1`` the loop
-    reads each loss one iteration late (`RoundPipe.forward_backward(..., wait=False)`): iterations
-    0 and 1 and their steps go in at once, and iteration t's losses let in iteration t + 2 and its
-    step."""
-    return replay_run(graph, stop, loop=loop, loss_lag=loss_lag)[0]
-
-
-def replay_run(
-    graph: ReplayGraph,
-    stop: bytearray | None = None,
-    *,
-    loop: bool = False,
-    loss_lag: int = 0,
-    beyond: int | None = None,
-) -> tuple[Sequence[float], float]:
-    """`replay_starts`, and the earliest start of a task numbered ``beyond`` or more (-1 where none
-    started): whether the tasks of the batches from there on could have changed anything up to
-    a time (`_loop_runs`' long run read for its short one)."""
-    count = len(graph.res)
-    beyond = count if beyond is None else beyond
-    flags = stop if stop is not None else bytearray(count)
-    # Loop submission: ``released`` batches may go in; iteration t's last loss releases two more.
-    if loss_lag not in (0, 1):
-        raise ValueError(f"a loop replay reads losses 0 or 1 iteration late, not {loss_lag}")
-    loss_of = bytearray(count)  # 1 + the iteration, for an iteration's loss computes (up to 254)
-    losses_left: list[int] = []
-    if loop:
-        if len(graph.losses) > 254:
-            raise ValueError(f"a loop replay takes up to 254 iterations, not {len(graph.losses)}")
-        for it, losses in enumerate(graph.losses):
-            losses_left.append(len(losses))
-            for task in losses:
-                loss_of[task] = it + 1
-    kernels = native.kernels()
-    if kernels is not None:  # the same loop, compiled (`native`)
-        start, stalled, earliest = kernels.replay(
-            *graph.packed(),
-            *(loss_of, native.ints(losses_left), flags, graph.host + 1, graph.seq, loop, loss_lag, beyond),
-        )
-    else:
-        start, stalled, earliest = _replay(graph, flags, loop, loss_lag, loss_of, losses_left, beyond)
-    if stalled:
-        raise RuntimeError(f"replay stalled: {stalled} of {count} tasks never ran")
-    return start, earliest
-
-
-def _replay(
-    graph: ReplayGraph,
-    flags: bytearray,
-    loop: bool,
-    loss_lag: int,
-    loss_of: bytearray,
-    losses_left: list[int],
-    beyond: int,
-) -> tuple[list[float], int, float]:
-    """`replay_run`'s loop: the start times, how many tasks never ran (0 when it stopped at a
-    flagged task), and the first start of a task numbered ``beyond`` or more (-1: none)."""
-    count = len(graph.res)
-    res, rank, dur, dependents, seq = graph.res, graph.rank, graph.dur, graph.dependents, graph.seq
-    unmet = list(graph.unmet)
-    start = [-1.0] * count
-    heaps: list[list[int]] = [[] for _ in range(graph.host + 1)]
-    free = [True] * (graph.host + 1)
-    timed: list[tuple[float, int]] = []
-    heappush, heappop = heapq.heappush, heapq.heappop
-    now, done, first, earliest = 0.0, 0, 0, -1.0
-    wave: list[int] = []
-    batches = list(graph.batches)
-    released = len(batches) if not loop else 1 + 3 * loss_lag
-    submitting = False
-    while True:
-        if batches and released and (submitting or not wave):
-            # Submission, batch by batch (idle resources start after each, before anything ends):
-            # chained, all at time 0; a loop's, once the instant its losses came in at is over.
-            last = batches.pop(0)
-            released -= 1
-            submitting = bool(released and batches)
-            touched = _submit(graph, first, last, heaps, unmet)
-            first = last
-        else:
-            if not wave:
-                if not timed:
-                    break
-                now = timed[0][0]
-                while timed and timed[0][0] == now:
-                    wave.append(heappop(timed)[1])
-            touched = []
-            for task in wave:
-                r = res[task]
-                free[r] = True
-                touched.append(r)
-                if loss_of[task]:
-                    it = loss_of[task] - 1
-                    losses_left[it] -= 1
-                    if not losses_left[it]:
-                        released += 2  # lag 0: its step and the next graph; lag 1: graph t + 2, its step
-                for dep in dependents[task]:
-                    left = unmet[dep] - 1
-                    unmet[dep] = left
-                    if not left and dep < first:  # a later batch's task waits for its submission
-                        r = res[dep]
-                        heappush(heaps[r], rank[dep])
-                        touched.append(r)
-            done += len(wave)
-            wave = []
-        stopped = False
-        for r in touched:
-            if free[r] and heaps[r]:
-                task = heappop(heaps[r]) % seq
-                free[r] = False
-                start[task] = now
-                if task >= beyond and earliest < 0.0:
-                    earliest = now
-                stopped = stopped or bool(flags[task])
-                end = now + dur[task]
-                if end == now:
-                    wave.append(task)
-                else:
-                    heappush(timed, (end, task))
-        if stopped:
-            return start, 0, earliest
-    return start, count - done, earliest
-
-
-def _submit(graph: ReplayGraph, first: int, last: int, heaps: list[list[int]], unmet: list[int]) -> list[int]:
-    """Tasks ``first..last-1`` submitted: those with nothing unmet go on their resource's heap;
-    returns the resources to start from (in the engine, after the whole batch is pushed)."""
-    res, rank = graph.res, graph.rank
-    touched = []
-    for task in range(first, last):
-        if not unmet[task]:
-            heapq.heappush(heaps[res[task]], rank[task])
-            touched.append(res[task])
-    return touched
-
+from roundpipe.replay_rule import replay_run, replay_starts
 
 SETTLE_SHORT, SETTLE_LONG = 6, 20
 """A loop's settled time per iteration (`settled_ms`): a run of SETTLE_SHORT iterations, and one
@@ -270,13 +124,14 @@ def loop_iteration_ms(
     iterations (docs/performance.md, "Settled iterations"), so a fixed window misjudges them."""
     if window is not None or not loop:
         first, last = window if window is not None else CHAINED_WINDOW
-        graph = _graph(plan, costs, num_devices, num_microbatches, last + 1, round_size)
+        graph = _graph(plan, costs, RunShape(num_devices, num_microbatches, True, round_size), last + 1)
         times = []
         for loss_lag in loss_lags:
             at = _first_computes(graph, last + 1, loop, loss_lag)
             times.append((at[last] - at[first]) / (last - first))
         return times
-    floor, runs = _loop_runs(plan, costs, num_devices, num_microbatches, round_size, long_first, loss_lags)
+    shape = RunShape(num_devices, num_microbatches, True, round_size)
+    floor, runs = _loop_runs(plan, costs, shape, long_first, loss_lags)
     return [settled_ms(runs(loss_lag), floor) for loss_lag in loss_lags]
 
 
@@ -322,16 +177,14 @@ def loop_estimates(
 ) -> list[tuple[float, bool]]:
     """`short_estimate` of a loop's settled time (`loop_iteration_ms`) for each of ``loss_lags``,
     from one graph of SETTLE_SHORT iterations."""
-    floor, runs = _loop_runs(plan, costs, num_devices, num_microbatches, round_size)
+    floor, runs = _loop_runs(plan, costs, RunShape(num_devices, num_microbatches, True, round_size))
     return [short_estimate(runs(loss_lag), floor) for loss_lag in loss_lags]
 
 
 def _loop_runs(
     plan: Plan,
     costs: LayerCosts,
-    num_devices: int,
-    num_microbatches: int,
-    round_size: int | None,
+    shape: RunShape,
     long_first: bool = False,
     lags: tuple[int, ...] = (),
 ) -> tuple[float, Callable[[int], Callable[[int], list[float]]]]:
@@ -353,46 +206,54 @@ def _loop_runs(
     ``lags``: the loss lags that will be asked for. With ``long_first``, within `side_by_side()`,
     the first ask starts the other lags' long replays on its worker thread, which the compiled
     replay runs without the GIL, beside its own; each lag's figures are the same as one by one."""
-    floor = busiest_device_ms(plan, num_microbatches, num_devices, round_size=round_size)
-    graphs: dict[int, ReplayGraph] = {}
+    floor = busiest_device_ms(plan, shape.num_microbatches, shape.num_devices, round_size=shape.round_size)
+    return floor, _LoopRuns(plan, costs, shape, long_first, lags).runs
 
-    def graph_of(iterations: int) -> ReplayGraph:
-        if iterations not in graphs:
-            graphs[iterations] = _graph(plan, costs, num_devices, num_microbatches, iterations, round_size)
-        return graphs[iterations]
 
-    pending: dict[int, Future[tuple[list[float], float]]] = {}
-    started = False  # the other lags' long replays, on the worker
+class _LoopRuns:
+    """`_loop_runs`' graphs (one per run length, built when first asked for) and the long runs
+    started on the side-by-side worker, shared by the loss lags of one plan."""
 
-    def long_run(loss_lag: int) -> tuple[list[float], float]:
-        nonlocal started
-        if loss_lag in pending:
-            return pending.pop(loss_lag).result()
-        graph = graph_of(SETTLE_LONG)
+    def __init__(
+        self, plan: Plan, costs: LayerCosts, shape: RunShape, long_first: bool, lags: tuple[int, ...]
+    ) -> None:
+        self.plan, self.costs, self.shape = plan, costs, shape
+        self.long_first, self.lags = long_first, lags
+        self.graphs: dict[int, ReplayGraph] = {}
+        self.pending: dict[int, Future[tuple[list[float], float]]] = {}
+        self.started = False  # the other lags' long replays, on the worker
+
+    def graph_of(self, iterations: int) -> ReplayGraph:
+        if iterations not in self.graphs:
+            self.graphs[iterations] = _graph(self.plan, self.costs, self.shape, iterations)
+        return self.graphs[iterations]
+
+    def long_run(self, loss_lag: int) -> tuple[list[float], float]:
+        if loss_lag in self.pending:
+            return self.pending.pop(loss_lag).result()
+        graph = self.graph_of(SETTLE_LONG)
         pool = getattr(_side, "pool", None)
-        if not started and pool is not None:
-            for other in dict.fromkeys(lags):
+        if not self.started and pool is not None:
+            for other in dict.fromkeys(self.lags):
                 if other != loss_lag:
-                    pending[other] = pool.submit(_long_run, graph, other)
-        started = True
+                    self.pending[other] = pool.submit(_long_run, graph, other)
+        self.started = True
         return _long_run(graph, loss_lag)
 
-    def runs(loss_lag: int) -> Callable[[int], list[float]]:
+    def runs(self, loss_lag: int) -> Callable[[int], list[float]]:
         read: dict[int, list[float]] = {}  # first computes by run length
 
         def first_computes(iterations: int) -> list[float]:
-            if iterations not in read and long_first and iterations == SETTLE_SHORT < SETTLE_LONG:
-                starts, earliest = long_run(loss_lag)
+            if iterations not in read and self.long_first and iterations == SETTLE_SHORT < SETTLE_LONG:
+                starts, earliest = self.long_run(loss_lag)
                 read[SETTLE_LONG] = starts
                 if earliest < 0.0 or earliest > starts[SETTLE_SHORT - 1]:
                     read[SETTLE_SHORT] = starts[:SETTLE_SHORT]
             if iterations not in read:
-                read[iterations] = _first_computes(graph_of(iterations), iterations, True, loss_lag)
+                read[iterations] = _first_computes(self.graph_of(iterations), iterations, True, loss_lag)
             return read[iterations]
 
         return first_computes
-
-    return floor, runs
 
 
 def _long_run(graph: ReplayGraph, loss_lag: int) -> tuple[list[float], float]:
@@ -441,15 +302,11 @@ CHAINED_WINDOW = (1, 5)
 per iteration between the first computes of iterations 1 and 5 of 6."""
 
 
-def _graph(
-    plan: Plan,
-    costs: LayerCosts,
-    num_devices: int,
-    num_microbatches: int,
-    iterations: int,
-    round_size: int | None,
-) -> ReplayGraph:
-    return build_graph(plan, costs, num_devices, num_microbatches, iterations, True, round_size)
+def _graph(plan: Plan, costs: LayerCosts, shape: RunShape, iterations: int) -> ReplayGraph:
+    """The async graph of ``iterations`` iterations of ``plan`` (`build_graph`)."""
+    return build_graph(
+        plan, costs, shape.num_devices, shape.num_microbatches, iterations, True, shape.round_size
+    )
 
 
 def _first_computes(graph: ReplayGraph, iterations: int, loop: bool, loss_lag: int) -> list[float]:

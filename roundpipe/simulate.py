@@ -22,6 +22,7 @@ from roundpipe.backends.fake import FakeBackend, FakeCostModel, Perturbation
 from roundpipe.errors import PlanError
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
+from roundpipe.plan.shape import RunShape
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.loop import run_sync
@@ -85,27 +86,21 @@ def simulate(
     reads each loss one iteration late (``forward_backward(..., wait=False)``): iteration t + 2
     and its step go in once iteration t's losses are.
     """
-    engine, trace, iteration_computes = run_fake(
-        plan,
-        costs,
-        num_devices,
-        num_microbatches,
-        iterations,
-        async_optimizer,
-        link_gbps,
+    shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
+    run = FakeRun(
+        link_gbps=link_gbps,
         param_bytes=param_bytes,
         act_bytes=act_bytes,
         optimizer_ms=optimizer_ms,
         latency_ms=latency_ms,
-        round_size=round_size,
         chunk_bytes=chunk_bytes,
         shared_link=shared_link,
         perturbation=perturbation,
         fresh_layers=fresh_layers,
-        fresh_at=fresh_at,
+        fresh_at=tuple(fresh_at),
         after_loss=after_loss,
-        loss_lag=loss_lag,
     )
+    engine, trace, iteration_computes = run_shaped(plan, costs, shape, iterations, run)
     report = trace.bubble_ratio()
     return SimulationResult(
         bubble_ratio=report.overall,
@@ -118,6 +113,24 @@ def simulate(
     )
 
 
+@dataclass(frozen=True)
+class FakeRun:
+    """How a simulated run goes beyond its shape (`simulate`'s keyword arguments): the link, the
+    bytes, the optimizer and latency costs, perturbations, fresh layers, and ``after_loss``."""
+
+    link_gbps: float | None = None
+    param_bytes: Sequence[int] | None = None
+    act_bytes: int = 0
+    optimizer_ms: float = 0.0
+    latency_ms: float = 0.0
+    chunk_bytes: int | None = None
+    shared_link: bool = True
+    perturbation: object | None = None
+    fresh_layers: int = 0
+    fresh_at: tuple[int, ...] = ()
+    after_loss: bool = False
+
+
 def run_fake(
     plan: Plan,
     costs: LayerCosts,
@@ -125,45 +138,70 @@ def run_fake(
     num_microbatches: int,
     iterations: int,
     async_optimizer: bool,
-    link_gbps: float | None = None,
     *,
-    param_bytes: Sequence[int] | None = None,
-    act_bytes: int = 0,
-    optimizer_ms: float = 0.0,
-    latency_ms: float = 0.0,
     round_size: int | None = None,
-    chunk_bytes: int | None = None,
-    shared_link: bool = True,
-    perturbation: object | None = None,
-    fresh_layers: int = 0,
-    fresh_at: Sequence[int] = (),
     after_loss: bool = False,
     loss_lag: int = 0,
 ) -> tuple[Engine, Trace, list[list[tuple[object, ...]]]]:
-    """The run behind `simulate`, without its reports: the engine, the trace and each iteration's
-    compute keys (plan evaluation reads only a few start times, and the bubble reports would cost
-    it a tenth of its time)."""
-    if loss_lag not in (0, 1):
-        raise PlanError(f"loss_lag is 0 or 1 (iterations a loop reads its losses late), not {loss_lag}")
-    _check_counts(num_devices, num_microbatches, iterations)
-    spec = ModelSpec(
-        param_bytes=tuple(param_bytes if param_bytes is not None else costs.mem_bytes),
-        owners=tuple((layer,) for layer in range(costs.num_layers)),
-        act_bytes=act_bytes,
+    """The run behind `simulate`, without its reports, as plan evaluation runs it (free transfers,
+    a free optimizer): the engine, the trace and each iteration's compute keys (plan evaluation
+    reads only a few start times, and the bubble reports would cost it a tenth of its time)."""
+    shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
+    return run_shaped(plan, costs, shape, iterations, FakeRun(after_loss=after_loss))
+
+
+def run_shaped(
+    plan: Plan, costs: LayerCosts, shape: RunShape, iterations: int, run: FakeRun
+) -> tuple[Engine, Trace, list[list[tuple[object, ...]]]]:
+    """`run_fake` for any `FakeRun`: what `simulate` reports on."""
+    if shape.loss_lag not in (0, 1):
+        raise PlanError(f"loss_lag is 0 or 1 (iterations a loop reads its losses late), not {shape.loss_lag}")
+    _check_counts(shape.num_devices, shape.num_microbatches, iterations)
+    builder = _builder(plan, costs, shape, run)
+    model = FakeCostModel(
+        costs, link_gbps=run.link_gbps, optimizer_ms=run.optimizer_ms, latency_ms=run.latency_ms
     )
-    options = ScheduleOptions(
-        async_optimizer=async_optimizer,
-        round_size=round_size,
-        chunk_bytes=chunk_bytes,
-        fresh_units=fresh_units_of(spec.owners, fresh_layers, fresh_at) if async_optimizer else frozenset(),
-    )
-    builder = GraphBuilder(plan, spec, num_devices, options)
-    model = FakeCostModel(costs, link_gbps=link_gbps, optimizer_ms=optimizer_ms, latency_ms=latency_ms)
-    backend = _fake_backend(model, perturbation, shared_link)
+    backend = _fake_backend(model, run.perturbation, run.shared_link)
     # The fake backend's resource sharing changes who waits for whom: replay needs to know it.
-    trace = Trace(meta={**builder.meta(), "shared_link": shared_link})
+    trace = Trace(meta={**builder.meta(), "shared_link": run.shared_link})
     engine = Engine(backend, trace=trace)
     iteration_computes: list[list[tuple[object, ...]]] = []
+    run_sync(_submit_iterations(engine, builder, shape, iterations, run.after_loss, iteration_computes))
+    return engine, trace, iteration_computes
+
+
+def _builder(plan: Plan, costs: LayerCosts, shape: RunShape, run: FakeRun) -> GraphBuilder:
+    """The graphs the training path would build for ``plan`` on a run of ``shape``."""
+    spec = ModelSpec(
+        param_bytes=tuple(run.param_bytes if run.param_bytes is not None else costs.mem_bytes),
+        owners=tuple((layer,) for layer in range(costs.num_layers)),
+        act_bytes=run.act_bytes,
+    )
+    options = ScheduleOptions(
+        async_optimizer=shape.async_optimizer,
+        round_size=shape.round_size,
+        chunk_bytes=run.chunk_bytes,
+        fresh_units=(
+            fresh_units_of(spec.owners, run.fresh_layers, run.fresh_at)
+            if shape.async_optimizer
+            else frozenset()
+        ),
+    )
+    return GraphBuilder(plan, spec, shape.num_devices, options)
+
+
+async def _submit_iterations(
+    engine: Engine,
+    builder: GraphBuilder,
+    shape: RunShape,
+    iterations: int,
+    after_loss: bool,
+    iteration_computes: list[list[tuple[object, ...]]],
+) -> None:
+    """Submit every iteration and its step, all at once or as a training loop does
+    (``after_loss``, reading each loss ``shape.loss_lag`` iterations late), recording the
+    batches in the trace for `replay`, and each iteration's compute keys."""
+    trace, loss_lag = engine.trace, shape.loss_lag
     batch_sizes: list[int] = []
     trace.meta["submit_batches"] = batch_sizes  # replay re-submits the same batches
     batch_after: list[int] = []
@@ -174,27 +212,23 @@ def run_fake(
         batch_sizes.append(len(tasks))
         engine.submit(tasks)
 
-    async def main() -> None:
-        waiting: list[list[Key]] = []  # loss keys of iterations submitted ahead (loss_lag)
-        for it in range(iterations):
-            graph = builder.forward_backward(it, it, num_microbatches)
-            if after_loss and not loss_lag:  # as RoundPipe.forward_backward returns: once the losses are in
-                submit(graph.tasks)
-                await engine.wait(graph.loss_keys)
-                step_tasks = builder.optimizer_step(it)
-            else:
-                step_tasks = builder.optimizer_step(it)
-                submit(graph.tasks)
-            submit(step_tasks)
-            iteration_computes.append([t.key for t in graph.tasks if t.kind == "compute"])
-            if after_loss and loss_lag:  # the loss one iteration late, before the next submission
-                waiting.append(graph.loss_keys)
-                if len(waiting) > loss_lag:
-                    await engine.wait(waiting.pop(0))
-        await engine.wait()
-
-    run_sync(main())
-    return engine, trace, iteration_computes
+    waiting: list[list[Key]] = []  # loss keys of iterations submitted ahead (loss_lag)
+    for it in range(iterations):
+        graph = builder.forward_backward(it, it, shape.num_microbatches)
+        if after_loss and not loss_lag:  # as RoundPipe.forward_backward returns: once the losses are in
+            submit(graph.tasks)
+            await engine.wait(graph.loss_keys)
+            step_tasks = builder.optimizer_step(it)
+        else:
+            step_tasks = builder.optimizer_step(it)
+            submit(graph.tasks)
+        submit(step_tasks)
+        iteration_computes.append([t.key for t in graph.tasks if t.kind == "compute"])
+        if after_loss and loss_lag:  # the loss one iteration late, before the next submission
+            waiting.append(graph.loss_keys)
+            if len(waiting) > loss_lag:
+                await engine.wait(waiting.pop(0))
+    await engine.wait()
 
 
 def _check_counts(num_devices: int, num_microbatches: int, iterations: int) -> None:
@@ -247,26 +281,7 @@ def replay(trace: Trace) -> Trace:
     backend = FakeBackend(durations=duration, shared_link=bool(trace.meta.get("shared_link", False)))
     out = Trace(meta=dict(trace.meta))
     engine = Engine(backend, trace=out)
-    # (submission time, tasks, how many tasks were done when the run submitted them, if known)
-    batches: list[tuple[float, list[Task], int | None]] = []
-    sizes = _batch_sizes(trace.meta.get("submit_batches"), len(records))
-    after = trace.meta.get("submit_after") if sizes is not None else None
-    if not isinstance(after, list) or len(after) != len(sizes or ()):
-        after = None
-    if sizes is None:  # unknown: tasks submitted at one time form one batch
-        for task in records:
-            if batches and batches[-1][0] == task.submit_t:
-                batches[-1][1].append(task.clone())
-            else:
-                batches.append((task.submit_t, [task.clone()], None))
-    else:
-        at = 0
-        for index, size in enumerate(sizes):
-            chunk = records[at : at + size]
-            at += size
-            if chunk:
-                done = after[index] if after is not None else None
-                batches.append((chunk[0].submit_t, [t.clone() for t in chunk], done))
+    batches = _replay_batches(trace, records)
 
     async def main() -> None:
         for submit_t, batch, done in batches:
@@ -286,6 +301,31 @@ def replay(trace: Trace) -> Trace:
 
     run_sync(main())
     return out
+
+
+def _replay_batches(trace: Trace, records: list[Task]) -> list[tuple[float, list[Task], int | None]]:
+    """The recorded submissions, to submit again: (submission time, fresh copies of its tasks,
+    how many tasks were done when the run submitted them, where the trace says)."""
+    batches: list[tuple[float, list[Task], int | None]] = []
+    sizes = _batch_sizes(trace.meta.get("submit_batches"), len(records))
+    after = trace.meta.get("submit_after") if sizes is not None else None
+    if not isinstance(after, list) or len(after) != len(sizes or ()):
+        after = None
+    if sizes is None:  # unknown: tasks submitted at one time form one batch
+        for task in records:
+            if batches and batches[-1][0] == task.submit_t:
+                batches[-1][1].append(task.clone())
+            else:
+                batches.append((task.submit_t, [task.clone()], None))
+        return batches
+    at = 0
+    for index, size in enumerate(sizes):
+        chunk = records[at : at + size]
+        at += size
+        if chunk:
+            done = after[index] if after is not None else None
+            batches.append((chunk[0].submit_t, [t.clone() for t in chunk], done))
+    return batches
 
 
 def _batch_sizes(sizes: object, count: int) -> list[int] | None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import roundpipe
+from roundpipe.plan import _families, _refine
 from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, submission_lag
 from tests.helpers import batches, mlp
 from tests.test_plan_choice import grid_costs
@@ -106,7 +107,6 @@ def test_a_late_loop_also_times_the_runner_up_few_slot_plan(monkeypatch: pytest.
     the first timed, a 19-slot plan settling at 265.67 ms was chosen (and still is, where the
     late loop's own model does not look: `LATE_MODELLED` and `LATE_EQUAL_TIMED` 0; with it, a
     6-slot plan at 251.77)."""
-    from roundpipe.plan import choose
     from roundpipe.plan.choose import even_plan
     from roundpipe.plan_eval import late_loop_evaluator
 
@@ -115,9 +115,9 @@ def test_a_late_loop_also_times_the_runner_up_few_slot_plan(monkeypatch: pytest.
     evaluate = late_loop_evaluator(costs, 8, 16)
     chosen = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert evaluate(chosen) <= evaluate(best) == pytest.approx(250.14, abs=0.01)
-    monkeypatch.setattr(choose, "LATE_FEW_TIMED", 1)
-    monkeypatch.setattr(choose, "LATE_MODELLED", 0)
-    monkeypatch.setattr(choose, "LATE_EQUAL_TIMED", 0)
+    monkeypatch.setattr(_families, "LATE_FEW_TIMED", 1)
+    monkeypatch.setattr(_families, "LATE_MODELLED", 0)
+    monkeypatch.setattr(_families, "LATE_EQUAL_TIMED", 0)
     first_only = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert evaluate(first_only) == pytest.approx(265.67, abs=0.01)
 
@@ -132,15 +132,14 @@ def test_a_late_loop_times_the_few_slot_plans_its_own_model_ranks_best(
     iterations: `_ranking.LATE_MODEL_ITERATIONS`), the best of them are timed: 7 slots, 259.61 ms,
     the fastest even plan (over 8 iterations: a 5-slot plan at 259.90); without it a 19-slot plan
     at 266.05."""
-    from roundpipe.plan import choose
     from roundpipe.plan_eval import late_loop_evaluator
 
     costs = grid_costs(28, 2.5, 2.0)
     evaluate = late_loop_evaluator(costs, 8, 16)
     chosen = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert (chosen.num_slots, evaluate(chosen)) == (7, pytest.approx(259.61, abs=0.01))
-    monkeypatch.setattr(choose, "LATE_MODELLED", 0)
-    monkeypatch.setattr(choose, "LATE_EQUAL_TIMED", 0)
+    monkeypatch.setattr(_families, "LATE_MODELLED", 0)
+    monkeypatch.setattr(_families, "LATE_EQUAL_TIMED", 0)
     chained_only = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert (chained_only.num_slots, evaluate(chained_only)) == (19, pytest.approx(266.05, abs=0.01))
 
@@ -152,7 +151,6 @@ def test_a_late_loop_times_the_best_plan_of_equal_stages_too(monkeypatch: pytest
     longer than the mean slot's); of the plans of equal stages (`_candidates.equal_splits`) it is
     the late loop's model's best, and timed (`LATE_EQUAL_TIMED`). Without, a 5-slot plan at
     177.18 ms, 2.6% slower."""
-    from roundpipe.plan import choose
     from roundpipe.plan_eval import late_loop_evaluator
 
     costs = grid_costs(24, 1.3, 3.0)
@@ -161,7 +159,7 @@ def test_a_late_loop_times_the_best_plan_of_equal_stages_too(monkeypatch: pytest
     assert [len(r) for r in chosen.fwd_stages] == [10, 10] and chosen.fused.start == 20
     assert [len(r) for r in chosen.bwd_stages] == [5, 5, 5, 5]
     assert evaluate(chosen) == pytest.approx(172.77, abs=0.01)
-    monkeypatch.setattr(choose, "LATE_EQUAL_TIMED", 0)
+    monkeypatch.setattr(_families, "LATE_EQUAL_TIMED", 0)
     without = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert (without.num_slots, evaluate(without)) == (5, pytest.approx(177.18, abs=0.01))
 
@@ -173,7 +171,6 @@ def test_a_late_loop_refines_around_few_slot_plans_by_its_own_model_too(
     (7 slots, fused stage from layer 27: 371.70 ms) is a neighbour of the best the first timings
     find (fused from 28: 374.58), and the best of its neighbours by the late loop's own model;
     `_refine` times the best by that model too (`REFINE_LATE_TIMED`)."""
-    from roundpipe.plan import choose
     from roundpipe.plan_eval import late_loop_evaluator
 
     costs = grid_costs(32, 3.8, 1.0)
@@ -184,7 +181,7 @@ def test_a_late_loop_refines_around_few_slot_plans_by_its_own_model_too(
         27,
         pytest.approx(371.70, abs=0.01),
     )
-    monkeypatch.setattr(choose, "REFINE_LATE_TIMED", 0)
+    monkeypatch.setattr(_refine, "REFINE_LATE_TIMED", 0)
     before = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert (before.num_slots, before.fused.start, evaluate(before)) == (
         7,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
+from roundpipe.plan import LayerCosts, Plan, _families, _timer, analytic_bubble, choose_plan, partition
 from roundpipe.plan._ranking import (
     LOOP_MODEL_ITERATIONS,
     LOOP_MODEL_WINDOW,
@@ -78,7 +78,7 @@ def test_async_choice_is_never_slower_than_the_proxies() -> None:
         (8, 3.8, 2.0, 2, 4, True),
         (8, 1.3, 4.0, 4, 8, False),
         # Its best plan has 12 slots and a 2-layer fused stage: only the wider even plans of
-        # `choose._ranked_candidates` reach it (6.5% slower without them).
+        # `_families._ranked_candidates` reach it (6.5% slower without them).
         (12, 1.3, 1.0, 8, 16, False),
     ],
 )
@@ -102,7 +102,6 @@ def test_the_late_loops_choice_is_near_the_exhaustive_best(
     `_refine`, timing the plans next to the best of each kind, brings it to the best and within
     1.2%. The late loop's own ranking of the few-slot plans (`LATE_MODELLED`, and of the plans of
     equal stages: `LATE_EQUAL_TIMED`) finds them too without it."""
-    from roundpipe.plan import choose
 
     costs = grid_costs(24, ratio, head)
     evaluate = late_loop_evaluator(costs, 8, 16)
@@ -110,8 +109,8 @@ def test_the_late_loops_choice_is_near_the_exhaustive_best(
     chosen = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert evaluate(chosen) <= best_ms * 1.02
     assert evaluate(choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate, late=True, refine=False)) <= best_ms * 1.02  # fmt: skip
-    monkeypatch.setattr(choose, "LATE_MODELLED", 0)
-    monkeypatch.setattr(choose, "LATE_EQUAL_TIMED", 0)
+    monkeypatch.setattr(_families, "LATE_MODELLED", 0)
+    monkeypatch.setattr(_families, "LATE_EQUAL_TIMED", 0)
     unrefined = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate, late=True, refine=False)
     assert evaluate(unrefined) > best_ms * 1.04  # what it was: the test would pass without the fix
 
@@ -317,21 +316,20 @@ def test_a_waiting_loop_ranks_every_candidate_by_the_loops_model(monkeypatch: py
     device's floor): on 24 layers, backward 2.5x, head 1x it finds a 33-slot plan that settles at
     222.44 ms with a 0.13% chained bubble, the fastest of all even plans; ranked as chained runs,
     a 13-slot one at 233.51 ms (3.6%)."""
-    from roundpipe.plan import choose
 
     costs = grid_costs(24, 2.5, 1.0)
     evaluate = engine_evaluator(costs, 8, 16, async_optimizer=True)
     timed = FlooredEvaluator(evaluate, evaluate.floor)  # the ranking's few, without the shortlist
     looped = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=timed)
     assert (looped.num_slots, evaluate(looped)) == (33, pytest.approx(222.44, abs=0.01))
-    rank = choose._rank
+    rank = _families._rank
 
     def chained_rank(*args: object, **kwargs: object) -> object:
         if kwargs.get("keep") == 4:
             kwargs["loop"] = False
         return rank(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(choose, "_rank", chained_rank)
+    monkeypatch.setattr(_families, "_rank", chained_rank)
     chained = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=timed)
     assert (chained.num_slots, evaluate(chained)) == (13, pytest.approx(233.51, abs=0.01))
     assert (LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW) == (MODEL_ITERATIONS, MODEL_WINDOW)
@@ -388,7 +386,6 @@ def test_sync_candidates_reach_many_slots(monkeypatch: pytest.MonkeyPatch) -> No
     candidates of up to `many_slots` slots the choice is within 2% of the fastest even plan
     (24 layers, backward 3.8x, head 2x at (8, 16): 339.2 ms, 30 slots); without them (and the
     finest plans, one of which it is too) it was 357.17 ms (16 slots, 5.3% slower)."""
-    from roundpipe.plan import choose
 
     for layers, ratio, head, n, m in [(24, 3.8, 2.0, 8, 16), (28, 1.3, 1.0, 4, 8)]:
         costs = grid_costs(layers, ratio, head)
@@ -398,8 +395,8 @@ def test_sync_candidates_reach_many_slots(monkeypatch: pytest.MonkeyPatch) -> No
         assert chosen <= 1.02 * best, (layers, ratio, head, n, chosen, best)
     costs = grid_costs(24, 3.8, 2.0)
     evaluate = engine_evaluator(costs, 8, 16, async_optimizer=False)
-    monkeypatch.setattr(choose, "many_slots", lambda num_devices, num_microbatches: 0)
-    monkeypatch.setattr(choose, "FINEST_FUSED_LAYERS", 0)  # which find that plan too
+    monkeypatch.setattr(_families, "many_slots", lambda num_devices, num_microbatches: 0)
+    monkeypatch.setattr(_families, "FINEST_FUSED_LAYERS", 0)  # which find that plan too
     near = choose_plan(costs, 8, 16, evaluate=evaluate)
     assert (near.num_slots, evaluate(near)) == (16, pytest.approx(357.17, abs=0.01))
 
@@ -408,13 +405,12 @@ def test_sync_candidates_reach_ten_slots_a_device(monkeypatch: pytest.MonkeyPatc
     """At (4, 8), 32 layers, backward 2.5x, head 2x the fastest even sync plan has 34 slots
     (317.18 ms), past 8N: with `many_slots` at 10N it is chosen, at 8N the choice took 321.15 ms
     (29 slots)."""
-    from roundpipe.plan import choose
 
     costs = grid_costs(32, 2.5, 2.0)
     evaluate = engine_evaluator(costs, 4, 8, async_optimizer=False)
     chosen = choose_plan(costs, 4, 8, evaluate=evaluate)
     assert (chosen.num_slots, evaluate(chosen)) == (34, pytest.approx(317.18, abs=0.01))
-    monkeypatch.setattr(choose, "many_slots", lambda num_devices, num_microbatches: 8 * num_devices)
+    monkeypatch.setattr(_families, "many_slots", lambda num_devices, num_microbatches: 8 * num_devices)
     near = choose_plan(costs, 4, 8, evaluate=evaluate)
     assert (near.num_slots, evaluate(near)) == (29, pytest.approx(321.15, abs=0.01))
 
@@ -423,14 +419,13 @@ def test_sync_candidates_take_longer_fused_stages(monkeypatch: pytest.MonkeyPatc
     """A fused stage recomputes nothing: on 28 layers, backward 1.3x, head 4x at (4, 8) the
     fastest sync plan has 6 slots, one forward stage and a fused stage two layers longer than the
     one about the mean slot (227.6 ms); without those candidates the choice took 235.23 ms."""
-    from roundpipe.plan import choose
 
     costs = grid_costs(28, 1.3, 4.0)
     evaluate = engine_evaluator(costs, 4, 8, async_optimizer=False)
     best = min(evaluate(p) for p in every_even_plan(costs, 4, 8))
     assert evaluate(choose_plan(costs, 4, 8, evaluate=evaluate)) <= 1.02 * best
     assert best == pytest.approx(227.6, abs=0.05)
-    monkeypatch.setattr(choose, "SYNC_LONGER_FUSED", 0)
+    monkeypatch.setattr(_families, "SYNC_LONGER_FUSED", 0)
     assert evaluate(choose_plan(costs, 4, 8, evaluate=evaluate)) == pytest.approx(235.23, abs=0.01)
 
 
@@ -439,7 +434,6 @@ def test_sync_candidates_reach_fused_stages_four_layers_longer(monkeypatch: pyte
     12-layer fused stage (366.37 ms, the exhaustive search's best), and it meets the bubble target
     (within 1.5 points of its slot count's analytic bubble); with fused stages at most two layers
     longer than the mean slot's the choice was a 23-slot plan, 370.31 ms and off the target."""
-    from roundpipe.plan import choose
 
     costs = grid_costs(48, 1.3, 4.0)
     evaluate = engine_evaluator(costs, 4, 8, async_optimizer=False)
@@ -447,7 +441,7 @@ def test_sync_candidates_reach_fused_stages_four_layers_longer(monkeypatch: pyte
     assert (chosen.num_slots, len(chosen.fused), evaluate(chosen)) == (6, 12, pytest.approx(366.37, abs=0.01))
     bubble = simulate(chosen, costs, 4, 8, iterations=1, async_optimizer=False).bubble_ratio
     assert bubble <= analytic_bubble(4, 8, chosen.num_slots) + SYNC_SLACK
-    monkeypatch.setattr(choose, "SYNC_LONGER_FUSED", 2)
+    monkeypatch.setattr(_families, "SYNC_LONGER_FUSED", 2)
     near = choose_plan(costs, 4, 8, evaluate=evaluate)
     assert (near.num_slots, evaluate(near)) == (23, pytest.approx(370.31, abs=0.01))
 
@@ -511,14 +505,13 @@ def test_sync_candidates_take_the_finest_plans(monkeypatch: pytest.MonkeyPatch) 
     a 1-layer backward stage per layer, the embedding's with the first layer's, 22 forward stages)
     takes 606.57 ms, its forward stage count not the even split's. Without the finest plans the
     choice took 627.53 ms (44 slots)."""
-    from roundpipe.plan import choose
 
     costs = grid_costs(64, 2.5, 1.0)
     evaluate = engine_evaluator(costs, 8, 16, async_optimizer=False)
     chosen = choose_plan(costs, 8, 16, evaluate=evaluate)
     assert (chosen.num_slots, len(chosen.fwd_stages), len(chosen.bwd_stages)) == (87, 22, 64)
     assert evaluate(chosen) == pytest.approx(606.57, abs=0.01)
-    monkeypatch.setattr(choose, "FINEST_FUSED_LAYERS", 0)
+    monkeypatch.setattr(_families, "FINEST_FUSED_LAYERS", 0)
     near = choose_plan(costs, 8, 16, evaluate=evaluate)
     assert (near.num_slots, evaluate(near)) == (44, pytest.approx(627.53, abs=0.01))
 
@@ -587,7 +580,7 @@ def test_a_waiting_loop_reaches_the_fastest_plan_by_each_of_its_listing_rules(
     evaluate = engine_evaluator(costs, 8, 16, async_optimizer=True)
     plan = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
     assert (plan.num_slots, evaluate(plan)) == (chosen[0], pytest.approx(chosen[1], abs=0.01))
-    monkeypatch.setattr(choose, knob, 0)
+    monkeypatch.setattr(_timer if knob.startswith("ESTIMATE") else choose, knob, 0)
     near = choose_plan(costs, 8, 16, async_optimizer=True, evaluate=evaluate)
     assert (near.num_slots, evaluate(near)) == (without[0], pytest.approx(without[1], abs=0.01))
 

@@ -294,7 +294,7 @@ def equal_splits(chains: EvenChains, slot_counts: Iterable[int], reach: int) -> 
     and whose backward stages all hold one number, with a fused stage starting (at a multiple of
     both numbers) within ``reach`` layers of the mean slot's (`balanced_fused`). Balanced by time
     alone, a chain's stages differ by a layer here and there; these do not, and a loop one loss
-    late runs some of them 2-3% faster than any plan nearby (`choose.LATE_EQUAL_TIMED`)."""
+    late runs some of them 2-3% faster than any plan nearby (`_families.LATE_EQUAL_TIMED`)."""
     ticks = chains.ticks
     for s_count in slot_counts:
         mid = _mean_slot_fused_start(ticks, s_count)

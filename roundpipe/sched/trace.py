@@ -6,8 +6,13 @@ question about it: how idle were the devices (`bubble_ratio`), did the run obey 
 again (`replay` on the fake backend with the recorded durations). It is saved as plain JSON so a
 trace from a real run can be inspected or replayed anywhere.
 
-A trace never holds tensors; exporting and plotting live in `roundpipe.sched.export` so this
-module stays free of optional dependencies.
+A trace never holds tensors. It keeps the data and the questions about it; the readers that do
+more with it live beside it and import it, never the reverse: rule checking in
+`roundpipe.sched.rules`, export and plotting in `roundpipe.sched.export` (so this module stays free
+of optional dependencies), replay in `roundpipe.simulate` (above the backends). The methods that
+reach them (`check_rules`, `to_perfetto`, `plot`, `replay`) call the `TraceReaders` the package
+attaches when it loads (`roundpipe.sched.__init__`, which runs before this module can be
+imported), so this module imports none of them and no import cycle runs through it.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ import gzip
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 from roundpipe.sched.task import COMPUTE_KINDS, Task
 
@@ -34,6 +39,30 @@ def _json_type(value: Any) -> str:
         return "boolean"
     names = {dict: "object", list: "array", str: "string", int: "number", float: "number"}
     return names.get(type(value), type(value).__name__)
+
+
+class TraceReaders(NamedTuple):
+    """What the `Trace` methods that leave this module call: rule checking, export, replay."""
+
+    check_rules: Callable[[Trace], None]
+    write_perfetto: Callable[[Trace, str | os.PathLike[str]], Path]
+    write_png: Callable[[Trace, str | os.PathLike[str]], Path]
+    replay: Callable[[Trace], Trace]
+
+
+_readers: TraceReaders | None = None
+
+
+def attach_readers(readers: TraceReaders) -> None:
+    """Give the `Trace` methods their readers (`roundpipe.sched.__init__` does, once)."""
+    global _readers
+    _readers = readers
+
+
+def _attached() -> TraceReaders:
+    if _readers is None:  # only while roundpipe.sched itself is still loading
+        raise RuntimeError("the trace readers are attached once roundpipe.sched has loaded")
+    return _readers
 
 
 @dataclass(frozen=True)
@@ -111,9 +140,7 @@ class Trace:
 
     def check_rules(self) -> None:
         """Raise `RuleViolation` naming the rule and the tasks if any of the five rules is broken."""
-        from roundpipe.sched.rules import check_trace
-
-        check_trace(self)
+        _attached().check_rules(self)
 
     # ------------------------------------------------------------------ persistence
 
@@ -172,21 +199,15 @@ class Trace:
 
     def to_perfetto(self, path: str | os.PathLike[str]) -> Path:
         """Chrome/Perfetto trace-event JSON: one track per lane per device (open in ui.perfetto.dev)."""
-        from roundpipe.sched.export import write_perfetto
-
-        return write_perfetto(self, path)
+        return _attached().write_perfetto(self, path)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
         """A PNG timeline: one row per lane, coloured by kind (needs matplotlib)."""
-        from roundpipe.sched.export import write_png
-
-        return write_png(self, path)
+        return _attached().write_png(self, path)
 
     def replay(self) -> Trace:
         """Re-run the recorded task graph on the fake backend with the recorded durations."""
-        from roundpipe.simulate import replay
-
-        return replay(self)
+        return _attached().replay(self)
 
     def summary(self) -> str:
         report = self.bubble_ratio()
