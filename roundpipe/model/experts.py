@@ -50,7 +50,7 @@ def _swiglu_halves(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
 
 def _gpt_oss_gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """GPT-OSS: gate and up interleaved, clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    limit, alpha = float(experts.limit), float(experts.alpha)
+    limit, alpha = float(getattr(experts, "limit")), float(getattr(experts, "alpha"))  # noqa: B009
     gate = gate_up[..., ::2].clamp(max=limit)
     up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -134,7 +134,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return out[:, :d_out] if p_out != d_out else out
 
 
-def _projection(experts: nn.Module, name: str, layout: Layout, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+def _projection(
+    experts: nn.Module, name: str, layout: Layout, x: torch.Tensor, routing: Routing
+) -> torch.Tensor:
     weight: torch.Tensor = getattr(experts, name)
     mat_b = weight if layout.transposed else weight.transpose(-2, -1)
     out = grouped_mm(x, mat_b, routing.offsets)
@@ -145,12 +147,16 @@ def _projection(experts: nn.Module, name: str, layout: Layout, x: torch.Tensor, 
 
 
 def grouped_experts(
-    experts: nn.Module, layout: Layout, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    experts: nn.Module,
+    layout: Layout,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """The experts' output for ``hidden`` [tokens, H] routed to ``top_k_index`` [tokens, k] with
     ``top_k_weights``: what the eager loop computes, as two grouped products."""
     tokens, k = top_k_index.shape
-    routing = route(top_k_index, int(experts.num_experts))
+    routing = route(top_k_index, int(getattr(experts, "num_experts")))  # noqa: B009
     rows = hidden[routing.token]
     inner = layout.gate(experts, _projection(experts, "gate_up_proj", layout, rows, routing))
     out = _projection(experts, "down_proj", layout, inner, routing)
