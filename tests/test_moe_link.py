@@ -8,6 +8,7 @@ from roundpipe.errors import PlanError
 from roundpipe.link_plan import choose_link_plan, link_iteration_ms
 from roundpipe.plan import LayerCosts, Plan, choose_plan, round_sizes
 from roundpipe.plan.link import link_costs, link_report, upload_bytes, upload_ms
+from roundpipe.sched.trace import Trace
 from roundpipe.simulate import simulate
 
 LINK_GBPS = 1.0
@@ -110,3 +111,53 @@ def test_link_report_says_how_many_microbatches_hide_the_uploads() -> None:
     assert not enough.link_bound
     fewer = link_report(plan, costs, params, LINK_GBPS, (short.hiding_microbatches - 1,))
     assert fewer.link_bound
+
+
+def test_the_replan_takes_the_link_aware_plan_where_the_measured_link_makes_it_faster() -> None:
+    """`with_link` (the CUDA re-plan): the link measured from the trace's weight uploads, the
+    plan made on link-aware costs within the same memory budget, kept where it runs faster."""
+    import roundpipe
+    from roundpipe.device_plan import measured_link_gbps, plan_from, with_link
+    from roundpipe.plan.memory import LayerMemory, layer_plan_bytes
+
+    mb, layers = 10**6, 12
+    mem = LayerMemory(
+        param_bytes=(20 * mb,) * layers,
+        grad_bytes=(0,) * layers,  # frozen (LoRA elsewhere): no gradient to hold or download
+        saved_bytes=(10 * mb,) * layers,
+        work_bytes=(5 * mb,) * layers,
+        boundary_bytes=(mb,) * layers,
+    )
+    costs = LayerCosts((1.0,) * layers, (2.0,) * layers, layer_plan_bytes(mem))
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, async_optimizer=False, round_size=4)
+    budget = 200 * mb
+    first = plan_from(config, costs, mem, 1, budget, kind="cpu")
+
+    def run(params: int) -> Trace:
+        return simulate(
+            first.plan,
+            costs,
+            1,
+            4,
+            iterations=2,
+            async_optimizer=False,
+            link_gbps=LINK_GBPS,
+            param_bytes=[params] * layers,
+            round_size=4,
+        ).trace
+
+    heavy = run(20 * mb)
+    assert measured_link_gbps(heavy) == pytest.approx(LINK_GBPS)
+    chosen = with_link(first, config, heavy, (20 * mb,) * layers)
+    assert chosen.plan != first.plan and chosen.costs is first.costs
+    assert chosen.prediction.fits(budget)
+    assert chosen.link is not None and chosen.link.link_bound
+
+    def timed(plan: Plan) -> float:
+        return link_iteration_ms(
+            plan, costs, [20 * mb] * layers, LINK_GBPS, 4, async_optimizer=False, round_size=4
+        )
+
+    assert timed(chosen.plan) < timed(first.plan)
+    light = with_link(first, config, run(1000), (1000,) * layers)
+    assert light.plan == first.plan and light.link is not None and not light.link.link_bound
