@@ -216,3 +216,33 @@ def test_grouped_experts_bf16_on_cuda_match_eager_without_syncing(make: Any) -> 
         torch.testing.assert_close(
             param.grad.float().cpu(), reference[name].grad, rtol=3e-2, atol=3e-2 * scale, msg=name
         )
+
+
+def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The planner's memory facts come from the layer copy the run executes: the profile's copy
+    runs the grouped experts, and what a block saves for backward covers the routed rows sorted
+    by expert and their first projection (S = tokens x k rows)."""
+    from roundpipe.backends.compiling import LayerCompiler
+    from roundpipe.backends.profile import measure_layers
+    from roundpipe.model.transformers_presets import causal_lm_layers
+
+    model: Any = eager(tiny_qwen3_moe())
+    layers, names = causal_lm_layers(model)
+    calls = counted_grouped_calls(monkeypatch)
+    batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+    measured = measure_layers(
+        layers,
+        batch,
+        torch.device("cpu"),
+        computes_loss=True,
+        names=names,
+        prepare=LayerCompiler(False, "cpu").prepare,
+    )
+    assert calls
+    config = model.config
+    rows = 2 * 16 * config.num_experts_per_tok
+    sorted_bytes = rows * (config.hidden_size + 2 * config.moe_intermediate_size) * 4
+    assert all(m.saved_bytes >= sorted_bytes for m in measured[1:-1])
+    assert not any(getattr(type(m), "_roundpipe_grouped", False) for m in model.modules())
