@@ -32,7 +32,11 @@ HOST_READS = frozenset(
 
 
 def eager(model: Any) -> Any:
-    model.set_experts_implementation("eager")
+    """``model`` with transformers' loop over experts (the reference), on any transformers 5."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    elif hasattr(model.config, "_experts_implementation"):
+        model.config._experts_implementation = "eager"
     return model
 
 
@@ -134,6 +138,20 @@ def test_grouped_mm_pads_unaligned_widths() -> None:
     offsets = torch.tensor([2, 2, 7], dtype=torch.int32)
     want = torch.cat([x[:2] @ weight[0], x[2:] @ weight[2]])
     torch.testing.assert_close(grouped_mm(x, weight, offsets), want)
+
+
+def test_experts_laid_out_otherwise_run_their_own_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transformers version with another weight layout: the grouped class falls back to the
+    module's own forward (checked on shapes, nothing read)."""
+    _, grouped = mlp_pair(tiny_qwen3_moe)
+    experts: Any = grouped.experts
+    assert experts_module.fits(experts, experts_module.LAYOUTS["Qwen3MoeExperts"])
+    experts.down_proj = nn.Parameter(experts.down_proj.detach().transpose(1, 2).clone())
+    assert not experts_module.fits(experts, experts_module.LAYOUTS["Qwen3MoeExperts"])
+    calls = counted_grouped_calls(monkeypatch)
+    with pytest.raises(RuntimeError):  # the eager loop's own products, on the wrong layout
+        grouped(torch.randn(1, 3, 32))
+    assert calls == []
 
 
 def test_an_explicit_experts_kernel_is_left_alone() -> None:

@@ -168,14 +168,34 @@ def grouped_experts(
     return out[inverse].view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
 
+def fits(experts: nn.Module, layout: Layout) -> bool:
+    """Whether ``experts`` holds its weights as ``layout`` says (shapes only, no values read):
+    another transformers version may lay them out otherwise, and then its own forward runs."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or not isinstance(getattr(experts, "num_experts", None), int):
+        return False
+    if layout.transposed:  # [E, H, 2I] and [E, I, H]
+        shapes_fit = gate_up.shape[1] == down.shape[2] and gate_up.shape[2] == 2 * down.shape[1]
+    else:  # [E, 2I, H] and [E, H, I]
+        shapes_fit = gate_up.shape[2] == down.shape[1] and gate_up.shape[1] == 2 * down.shape[2]
+    needs: tuple[str, ...] = ("gate_up_proj_bias", "down_proj_bias") if layout.bias else ()
+    needs += ("limit", "alpha") if layout.gate is _gpt_oss_gate else ("act_fn",)
+    return shapes_fit and gate_up.shape[0] == down.shape[0] and all(hasattr(experts, n) for n in needs)
+
+
 _subclasses: dict[type, type] = {}
 
 
 def _grouped_class(base: type, layout: Layout) -> type:
     subclass = _subclasses.get(base)
     if subclass is None:
+        original: Any = getattr(base, "forward")  # noqa: B009 (a module class; mypy sees a plain type)
 
         def forward(self: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> Any:
+            if not fits(self, layout):
+                return original(self, hidden, index, weights)
             return grouped_experts(self, layout, hidden, index, weights)
 
         methods = {"forward": forward, "_roundpipe_grouped": True, "__module__": base.__module__}
