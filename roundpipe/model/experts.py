@@ -39,6 +39,8 @@ from torch import nn
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
 REPLACEABLE = frozenset({None, "eager", "grouped_mm", "batched_mm"})
 ALIGN_BYTES = 16
+# torch >= 2.10 names it in torch.nn.functional; 2.9 has only the private op, the same kernel.
+_GROUPED_MM: Any = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")  # noqa: B009
 
 
 def _swiglu_halves(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     if (p_in, p_out) != (d_in, d_out):
         x = _pad_to(x, 1, p_in)
         weight = _pad_to(_pad_to(weight, 1, p_in), 2, p_out)
-    out = F.grouped_mm(_aligned_base(x.contiguous()), _aligned_base(weight), offs=offsets)
+    out = _GROUPED_MM(_aligned_base(x.contiguous()), _aligned_base(weight), offs=offsets)
     return out[:, :d_out] if p_out != d_out else out
 
 
