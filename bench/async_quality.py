@@ -1,7 +1,7 @@
 """Does the asynchronous optimizer learn as well as the synchronous one? Loss curves per remedy.
 
-Why: staleness 1 hides the CPU optimizer behind the next iteration but costs learning (issue 13:
-`roundpipe train` ended at 2.473 async against 1.929 sync). This runs `roundpipe train`'s main job
+Why: staleness 1 hides the CPU optimizer behind the next iteration but costs learning (plain
+staleness 1 ends about 10% above sync on the main job, over 11 seeds: docs/performance.md). This runs `roundpipe train`'s main job
 (qwen3-tiny on the shipped corpus, AdamW with warmup + cosine, 200 steps) in each optimizer mode
 at the default learning rate and at 2x and 4x it, and a LoRA run (``--lora-r 8``), and prints one
 JSON line per run (final loss, loss at a few steps, gap to sync, seconds). ``--png`` draws the

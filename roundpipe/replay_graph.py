@@ -1,16 +1,18 @@
 """The task graph of plan evaluation as flat lists: what `roundpipe.plan_replay` replays.
 
-Why a second builder: `GraphBuilder` makes `Task` objects with keys, stage names and bytes for
-every backend, and at 94 layers building them is half the cost of one plan evaluation. Plan
-evaluation needs, per task, only its resource, priority, duration and dependencies. This module
-makes exactly the tasks `GraphBuilder` makes for `roundpipe.simulate.run_fake`'s evaluation
-setup (``ModelSpec`` with one trainable unit per layer, no activation bytes, default
-``ScheduleOptions`` but the optimizer mode and round size; free transfers and optimizer on
-the fake backend with shared links), in the same order and with the same dependencies, as
-numbers. It follows `GraphBuilder`, `backward_run` and the five rules (`sched/rules.py`) step by
-step; `tests/test_plan_replay.py` compares the two graphs task for task, so any change there must
-be mirrored here. It must never import the scheduler, and never model bytes, memory or costs
-the evaluator does not pass.
+Why flat lists: plan evaluation needs, per task, only its resource, priority, duration and
+dependencies, and replays them thousands of times per choice. The graph is the engine's own:
+`GraphBuilder` (`roundpipe.sched.graph`) builds it for `roundpipe.simulate.run_fake`'s evaluation
+setup (one trainable unit per layer, default ``ScheduleOptions`` but the optimizer mode and round
+size; free transfers and optimizer on the fake backend with shared links), and `_rendered` writes
+its tasks down as numbers, in submission order. There is no second description of the schedule
+here: a change to the graph reaches plan evaluation by itself.
+
+Building `Task` objects is half the cost of an evaluation at 94 layers, so where the compiled
+kernels were built (`roundpipe.plan.native`) their builder makes the same numbers directly: a
+transcription of `GraphBuilder` for this setup, which `tests/test_plan_replay.py` proves equal,
+array for array, to the rendering of the engine's graph on random plans. This module must never
+model bytes, memory or costs the evaluator does not pass.
 """
 
 from __future__ import annotations
@@ -22,10 +24,22 @@ from types import ModuleType
 
 from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
-from roundpipe.plan.dispatch import SlotRun, dispatch
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
 from roundpipe.plan.rounds import round_sizes
+from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.task import (
+    ACT_DOWN,
+    ACT_UP,
+    COMPUTE,
+    G_COPY,
+    GRAD_DOWN,
+    GRAD_UP,
+    PARAM_UP,
+    RECOMPUTE,
+    Key,
+    Task,
+)
 
 COMPUTE_RES, H2D_RES, D2H_RES = 0, 1, 2
 """Resources per device, numbered ``3 * device + offset``; the host optimizer lane comes last."""
@@ -135,7 +149,9 @@ def build_graph(
     ends with the last iteration: sync at its makespan, async where its first compute starts)
     leaves out what never decides a compute's start there:
 
-    - dependencies met before another one of the same task (see `_Builder._uploads`);
+    - a compute's (a recompute's) parameter uploads after the run's first microbatch: the run's
+      previous compute waited for them, so they are met before it started and never decide when
+      a task is ready (a compute waits for every upload: most of a graph's edges);
     - the last iteration's gradient downloads, G-copies and optimizer step. A zero-time task holds
       its lane for one wave, and only back from tasks that were ready with it and come after it in
       the lane's order (anything ready later finds the lane free again); these come after every
@@ -144,29 +160,81 @@ def build_graph(
       compute does, so the makespan stays; in async, all but the step's P-copies wait for the
       last iteration's computes, after the replay's end."""
     kernels = native.kernels()
-    if kernels is not None:  # the same builder, compiled (`native`)
+    if kernels is not None:  # the same graph, built compiled (`native`)
         return _built(
             kernels, plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size, lean
         )
-    builder = _Builder(plan, costs, num_devices, num_microbatches, async_optimizer, lean)
-    first_device = 0
+    return _rendered(
+        plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size, lean
+    )
+
+
+def _rendered(
+    plan: Plan,
+    costs: LayerCosts,
+    num_devices: int,
+    num_microbatches: int,
+    iterations: int,
+    async_optimizer: bool,
+    round_size: int | None,
+    lean: bool,
+) -> ReplayGraph:
+    """`build_graph` from `GraphBuilder`'s tasks, batch by batch as `run_fake` submits them."""
+    spec = ModelSpec.uniform(plan.num_layers)
+    options = ScheduleOptions(async_optimizer=async_optimizer, round_size=round_size)
+    builder = GraphBuilder(plan, spec, num_devices, options)
+    render = _Renderer(plan, costs, num_devices, lean)
     for it in range(iterations):
-        runs, first_device = dispatch(
-            plan,
-            num_microbatches,
-            num_devices,
-            iteration=it,
-            first_device=first_device,
-            round_size=round_size,
-        )
         last = lean and it == iterations - 1
-        builder.iteration(it, runs, gradients=not last)
-        builder.graph.end_batch()
+        built = builder.forward_backward(it, it, num_microbatches)
+        tasks = built.tasks
+        if last:  # no gradients: nothing the replay reads waits for them (see `build_graph`)
+            tasks = [t for t in tasks if t.kind is not GRAD_DOWN and t.kind is not G_COPY]
+        render.batch(tasks)
+        render.graph.computes.append([render.index[t.key] for t in tasks if t.kind is COMPUTE])
+        render.graph.losses.append([render.index[key] for key in built.loss_keys])
         if not last:
-            builder.optimizer_step(it)
-            builder.graph.end_batch()
-    builder.graph.finish()
-    return builder.graph
+            render.batch(builder.optimizer_step(it))
+    render.graph.finish()
+    return render.graph
+
+
+class _Renderer:
+    """Writes `Task`s down as `ReplayGraph` numbers: the fake backend's resource (shared links),
+    the task's priority, `FakeCostModel`'s duration and the dependencies by task number."""
+
+    def __init__(self, plan: Plan, costs: LayerCosts, num_devices: int, lean: bool) -> None:
+        self.graph = ReplayGraph(num_devices)
+        self.index: dict[Key, int] = {}
+        self.lean = lean
+        self.durations = [_slot_ms(costs, s.kind, s.layers) for s in plan.slots]
+
+    def batch(self, tasks: list[Task]) -> None:
+        add, index, durations, host = self.graph.add, self.index, self.durations, self.graph.host
+        for task in tasks:
+            kind, dur, deps = task.kind, 0.0, task.deps
+            if task.device < 0:
+                res = host
+            else:
+                res = 3 * task.device + _OFFSET[kind]
+                if kind is COMPUTE or kind is RECOMPUTE:
+                    dur = durations[task.slot][kind is RECOMPUTE]
+                    if self.lean and task.part > 0:  # the run's previous compute waited for them
+                        deps = tuple(d for d in deps if d[0] is not PARAM_UP)
+            index[task.key] = add(res, task.priority, dur, [index[d] for d in deps])
+        self.graph.end_batch()
+
+
+_OFFSET: dict[str, int] = {
+    COMPUTE: COMPUTE_RES,
+    RECOMPUTE: COMPUTE_RES,
+    ACT_UP: H2D_RES,
+    GRAD_UP: H2D_RES,
+    PARAM_UP: H2D_RES,
+    ACT_DOWN: D2H_RES,
+    GRAD_DOWN: D2H_RES,
+}
+"""Each device task kind's resource, as the fake backend groups lanes on shared links."""
 
 
 def _built(
@@ -221,181 +289,6 @@ def _saved_inputs(plan: Plan) -> list[tuple[int, int]]:
             read_by = saved_by + 1 if stages[saved_by].stop == start else -1
         saved.append((saved_by, read_by))
     return saved
-
-
-class _Ledger:
-    """`sched.rules.UnitLedger` for one layer, by task number."""
-
-    __slots__ = ("grad_downloads", "last_g_copy", "p_copy", "readers", "step")
-
-    def __init__(self) -> None:
-        self.readers: dict[int, list[int]] = {}
-        self.p_copy: dict[int, int] = {}
-        self.grad_downloads: dict[int, list[int]] = {}
-        self.last_g_copy = -1
-        self.step: dict[int, int] = {}
-
-
-class _Builder:
-    """`GraphBuilder.forward_backward` and `optimizer_step`, on numbers (see the module docstring)."""
-
-    def __init__(
-        self, plan: Plan, costs: LayerCosts, num_devices: int, num_microbatches: int, asynch: bool, lean: bool
-    ):
-        self.plan = plan
-        self.lean = lean
-        self.graph = ReplayGraph(num_devices)
-        self.asynch = asynch
-        self.m = num_microbatches
-        self.ledgers = [_Ledger() for _ in range(plan.num_layers)]
-        self.history: dict[int, list[int]] = {}  # device -> last computes of its two latest runs
-        self.one_device = num_devices == 1
-        self.durations = [_slot_ms(costs, s.kind, s.layers) for s in plan.slots]
-        self.saved = _saved_inputs(plan)  # per slot: (saved_by, read_by) of backward runs, -1: none
-
-    def iteration(self, it: int, runs: list[SlotRun], gradients: bool = True) -> None:
-        """The iteration's graph; without ``gradients``, no gradient downloads and G-copies."""
-        version = max(0, it - 1) if self.asynch else it
-        self.act_down = [[-1] * self.m for _ in range(self.plan.num_slots)]
-        self.act_up = [[-1] * self.m for _ in range(self.plan.num_slots)]
-        self.last_grad_down: dict[int, int] = {}
-        self.computes: list[int] = []
-        self.losses: list[int] = []
-        for run in runs:
-            history = self.history.setdefault(run.device, [])
-            two_back = history[-2] if len(history) >= 2 else -1
-            params = self._param_uploads(run, version, two_back)
-            if run.slot.kind == SlotKind.BWD:
-                # On one device a backward run's first recompute waits for the previous run's last
-                # compute (`GraphBuilder._backward_context`).
-                previous = history[-1] if history and self.one_device else -1
-                last = self._backward_chains(run, params, two_back, previous)
-            else:
-                last = self._chains(run, params, two_back)
-            history.append(last)
-            if len(history) > 2:
-                del history[0]
-            if run.slot.kind != SlotKind.FWD and gradients:
-                self._grad_download(it, run, last)
-        self.graph.computes.append(self.computes)
-        self.graph.losses.append(self.losses)
-        if gradients:
-            self._g_copies(it)
-
-    def _param_uploads(self, run: SlotRun, version: int, two_back: int) -> list[int]:
-        add, ledgers, h2d = self.graph.add, self.ledgers, 3 * run.device + H2D_RES
-        keys = []
-        for layer in run.slot.layers:
-            ledger = ledgers[layer]
-            deps = [two_back] if two_back >= 0 else []
-            if version > 0:
-                deps.append(ledger.p_copy[version])
-            key = add(h2d, MID, 0.0, deps)
-            keys.append(key)
-            ledger.readers.setdefault(version, []).append(key)
-        return keys
-
-    def _uploads(self, params: list[int], before: list[int]) -> list[int]:
-        """A run's compute (a backward run's recompute) after its parameter uploads and the run's
-        previous one. Lean graphs leave the uploads out after the first microbatch: the previous
-        compute waited for them, so they are met before it started and never decide when a task
-        is ready (a compute waits for every upload: most of a graph's edges)."""
-        if not before:
-            return params
-        return before[-1:] if self.lean else [*params, before[-1]]
-
-    def _chains(self, run: SlotRun, params: list[int], two_back: int) -> int:
-        """A forward or fused run: per microbatch act_up, compute, act_down."""
-        add, d, slot = self.graph.add, 3 * run.device, run.slot.index
-        ms = self.durations[slot][0]
-        computes: list[int] = []
-        for position, mb in enumerate(run.microbatches):
-            deps = [self.act_down[slot - 1][mb]] if slot > 0 else []
-            ahead = computes[position - 2] if position >= 2 else two_back
-            if ahead >= 0:
-                deps.append(ahead)
-            up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
-            compute = add(d + COMPUTE_RES, MID, ms, [up, *self._uploads(params, computes)])
-            self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [compute])
-            computes.append(compute)
-        self.computes += computes
-        if run.slot.kind == SlotKind.FUSED:
-            self.losses += computes
-        return computes[-1]
-
-    def _backward_chains(self, run: SlotRun, params: list[int], two_back: int, previous: int) -> int:
-        """A backward run (`sched/backward_run.py`): act_up, recompute, grad_up, backward, act_down;
-        ``previous`` (or -1): what its first recompute also waits for."""
-        add, d, slot = self.graph.add, 3 * run.device, run.slot.index
-        ms, recompute_ms = self.durations[slot]
-        saved_by, read_by = self.saved[slot]
-        backwards: list[int] = []
-        for position, mb in enumerate(run.microbatches):
-            ahead = backwards[position - 2] if position >= 2 else two_back
-            flow = [ahead] if ahead >= 0 else []
-            deps = list(flow)
-            if saved_by >= 0:
-                deps.append(self.act_down[saved_by][mb])
-            if read_by >= 0:
-                deps.append(self.act_up[read_by][mb])
-            up = self.act_up[slot][mb] = add(d + H2D_RES, HIGH, 0.0, deps)
-            before = [up, *self._uploads(params, backwards)]
-            if not backwards and previous >= 0:
-                before.append(previous)
-            recompute = add(d + COMPUTE_RES, MID, recompute_ms, before)
-            grad = add(d + H2D_RES, HIGH, 0.0, [self.act_down[slot - 1][mb], *flow])
-            backward = add(d + COMPUTE_RES, MID, ms, [recompute, grad])
-            self.act_down[slot][mb] = add(d + D2H_RES, HIGH, 0.0, [backward])
-            backwards.append(backward)
-        self.computes += backwards
-        return backwards[-1]
-
-    def _grad_download(self, it: int, run: SlotRun, last: int) -> None:
-        layers, slot = run.slot.layers, run.slot.index
-        deps = [last]
-        previous = self.last_grad_down.get(slot)
-        if previous is not None:
-            deps.append(previous)
-        else:
-            deps += [self.ledgers[u].last_g_copy for u in layers if self.ledgers[u].last_g_copy >= 0]
-        key = self.last_grad_down[slot] = self.graph.add(3 * run.device + D2H_RES, LOW, 0.0, deps)
-        for unit in layers:
-            self.ledgers[unit].grad_downloads.setdefault(it, []).append(key)
-
-    def _g_copies(self, it: int) -> None:
-        """Per layer, shallow first (every layer lies in a fused or backward stage): rules 3 and 5."""
-        add, host = self.graph.add, self.graph.host
-        for ledger in self.ledgers:
-            deps = ledger.grad_downloads.pop(it, [])
-            if it - 1 in ledger.step:
-                deps.append(ledger.step[it - 1])
-            if not self.asynch and it in ledger.p_copy:
-                deps.append(ledger.p_copy[it])
-            ledger.last_g_copy = add(host, LOW, 0.0, deps)
-
-    def optimizer_step(self, step: int) -> None:
-        """Per layer, shallow first: async, P-copy(step - 1) then step(step); sync, step(step)
-        then P-copy(step)."""
-        add, host = self.graph.add, self.graph.host
-        for ledger in self.ledgers:
-            if self.asynch and step > 0:
-                self._p_copy(ledger, step - 1)
-            deps = [ledger.last_g_copy]
-            if step - 1 in ledger.step:
-                deps.append(ledger.step[step - 1])
-            if step in ledger.p_copy:
-                deps.append(ledger.p_copy[step])
-            ledger.step[step] = add(host, LOW, 0.0, deps)
-            ledger.step.pop(step - 2, None)
-            if not self.asynch:
-                self._p_copy(ledger, step)
-
-    def _p_copy(self, ledger: _Ledger, step: int) -> None:
-        deps = ledger.readers.pop(step, [])
-        if step in ledger.step:
-            deps.append(ledger.step[step])
-        ledger.p_copy[step + 1] = self.graph.add(self.graph.host, P_COPY_LEVEL, 0.0, deps)
-        ledger.p_copy.pop(step - 1, None)
 
 
 def _slot_ms(costs: LayerCosts, kind: str, layers: range) -> tuple[float, float]:

@@ -25,7 +25,7 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def good_checkpoint(model_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkpoint of a 2-step async `roundpipe train` run: every kind of file a checkpoint
-    has (in-flight weights too). One run for the session: tests damage or resume copies of it."""
+    has (in-flight weights too). One run for the whole test run: tests damage or resume copies of it."""
     from roundpipe.cli import main
     from tests.helpers import train_args
 

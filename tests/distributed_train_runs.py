@@ -1,12 +1,12 @@
 """The multi-process `roundpipe train` runs that tests/test_distributed_train.py checks, started
-before the first test of the session (tests/conftest.py) and collected by that module's fixture.
+before the first test of the run (tests/conftest.py) and collected by that module's fixture.
 
 Why started early: they are seconds of processes that wait on nothing the suite does, and the
 suite runs its tests one after another on one core; started first, they run on the core it leaves
 idle. Each run's outputs serve several tests. Everything a run is judged by is in its files (run
 directory, per-rank log, the time its command returned), so when it was started changes nothing a
 test checks. A run never started (its tests deselected) costs nothing; one never collected (the
-session stopped early) is killed when the session ends.
+run stopped early) is killed when the test run ends.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def collect(started: Started, model_config: Path) -> dict[str, Any]:
 
 
 def stop(started: Started) -> None:
-    """Whatever still runs (the session ended before the runs were collected)."""
+    """Whatever still runs (the test run ended before the runs were collected)."""
     started.launcher.join()
     for procs in started.launched.values():
         for proc in procs:

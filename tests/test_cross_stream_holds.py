@@ -7,7 +7,7 @@ stream while the kernels still read it. A backward stage's recompute and backwar
 uploaded activation; autograd keeps only some of it (what the layers saved, such as a decoder's
 rotary tables) and lets go of each saved tensor once it has launched that node's kernels. An
 H200 showed the result: NaN losses on a 1.7B model with 15 backward stages on one GPU, gone under
-``CUDA_LAUNCH_BLOCKING=1`` (docs/performance.md, "Eleventh session"). Here the CPU runtime runs
+``CUDA_LAUNCH_BLOCKING=1`` (docs/design.md, "A backward stage is two compute tasks"). Here the CPU runtime runs
 with deferred releases, and the test checks, when each backward is issued, that every tensor of
 its uploaded activation is held for it.
 """

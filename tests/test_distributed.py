@@ -38,7 +38,7 @@ _PORTS_LOCK = threading.Lock()
 
 
 def free_port() -> int:
-    """A port free now and never handed out before in this session. Why remembered: the port
+    """A port free now and never handed out before in this test run. Why remembered: the port
     is free again once this socket closes, and until the job's rank 0 binds it (seconds later,
     after its imports) another caller, such as the train runs started from another thread at the
     same moment, would be handed the same one."""
@@ -63,7 +63,7 @@ def clipped_reference() -> dict[str, torch.Tensor]:
 
 def start_workers(out: Path) -> list[subprocess.Popen[str]]:
     """Both processes of tests/distributed_worker.py, writing to ``out`` (started before the
-    session's first test by tests/conftest.py, so they run on the core the suite leaves idle)."""
+    test run's first test by tests/conftest.py, so they run on the core the suite leaves idle)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     procs = []

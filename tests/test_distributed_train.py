@@ -8,7 +8,7 @@ the same step, with the checkpoint of that step, and a NaN loss on rank 1 stops 
 step, keeping the last good checkpoint; one process resumes from the two processes'
 checkpoint at the same data position; a rank that hangs makes the other exit non-zero within the
 timeout, naming it; and ``torchrun --max-restarts 1`` resumes from the last checkpoint after a rank
-was killed. Each run serves several tests, and its processes start before the session's first
+was killed. Each run serves several tests, and its processes start before the test run's first
 test (tests/distributed_train_runs.py), since starting a process costs seconds.
 """
 
@@ -46,7 +46,7 @@ def runs(distributed_train_runs: Started | None, model_config: Path) -> dict[str
     """The runs' outcomes: two processes stopped by a SIGTERM on rank 1 at step 3; one process on
     the whole batch for 5 steps (a checkpoint at each, run here); two processes whose rank 1 hangs
     in step 2; two whose rank 1 has a NaN loss at step 3; the torchrun job whose rank 1 is killed.
-    The processes were started at the session's start (tests/distributed_train_runs.py)."""
+    The processes were started at the test run's start (tests/distributed_train_runs.py)."""
     assert distributed_train_runs is not None, "tests/conftest.py starts them for the selected tests"
     return collect(distributed_train_runs, model_config)
 

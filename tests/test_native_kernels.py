@@ -1,8 +1,8 @@
 """The compiled loops of plan evaluation (`roundpipe.plan.native`) give what the Python loops give.
 
 What must hold: every function of `_kernels.c` stands in for a Python loop and must decide
-nothing differently: the replay graph built in C is the Python builder's graph, array for array
-and in the same order; the replay, the stream model and the split model give the same floats to
+nothing differently: the replay graph built in C is the engine's graph as `roundpipe.replay_graph`
+renders it, array for array and in the same order; the replay, the stream model and the split model give the same floats to
 the last bit, given up or not; and `choose_evaluated_plan` chooses the same plan in every mode.
 Each check runs the same inputs through both (`native.pure_python()` turns the compiled loops
 off). Where CI asks for the compiled loops (``ROUNDPIPE_EXPECT_NATIVE=1``, set by .ci/run), a

@@ -1,4 +1,4 @@
-"""The reproductions of issue 12 ("nothing lost, nothing silent"), one test each: damaged
+"""Nothing lost, nothing silent: one test per way a run can be damaged or stopped: damaged
 checkpoints of every kind, a NaN at a chosen step, SIGTERM and a double Ctrl-C at chosen points,
 a Ctrl-C during start-up, and the API edges (an edited meta.json, a binary data file, a bad jsonl
 line, an async error arriving one call late). Signals come from the process itself at named

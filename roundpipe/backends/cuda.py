@@ -27,9 +27,10 @@ the copy lanes, the optimizer lane and the engine's loop; each torch call lets g
 takes it back, and a thread that wants it back waits until the holder drops it, by default up to
 5 ms (`sys.getswitchinterval`). While a CUDA pipe is open the interval is 0.5 ms at most
 (`GIL_SWITCH`, given back when the last one closes). On an H200, workload A (4,096-token
-microbatches, the host issuing kernels about as fast as the GPU runs them) went from 25,443 and
-21,338 tokens/s to 26,762 and 26,452, alternated on one machine, the GPU waiting on the host for
-35-37% of the step instead of 42-65% (docs/performance.md, nineteenth session).
+microbatches, the host issuing kernels about as fast as the GPU runs them) runs at 26,762 and
+26,452 tokens/s with it against 25,443 and 21,338 without, alternated on one machine, the GPU
+waiting on the host for 35-37% of the step against 42-65% (docs/performance.md, "Where A's step
+goes").
 
 It must never decide ordering and never leave a thread running after `close()`.
 """

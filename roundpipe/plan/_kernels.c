@@ -1,15 +1,17 @@
 /* The inner loops of plan evaluation, compiled.
 
 Why this file exists: `choose_plan` ranks tens to hundreds of candidate plans with list-schedule
-models (`_stream._list_schedule`, `_split_stream._split_schedule`) and times the best few with a
+models (`_stream.event_loop`, for `_stream.stream_ms` and `_split_stream.split_ms`) and times the best few with a
 replay of the engine's start rule (`roundpipe.plan_replay.replay_starts`). At 94 layers those
 three loops are most of a choice's time, each a heap of events over thousands of tasks, and in
 Python each event costs a microsecond or more. Here they run the same steps on C arrays.
 
-What it must never do: decide anything differently from the Python loops it stands in for. Each
-function below is a line-by-line transcription of one of them (same event order, same tie
+What it must never do: decide anything differently from the Python code it stands in for. Each
+function below is a line-by-line transcription of a Python loop (same event order, same tie
 breaks, the same float additions in the same order), and `tests/test_native_kernels.py` checks
-every result against the Python loop on random and grid-shaped inputs. The Python loops stay the
+every result against the Python loop on random and grid-shaped inputs; `build` makes the engine's
+task graph (`roundpipe.sched.graph.GraphBuilder`) for plan evaluation's setup, and
+`tests/test_plan_replay.py` checks it array for array against that graph on random plans. The Python loops stay the
 reference and the fallback: a machine without a compiler runs them (`roundpipe.plan.native`).
 It knows nothing of plans, devices or bytes: only integers, floats and the graphs it is handed.
 
@@ -229,12 +231,12 @@ typedef struct {
     Vec res, level, dep_off, dep_idx, tmp;
     DVec dur;
     int failed; /* out of memory */
-    int broken; /* a dependency on a task that does not exist: `_Builder` would raise */
+    int broken; /* a dependency on a task that does not exist: `GraphBuilder` would raise */
 } Graph;
 
-/* ---- the stream models' loop: `_stream._list_schedule` and `_split_stream._split_schedule` - */
+/* ---- the stream models' loop: `_stream.event_loop` ---------------------------------------- */
 
-/* One loop for both models, as the two Python loops are one loop with different extras: a free
+/* One loop for both models, as in Python (`_stream.event_loop`): a free
    device starts its ready task first in dispatch order; computes end in time order; dependencies
    met after transfers (codes past k) come once every compute of the instant has ended. Optional
    parts (NULL when unused): extra dependents (`_stream`'s weight waits and gate), the watched
@@ -454,7 +456,7 @@ static PyObject *list_schedule(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* `_split_stream._split_schedule`: returns the makespan (inf once given up). */
+/* `_split_stream.split_ms`'s loop: returns the makespan (inf once given up). */
 static PyObject *split_schedule(PyObject *self, PyObject *args) {
     PyObject *o_dur, *o_dev, *o_off, *o_idx, *o_unmet, *o_saving, *o_uploads, *o_upafter;
     PyObject *o_roff, *o_ridx, *o_left;
@@ -531,8 +533,8 @@ static PyObject *split_schedule(PyObject *self, PyObject *args) {
    two replays cannot share one set. Each call takes a set from a free list and gives it back
    (both holding the GIL, which guards the list): a set is kept from one call to the next (see
    `build` for why) and outlives the thread that used it. Kept per thread instead, the worker's
-   were freed as it was joined after each choice (a pipe leaves no thread behind), and its next
-   choice faulted every page in again. There are as many sets as calls have run at once: two. */
+   would be freed as it is joined after each choice (a pipe leaves no thread behind), and its next
+   choice would fault every page in again. There are as many sets as calls have run at once: two. */
 typedef struct WorkingBlocks {
     Kept unmet, wave, heap; /* the replay's */
     Kept fill;              /* the inversion's */
@@ -707,7 +709,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
 
 static PyObject *new_array(const char *typecode, Py_ssize_t count, void **data) {
     /* array.array(typecode, [0]) * count: zeroed, writable through the buffer; one block
-       (through bytes it took two, each a fresh mapping to fault in at a large graph's size) */
+       (through bytes it takes two, each a fresh mapping to fault in at a large graph's size) */
     PyObject *module = PyImport_ImportModule("array");
     if (module == NULL) return NULL;
     PyObject *one = PyObject_CallMethod(module, "array", "s[i]", typecode, 0);
@@ -775,12 +777,15 @@ static PyObject *invert(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- build: `roundpipe.replay_graph._Builder` ----------------------------------------- */
+/* ---- build: `roundpipe.sched.graph.GraphBuilder`, as `replay_graph._rendered` writes it -- */
 
-/* Line by line `_Builder` (see replay_graph.py for the why of each edge): the same tasks, in the
-   same order, with the same dependencies. The ledgers' dicts become arrays indexed by version
-   (each key is read only while the dict still holds it: see `_Builder`), the device histories
-   two numbers. Resources, priorities and kinds as there. */
+/* `GraphBuilder`'s graph for plan evaluation's setup (one unit per layer, no chunking, no fresh
+   units, barrier or ordered steps; see `sched/graph.py`, `forward_run.py`, `backward_run.py` and
+   `rules.py` for the why of each edge), rendered as `replay_graph._rendered` renders it: the same
+   tasks, in the same order, with the same dependencies; lean graphs as `build_graph` says. The
+   rules' ledgers become arrays indexed by version (each read only while the ledger's dict still
+   holds the key), the device histories two numbers. Resources and priorities as the fake backend
+   and `sched.task.PRIORITY` give them. */
 
 enum { COMPUTE_RES = 0, H2D_RES = 1, D2H_RES = 2 };
 enum { HIGH = 30, MID = 20, LOW = 10, P_COPY_LEVEL = 12 };
@@ -820,7 +825,7 @@ static i64 gadd(Graph *g, i64 res, int priority, double dur, const i64 *deps, Py
     return task;
 }
 
-/* `_Builder._p_copy`: P-copy(step) after the uploads that read the weights before it (rule 1)
+/* `GraphBuilder._p_copy`: P-copy(step) after the uploads that read the weights before it (rule 1)
    and the step itself; ``readers``, ``steps`` and ``copies`` are the layer's, by version. */
 static void p_copy_task(Graph *g, Vec *readers, i64 *steps, i64 *copies, i64 s, i64 host) {
     Vec *mine = &readers[s];
@@ -903,8 +908,8 @@ static PyObject *build(PyObject *self, PyObject *args) {
     i64 *act_down = malloc(sizeof(i64) * S * m), *act_up = malloc(sizeof(i64) * S * m);
     i64 *last_grad_down = malloc(sizeof(i64) * S);
     /* The growing lists keep their blocks from one build to the next: a 20-iteration graph's are
-       megabytes, which malloc maps afresh and unmaps on free, so each build faulted every page
-       in again (more than half of its time at 94 layers). */
+       megabytes, which malloc maps afresh and unmaps on free, so each build would fault every
+       page in again (more than half of its time at 94 layers). */
     Vec *kept_lists = blocks->lists;
     Vec params = kept_lists[0], chain = kept_lists[1], batches = kept_lists[2],
         computes = kept_lists[3], comp_off = kept_lists[4], losses = kept_lists[5],
@@ -2039,7 +2044,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"build", build, METH_VARARGS, "`replay_graph._Builder`'s graph, packed."},
+    {"build", build, METH_VARARGS, "`GraphBuilder`'s graph for plan evaluation, packed."},
     {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
     {"split_layout", split_layout, METH_VARARGS, "`SplitGraph.layout`, packed."},
     {"stream_base", stream_base, METH_VARARGS, "`_stream._runs_structure`, packed."},
@@ -2047,7 +2052,7 @@ static PyMethodDef methods[] = {
     {"balanced_split", balanced_split, METH_VARARGS, "`_candidates.balanced_split`: the part ends."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
-    {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream._split_schedule` on packed arrays."},
+    {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream.split_ms`'s `event_loop` on packed arrays."},
     {"replay", replay, METH_VARARGS, "`plan_replay.replay_starts` on packed arrays."},
     {"first_starts", first_starts, METH_VARARGS, "Per group of tasks, the least start not negative."},
     {"busiest_share", busiest_share, METH_VARARGS, "`dispatch.busiest_device_share`."},

@@ -27,16 +27,15 @@ MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
 """Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run."""
 LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW = 4, (1, 3)
 """Async ranking with ``loop`` (a run submitted as a training loop submits it): iterations 1 to 3
-of 4. It was the evaluator's own window (1 to 5 of 6) until the evaluator read the settled time
-(`roundpipe.plan_replay.settled_ms`), which no short window gives; with the busiest device's
-floor the shorter window ranks as well (on the 96 async grid shapes at (8, 16): 85 under the 3%
-bubble target against 88, the chosen plans' settled times 0.0-0.1% apart) and costs a third
-less, which pays for ranking every candidate this way (`choose_plan`)."""
+of 4. The evaluator reads the settled time (`roundpipe.plan_replay.settled_ms`), which no short
+window gives; with the busiest device's floor this window ranks as well as iterations 1 to 5 of
+6 (the chosen plans' settled times within 0.1%) and costs a third less, which pays for ranking
+every candidate this way (`choose_plan`)."""
 LONG_LOOP_MODEL_ITERATIONS, LONG_LOOP_MODEL_WINDOW = 5, (2, 4)
 """Async ranking with ``loop`` and ``longer``: iterations 2 to 4 of 5, past the first
 iteration after the fill, which on some plans still runs slow. It ranks the fastest plan of
 the (8, 16) grid shape of 32 layers, backward 3.8x and head 4x 4th of all even plans (the
-window of 1 to 3: 19th), but as the only ranking it chose worse on 23 of the 288 async grid
+window of 1 to 3: 19th), but as the only ranking it chooses worse on 23 of the 288 async grid
 shapes (most at (4, 8): the model is about 6% off there with either window), so it re-orders
 only the plans just past the shortlist (`choose.RECHECKED`)."""
 LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW = 10, (3, 9)
@@ -44,11 +43,11 @@ LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW = 10, (3, 9)
 submitted once iteration t's fused runs are done): iterations 3 to 9 of 10. Plans of up to N
 slots submitted that way settle only after a few slow iterations: on the 24-layer grid shape of
 backward 1.3x and head 3x the fastest (7 slots, 172.77 ms settled) reads 253 ms over iterations
-1 to 3 and 177.5 over 3 to 7 (the chained model over 1 to 3: 253 too). The window of 3 to 7 of 8
-still misordered them: over every even plan of up to N slots on the 48 (8, 16) grid shapes of
-24-32 layers, the faster of its best two was 4.1-4.6% slower than the fastest on the mean (the
-fastest ranked as low as 31st); over 3 to 9 of 10, 0.39-0.54% (7th at worst; 3 to 11 of 12
-ranks as well, 3 to 13 of 14 no better). The eighteenth session's change (docs/performance.md)."""
+1 to 3. Over every even plan of up to N slots on the 48 (8, 16) grid shapes of 24-32 layers, the
+faster of this window's best two is 0.39-0.54% slower than the fastest on the mean, which it
+ranks 7th at worst; 3 to 7 of 8 gives 4.1-4.6% (the fastest as low as 31st), 3 to 11 of 12 ranks
+as well as 3 to 9, 3 to 13 of 14 no better (`python bench/schedule.py --exhaustive --loss-lag
+1`)."""
 
 
 def spread(plan: Plan | _Candidate) -> float:

@@ -4,25 +4,24 @@ Sync plans are ranked by `split_ms`, the same list schedule with a backward micr
 tasks, its recompute ahead of its gradient as the engine runs it (and the saved activation and
 one parameter upload per layer that the recompute waits for): on the profile grid's even plans
 `stream_ms` is up to 16% slower than the engine (and 36% faster on a few), `split_ms` gives the
-engine's time on most of them and stays within 2%. Ranking by it put 6 more of the grid's 288
-sync shapes on the bubble target and shortened 82 chosen iterations (none got longer). It costs
-about 1.7 times `stream_ms` per plan; async ranking keeps `stream_ms` (not tried there).
+engine's time on most of them and stays within 2% (on one device and on plans of no more slots
+than devices, the engine's time: `tests/test_schedule_models.py`). It costs about 1.7 times
+`stream_ms` per plan; async ranking uses `stream_ms`.
 
 A backward run's recompute waits for its saved activation and one parameter upload per layer,
 never for the gradient; its backward waits for the gradient and its own recompute. It shares the
-heap-of-events shape of `_stream._list_schedule` and its bounds' reasoning; it must never build
-plans or import torch or the scheduler.
+list schedule of `_stream.stream_ms` (one loop, `_stream.event_loop`) and its bounds' reasoning;
+it must never build plans or import torch or the scheduler.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from array import array
 from collections.abc import Sequence
 
 from roundpipe.plan import native
-from roundpipe.plan._stream import _ACTIVATION_HOPS
+from roundpipe.plan._stream import _ACTIVATION_HOPS, SplitExtras, event_loop
 
 
 class Split:
@@ -76,8 +75,8 @@ def split_ms(
     after the device's run before last); then the rest, after the recompute and the gradient from
     the slot before. The engine keeps a device busy with recomputes while gradients are on their
     way; the whole-microbatch model (`stream_ms`) cannot, and is up to 16% slow on plans whose
-    first backward runs wait for gradients (measured on the profile grid's even plans; this model
-    gives the engine's time on most of them and is within 2% on all, never under it).
+    first backward runs wait for gradients (the profile grid's even plans; this model gives the
+    engine's time on most of them and is within 2% on all).
 
     ``give_up`` as in `stream_ms`; ``graphs``: the `SplitGraph`s of earlier calls, by slot count."""
     s_count, first_backward, n = len(slot_ms), split.first_backward, num_devices
@@ -112,10 +111,10 @@ def split_ms(
             *(native.ints(uploads), graph.arrays()[2], *native.csr(readers)),
             *(n, graph.bound, native.floats(left or [0.0] * n), margin),
         )
-    after, unmet_start, saving, ready_start = graph.layout(first_backward)
-    unmet = list(unmet_start)  # used up by the schedule; the rest is read only
-    ready = [list(tasks) for tasks in ready_start]
-    return _split_schedule(duration, graph, after, unmet, ready, saving, uploads, readers, margin, left)
+    after, unmet, saving, ready = graph.layout(first_backward)  # read only: the loop uses copies
+    extras = SplitExtras(graph.uploads_after, uploads, saving, readers, graph.bound)
+    ready_now = [list(tasks) for tasks in ready]
+    return event_loop(duration, graph.device, after, list(unmet), ready_now, left, margin, split=extras)[0]
 
 
 class SplitGraph:
@@ -282,68 +281,3 @@ def _split_tails(slot_ms: Sequence[float], split: Split, graph: SplitGraph, num_
         tail[d] = min(tail[d], after_slot[i])
         work[d] += slot_ms[i] * size
     return [w + x if x < math.inf else 0.0 for w, x in zip(work, tail, strict=True)]
-
-
-def _split_schedule(
-    duration: list[float],
-    graph: SplitGraph,
-    after: list[list[int]],
-    unmet: list[int],
-    ready: list[list[int]],
-    saving: list[int],
-    uploads: list[int],
-    readers: list[list[int]],
-    give_up: float,
-    left: list[float] | None,
-) -> float:
-    """`_list_schedule` (no window) for `split_ms` on a plan's ``after``, ``unmet`` and ``ready``
-    (used up): when a task ends, also the plan's own dependents, the code of the uploads after
-    run q (``uploads[q - 2N]``, for its last task) and, for microbatch j of a forward run q,
-    ``readers[q]`` (a recompute's code for microbatch 0; microbatch j's is 2j on)."""
-    device, k = graph.device, graph.count
-    uploads_after, bound = graph.uploads_after, graph.bound
-    num_devices = len(ready)
-    left = list(left or [0.0] * num_devices)
-    busy = [False] * num_devices
-    ends: list[tuple[float, int]] = []
-    met: list[int] = []
-    heappush, heappop = heapq.heappush, heapq.heappop
-    now, touched = 0.0, list(range(num_devices))
-    while True:
-        for d in touched:
-            if not busy[d] and ready[d]:
-                t = heappop(ready[d])
-                busy[d] = True
-                heappush(ends, (now + duration[t], t))
-                if now + left[d] > give_up:
-                    return math.inf
-                left[d] -= duration[t]
-        touched = []
-        if ends and (ends[0][0] == now or not met):
-            now, t = heappop(ends)
-        elif met:
-            t = heappop(met) % k
-            unmet[t] -= 1
-            if not unmet[t]:
-                heappush(ready[device[t]], t)
-                touched.append(device[t])
-            continue
-        else:
-            break
-        busy[device[t]] = False
-        touched.append(device[t])
-        for u in after[t]:
-            if u >= k:  # met after transfers
-                heappush(met, u)
-            else:
-                unmet[u] -= 1
-                if not unmet[u]:
-                    heappush(ready[device[u]], u)
-                    touched.append(device[u])
-        if uploads_after[t] >= 0:
-            heappush(met, uploads[uploads_after[t]])
-        if saving[t] >= 0:
-            q, j = divmod(saving[t], bound)
-            for code in readers[q]:
-                heappush(met, code + 2 * j)
-    return now

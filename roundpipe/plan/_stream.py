@@ -382,11 +382,8 @@ def _list_schedule(
 ) -> tuple[float, list[float]]:
     """Run the tasks of `_structure`: a free device starts its ready task first in dispatch order.
     Returns when the last ends and when each started (``every_start=False``: the ``watched``
-    tasks only, in their order; the compiled loop then makes no float of the others: a quarter
-    of a call, 43 -> 32 us on a window of 832 tasks); early (inf) once device d, starting a task at ``now`` with ``left[d]`` to do, shows
-    the makespan past ``give_up``, or once ``watched`` started (early, inf, once a compute ends
-    ``span`` after the first of them started while the other has not: it can start no earlier
-    than that)."""
+    tasks only, in their order, and the compiled loop makes no float of the others: a quarter
+    of a windowed call); early (inf) as `event_loop` says."""
     kernels = native.kernels()
     if kernels is not None:  # the same loop, compiled (`native`)
         n = shape.num_devices
@@ -394,33 +391,64 @@ def _list_schedule(
             *(native.floats(slot_ms), *shape.packed(), n),
             *(native.floats(left or [0.0] * n), give_up, native.ints(watched), span, every_start),
         )
-    now, start = _list_schedule_loop(slot_ms, shape, give_up, left, watched, span)
+    ready = [list(r) for r in shape.ready]
+    duration = [slot_ms[i] for i in shape.slot]
+    run = event_loop(
+        duration, shape.device, shape.after, list(shape.unmet), ready, left, give_up, watched, span
+    )
+    now, start = run
     return now, start if every_start else [start[t] for t in watched]
 
 
-def _list_schedule_loop(
-    slot_ms: Sequence[float],
-    shape: Shape,
-    give_up: float,
-    left: list[float] | None,
-    watched: tuple[int, ...],
-    span: float,
+class SplitExtras:
+    """`_split_stream.split_ms`'s dependents that come from the plan rather than the graph: when
+    task t ends, ``uploads[uploads_after[t]]`` (the uploads of the device's run after next, for a
+    run's last task), and for a forward run q's microbatch j (``saving[t] = q * bound + j``) every
+    code of ``readers[q]``, 2j on (the recomputes reading its saved activation). -1: none."""
+
+    __slots__ = ("bound", "readers", "saving", "uploads", "uploads_after")
+
+    def __init__(
+        self,
+        uploads_after: list[int],
+        uploads: list[int],
+        saving: list[int],
+        readers: list[list[int]],
+        bound: int,
+    ) -> None:
+        self.uploads_after, self.uploads, self.saving = uploads_after, uploads, saving
+        self.readers, self.bound = readers, bound
+
+
+def event_loop(
+    duration: Sequence[float],
+    device: Sequence[int],
+    after: Sequence[Sequence[int]],
+    unmet: list[int],
+    ready: list[list[int]],
+    left: list[float] | None = None,
+    give_up: float = math.inf,
+    watched: tuple[int, ...] = (),
+    span: float = math.inf,
+    split: SplitExtras | None = None,
 ) -> tuple[float, list[float]]:
-    """`_list_schedule`'s loop in Python (the reference of the compiled one): every start."""
-    duration = [slot_ms[i] for i in shape.slot]
-    device, after, k = shape.device, shape.after, shape.count
-    unmet = list(shape.unmet)
-    ready = [list(r) for r in shape.ready]
+    """The list schedule of both stream models (`_list_schedule`, `_split_stream.split_ms`; the
+    reference of `_kernels.c`'s ``stream_loop``), on a graph's ``unmet`` and per device ``ready``
+    heaps (both used up): a free device starts its ready task first in task order; computes end
+    in time order; a dependent numbered past the task count (``hops * count + task``) is met once
+    every compute ending at that instant has, by that number. Returns when the last task ends and
+    every start (-1: not started); early (inf) once device d, starting a task at ``now`` with
+    ``left[d]`` to do, shows the makespan past ``give_up``, or once ``watched`` all started (early,
+    inf, once a compute ends ``span`` after the first of them started while another has not: it
+    can start no earlier than that). ``split``: the split model's dependents from the plan."""
+    k = len(duration)
     num_devices = len(ready)
     left = list(left or [0.0] * num_devices)
     watch, waiting = _flags(k, watched), len(set(watched)) or -1
     opening, deadline = (watched[0] if watched else -1), math.inf
     busy, start = [False] * num_devices, [-1.0] * k
-    # Computes that end: (time, task). Dependencies met after the transfers in between (hops) come
-    # at the time of their compute, after all computes ending then, by (hops, task): `Shape`'s
-    # hops * K + task.
-    ends: list[tuple[float, int]] = []
-    met: list[int] = []  # those dependencies
+    ends: list[tuple[float, int]] = []  # computes that end: (time, task)
+    met: list[int] = []  # dependencies met after the transfers in between, by (hops, task)
     heappush, heappop = heapq.heappush, heapq.heappop
     now, touched = 0.0, list(range(num_devices))
     while True:
@@ -463,6 +491,13 @@ def _list_schedule_loop(
                 if not unmet[u]:
                     heappush(ready[device[u]], u)
                     touched.append(device[u])
+        if split is not None:
+            if split.uploads_after[t] >= 0:
+                heappush(met, split.uploads[split.uploads_after[t]])
+            if split.saving[t] >= 0:
+                q, j = divmod(split.saving[t], split.bound)
+                for code in split.readers[q]:
+                    heappush(met, code + 2 * j)
     return now, start
 
 

@@ -41,23 +41,14 @@ FUSED_REACH layers of its fused stage."""
 def many_slots(num_devices: int, num_microbatches: int) -> int:
     """Sync candidates reach up to this many slots (even plans, the fused stage about the mean
     slot), beyond the proxies' neighbourhood: 10N, and at most 800 computes per iteration (S * M).
-    10N was 8N until the sixteenth session: at (4, 8) it reached 32 slots, and 11 of the 96 (4, 8)
-    grid choices are 0.04-1.24% shorter with 40 (none longer; 32 layers, backward 2.5x, head 2x:
-    the fastest even plan, 34 slots, 317.18 ms against 321.15), for planning at 94 layers at most
-    26 ms there (24 before; the least of 6 runs a shape), and up to 12 ms more on smaller models
-    (64 layers, backward 3.8x, head 4x: 19 -> 31 ms). (8, 16) stays at 50 (the computes cap),
-    (2, 4) gave the same choices.
-    At 48 and 64 layers the fastest sync plans at (8, 16) have 46-83 slots; with 640 computes (40
-    slots) 30 of those 32 grid shapes were within 2% of the fastest even plan (64L r1.3 h1 4.9%,
-    64L r2 h2 2.65%), with 800 (50) 32 (mean 0.21%), with 1024 (64) 32 (mean 0.07%), but then
-    5 of the 16 94-layer grid shapes took 50-67 ms to plan (800: 16 of 16 under 50, at most 43).
 
     Why: a sync iteration's fill and drain cost N(N-1) slot times against M * S of work, so more,
     shorter slots waste less until the layers run out or the slots grow uneven; the t_max
-    objective stops short of that. On the (8, 16) grid shapes of 24-32 layers the fastest even
-    plans have 24-37 slots where the proxies chose 16-22, and the chosen plans were within 2% of
-    the fastest on 37 of 48 shapes (up to 5.3% slower); with these candidates on 48 (4, 8: 38 to
-    45 of 48)."""
+    objective stops short of that (the fastest even plans at (8, 16) have 24-37 slots on 24-32
+    layers, 46-83 on 48-64). The caps are what planning time allows: with them every sync choice
+    of 24-64 layers is within 2% of the fastest even plan (`python bench/schedule.py --exhaustive
+    --modes sync --layers 24 28 32 48 64 --devices 8 4`); at 1024 computes 5 of the 16 94-layer
+    grid shapes take 50-67 ms to plan, past the 50 ms target (docs/performance.md)."""
     return min(10 * num_devices, 800 // max(num_microbatches, 1))
 
 
@@ -65,29 +56,20 @@ FINEST_FUSED_LAYERS = 2
 """Sync candidates also take the finest plans (`_candidates.finest`: one layer per backward stage,
 the fewest forward stages no slower), with fused stages of the last 1 to this many layers (0:
 none). At 94 layers on (8, 16) the fastest sync plans have 100-125 slots, twice what the t_max
-objective and `many_slots` reach: without these 13 of the 16 grid shapes were within 2% of the
-fastest even plan (up to 3.7% slower), with them 16 of 16 (mean 0.87% -> 0.28%), two faster
-than any even plan (their forward stage count is not the even split's); 48-64 layers: 32 of 32
-either way (mean 0.21% -> -0.03%). Over the 288 sync grid shapes 24 choices are 0.1-3.4%
-shorter (every one with a lower bubble), none longer. Planning at 94 layers the same within this
-machine's noise: the 16 grid shapes alternated in one process, 466 and 514 ms in all without them,
-467 and 511 with (at most 42-49 ms a shape either way)."""
+objective and `many_slots` reach; with these 16 of the 16 grid shapes are within 2% of the
+fastest even plan, some faster than any (their forward stage count is not the even split's), at
+no measurable planning cost (`python bench/schedule.py --exhaustive --modes sync --layers 94`)."""
 
 
 SYNC_LONGER_FUSED = 4
 """Sync candidates of up to 2N slots (`_ranked_candidates`' few-slot and wider plans) also take
 fused stages starting up to this many layers before the one about the mean slot: a fused stage
-recomputes nothing, and on sync runs a longer one saves more than its imbalance costs. On the
-(4, 8) grid shapes of 24-32 layers the fastest plans have 6 slots, one forward stage and a fused
-stage 2-4 layers longer than that. Reach 2 (the sixteenth session's): the choice within 2% of the
-fastest even plan on 48 of 48 (45 with none), 6 grid iterations shorter (up to 3.2%). Reach 4
-(twentieth session): 4 more (4, 8) choices shorter, none longer over the 288 sync grid shapes
-(24L backward 1.3x head 4x 0.56%, 28L 1.3x 3x 0.44%, 32L 1.3x 4x 0.62%, 48L 1.3x 4x 1.06%: the
-fastest even plan, a 6-slot plan with a 12-layer fused stage, 366.37 ms against 23 slots at
-370.31, and on the bubble target where the 23-slot plan was not). Sync planning of the 16 grid
-shapes of 94 layers on the H200 machine's host (`bench/planning_ab.py`, 4 rounds): (8, 16) 382 ->
-390 ms in all (heaviest 38.9 -> 39.3), (4, 8) 245 -> 267 (19.8 -> 21.9), the same plans. Reach 8
-and 16 found nothing more on 48L 1.3x 4x and cost 5-13 ms more there."""
+recomputes nothing, and on sync runs a longer one saves more than its imbalance costs. At (4, 8)
+the fastest plans of the grid shapes of 24-48 layers have 6 slots, one forward stage and a fused
+stage 2-4 layers longer than that (48L backward 1.3x head 4x: a 12-layer fused stage, 1.06%
+faster than the 23-slot plan found without the reach). 8 and 16 find nothing more and cost 5-13
+ms; 4 costs 2-9% of sync planning at 94 layers on the H200 host (`python bench/planning_ab.py
+--loops sync --devices 8` and `4`)."""
 
 LATE_FEW_TIMED = 2
 """A loop one loss late (``choose_plan(..., late=True)``): the plans of up to N slots best in the
@@ -97,100 +79,74 @@ LATE_MODELLED = 3
 """And this many of the plans of up to N slots best by the model of a loop one loss late
 (`_ranking.LATE_MODEL_ITERATIONS`: each iteration gated on the losses of the one two back, over
 a longer window): those plans settle late in such a loop and both other models read them 20-45%
-slow. On the 48 (8, 16) grid shapes of 24-32 layers: 47 within 2% of the fastest even plan
-instead of 45, 0.16% over it on the mean instead of 0.33% (1 gave 46; replacing the chained
-ranking's few instead of adding to them, 45). Three since the model's longer window (eighteenth
-session), which ranks the fastest of them in its best three on 38 of those 48 shapes (two: 24L
-backward 1.3x head 3x 3.3% over the fastest even plan, against 2.6%)."""
+slow. That model ranks the fastest of them in its best three on 38 of the 48 (8, 16) grid shapes
+of 24-32 layers. Added to the chained ranking's few, not replacing them: replacing them lost as
+many shapes as it found (`python bench/schedule.py --exhaustive --loss-lag 1`)."""
 
 LATE_EQUAL_TIMED, EQUAL_SPLIT_REACH = 1, 4
 """And the best of the plans of up to N slots whose forward stages all hold one number of layers
 and backward stages another (`_candidates.equal_splits`, fused stages within EQUAL_SPLIT_REACH
-layers of the mean slot's), by that model, where the families above do not hold them. On the
-24-layer grid shape of backward 1.3x and head 3x the fastest even plan is one (7 slots: two
-forward stages of 10 layers, a fused stage from layer 20, four backward stages of 5), 2.5% faster
-than the others the late loop timed and outside the families (the fused stage 3 layers longer
-than the mean slot's). On the 64 (8, 16) grid shapes of 24-48 layers: all within 2% of the
-fastest even plan (63), 0.009% over it on the mean (0.074%); at 64 layers 2 of 16 choices
-shorter (0.47%, 0.85%); at 94 layers, (4, 8) and (2, 4) the same choices on every shape; 7%
-more of the late loop's planning instructions at 94 layers (reach 8: 10%, no better; 2: the
-miss stays)."""
+layers of the mean slot's), by that model, where the families above do not hold them: every
+round of such a plan repeats exactly. On the 24-layer grid shape of backward 1.3x and head 3x
+the fastest even plan is one (7 slots: two forward stages of 10 layers, a fused stage from layer
+20, four backward stages of 5), outside every other family. A reach of 8 finds nothing more for
+more planning; 2 misses that plan."""
 
 SHORTLISTED = 5
 """With an evaluator that estimates (`roundpipe.plan_eval`'s loop evaluators: `_Timer.consider`),
 the waiting loop looks at the best this many by the ranking, not only the `default_evaluations`
 few it times in full. The ranking models four iterations and misses the settled order by a few
 percent on some shapes; the evaluation's short run is exact on most plans (it has settled) and
-costs a fraction of a full evaluation on all. On the 48 (8, 16) grid shapes of 24-32 layers: 45
-within 2% of the fastest even plan instead of 42, 8 shapes faster (by up to 3.3%), none slower;
-6 gave the same, 4 gave 44."""
+costs a fraction of a full evaluation on all. 6 finds no more on the 24-32 layer grid shapes at
+(8, 16); 4 finds less."""
 
 SHORTLIST_COMPUTES = 2400
 """The shortlist is longer where plans are small: as many plans as this many computes make
 (`shortlisted`), at least SHORTLISTED. What an estimate costs grows with the computes of the
 plan's short run (S * M per iteration), so small plans can be looked at in greater number for
-the same time. At (4, 8) the ranking is about 6% off on the mean and put the fastest plan of
-two grid shapes 7th (2.0% and 2.1% faster than the choice); with 8-12 listed there, 48 of the 48
-(4, 8) grid shapes of 24-32 layers are within 2% of the fastest even plan (46), 8 of the 288
-async grid choices shorter (all at (4, 8), up to 2.6%), none longer, 0-2 ms more planning at 94
-layers at (4, 8) and nothing at (8, 16), whose plans are larger (5 listed, 6 where the proxies'
-plan has 4 slots)."""
+the same time. At (4, 8) the ranking is about 6% off on the mean and puts the fastest plan of
+some shapes 7th; 8-12 listed there keep every (4, 8) choice of 24-32 layers within 2% of the
+fastest even plan for 0-2 ms more at 94 layers; at (8, 16) it stays 5 or 6."""
 
 DEALT_LISTED = 1
 """The waiting loop's shortlist also takes the best this many of the plans with 2N backward
 stages beyond 2N slots (`_candidates.dealt_backward`), by the loop's model, where the model puts
-them among the shortlist. No other family holds those plans; on the 48 (8, 16) grid shapes of
-24-32 layers they bring 3 chosen iterations 1.7-3.9% closer to the exhaustive best (47 within 2%
-instead of 45), none slower (2 or 3 gave the same, for more planning time)."""
+them among the shortlist. No other family holds those plans, and on small models (24 layers on
+8 devices) they are the fastest of some shapes by 1.7-3.9%; 2 or 3 find no more."""
 
 RECHECKED, RECHECK_LISTED = 15, 2
 """The waiting loop's shortlist also takes the best ``RECHECK_LISTED`` of the ranking's next
 plans, up to the ``RECHECKED``-th, by the loop's model over a longer window
 (`_ranking.LONG_LOOP_MODEL_WINDOW`). The ranking's window starts at the first iteration after
 the fill, which on some plans still runs slow: on the (8, 16) grid shape of 32 layers, backward
-3.8x and head 4x the fastest even plan (11 slots, 402.67 ms) was past the shortlist and the
-choice 2.5% slower. With it, 48 of the 48 (8, 16) grid shapes of 24-32 layers within 2% of the
-fastest even plan (47), 0.06% over it on the mean (0.15%); 11 of the 288 async grid shapes
-shorter, none longer; about 3 ms more at 94 layers. Added to the shortlist, not re-ordering it:
-replacing it by the best 5 of the longer window made 8 grid shapes longer (up to 2.6%)."""
+3.8x and head 4x the fastest even plan (11 slots) is 11th by it. Added to the shortlist, not
+re-ordering it: re-ordering by the longer window made other grid shapes up to 2.6% longer. 11 to
+14 would do for that shape; 15 leaves a margin."""
 
 WIDER_LISTED = 3
 """The waiting loop's shortlist also takes the best this many of the wider plans (N+1 to 2N slots,
 the fused stage about the mean slot), by the loop's model, those it puts no slower than the
 shortlist's last (as `DEALT_LISTED`). `_ranked_candidates` ranks those plans apart by the chained
-model and times the best only when it comes first of all; the loop's model, 5-9% slow on some of
-them (it runs a backward stage's recompute after the gradient, the engine ahead of it), puts the
-fastest 5th of 47 on 48 layers, backward 1.3x, head 4x at (8, 16) and the chained model 13th.
-With them, on the 96 (8, 16) grid shapes of 24-94 layers (every even plan timed): 4 choices
-0.1-1.5% shorter, none longer, mean 0.195% -> 0.169% over the fastest; that shape's choice the
-fastest (340.97 ms against 346.16) and under the 3% bubble target (1.25% against 3.13%). (4, 8)
-and (2, 4): the same choices. At 94 layers about 2.6 ms more a shape (one more ranking, 9 more
-short runs over the 16 grid shapes; the least of 6 runs each, alternated: 607 -> 649 ms in all,
-the heaviest 53.6 -> 59.1). With 2 listed, 2 of the 4 were found."""
+model and times the best only when it comes first of all; the chained model puts the fastest
+plan of 48 layers, backward 1.3x, head 4x at (8, 16) 13th of 47, the loop's model 5th (both read
+it 5% slow: they run a backward stage's recompute after the gradient, the engine ahead of it).
+About 2.6 ms more a shape at 94 layers; 2 listed find half of what 3 find."""
 
 ESTIMATE_MARGIN = -0.01
 """`_Timer.consider` times in full a plan whose short run has not settled only where its estimate
 is this much under the best time so far (-1%: 1% faster). Such estimates fall within 3% of the
-settled figure either way, so this trades a little reach for time: at 0 the same 45 of 48 grid
-shapes are within 2%, but planning at 94 layers rose to 56 ms on one grid shape (backward 3.8x,
-head 1x: a 0.24% shorter plan, after four 20-iteration evaluations), against 44 ms at -1%."""
+settled figure either way, so this trades a little reach for time: at 0 the choices are the same
+on the 24-32 layer grid shapes, but one 94-layer grid shape (backward 3.8x, head 1x) plans in 56
+ms against 44."""
 
 ESTIMATE_SMALL_COMPUTES = 320
 """A plan of up to this many computes per iteration (S * M: 20 slots at M = 16) is timed in full
 wherever its estimate is under the best time so far, ESTIMATE_MARGIN or not: such plans are
 cheap to time (1-2 ms at 94 layers, replays of 20 iterations included), where a 23-25 slot plan
-that has not settled takes 10-16 ms, and the margin was there for those. On the 96 (8, 16)
-waiting-loop grid shapes of 24-94 layers, 6 choices 0.2-0.9% shorter (48 layers, backward 2.5x,
-head 4x: the fastest even plan, 461.52 ms against 465.52, and under the 3% bubble target), none
-longer, mean 0.169% -> 0.136% over the fastest; at (4, 8) and (2, 4) 3 shorter (0.7-0.9%),
-mean 0.050% -> 0.025%. Planning at 94 layers, the 16 grid shapes, the least of 6 runs each,
-alternated: 665 -> 672 ms in all at (8, 16), 280 -> 292 at (4, 8). With a margin of 0 for
-every plan: 3 more shorter at (8, 16), but 94 layers, backward 3.8x, head 1x took 70.5 ms at
-least against 55.0 (two 25-slot plans timed, 22 ms, neither the best). Small plans timed wherever
-their estimate is within 1% over the best (twentieth session): 4 of the 192 waiting-loop grid
-shapes at (8, 16) and (4, 8) 0.02-0.09% shorter (28L backward 3.8x head 4x onto the async bubble
-target), none longer, but on the H200 machine's host planning the 16 grid shapes of 94 layers at
-(8, 16) took 757 ms against 514 (9 under 50 ms against 15), so not kept."""
+that has not settled takes 10-16 ms, and the margin is there for those. Timing small plans
+wherever their estimate is within 1% *over* the best finds 0.02-0.09% on a few grid shapes but
+costs the waiting loop's 94-layer planning about half again on the H200 host (`python
+bench/planning_ab.py --loops async`), past the 50 ms target."""
 
 
 def _estimate_margin(plan: Plan) -> float:
@@ -237,9 +193,8 @@ def choose_plan(
     chained model are timed as well, and the best two by a model of its own submission
     (`LATE_MODELLED`). ``refine``: then the plans next to the best timed ones
     (`_refine`); by default for the late loop only, whose ranking is the least exact (the chained
-    model, for a loop that runs each plan the better of two ways) and whose choices were furthest
-    from the best (8.5% on the grid's 24-32 layer shapes at (8, 16), now 4.5%). Elsewhere it
-    found less than it cost: sync, 8 of the grid's 288 shapes shorter, by at most 2.1%; the
+    model, for a loop that runs each plan the better of two ways). Elsewhere it finds less than it
+    costs: sync, 8 of the grid's 288 shapes shorter, by at most 2.1%; the
     waiting async loop, 58 of 288, 0.3% on the mean, for about 15 ms more at 94 layers (half
     again), against a 50 ms target (docs/performance.md). An ``evaluate`` with a ``floor(plan)``
     method, a lower bound of its figure (`roundpipe.plan_eval`'s loop evaluators), spares the

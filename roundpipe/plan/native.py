@@ -1,10 +1,11 @@
 """The compiled inner loops of plan evaluation (`_kernels.c`), where the extension was built.
 
-Why: choosing a plan at 94 layers runs three event loops over thousands of tasks, tens to
-hundreds of times (the ranking models `_stream._list_schedule` and `_split_stream._split_schedule`
-and the engine replay `roundpipe.plan_replay.replay_starts`); in Python they were most of its
-time. `_kernels.c` runs the same loops on packed arrays, step for step, and gives the same
-results: `tests/test_native_kernels.py` compares each with its Python loop.
+Why: choosing a plan at 94 layers builds the engine's task graph and runs event loops over
+its thousands of tasks, tens to hundreds of times (the ranking models' list schedule
+`_stream.event_loop` and the engine replay `roundpipe.plan_replay.replay_starts`); in Python they
+are most of its time. `_kernels.c` runs the same loops on packed arrays, step for step, and
+builds the same graph: `tests/test_native_kernels.py` compares each loop with its Python loop,
+`tests/test_plan_replay.py` the graph with the engine's.
 
 The Python loops stay: they are the reference and the fallback. `pip install` builds the
 extension when a C compiler is there and goes on without it when not (``optional`` in
@@ -53,9 +54,7 @@ rebuilt since) lacks some: it is set aside, with a warning, rather than fail mid
 
 INTERFACE = 4
 """The arguments the callers pass (`_kernels.c`'s ``INTERFACE``, raised with every change to
-them; 2: `stream_extras` takes the gate's lag; 3: `list_schedule` whether to give every start;
-4: `replay` the first task it reports the earliest start of). An extension without it, or of
-another, is set aside as one lacking functions is."""
+them). An extension without it, or of another, is set aside as one lacking functions is."""
 
 if _compiled is not None and (
     _missing := [f for f in FUNCTIONS if not hasattr(_compiled, f)]

@@ -21,7 +21,9 @@ What one iteration contains, per stage run (a slot of a round on a device):
 then per unit a G-copy (rule 3, rule 5). An optimizer step adds per unit, shallow first, step and
 P-copy (rules 1 and 5), after an optional global grad-norm barrier (clipping, fp16 overflow).
 
-The builder never touches tensors: tasks carry indices, backends look up the data.
+The builder never touches tensors: tasks carry indices, backends look up the data. It is the one
+description of what runs: plan evaluation replays this very graph (`roundpipe.replay_graph`
+writes its tasks down as numbers; the compiled builder there is checked against it task for task).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
     out_dir = Path(ranks.from_writer(str(inputs.place.out_dir) if inputs.place else None))
     # The resolved name is saved, so resuming this run's checkpoint writes into its directory.
     config = config.model_copy(update={"name": out_dir.name})
-    model = build_model(config, inputs.tokenizer)
+    model = build_model(config, inputs.tokenizer, reporter)
     ranks.barrier()  # built everywhere: building the pipe is a collective timed by --dist-timeout
     pipe = RoundPipe(
         model,
