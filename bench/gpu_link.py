@@ -12,7 +12,6 @@ except the probe's one buffer, which it frees.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -113,5 +112,3 @@ def model_upload_bytes(pipe: Any) -> int | None:
     spec = getattr(pipe, "_spec", None)
     values = getattr(spec, "param_bytes", None)
     return int(sum(values)) if values is not None else None
-
-

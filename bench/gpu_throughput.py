@@ -132,7 +132,9 @@ def plain_cannot_hold(workload: Workload) -> str | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--workload", action="append", help=f"{', '.join(WORKLOADS)} (repeatable, or a comma list)")
+    p.add_argument(
+        "--workload", action="append", help=f"{', '.join(WORKLOADS)} (repeatable, or a comma list)"
+    )
     for name in SHAPE_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embeddings")
@@ -144,7 +146,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="build one layer at a time on the device (the big workloads do)",
     )
-    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True, help="time a pinned H2D copy")
+    p.add_argument(
+        "--probe", action=argparse.BooleanOptionalAction, default=True, help="time a pinned H2D copy"
+    )
     p.add_argument("--lora-r", type=int, help="peft LoRA rank on q/k/v/o (0: full fine-tuning)")
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
@@ -314,7 +318,13 @@ def run_roundpipe(
     # waits for the gradients of all): the global rate is the processes' count times one's.
     world = processes()[1]
     link = link_figures(
-        trace, report.iterations, report.window_ms, upload_bytes, probe, workload.tokens, workload.tokens / step_s
+        trace,
+        report.iterations,
+        report.window_ms,
+        upload_bytes,
+        probe,
+        workload.tokens,
+        workload.tokens / step_s,
     )
     return {
         "tokens_per_s": round(world * workload.tokens / step_s, 1),

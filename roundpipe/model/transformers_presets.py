@@ -43,6 +43,7 @@ from roundpipe.model.attention_masks import (
     rotary_tables,
     transformers_masks,
 )
+from roundpipe.model.chunked_layer import chunk_long_attention_layer
 from roundpipe.model.chunked_mlp import chunk_long_sequences
 from roundpipe.model.loss import (
     DEFAULT_CHUNK_TOKENS,
@@ -198,10 +199,13 @@ class CausalLMBlock(nn.Module):
 
     def roundpipe_replica(self) -> None:
         """On roundpipe's copies only: the MLP runs long sequences a slice of tokens at a time
-        (not an MLP that returns a tuple, nor one whose router logits are caught)."""
+        (not an MLP that returns a tuple, nor one whose router logits are caught), and so does
+        everything per token in a standard attention layer (`chunked_layer`)."""
         mlp = getattr(self.layer, "mlp", None)
         if isinstance(mlp, nn.Module) and not self.router_names and type(mlp).__name__ not in TUPLE_MLPS:
             chunk_long_sequences(mlp)
+        if not self.router_names:  # and the whole layer, where it has the standard attention layout
+            chunk_long_attention_layer(self.layer)
 
     def forward(self, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         result = dict(x)
