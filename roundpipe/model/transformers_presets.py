@@ -262,6 +262,11 @@ class CausalLMHead(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.loss_kernel: Any = None  # the chunk kernel, when compiled (`roundpipe_compile`)
 
+    def roundpipe_replica(self) -> None:
+        """On roundpipe's copies only: the final norm runs long sequences a slice at a time (its
+        fp32 upcasts of a 262K-token row are 4 GiB each, and autograd kept them)."""
+        chunk_long_sequences(self.norm)
+
     def roundpipe_compile(self, compiler: Any) -> None:
         """The loss's per-chunk elementwise pass, fused (chunk lengths vary: dynamic shapes)."""
         self.loss_kernel = compiler.function(softmax_cross_entropy_grad, dynamic=True)
