@@ -162,7 +162,7 @@ def plan_from(
     kind: str = "cpu",
 ) -> DevicePlan:
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
-    from roundpipe.plan.memory import predict_peak
+    from roundpipe.plan.memory import in_flight_microbatches, predict_peak
 
     def make_plan(limit: int | None) -> Plan:
         # A layer whose bound alone exceeds a stage's share (an LM head with its logits and
@@ -184,12 +184,14 @@ def plan_from(
         )
 
     grain = config.recompute_grain
+    in_flight = in_flight_microbatches(config.num_microbatches)
     if budget_bytes is None:
         plan = make_plan(None)
-        prediction = predict_peak(plan, memory, grain, num_devices=num_devices)
+        prediction = predict_peak(plan, memory, grain, num_devices=num_devices, act_in_flight=in_flight)
     else:
+        budget = planning_budget(budget_bytes, kind)
         plan, prediction = plan_within_budget(
-            make_plan, memory, planning_budget(budget_bytes, kind), grain, num_devices=num_devices
+            make_plan, memory, budget, grain, num_devices=num_devices, act_in_flight=in_flight
         )
     return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
 
