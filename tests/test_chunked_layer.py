@@ -187,9 +187,7 @@ def test_layer_memory_is_linear_in_tokens_with_a_bounded_workspace(monkeypatch: 
     tokens = (512, 1024, 2048)
     sliced = [layer_peak_bytes(chunked, rotary, n, hidden) for n in tokens]
     plain = [layer_peak_bytes(layer, rotary, n, hidden) for n in tokens]
-    per_element = [
-        (b - a) / ((n2 - n1) * hidden * 4) for a, b, n1, n2 in zip(sliced, sliced[1:], tokens, tokens[1:])
-    ]
+    per_element = [(sliced[i + 1] - sliced[i]) / ((tokens[i + 1] - tokens[i]) * hidden * 4) for i in range(2)]
     assert per_element[1] == pytest.approx(per_element[0], rel=0.05)  # linear
     assert per_element[1] < 8.5  # fp32 values per hidden element
     workspace = sliced[-1] - per_element[1] * tokens[-1] * hidden * 4
