@@ -70,6 +70,13 @@ def hf_config(shape: Any, seq: int) -> Any:
     raise ValueError(f"unknown model family {family!r}; choose from {FAMILIES}")
 
 
+def attention(shape: Any) -> str:
+    """sdpa (flash, no mask for causal full attention), except GPT-OSS, whose attention sinks
+    transformers runs in its eager path only: its 4096-token microbatches make dense masks and
+    [heads, 4096, 4096] scores per layer, which the profile measures and the plan counts."""
+    return "eager" if shape.family == "gpt_oss" else "sdpa"
+
+
 @functools.cache
 def meta_param_count(shape: Any) -> int:
     """Parameters of the model of ``shape``, counted on a skeleton that allocates nothing."""
@@ -96,7 +103,9 @@ def build_layerwise(
 
     config = hf_config(shape, seq)
     with torch.device("meta"):
-        model: Any = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        model: Any = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention(shape), dtype=dtype
+        )
         model.to(dtype)  # a config that names its own dtype wins over the keyword in some releases
     if lora_r > 0:
         from peft import get_peft_model
