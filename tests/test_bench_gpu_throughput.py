@@ -293,8 +293,8 @@ def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch:
 
 # --------------------------------------------------------------------- big models, long context
 
-TINY_FLAGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
-TINY_FLAGS += ["--vocab", "256", "--batch", "2", "--seq", "32", "--microbatches", "2", "--budget", "none", "--no-plain"]
+TINY_FLAGS = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --vocab 256".split()
+TINY_FLAGS += "--batch 2 --seq 32 --microbatches 2 --budget none --no-plain".split()
 
 
 @pytest.mark.parametrize(

@@ -96,9 +96,10 @@ def _methods(base: type) -> dict[str, Any]:
             or hidden_states.shape[1] < MIN_TOKENS
             or (self.training and float(getattr(attn, "attention_dropout", 0.0) or 0.0) > 0)
         )
-        if plain:
+        if plain or rotary is None:
             return original(self, hidden_states, *args, **kwargs)
-        return sliced(self, hidden_states, rotary[0], rotary[1])
+        cos, sin = rotary
+        return sliced(self, hidden_states, cos, sin)
 
     @torch.compiler.disable  # Python state (slot rebinding) a captured graph must not bake in
     def sliced(self: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
