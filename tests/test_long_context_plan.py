@@ -69,3 +69,28 @@ def test_the_block_figures_are_linear_in_tokens(tokens: int) -> None:
     assert memory.saved_bytes[1] == pytest.approx(2.562 * unit, rel=1e-6)
     # The backward adds flash attention's fp32 query-gradient accumulator of one KV group.
     assert memory.bwd_work_bytes[1] == pytest.approx(3.0 * unit + tokens * 512 * 4, rel=1e-6)
+
+
+def test_the_profile_warms_up_each_kind_of_layer_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Identical decoder layers share one warm-up (at 262,144 tokens each is a full forward and
+    backward); a layer of another shape or input size gets its own."""
+    import torch
+    from torch import nn
+
+    from roundpipe.backends import profile
+
+    warmed: list[int] = []
+    real = profile._warm_up
+    monkeypatch.setattr(
+        profile, "_warm_up", lambda call, x, i, *rest: (warmed.append(i), real(call, x, i, *rest))
+    )
+    layers = [
+        nn.Linear(8, 8),
+        nn.Linear(8, 8),
+        nn.Linear(8, 8),
+        nn.Linear(8, 4),
+        nn.Linear(4, 4),
+        nn.Linear(4, 4),
+    ]
+    found = profile.measure_layers(layers, torch.randn(2, 8), torch.device("cpu"), computes_loss=False)
+    assert warmed == [0, 3, 4] and len(found) == 6
