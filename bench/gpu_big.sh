@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The big-model and long-context GPU benchmarks (bench/gpu_throughput.py workloads E, E-nf4, F, G,
+# G-nf4, D, D16, D2), for one device call of at most 9 minutes each.
+#
+# Why a script: device time is short and every call must give figures. Each workload runs in its
+# own process (a 32B bf16 base pins ~70 GiB of host memory, which the pinned allocator keeps until
+# the process ends), async mode only, with warm-up and measured steps sized to its expected step
+# time, and under a time limit cut from what is left of the call's deadline, so a slow workload
+# loses its own line, never the ones after it. Most important first within each group.
+#
+#   OUT=/path bash bench/gpu_big.sh 1       # F, E-nf4          (70B nf4; 32B nf4)
+#   OUT=/path bash bench/gpu_big.sh 2       # G                 (8B, one 262,144-token sequence)
+#   OUT=/path bash bench/gpu_big.sh 3       # E, D, D2          (32B bf16; 30B-A3B; GPT-OSS-20B)
+#   OUT=/path bash bench/gpu_big.sh 4       # D16, G-nf4 at 131,072 tokens
+#   OUT=/path bash bench/gpu_big.sh F D     # named workloads, default settings
+#
+# Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
+# per workload. DEADLINE_S (default 530) bounds the whole call.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DEVICES=${DEVICES:-cuda:0}  # DEVICES=cpu:1 bash bench/gpu_big.sh tiny: the script's own smoke run
+START=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-530}
+
+# name -> "limit_s | gpu_throughput.py arguments". Expected wall times (H200): build + profile +
+# compile + steps; step times from E bf16 ~3K tok/s and F ~1.4K tok/s at 16K tokens per step.
+declare -A JOB=(
+  [F]="330|--workload F --warmup 2 --steps 2"            # ~12 s/step; build ~60 s
+  [E-nf4]="200|--workload E-nf4 --warmup 2 --steps 3"    # ~5 s/step
+  [E]="200|--workload E --warmup 2 --steps 3"            # ~5.5 s/step; pins ~70 GiB
+  [G]="520|--workload G --warmup 0 --steps 1"            # 262,144 tokens: ~3 min profile + ~3 min step
+  [G-nf4]="520|--workload G-nf4 --warmup 0 --steps 1"
+  [G131]="300|--workload G --seq 131072 --warmup 1 --steps 1"
+  [G131-nf4]="300|--workload G-nf4 --seq 131072 --warmup 1 --steps 1"
+  [D]="170|--workload D --warmup 2 --steps 3"
+  [D16]="240|--workload D16 --warmup 2 --steps 2"
+  [D2]="170|--workload D2 --warmup 2 --steps 3"
+)
+case "${1:-1}" in
+  1) NAMES=(F E-nf4) ;;
+  2) NAMES=(G) ;;
+  3) NAMES=(E D D2) ;;
+  4) NAMES=(D16 G131-nf4) ;;
+  *) NAMES=("$@") ;;
+esac
+
+summary() {  # the figures a reader looks for first, from the workload's JSON line
+  python - "$1" <<'PY'
+import json, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith("{")]
+if not lines:
+    print("   no result line"); sys.exit()
+d = json.loads(lines[-1]); r = d["roundpipe"]
+if "error" in r:
+    print("   ERROR", r["error"][:300]); sys.exit()
+keys = ["tokens_per_s", "peak_gib", "predicted_peak_gib", "host_rss_gib", "h2d_bytes_per_iteration",
+        "h2d_gbps_achieved", "h2d_gbps_probe", "link_busy", "compute_fraction", "bubble",
+        "exposed_transfer", "host_bound", "link_bound_tokens_per_s", "of_link_bound", "slots", "build_s"]
+print("  ", json.dumps({k: r.get(k) for k in keys}))
+PY
+}
+
+for name in "${NAMES[@]}"; do
+  spec=${JOB[$name]:-"300|--workload $name --warmup 2 --steps 2"}
+  limit=${spec%%|*}
+  args=${spec#*|}
+  left=$((DEADLINE_S - ($(date +%s) - START)))
+  if ((left < 60)); then
+    echo "== $name skipped: ${left}s left of the call's ${DEADLINE_S}s"
+    continue
+  fi
+  ((limit > left)) && limit=$left
+  echo "== $name: $args (limit ${limit}s, $(date +%T))"
+  # shellcheck disable=SC2086  # the arguments are words
+  timeout --kill-after=15 "$limit" python bench/gpu_throughput.py --devices "$DEVICES" --async \
+    --out "$OUT/big.jsonl" $args >"$OUT/$name.log" 2>&1
+  echo "   exit $? after $(($(date +%s) - START))s of the call"
+  summary "$OUT/$name.log"
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/   /'
