@@ -29,6 +29,7 @@ import torch
 
 from roundpipe.config import RunConfig
 from roundpipe.plan import LayerCosts, Plan
+from roundpipe.plan.link import LinkReport
 from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
 from roundpipe.plan_eval import choose_evaluated_plan
 from roundpipe.sched.trace import Trace
@@ -44,6 +45,7 @@ class DevicePlan:
     prediction: MemoryPrediction
     budget_bytes: int | None
     kind: str  # the devices' kind ("cuda", "cpu", "fake")
+    link: LinkReport | None = None  # the host link's share of an iteration, once measured (`with_link`)
 
 
 def planning_config(config: RunConfig, kind: str) -> RunConfig:
@@ -239,3 +241,50 @@ def refined_costs(trace: Trace, costs: LayerCosts, since_iteration: int = 1) -> 
         costs.mem_bytes,
         costs.names,
     )
+
+
+def measured_link_gbps(trace: Trace, since_iteration: int = 1) -> float | None:
+    """The host link's bandwidth in GB/s as the weight uploads of iterations >= ``since_iteration``
+    ran in ``trace`` (their bytes over their time on the upload lane); None when none ran."""
+    moved, ms = 0, 0.0
+    for task in trace:
+        if task.kind == "param_up" and task.iteration >= since_iteration and task.end_t > task.start_t:
+            moved += task.nbytes
+            ms += task.end_t - task.start_t
+    return moved / (ms * 1e6) if moved and ms > 0 else None
+
+
+def with_link(
+    device_plan: DevicePlan, config: RunConfig, trace: Trace, param_bytes: tuple[int, ...]
+) -> DevicePlan:
+    """``device_plan``, or the plan made on link-aware costs where that one runs faster with the
+    measured link (`roundpipe.link_plan.choose_link_plan`), with the link's report; unchanged
+    when no upload was timed. Its costs stay the compute times."""
+    from roundpipe.link_plan import choose_link_plan
+
+    gbps = measured_link_gbps(trace)
+    if gbps is None or len(param_bytes) != device_plan.costs.num_layers:
+        return device_plan
+    made: dict[str, DevicePlan] = {}
+
+    def make(costs: LayerCosts) -> Plan:
+        if costs is device_plan.costs:
+            return device_plan.plan
+        args = (device_plan.memory, device_plan.plan.num_devices, device_plan.budget_bytes, device_plan.kind)
+        made["aware"] = plan_from(config, costs, *args)
+        return made["aware"].plan
+
+    choice = choose_link_plan(
+        make,
+        device_plan.costs,
+        param_bytes,
+        gbps,
+        device_plan.plan.num_devices,
+        config.num_microbatches,
+        async_optimizer=config.async_optimizer,
+        round_size=config.round_size,
+    )
+    chosen = device_plan
+    if choice.plan != device_plan.plan:
+        chosen = replace(made["aware"], costs=device_plan.costs)
+    return replace(chosen, link=choice.report)

@@ -37,6 +37,7 @@ from roundpipe.device_plan import (
     profile_and_plan,
     refined_costs,
     resolve_budget,
+    with_link,
 )
 from roundpipe.errors import (
     ConfigError,
@@ -499,6 +500,8 @@ class RoundPipe:
         # What the planner saw: the profiled layer costs first, then the refined ones it re-planned from.
         self._trace.meta.setdefault("profiled_layer_costs", device_plan.costs.to_dict())
         self._trace.meta["layer_costs"] = device_plan.costs.to_dict()
+        if device_plan.link is not None:
+            self._trace.meta["link"] = device_plan.link.to_dict() | {"summary": device_plan.link.describe()}
         if device_plan.plan != self.plan:
             self.plan = device_plan.plan
             self._builder.set_plan(device_plan.plan)
@@ -534,7 +537,10 @@ class RoundPipe:
             self._replanned = True
             old = self._device_plan  # its kind: on CUDA the re-plan keeps the allocator's headroom too
             args = (old.memory, self.num_devices, old.budget_bytes, old.kind)
-            self._use_device_plan(plan_from(self._plan_config, refined, *args))
+            device_plan = plan_from(self._plan_config, refined, *args)
+            if old.kind == "cuda":  # uploads that outlast compute (experts) reshape the plan
+                device_plan = with_link(device_plan, self._plan_config, self._trace, self._spec.param_bytes)
+            self._use_device_plan(device_plan)
             return
         costs = measured_costs(self.runtime.times.fwd_ms, self.costs)
         if costs is None:

@@ -45,6 +45,7 @@ from roundpipe.model.attention_masks import (
 )
 from roundpipe.model.chunked_layer import chunk_long_attention_layer
 from roundpipe.model.chunked_mlp import chunk_long_sequences
+from roundpipe.model.experts import use_grouped_experts
 from roundpipe.model.loss import (
     DEFAULT_CHUNK_TOKENS,
     chunked_cross_entropy,
@@ -198,9 +199,11 @@ class CausalLMBlock(nn.Module):
             compiler.module(self.layer)
 
     def roundpipe_replica(self) -> None:
-        """On roundpipe's copies only: the MLP runs long sequences a slice of tokens at a time
-        (not an MLP that returns a tuple, nor one whose router logits are caught), and so does
-        everything per token in a standard attention layer (`chunked_layer`)."""
+        """On roundpipe's copies only: experts run as grouped matrix products (`experts`), the
+        MLP runs long sequences a slice of tokens at a time (not an MLP that returns a tuple, nor
+        one whose router logits are caught), and so does everything per token in a standard
+        attention layer (`chunked_layer`)."""
+        use_grouped_experts(self.layer)
         mlp = getattr(self.layer, "mlp", None)
         if isinstance(mlp, nn.Module) and not self.router_names and type(mlp).__name__ not in TUPLE_MLPS:
             chunk_long_sequences(mlp)

@@ -1,0 +1,107 @@
+"""One MoE block of workload D on a GPU: transformers' eager experts against roundpipe's grouped ones.
+
+A Qwen3-30B-A3B sparse MoE block (hidden 2048, 128 experts of width 768, 8 per token), random
+weights in bf16, ``--tokens`` tokens (default 4096), frozen experts as under LoRA (the input
+gradient only) or ``--train-experts``. For each implementation it times forward and backward
+(CUDA events, median of ``--repeats`` after warm-up), reads the peak memory above the weights,
+counts the host synchronisations of one call (`torch.cuda.set_sync_debug_mode("warn")` warnings)
+and prints one JSON line; the grouped line carries its largest difference to the eager output.
+Run on the GPU machine: ``python bench/moe_experts_gpu.py`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import warnings
+from typing import Any
+
+import torch
+
+from roundpipe.model.experts import use_grouped_experts
+
+
+def block(args: argparse.Namespace) -> Any:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+    )
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    mlp = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.normal_(0.0, 0.02)
+    mlp = mlp.to("cuda", torch.bfloat16)
+    for name, param in mlp.named_parameters():
+        param.requires_grad_(args.train_experts or "experts" not in name)
+    return mlp
+
+
+def step(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_(True)
+    out = mlp(x)
+    out.backward(torch.ones_like(out))
+    return out.detach()
+
+
+def measure(name: str, mlp: Any, x: torch.Tensor, repeats: int) -> tuple[dict[str, Any], torch.Tensor]:
+    out = step(mlp, x)  # warm-up: kernels, workspaces
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(mlp, x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(mlp, x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated() - base
+    line = {"bench": "moe_block", "impl": name, "tokens": x.shape[1], "fwd_bwd_ms": statistics.median(times)}
+    return line | {"peak_above_weights_bytes": peak, "host_syncs": syncs}, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--train-experts", action="store_true")
+    args = parser.parse_args()
+    eager = block(args)
+    grouped = copy.deepcopy(eager)
+    assert use_grouped_experts(grouped) == 1
+    torch.manual_seed(1)
+    x = torch.randn(1, args.tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    reference: torch.Tensor | None = None
+    for name, mlp in (("eager", eager), ("roundpipe_grouped", grouped)):
+        line, out = measure(name, mlp, x, args.repeats)
+        if reference is None:
+            reference = out.float()
+        else:
+            line["max_abs_diff_to_eager"] = float((out.float() - reference).abs().max())
+            line["ref_abs_max"] = float(reference.abs().max())
+        line["train_experts"] = args.train_experts
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
