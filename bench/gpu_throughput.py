@@ -419,7 +419,7 @@ def plain_child(job_text: str) -> None:
 def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
     plain = plain_in_subprocess(workload, args) if args.plain else None
     lines = []
-    for mode, model, build_s in _models(workload, args):
+    for mode, model, build in _models(workload, args):
         started = time.perf_counter()
         # What an earlier configuration of this process left on the device (should be nothing).
         at_start = allocated_memory(cuda_indices(args.devices))
@@ -440,7 +440,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
             _release_memory()
         ours["allocated_at_start_gib"] = at_start
         ours["elapsed_s"] = round(time.perf_counter() - started, 1)
-        ours["build_s"] = build_s
+        ours.update(build)
         lines.append(_line(workload, mode, args, ours, plain))
     return lines
 
@@ -473,32 +473,35 @@ def memory_history(name: str) -> Iterator[None]:
         (Path(out) / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
-def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str, Any, float]]:
-    """Per mode, a fresh model: built once (a 14B random init takes minutes on the host), then
-    a copy for every mode but the last, which trains the original. A model built a layer at a
-    time is built again per mode instead: two copies of a 32B base do not fit the host."""
+def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """Per mode, a fresh model and how it was built (seconds; the host's peak resident GiB while
+    building, which for a base built a layer at a time must stay near its final bytes): built
+    once (a 14B random init takes minutes on the host), then a copy for every mode but the last,
+    which trains the original. A model built a layer at a time is built again per mode instead:
+    two copies of a 32B base do not fit the host."""
     if workload.layerwise and len(args.modes) > 1:
         for mode in args.modes:
-            (_, model, build_s), *_ = _models(workload, replace_modes(args, [mode]))
-            yield mode, model, build_s
+            (_, model, build), *_ = _models(workload, replace_modes(args, [mode]))
+            yield mode, model, build
             del model
         return
     started = time.perf_counter()
-    try:
-        dtype = model_dtype(args.model_dtype, bool(cuda_indices(args.devices)))
-        original: Any = build_model(workload, dtype, init_on_gpu=True)
-    except Exception:
-        traceback.print_exc()
-        original = None
-    build_s = round(time.perf_counter() - started, 1)
+    with RssSampler() as rss:
+        try:
+            dtype = model_dtype(args.model_dtype, bool(cuda_indices(args.devices)))
+            original: Any = build_model(workload, dtype, init_on_gpu=True)
+        except Exception:
+            traceback.print_exc()
+            original = None
+    build = {"build_s": round(time.perf_counter() - started, 1), "build_rss_gib": rss.report()}
     for k, mode in enumerate(args.modes):
         last = k == len(args.modes) - 1
         if last or original is None:
-            yield mode, original, build_s
+            yield mode, original, build
         else:
             started = time.perf_counter()
             model = copy.deepcopy(original)
-            yield mode, model, round(time.perf_counter() - started, 1)
+            yield mode, model, {"build_s": round(time.perf_counter() - started, 1)}
             del model
     del original
 
