@@ -114,14 +114,22 @@ def test_layers_it_cannot_reproduce_are_left_alone() -> None:
     assert not chunk_long_attention_layer(torch.nn.Linear(2, 2))
 
 
-def test_training_through_sliced_replicas_equals_the_plain_loop(small_slices: list[int]) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_training_through_sliced_replicas_equals_the_plain_loop(
+    small_slices: list[int], compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with the layers compiled (dynamo's capture, its "eager" backend): the slicing is a
+    graph break for long inputs only."""
+    from roundpipe.backends import compiling
     from tests.test_transformers_parity import tiny_llama
 
+    torch._dynamo.reset()
+    monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
     model = tiny_llama()
     reference = copy.deepcopy(model)
     data = token_data(2, batch=4, seq=24)  # 24 tokens per row: sliced 8 + 8 + 8
     expected = reference_loop(reference, data)
-    losses = pipe_loop(model, data)
+    losses = pipe_loop(model, data, compile=compiled)
     assert small_slices, "the replicas did not slice"
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert_same_weights(model, reference)
