@@ -234,6 +234,12 @@ class RunConfig(BaseModel):
         "(forward_backward(..., wait=False)). The planner times plans as such a loop submits them",
     )
     precision: Precision = Field("fp32", description="dtype of the compute copy and of device math")
+    base_format: Literal["compute", "nf4"] = Field(
+        "compute",
+        description='how frozen linear weights are held on the host and uploaded: "compute", in the '
+        'compute precision; "nf4", in 4-bit NormalFloat (QLoRA), quantized at construction layer by '
+        "layer and dequantized on the device inside each layer (a LoRA base: needs frozen linears)",
+    )
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(
         "dynamic", description='fp16 only: "dynamic" loss scaling, "none", or a fixed scale'

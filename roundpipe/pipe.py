@@ -49,6 +49,7 @@ from roundpipe.errors import (
     name_earlier_iteration,
 )
 from roundpipe.looprunner import LoopRunner, shutdown
+from roundpipe.model.quant import apply_base_format
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
 from roundpipe.plan import Plan
@@ -150,6 +151,7 @@ class RoundPipe:
         self._plan_config = planning_config(config, device_spec.kind)
         self._profile_pending = device_spec.kind == "cuda" or config.memory_budget is not None
         self._device_plan: DevicePlan | None = None
+        apply_base_format(model, config.base_format)  # before the split: a layer may be a linear
         self._sequence = to_layer_sequence(model)
         self._model = model
         self._scaler = make_scaler(config)

@@ -204,6 +204,18 @@ def _gradients_saved_ahead(
     )
 
 
+def _dequantized_bytes(layer: nn.Module, dtype: torch.dtype | None) -> int:
+    """The largest dense weight a quantized sublayer makes during its call and its backward
+    (`roundpipe.model.quant.NF4Linear`): it lives only inside the call, so it is working set, not
+    parameters, and on a CPU, where no allocator reports a peak, it is the working set's floor."""
+    sizes = [0]
+    for module in layer.modules():
+        measure: Any = getattr(module, "dequantized_bytes", None)
+        if callable(measure):
+            sizes.append(int(measure(dtype or getattr(module, "weight_dtype", torch.float32))))
+    return max(sizes)
+
+
 def _measure_layer(
     index: int,
     name: str,
@@ -252,6 +264,8 @@ def _measure_layer(
     saved_grad = _gradients_saved_ahead(params, param_shaped)
     fresh = grad_bytes - saved_grad
     bwd_work = max(0, int(bwd["peak"] - bwd["before"]) - fresh) if meter.cuda else 0
+    dense = _dequantized_bytes(layer, dtype)
+    work, bwd_work = max(work, dense), max(bwd_work, dense)
     measurement = LayerMeasurement(
         index=index,
         name=name,

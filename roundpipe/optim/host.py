@@ -94,6 +94,14 @@ class LossScaler:
         self.__dict__.update(state)
 
 
+def _aligned(numel: int, dtype: torch.dtype) -> int:
+    """Elements that keep the next tensor of an arena 64-byte aligned (so a byte tensor holding
+    fp32 scales can be viewed as fp32)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    step = max(1, 64 // size)
+    return -(-numel // step) * step
+
+
 def trainable_units(
     layer_params: Sequence[Sequence[tuple[str, nn.Parameter]]],
 ) -> tuple[dict[int, int], dict[int, list[nn.Parameter]], list[tuple[int, ...]]]:
@@ -177,20 +185,19 @@ class HostModel:
     def _make_copies(self) -> None:
         """The fp32 optimizer copy of every trainable parameter and the compute copy of all.
 
-        Frozen parameters never change, so they live on the host once, in the compute precision:
-        the module's own parameter is made to hold its compute copy (a frozen 14B base costs its
-        bf16 bytes, not those plus an fp32 original). Compute copies that must be made are laid
-        out layer by layer in one arena, pinned when a GPU reads them: one allocation (pinned
-        allocations are rounded up to a power of two each, which per tensor wastes up to half)."""
+        Frozen parameters never change, so they live on the host once, in the format they travel
+        in: the module's own parameter is made to hold its compute copy (a frozen 14B base costs
+        its bf16 bytes, not those plus an fp32 original; a 4-bit base its packed bytes). Compute
+        copies that must be made are laid out layer by layer in one arena per dtype, pinned when a
+        GPU reads them: one allocation each (pinned allocations are rounded up to a power of two
+        each, which per tensor wastes up to half)."""
         unique: dict[int, nn.Parameter] = {}
         for named in self.layer_params:
             for _, param in named:
                 unique.setdefault(id(param), param)
         made = [p for p in unique.values() if p.requires_grad or not self._usable_as_is(p)]
-        arena = torch.empty(
-            sum(p.numel() for p in made), dtype=self.dtype, pin_memory=self.pin_memory and bool(made)
-        )
-        offset = 0
+        arenas = self._arenas(made)
+        offsets = dict.fromkeys(arenas, 0)
         for param in unique.values():
             if param.requires_grad:
                 master: torch.Tensor
@@ -200,8 +207,10 @@ class HostModel:
                     master = param.detach().to("cpu", torch.float32).clone()
                 self.master[id(param)] = master
             if param.requires_grad or not self._usable_as_is(param):
-                view = arena[offset : offset + param.numel()].view(param.shape)
-                offset += param.numel()
+                dtype = self.compute_dtype(param)
+                offset = offsets[dtype]
+                offsets[dtype] = offset + _aligned(param.numel(), dtype)
+                view = arenas[dtype][offset : offset + param.numel()].view(param.shape)
                 with torch.no_grad():
                     view.copy_(param.detach())
                 self.compute[id(param)] = view
@@ -210,10 +219,25 @@ class HostModel:
             else:
                 self.compute[id(param)] = param.detach()
 
+    def _arenas(self, made: list[nn.Parameter]) -> dict[torch.dtype, torch.Tensor]:
+        sizes: dict[torch.dtype, int] = {self.dtype: 0}
+        for param in made:
+            dtype = self.compute_dtype(param)
+            sizes[dtype] = sizes.get(dtype, 0) + _aligned(param.numel(), dtype)
+        return {
+            dtype: torch.empty(size, dtype=dtype, pin_memory=self.pin_memory and size > 0)
+            for dtype, size in sizes.items()
+        }
+
+    def compute_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype ``param`` is held and uploaded in: the run's precision, except integer tensors
+        (a quantized base's packed codes and raw scales, always frozen), which stay as they are."""
+        return self.dtype if param.is_floating_point() else param.dtype
+
     def _usable_as_is(self, param: torch.Tensor) -> bool:
         """A frozen tensor that already is a compute copy (right dtype, on the host, pinned if needed)."""
         return (
-            param.dtype == self.dtype
+            param.dtype == self.compute_dtype(param)
             and param.device.type == "cpu"
             and (not self.pin_memory or param.is_pinned())
         )

@@ -76,6 +76,12 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
     ("--max-grad-norm", "max_grad_norm", float, "clip the global gradient norm (default: off)"),
     ("--precision", "precision", str, "fp32 (default), bf16 or fp16"),
     (
+        "--base-format",
+        "base_format",
+        str,
+        "frozen base weights: compute (default) or nf4 (4-bit; with --lora-r)",
+    ),
+    (
         "--async-warmup-steps",
         "async_warmup_steps",
         int,

@@ -93,6 +93,10 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float | None = Field(default=None, gt=0, description="clip the global gradient norm")
     precision: Literal["fp32", "bf16", "fp16"] = Field(default="fp32", description="compute precision")
+    base_format: Literal["compute", "nf4"] = Field(
+        default="compute",
+        description="frozen base weights in the compute precision, or nf4 (4-bit, with lora_r)",
+    )
     async_optimizer: bool = Field(default=True, description="staleness-1 optimizer overlapping the next step")
     async_warmup_steps: int = Field(
         default=DEFAULT_ASYNC_WARMUP_STEPS,
@@ -239,6 +243,7 @@ class TrainConfig(BaseModel):
             fresh_at_if_fused=self.fresh_at_if_fused if self.async_optimizer else (),
             loss_lag=self.loss_lag,
             precision=self.precision,
+            base_format=self.base_format,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
             distributed={"timeout_s": self.dist_timeout},

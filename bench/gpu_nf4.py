@@ -1,0 +1,199 @@
+"""The 4-bit base on a GPU: is roundpipe's NF4 right, and what does dequantizing inside the layer cost?
+
+Why: a frozen NF4 base crosses the host link in a quarter of bf16's bytes, but every layer call
+dequantizes its weight on the device (twice per backward stage: forward and backward). This
+measures, on the weights of one 32B-shaped decoder layer (Qwen2.5-32B: hidden 5120, MLP 27648,
+40 query and 8 key/value heads of 128; ``--shapes`` for others), for a microbatch of ``--tokens``:
+- correctness: the bytes and the dequantized weight against bitsandbytes (when importable), the
+  round-trip error against the bf16 weight;
+- dequantization alone: eager (`roundpipe.model.quant.dequantize_nf4`), ``torch.compile``d, and
+  bitsandbytes / torchao where importable, in GB/s of bf16 weight written;
+- the layer: `NF4Linear` forward and forward+backward (eager and compiled dequant) against bf16
+  ``F.linear`` on the dense weight, with the bytes each holds.
+One JSON line per result.
+
+    python bench/gpu_nf4.py                      # 32B-shaped weights, 8192 tokens
+    python bench/gpu_nf4.py --tokens 16384 --repeats 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from roundpipe.model.quant import NF4Linear, dequantize_nf4, quantize_nf4
+
+SHAPES_32B = {
+    "q_proj": (5120, 5120),
+    "k_proj": (1024, 5120),
+    "o_proj": (5120, 5120),
+    "gate_proj": (27648, 5120),
+    "down_proj": (5120, 27648),
+    "wide_25600": (25600, 5120),
+}
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median milliseconds of ``fn`` on the GPU (CUDA events), after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def optional(name: str) -> Any:
+    try:
+        return __import__(name)
+    except Exception:  # absent, or present but unable to load on this machine
+        return None
+
+
+def check_bitsandbytes(name: str, weight: torch.Tensor) -> Callable[[], Any] | None:
+    bnb = optional("bitsandbytes")
+    if bnb is None:
+        emit(name=name, check="bitsandbytes", available=False)
+        return None
+    import bitsandbytes.functional as bf
+
+    packed, state = bf.quantize_4bit(weight, blocksize=64, quant_type="nf4")
+    q = quantize_nf4(weight)
+    same_bytes = bool(torch.equal(packed.view(-1), q.packed)) and bool(torch.equal(state.absmax, q.absmax))
+    same_weight = bool(torch.equal(bf.dequantize_4bit(packed, state), dequantize_nf4(q)))
+    emit(name=name, check="bitsandbytes", available=True, same_bytes=same_bytes, same_weight=same_weight)
+    return lambda: bf.dequantize_4bit(packed, state)
+
+
+def torchao_dequant(weight: torch.Tensor) -> Callable[[], Any] | None:
+    if optional("torchao") is None:
+        return None
+    try:
+        from torchao.dtypes.nf4tensor import to_nf4
+
+        nf4 = to_nf4(weight, 64, 256)
+        return lambda: nf4.get_original_weight()
+    except Exception as exc:
+        emit(check="torchao", available=True, error=f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def one_shape(name: str, shape: tuple[int, int], tokens: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    weight = (torch.randn(shape, device="cuda") * 0.02).to(torch.bfloat16)
+    q = quantize_nf4(weight)
+    dense = dequantize_nf4(q)
+    error = (dense.float() - weight.float()).abs()
+    compiled_equal = bool(torch.equal(dequantize_nf4(q, compiled=True), dense))
+    emit(
+        name=name,
+        shape=list(shape),
+        nf4_bytes=q.nbytes,
+        bf16_bytes=weight.numel() * 2,
+        ratio=q.nbytes / (weight.numel() * 2),
+        max_abs_error=float(error.max()),
+        mean_abs_error=float(error.mean()),
+        compiled_equals_eager=compiled_equal,
+    )
+    written = weight.numel() * 2 / 1e9
+    candidates: dict[str, Callable[[], Any] | None] = {
+        "roundpipe_eager": lambda: dequantize_nf4(q),
+        "roundpipe_compiled": lambda: dequantize_nf4(q, compiled=True),
+        "bitsandbytes": check_bitsandbytes(name, weight),
+        "torchao": torchao_dequant(weight),
+    }
+    for impl, fn in candidates.items():
+        if fn is not None:
+            ms = timed(fn, repeats)
+            emit(name=name, part="dequant", impl=impl, ms=ms, gb_per_s=written / (ms / 1e3))
+    x = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer = NF4Linear(q).cuda()
+
+    def dense_fwd_bwd() -> None:
+        F.linear(x, weight).sum().backward()
+
+    def nf4_fwd_bwd() -> None:
+        layer(x).sum().backward()
+
+    out = layer(x)
+    torch.testing.assert_close(out, F.linear(x, dense), rtol=0, atol=0)
+    flops = 2 * tokens * shape[0] * shape[1]
+    runs: list[tuple[str, str, Callable[[], Any], int]] = [
+        ("bf16_linear", "forward", lambda: F.linear(x, weight), 1),
+        ("bf16_linear", "forward_backward", dense_fwd_bwd, 2),
+    ]
+    for compiled in (False, True):
+        label = "nf4_linear_compiled" if compiled else "nf4_linear_eager"
+        runs.append((label, "forward", _switched(layer, compiled, lambda: layer(x)), 1))
+        runs.append((label, "forward_backward", _switched(layer, compiled, nf4_fwd_bwd), 2))
+    for impl, part, fn, matmuls in runs:
+        with torch.no_grad() if part == "forward" else torch.enable_grad():
+            ms = timed(fn, repeats)
+        emit(
+            name=name, part=part, impl=impl, tokens=tokens, ms=ms, tflops=matmuls * flops / (ms / 1e3) / 1e12
+        )
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    nf4_fwd_bwd()
+    emit(
+        name=name,
+        part="memory",
+        impl="nf4_linear_eager",
+        peak_above_start=torch.cuda.max_memory_allocated() - base,
+    )
+
+
+def _switched(layer: NF4Linear, compiled: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with the layer's dequantization compiled or eager."""
+
+    def run() -> Any:
+        layer.compiled = compiled
+        try:
+            return fn()
+        finally:
+            layer.compiled = False
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of one microbatch")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--shapes", default=",".join(SHAPES_32B), help="comma-separated names of SHAPES_32B")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        emit(error="needs CUDA")
+        return
+    emit(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        bitsandbytes=getattr(optional("bitsandbytes"), "__version__", None),
+        torchao=getattr(optional("torchao"), "__version__", None),
+    )
+    for name in args.shapes.split(","):
+        one_shape(name, SHAPES_32B[name], args.tokens, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
