@@ -363,6 +363,8 @@ def test_layerwise_build_gives_the_model_on_the_host(family: str) -> None:
         ("D", ["--experts", "4", "--experts-per-token", "2", "--intermediate", "32", "--async"]),
         ("D2", ["--experts", "4", "--experts-per-token", "2", "--intermediate", "32", "--async"]),
         ("G", ["--intermediate", "128"]),  # both modes: built again for the second
+        # nf4: blocks of 64 weights; the pipe, told base_format="nf4", finds nothing left to quantize
+        ("F", ["--hidden", "128", "--head-dim", "32", "--intermediate", "256", "--async"]),
     ],
 )
 def test_big_workloads_run_end_to_end_at_tiny_shapes(
