@@ -8,10 +8,10 @@
 # time, and under a time limit cut from what is left of the call's deadline, so a slow workload
 # loses its own line, never the ones after it. Most important first within each group.
 #
-#   OUT=/path bash bench/gpu_big.sh 1       # F, E-nf4          (70B nf4; 32B nf4)
+#   OUT=/path bash bench/gpu_big.sh 1       # F, E-nf4, E       (70B nf4; 32B nf4; 32B bf16)
 #   OUT=/path bash bench/gpu_big.sh 2       # G                 (8B, one 262,144-token sequence)
-#   OUT=/path bash bench/gpu_big.sh 3       # E, D, D2          (32B bf16; 30B-A3B; GPT-OSS-20B)
-#   OUT=/path bash bench/gpu_big.sh 4       # D16, G-nf4 at 131,072 tokens
+#   OUT=/path bash bench/gpu_big.sh 3       # D, D2, D16        (30B-A3B; GPT-OSS-20B; 30B-A3B x 16)
+#   OUT=/path bash bench/gpu_big.sh 4       # G-nf4 at 131,072 tokens, then at 262,144
 #   OUT=/path bash bench/gpu_big.sh F D     # named workloads, default settings
 #
 # Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
@@ -25,25 +25,28 @@ DEVICES=${DEVICES:-cuda:0}  # DEVICES=cpu:1 bash bench/gpu_big.sh tiny: the scri
 START=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-530}
 
-# name -> "limit_s | gpu_throughput.py arguments". Expected wall times (H200): build + profile +
-# compile + steps; step times from E bf16 ~3K tok/s and F ~1.4K tok/s at 16K tokens per step.
+# name -> "limit_s|least_s|gpu_throughput.py arguments": a workload runs for at most limit_s and
+# only when least_s are left. Expected wall times (H200): imports, build, profile, compile, steps;
+# step times from E bf16 ~3K tok/s and F ~1.4K tok/s at 16K tokens per step, D from
+# bench/moe_link.py (2.2 s/step at 4 x 4096, 4.5 s at 16 x 4096), G from flash attention's FLOPs
+# (about 1.4 s per layer forward at 262,144 tokens: ~3 min a step, and as much for the profile).
 declare -A JOB=(
-  [F]="330|--workload F --warmup 2 --steps 2"            # ~12 s/step; build ~60 s
-  [E-nf4]="200|--workload E-nf4 --warmup 2 --steps 3"    # ~5 s/step
-  [E]="200|--workload E --warmup 2 --steps 3"            # ~5.5 s/step; pins ~70 GiB
-  [G]="520|--workload G --warmup 0 --steps 1"            # 262,144 tokens: ~3 min profile + ~3 min step
-  [G-nf4]="520|--workload G-nf4 --warmup 0 --steps 1"
-  [G131]="300|--workload G --seq 131072 --warmup 1 --steps 1"
-  [G131-nf4]="300|--workload G-nf4 --seq 131072 --warmup 1 --steps 1"
-  [D]="170|--workload D --warmup 2 --steps 3"
-  [D16]="240|--workload D16 --warmup 2 --steps 2"
-  [D2]="170|--workload D2 --warmup 2 --steps 3"
+  [F]="330|200|--workload F --warmup 2 --steps 2"             # ~3 min: 12 s/step, build ~1 min
+  [E-nf4]="200|120|--workload E-nf4 --warmup 2 --steps 3"     # ~2.5 min
+  [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; pins ~70 GiB of host
+  [G]="520|420|--workload G --warmup 0 --steps 1"             # ~6-7 min at 262,144 tokens
+  [G-nf4]="520|420|--workload G-nf4 --warmup 0 --steps 1"
+  [G131]="300|200|--workload G --seq 131072 --warmup 1 --steps 1"      # ~3 min
+  [G131-nf4]="300|200|--workload G-nf4 --seq 131072 --warmup 1 --steps 1"
+  [D]="170|100|--workload D --warmup 2 --steps 3"             # ~1.5-2 min
+  [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
+  [D2]="170|100|--workload D2 --warmup 2 --steps 3"           # ~1.5-2 min (eager attention)
 )
 case "${1:-1}" in
-  1) NAMES=(F E-nf4) ;;
+  1) NAMES=(F E-nf4 E) ;;
   2) NAMES=(G) ;;
-  3) NAMES=(E D D2) ;;
-  4) NAMES=(D16 G131-nf4) ;;
+  3) NAMES=(D D2 D16) ;;
+  4) NAMES=(G131-nf4 G-nf4) ;;
   *) NAMES=("$@") ;;
 esac
 
@@ -64,12 +67,11 @@ PY
 }
 
 for name in "${NAMES[@]}"; do
-  spec=${JOB[$name]:-"300|--workload $name --warmup 2 --steps 2"}
-  limit=${spec%%|*}
-  args=${spec#*|}
+  spec=${JOB[$name]:-"300|60|--workload $name --warmup 2 --steps 2"}
+  IFS='|' read -r limit least args <<<"$spec"
   left=$((DEADLINE_S - ($(date +%s) - START)))
-  if ((left < 60)); then
-    echo "== $name skipped: ${left}s left of the call's ${DEADLINE_S}s"
+  if ((left < least)); then
+    echo "== $name skipped: ${left}s left of the call's ${DEADLINE_S}s, it needs about ${least}s"
     continue
   fi
   ((limit > left)) && limit=$left
