@@ -3,17 +3,21 @@
 Why: at long sequences everything a decoder layer computes per token grows with the sequence, and
 autograd keeps most of it. At 262,144 tokens on a Llama-3.1-8B layer (hidden 4096) the norms' fp32
 upcasts, the LoRA sums of q/k/v/o, the rotary products and the residuals each make 2-4 GiB
-tensors, and the layer saved 55 bytes per hidden element (about 55 GiB) for its backward. Only
+tensors; a decoder block saves about 55 bytes per hidden element for its backward (measured on a
+Qwen3 block, docs/memory.md), which here is 55 GiB, and its peak is larger still. Only
 attention mixes tokens; all the rest (norms, q/k/v/o projections with their adapters, q/k norms,
 rotary, residuals, the MLP) is per token. So the layer runs as three parts: (A) per slice of
 `CHUNK_TOKENS` tokens under activation checkpointing, the input norm, q/k/v and rotary; (B) the
-attention core, one sdpa call with the causal flag (flash or memory-efficient: no n x n tensor);
-(C) per slice under checkpointing, o_proj, the residual, the second norm, the MLP and its residual.
-What stays for the backward is the layer's input, q, k, v and the attention output (sdpa's own
-saved tensors) and the output: about 8 bytes per hidden element with grouped KV heads, plus one
-slice's working set, which does not grow with the sequence. The price is parts A and C once more
-in the backward (per-token matrix products; attention, the expensive part at these lengths, is
-not recomputed), paid only above `MIN_TOKENS` tokens.
+attention core, sdpa with the causal flag (flash: no n x n tensor), one call per KV head group
+(`_attention`); (C) per slice under checkpointing, o_proj, the residual, the second norm, the
+MLP and its residual. What stays for the backward is q, k, v and the attention output (sdpa's
+own saved tensors; the input is the caller's): 2.56 hidden-sized tensors per token with 4 query
+heads per KV head, measured on the CPU (`tests/test_chunked_layer.py`,
+`bench/long_context_memory.py`), and the forward and backward peaks grow by a fixed number of
+hidden-sized tensors per token above one slice's working set, which does not grow with the
+sequence. The price is parts A and C once more in the backward (per-token matrix products;
+attention, the expensive part at these lengths, is not recomputed), paid only above `MIN_TOKENS`
+tokens per row.
 
 How: `chunk_long_attention_layer(layer)` swaps the layer's class for a subclass (same parameters,
 names and state dict) when the layer has the standard layout (``input_layernorm``, ``self_attn``
