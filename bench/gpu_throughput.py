@@ -46,6 +46,7 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 
+from gpu_link import h2d_probe_gbps, link_figures, model_upload_bytes
 from gpu_throughput_run import (
     RssSampler,
     Shape,
@@ -67,24 +68,63 @@ from gpu_throughput_run import (
 
 QWEN3_1_7B = Shape(28, 2048, 6144, 16, 8, 128, 151936, True)
 QWEN3_14B = Shape(40, 5120, 17408, 40, 8, 128, 151936, False)
+QWEN3_32B = Shape(64, 5120, 25600, 64, 8, 128, 151936, False)
+LLAMA_70B = Shape(80, 8192, 28672, 64, 8, 128, 128256, False, family="llama")
+LLAMA_8B = Shape(32, 4096, 14336, 32, 8, 128, 128256, False, family="llama")
+# Mixtures of experts: ``intermediate`` is each expert's.
+QWEN3_30B_A3B = Shape(48, 2048, 768, 32, 4, 128, 151936, False, "qwen3_moe", 128, 8)
+GPT_OSS_20B = Shape(24, 2880, 2880, 64, 8, 64, 201088, False, "gpt_oss", 32, 4, sliding_window=128)
 TINY = Shape(4, 64, 128, 4, 2, 16, 256, True)
+G_SEQ = 262144
+
+
+def big(name: str, shape: Shape, batch: int, seq: int, microbatches: int, **kw: Any) -> Workload:
+    """A workload of the big-model targets: LoRA r16 on q/k/v/o under 24 GiB, built a layer at a
+    time on the GPU (`gpu_models.build_layerwise`)."""
+    return Workload(name, shape, batch, seq, microbatches, lora_r=16, budget="24GiB", layerwise=True, **kw)
+
+
 WORKLOADS = {
     "A": Workload("A", QWEN3_1_7B, 8, 4096, 8),
     "B": Workload("B", QWEN3_1_7B, 32, 2048, 4),
     "C": Workload("C", QWEN3_14B, 4, 4096, 4, lora_r=16, budget="24GiB"),
     "long": Workload("long", QWEN3_1_7B, 1, 131072, 1, budget="24GiB", recompute_grain="layer"),
+    "E": big("E", QWEN3_32B, 4, 4096, 4),
+    "E-nf4": big("E-nf4", QWEN3_32B, 4, 4096, 4, base_format="nf4"),
+    "F": big("F", LLAMA_70B, 4, 4096, 4, base_format="nf4"),
+    "G": big("G", LLAMA_8B, 1, G_SEQ, 1, recompute_grain="layer"),
+    "G-nf4": big("G-nf4", LLAMA_8B, 1, G_SEQ, 1, recompute_grain="layer", base_format="nf4"),
+    "D": big("D", QWEN3_30B_A3B, 4, 4096, 4),
+    "D16": big("D16", QWEN3_30B_A3B, 16, 4096, 16),
+    "D2": big("D2", GPT_OSS_20B, 4, 4096, 4),
     "tiny": Workload("tiny", TINY, 4, 32, 2),
 }
-SHAPE_FLAGS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab")
+SHAPE_FLAGS = (
+    "layers",
+    "hidden",
+    "intermediate",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "vocab",
+    "experts",
+    "experts_per_token",
+    "sliding_window",
+)
 
 
 def plain_cannot_hold(workload: Workload) -> str | None:
     """Why the plain loop cannot run under the budget (its bf16 base weights, plus the LoRA
-    parameters with their gradients and two AdamW states, do not fit), or None."""
+    parameters with their gradients and two AdamW states, do not fit; or transformers' loss, which
+    makes a microbatch's whole logits in bf16 and again in fp32, does not), or None."""
     if workload.budget is None:
         return None
+    budget = parse_size(workload.budget)
     base = 2 * workload.shape.param_count() + 8 * workload.lora_param_count()
-    return None if base <= parse_size(workload.budget) else f"cannot hold the base in {workload.budget}"
+    if base > budget:
+        return f"cannot hold the base in {workload.budget}"
+    logits = workload.tokens // workload.microbatches * workload.shape.vocab * (2 + 4)
+    return None if base + logits <= budget else f"cannot hold the logits in {workload.budget}"
 
 
 # --------------------------------------------------------------------- command line
@@ -92,10 +132,23 @@ def plain_cannot_hold(workload: Workload) -> str | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--workload", action="append", help="A, B, C, long, tiny (repeatable, or a comma list)")
+    p.add_argument(
+        "--workload", action="append", help=f"{', '.join(WORKLOADS)} (repeatable, or a comma list)"
+    )
     for name in SHAPE_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name)
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None, help="tie embeddings")
+    p.add_argument("--family", choices=("qwen3", "llama", "qwen3_moe", "gpt_oss"))
+    p.add_argument("--base-format", choices=("bf16", "nf4"), help="frozen base of the decoder layers")
+    p.add_argument(
+        "--layerwise",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build one layer at a time on the device (the big workloads do)",
+    )
+    p.add_argument(
+        "--probe", action=argparse.BooleanOptionalAction, default=True, help="time a pinned H2D copy"
+    )
     p.add_argument("--lora-r", type=int, help="peft LoRA rank on q/k/v/o (0: full fine-tuning)")
     p.add_argument("--batch", type=int)
     p.add_argument("--seq", type=int)
@@ -145,7 +198,10 @@ def apply_overrides(workload: Workload, args: argparse.Namespace) -> Workload:
     shape = {n: getattr(args, n) for n in SHAPE_FLAGS if getattr(args, n) is not None}
     if args.tied is not None:
         shape["tied"] = args.tied
-    run = {n: getattr(args, n) for n in ("batch", "seq", "microbatches", "lora_r", "recompute_grain")}
+    if args.family is not None:
+        shape["family"] = args.family
+    names = ("batch", "seq", "microbatches", "lora_r", "recompute_grain", "base_format", "layerwise")
+    run = {n: getattr(args, n) for n in names}
     run = {n: v for n, v in run.items() if v is not None}
     if args.budget is not None:
         run["budget"] = None if args.budget.lower() == "none" else args.budget
@@ -182,6 +238,8 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         trace_iterations=args.warmup + args.steps + 1,
         loss_lag=getattr(args, "loss_lag", 0),  # planned for the loop that runs
     )
+    if workload.base_format != "bf16" and "base_format" in roundpipe.RunConfig.model_fields:
+        fields["base_format"] = workload.base_format
     route = budget_route(workload)["budget_field"]
     if route is None:
         return roundpipe.RunConfig(**fields)
@@ -203,6 +261,7 @@ def run_roundpipe(
     indices = cuda_indices(args.devices)
     config = make_config(workload, mode, args)
     data = make_batch(workload)
+    probe = h2d_probe_gbps(indices[0] if indices and getattr(args, "probe", True) else None)
     optimizers: list[str] = []
     reset_peaks(indices)
     times: list[float] = []
@@ -240,6 +299,7 @@ def run_roundpipe(
         if args.save_trace is not None:
             trace.save(args.save_trace / f"{workload.name}-{mode}.trace.json.gz")
         predicted = predicted_memory(pipe)
+        upload_bytes = model_upload_bytes(pipe)
         plan = pipe.plan
         backend = pipe._backend  # CUDA: each device's clock map (`CudaBackend.clock_statistics`)
         clocks = {
@@ -257,6 +317,15 @@ def run_roundpipe(
     # Every process trains the workload's tokens per step, and they step together (each step
     # waits for the gradients of all): the global rate is the processes' count times one's.
     world = processes()[1]
+    link = link_figures(
+        trace,
+        report.iterations,
+        report.window_ms,
+        upload_bytes,
+        probe,
+        workload.tokens,
+        workload.tokens / step_s,
+    )
     return {
         "tokens_per_s": round(world * workload.tokens / step_s, 1),
         "tokens_per_s_wall": round(world * workload.tokens * args.steps / wall, 1),  # + one final synchronize
@@ -279,6 +348,8 @@ def run_roundpipe(
         },
         "exposed_transfer": round(report.exposed_transfer, 5),
         "host_bound": round(report.host_bound, 5),
+        **link,
+        "planner_link": trace.meta.get("link"),  # the re-plan's own view of the link, where it made one
         "busy_ms_per_step": {k: round(v, 2) for k, v in sorted(report.busy_ms_per_iteration.items())},
         "breakdown": report.to_dict(),
         "host_rss_gib": rss.report(),
@@ -348,7 +419,7 @@ def plain_child(job_text: str) -> None:
 def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
     plain = plain_in_subprocess(workload, args) if args.plain else None
     lines = []
-    for mode, model, build_s in _models(workload, args):
+    for mode, model, build in _models(workload, args):
         started = time.perf_counter()
         # What an earlier configuration of this process left on the device (should be nothing).
         at_start = allocated_memory(cuda_indices(args.devices))
@@ -369,7 +440,7 @@ def run_workload(workload: Workload, args: argparse.Namespace) -> list[dict[str,
             _release_memory()
         ours["allocated_at_start_gib"] = at_start
         ours["elapsed_s"] = round(time.perf_counter() - started, 1)
-        ours["build_s"] = build_s
+        ours.update(build)
         lines.append(_line(workload, mode, args, ours, plain))
     return lines
 
@@ -402,27 +473,41 @@ def memory_history(name: str) -> Iterator[None]:
         (Path(out) / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
-def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str, Any, float]]:
-    """Per mode, a fresh model: built once (a 14B random init takes minutes on the host), then
-    a copy for every mode but the last, which trains the original."""
+def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """Per mode, a fresh model and how it was built (seconds; the host's peak resident GiB while
+    building, which for a base built a layer at a time must stay near its final bytes): built
+    once (a 14B random init takes minutes on the host), then a copy for every mode but the last,
+    which trains the original. A model built a layer at a time is built again per mode instead:
+    two copies of a 32B base do not fit the host."""
+    if workload.layerwise and len(args.modes) > 1:
+        for mode in args.modes:
+            (_, model, build), *_ = _models(workload, replace_modes(args, [mode]))
+            yield mode, model, build
+            del model
+        return
     started = time.perf_counter()
-    try:
-        dtype = model_dtype(args.model_dtype, bool(cuda_indices(args.devices)))
-        original: Any = build_model(workload, dtype, init_on_gpu=True)
-    except Exception:
-        traceback.print_exc()
-        original = None
-    build_s = round(time.perf_counter() - started, 1)
+    with RssSampler() as rss:
+        try:
+            dtype = model_dtype(args.model_dtype, bool(cuda_indices(args.devices)))
+            original: Any = build_model(workload, dtype, init_on_gpu=True)
+        except Exception:
+            traceback.print_exc()
+            original = None
+    build = {"build_s": round(time.perf_counter() - started, 1), "build_rss_gib": rss.report()}
     for k, mode in enumerate(args.modes):
         last = k == len(args.modes) - 1
         if last or original is None:
-            yield mode, original, build_s
+            yield mode, original, build
         else:
             started = time.perf_counter()
             model = copy.deepcopy(original)
-            yield mode, model, round(time.perf_counter() - started, 1)
+            yield mode, model, {"build_s": round(time.perf_counter() - started, 1)}
             del model
     del original
+
+
+def replace_modes(args: argparse.Namespace, modes: list[str]) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "modes": modes})
 
 
 def _line(

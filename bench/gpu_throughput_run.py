@@ -33,9 +33,18 @@ class Shape:
     head_dim: int
     vocab: int
     tied: bool
+    family: str = "qwen3"  # one of `gpu_models.FAMILIES`
+    experts: int = 0  # mixtures of experts: experts per layer (``intermediate``: per expert)
+    experts_per_token: int = 0
+    sliding_window: int = 0  # gpt_oss: the window of its alternate (sliding) layers
 
     def param_count(self) -> int:
-        """Parameters of the Qwen3 model of this shape (embedding, decoder layers, norms, head)."""
+        """Parameters of the model of this shape (embedding, decoder layers, norms, head): by
+        formula for Qwen3, counted on a meta-device skeleton for the other families."""
+        if self.family != "qwen3":
+            from gpu_models import meta_param_count
+
+            return meta_param_count(self)
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + 2 * self.head_dim  # q, k, v, o and q/k norms
         layer = attention + 3 * h * self.intermediate + 2 * h  # MLP and the two layer norms
@@ -53,6 +62,8 @@ class Workload:
     lora_r: int = 0
     budget: str | None = None
     recompute_grain: str = "stage"
+    base_format: str = "bf16"  # "nf4": each decoder layer's frozen linears held and moved in 4 bits
+    layerwise: bool = False  # build one layer at a time on the device (`gpu_models.build_layerwise`)
 
     @property
     def tokens(self) -> int:
@@ -83,6 +94,13 @@ def build_model(workload: Workload, dtype: torch.dtype, init_on_gpu: bool = Fals
     sides of a comparison must build the same way: the two generators draw different weights."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    if workload.layerwise or workload.base_format != "bf16" or workload.shape.family != "qwen3":
+        from gpu_models import build_layerwise
+
+        use_gpu = init_on_gpu and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+        s = workload.shape
+        return build_layerwise(s, workload.seq, workload.lora_r, workload.base_format, dtype, device)
     s = workload.shape
     config = Qwen3Config(
         vocab_size=s.vocab,

@@ -165,7 +165,7 @@ def plan_from(
     kind: str = "cpu",
 ) -> DevicePlan:
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
-    from roundpipe.plan.memory import predict_peak
+    from roundpipe.plan.memory import in_flight_microbatches, predict_peak
 
     shape = RunShape(
         num_devices, config.num_microbatches, config.async_optimizer, config.round_size, config.loss_lag
@@ -183,12 +183,14 @@ def plan_from(
         return choose_for_shape(capped, shape, limit)
 
     grain = config.recompute_grain
+    in_flight = in_flight_microbatches(config.num_microbatches)
     if budget_bytes is None:
         plan = make_plan(None)
-        prediction = predict_peak(plan, memory, grain, num_devices=num_devices)
+        prediction = predict_peak(plan, memory, grain, num_devices=num_devices, act_in_flight=in_flight)
     else:
+        budget = planning_budget(budget_bytes, kind)
         plan, prediction = plan_within_budget(
-            make_plan, memory, planning_budget(budget_bytes, kind), grain, num_devices=num_devices
+            make_plan, memory, budget, grain, num_devices=num_devices, act_in_flight=in_flight
         )
     return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
 

@@ -149,7 +149,7 @@ def test_workloads_flags_and_overrides() -> None:
     assert (w.shape.layers, w.shape.tied, w.budget, w.seq, w.lora_r) == (2, False, None, 64, 16)
     assert custom.modes == ["sync", "async"] and custom.devices == "cuda"
     with pytest.raises(SystemExit):
-        bench.parse_args(["--workload", "D"])
+        bench.parse_args(["--workload", "Z"])
     with pytest.raises(ValueError, match="not understood"):
         bench.parse_args(["--budget", "lots"])
 
@@ -178,7 +178,8 @@ def test_plain_verdict_for_the_14b_shape() -> None:
     assert bench.plain_cannot_hold(c) == "cannot hold the base in 24GiB"
     assert bench.plain_cannot_hold(bench.replace(c, budget="64GiB")) is None
     assert bench.plain_cannot_hold(bench.replace(c, budget=None)) is None
-    assert bench.plain_cannot_hold(bench.WORKLOADS["long"]) is None  # 3.4 GB of weights fit
+    # 3.4 GB of weights fit, but not transformers' logits of 131,072 tokens (bf16 and fp32: 119 GB).
+    assert bench.plain_cannot_hold(bench.WORKLOADS["long"]) == "cannot hold the logits in 24GiB"
 
 
 def test_model_dtype_and_cuda_indices() -> None:
@@ -288,3 +289,162 @@ def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch:
     assert isinstance(plain, str) and "not run under torchrun" in plain
     line = bench._line(args.workloads[0], "async", args, {"tokens_per_s": 1.0}, plain)
     assert line["processes"] == 2 and line["tokens_per_step"] == 2 * args.workloads[0].tokens
+
+
+# --------------------------------------------------------------------- big models, long context
+
+TINY_FLAGS = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --vocab 256".split()
+TINY_FLAGS += "--batch 2 --seq 32 --microbatches 2 --budget none --no-plain".split()
+
+
+@pytest.mark.parametrize(
+    ("name", "billions", "family"),
+    [
+        ("E", 32.8, "qwen3"),
+        ("E-nf4", 32.8, "qwen3"),
+        ("F", 70.6, "llama"),
+        ("G", 8.03, "llama"),
+        ("G-nf4", 8.03, "llama"),
+        ("D", 30.5, "qwen3_moe"),
+        ("D16", 30.5, "qwen3_moe"),
+        ("D2", 20.9, "gpt_oss"),
+    ],
+)
+def test_big_workloads_have_the_named_shapes(name: str, billions: float, family: str) -> None:
+    workload = bench.WORKLOADS[name]
+    assert workload.shape.family == family and workload.layerwise and workload.lora_r == 16
+    assert workload.budget == "24GiB" and not workload.shape.tied
+    assert workload.shape.param_count() / 1e9 == pytest.approx(billions, rel=0.01)
+    assert bench.plain_cannot_hold(workload) in (
+        "cannot hold the base in 24GiB",
+        "cannot hold the logits in 24GiB",
+    )
+    assert workload.base_format == ("nf4" if name in ("E-nf4", "F", "G-nf4") else "bf16")
+    assert workload.tokens == {"G": 262144, "G-nf4": 262144, "D16": 16 * 4096}.get(name, 4 * 4096)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+def test_layerwise_build_gives_the_model_on_the_host(family: str) -> None:
+    args = bench.parse_args(
+        ["--workload", "D2", "--family", family, "--experts", "4", "--experts-per-token", "2"]
+    )
+    workload = bench.replace(
+        args.workloads[0],
+        shape=bench.replace(
+            args.workloads[0].shape,
+            layers=2,
+            hidden=64,
+            intermediate=32,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            vocab=256,
+        ),
+        seq=32,
+        lora_r=4,
+    )
+    model = pieces.build_model(workload, torch.float32, init_on_gpu=True)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert all(t.device.type == "cpu" and not t.is_meta for t in tensors.values())
+    assert sum(p.numel() for p in model.parameters() if not p.requires_grad) == workload.shape.param_count()
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == workload.lora_param_count()
+    assert all(float(p.abs().sum()) == 0 for n, p in tensors.items() if "lora_B" in n)
+    norms = [p for n, p in tensors.items() if n.endswith("layernorm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+    weights = model.get_base_model().model.layers[1].self_attn.q_proj.base_layer.weight
+    assert 0.015 < float(weights.float().std()) < 0.025
+    again = pieces.build_model(workload, torch.float32, init_on_gpu=True)  # seeded: the same weights
+    assert torch.equal(again.get_base_model().model.layers[1].self_attn.q_proj.base_layer.weight, weights)
+
+
+@pytest.mark.parametrize(
+    ("workload", "extra"),
+    [
+        ("D", ["--experts", "4", "--experts-per-token", "2", "--intermediate", "32", "--async"]),
+        ("D2", ["--experts", "4", "--experts-per-token", "2", "--intermediate", "32", "--async"]),
+        ("G", ["--intermediate", "128"]),  # both modes: built again for the second
+        # nf4: blocks of 64 weights; the pipe, told base_format="nf4", finds nothing left to quantize
+        ("F", ["--hidden", "128", "--head-dim", "32", "--intermediate", "256", "--async"]),
+    ],
+)
+def test_big_workloads_run_end_to_end_at_tiny_shapes(
+    workload: str, extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench.main(
+        ["--devices", "cpu:1", "--workload", workload, *TINY_FLAGS, *extra, "--steps", "1", "--warmup", "1"]
+    )
+    lines = _json_lines(capsys.readouterr().out)
+    assert [line["mode"] for line in lines] == (["async"] if "--async" in extra else ["sync", "async"])
+    for line in lines:
+        ours = line["roundpipe"]
+        assert "error" not in ours, ours
+        assert (line["layerwise"] and line["plain"] is None) or isinstance(line["plain"], (dict, str))
+        assert ours["param_up_bytes_per_iteration"] >= ours["model_upload_bytes"] > 0
+        assert 0 < ours["compute_fraction"] <= 1 and 0 < ours["link_busy"] <= 1
+        assert ours["h2d_gbps_probe"] is None and "link_bound_tokens_per_s" not in ours  # no GPU
+        assert all(loss == loss and 0 < loss < 20 for loss in ours["losses"])  # finite
+
+
+def test_layerwise_build_quantizes_each_decoder_layer() -> None:
+    quant = pytest.importorskip("roundpipe.model.quant")
+    if not hasattr(quant, "quantize_frozen_"):
+        pytest.skip("roundpipe.model.quant has no quantize_frozen_ in this checkout")
+    workload = bench.Workload(
+        "q",
+        bench.replace(
+            bench.LLAMA_8B,
+            layers=2,
+            hidden=128,
+            intermediate=256,
+            heads=4,
+            kv_heads=2,
+            head_dim=32,
+            vocab=256,
+        ),
+        1,
+        32,
+        1,
+        lora_r=4,
+        base_format="nf4",
+        layerwise=True,
+    )
+    model = pieces.build_model(workload, torch.bfloat16)
+    base = model.get_base_model()
+    mlp = base.model.layers[0].mlp
+    assert type(mlp.gate_proj).__name__ == "NF4Linear" and type(base.lm_head).__name__ == "Linear"
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    assert frozen < 2 * workload.shape.param_count()  # the decoder layers in 4 bits
+
+
+def test_link_figures_from_a_trace() -> None:
+    """Two iterations of one device: 100 ms windows, uploads of 1 GB busy 40 ms of them
+    (overlapping 10 ms), compute 80 ms; a model of 0.5 GB uploaded twice at a 50 GB/s probe."""
+    from gpu_link import link_figures
+
+    from roundpipe.sched.task import Task
+
+    def task(kind: str, it: int, start: float, end: float, nbytes: int = 0) -> Task:
+        t = Task(("k", kind, it, start), kind, f"d0.{kind}", device=0, iteration=it, nbytes=nbytes)
+        t.start_t, t.end_t = start, end
+        return t
+
+    tasks = []
+    for it in (0, 1):
+        base = 100.0 * it
+        tasks += [
+            task("param_up", it, base, base + 30, 500_000_000),
+            task("act_up", it, base + 20, base + 40, 500_000_000),
+        ]
+        tasks += [
+            task("compute", it, base + 10, base + 90),
+            task("grad_down", it, base + 90, base + 95, 1000),
+        ]
+    tasks.append(task("compute", 2, 200, 290))  # outside the measured iterations
+    out = link_figures(tasks, [0, 1], (10.0, 190.0), 500_000_000, 50.0, 1000, 5000.0)
+    assert out["h2d_bytes_per_iteration"] == 1_000_000_000 and out["d2h_bytes_per_iteration"] == 1000
+    assert out["h2d_gbps_achieved"] == 25.0  # 1 GB over the 40 ms some upload moved
+    assert out["link_busy"] == pytest.approx((30 + 40) / 180, abs=1e-4)  # clipped to the window
+    assert out["compute_fraction"] == pytest.approx(160 / 180, abs=1e-4)
+    assert out["param_passes_per_iteration"] == 1.0
+    assert out["link_bound_step_s"] == 0.02 and out["link_bound_tokens_per_s"] == 50000.0
+    assert out["of_link_bound"] == 0.1

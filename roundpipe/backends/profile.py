@@ -18,9 +18,10 @@ What is measured and how:
   allocated (this sees a ``loss_fn``'s transients); and above what was allocated before the
   backward (less the parameter gradients). On CPU there is no allocator to ask: the working sets are reported as 0;
 - times: wall clock around each phase (CUDA synchronised), the forward without grad and the
-  backward without recompute, as `roundpipe.plan.LayerCosts` expects. One untimed forward per layer
-  (and one tiny backward) runs first, so one-time initialisation (cuBLAS handles, workspaces,
-  autograd's threads) is neither timed nor counted.
+  backward without recompute, as `roundpipe.plan.LayerCosts` expects. One untimed forward and
+  backward runs first for each kind of layer (class, parameter shapes, input sizes: a model's
+  decoder layers are one kind), so one-time initialisation (cuBLAS handles, workspaces, compiled
+  graphs, autograd's threads) is neither timed nor counted.
 
 It must never keep a device copy after it returns, change the user's parameters, or schedule work.
 """
@@ -224,8 +225,10 @@ def _measure_layer(
     dtype: torch.dtype | None,
     loss: Callable[[Any], Any] | None,
     prepare: Prepare | None = None,
+    warmed: set[tuple[Any, ...]] | None = None,
 ) -> tuple[LayerMeasurement, Any]:
-    """Measure one layer on input ``x``; returns the measurement and the layer's output (no grad)."""
+    """Measure one layer on input ``x``; returns the measurement and the layer's output (no grad).
+    ``warmed``: the kinds of layer already warmed up (`_layer_kind`); this one's is added."""
     replica, params = _device_copy(layer, meter.device, dtype)
     replica = prepare(replica) if prepare is not None else replica
     own = {storage_key(t) for t in [*params.values(), *replica.buffers()]}
@@ -233,7 +236,11 @@ def _measure_layer(
     boundary, carried = activation_bytes(x)
     inputs: dict[int, int] = {}
     collect_storages(x, inputs)
-    _warm_up(call, x, index, params, loss)
+    kind = _layer_kind(layer, x, loss is not None)
+    if warmed is None or kind not in warmed:
+        _warm_up(call, x, index, params, loss)
+        if warmed is not None:
+            warmed.add(kind)
     with torch.no_grad(), meter.phase() as fwd:
         y = call(x)
     outputs: dict[int, int] = {}
@@ -279,6 +286,16 @@ def _measure_layer(
     return measurement, y
 
 
+def _layer_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
+    """What one warm-up serves: the layer's class, its parameters' names, shapes and dtypes, and
+    its input's tensor shapes. Decoder layers of one model share it, so only the first is warmed
+    up (at 262,144 tokens an 8B layer's warm-up is a full forward and backward, about 5 s)."""
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+    inputs: dict[int, int] = {}
+    collect_storages(x, inputs)
+    return (type(layer), params, tuple(sorted(inputs.values())), last)
+
+
 # --------------------------------------------------------------------- all layers
 
 
@@ -320,12 +337,13 @@ def measure_layers(
     # The first backward starts autograd's device threads (a second on CPU): not a layer's cost.
     torch.ones(1, device=device, requires_grad=True).sum().backward()
     out: list[LayerMeasurement] = []
+    warmed: set[tuple[Any, ...]] = set()
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
         try:
             with _own_rng(device):  # dropout here must not shift the user's random stream
                 measurement, x = _measure_layer(
-                    i, labels[i], layer, x, meter, dtype, tail if last else None, prepare
+                    i, labels[i], layer, x, meter, dtype, tail if last else None, prepare, warmed
                 )
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(

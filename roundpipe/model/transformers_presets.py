@@ -43,6 +43,7 @@ from roundpipe.model.attention_masks import (
     rotary_tables,
     transformers_masks,
 )
+from roundpipe.model.chunked_layer import chunk_long_attention_layer
 from roundpipe.model.chunked_mlp import chunk_long_sequences
 from roundpipe.model.experts import use_grouped_experts
 from roundpipe.model.loss import (
@@ -198,13 +199,16 @@ class CausalLMBlock(nn.Module):
             compiler.module(self.layer)
 
     def roundpipe_replica(self) -> None:
-        """On roundpipe's copies only: experts run as grouped matrix products (`experts`), and
-        the MLP runs long sequences a slice of tokens at a time (not an MLP that returns a
-        tuple, nor one whose router logits are caught)."""
+        """On roundpipe's copies only: experts run as grouped matrix products (`experts`), the
+        MLP runs long sequences a slice of tokens at a time (not an MLP that returns a tuple, nor
+        one whose router logits are caught), and so does everything per token in a standard
+        attention layer (`chunked_layer`)."""
         use_grouped_experts(self.layer)
         mlp = getattr(self.layer, "mlp", None)
         if isinstance(mlp, nn.Module) and not self.router_names and type(mlp).__name__ not in TUPLE_MLPS:
             chunk_long_sequences(mlp)
+        if not self.router_names:  # and the whole layer, where it has the standard attention layout
+            chunk_long_attention_layer(self.layer)
 
     def forward(self, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         result = dict(x)
@@ -260,6 +264,11 @@ class CausalLMHead(nn.Module):
         self.lm_head = lm_head
         self.chunk_tokens = chunk_tokens
         self.loss_kernel: Any = None  # the chunk kernel, when compiled (`roundpipe_compile`)
+
+    def roundpipe_replica(self) -> None:
+        """On roundpipe's copies only: the final norm runs long sequences a slice at a time (its
+        fp32 upcasts of a 262K-token row are 4 GiB each, and autograd kept them)."""
+        chunk_long_sequences(self.norm)
 
     def roundpipe_compile(self, compiler: Any) -> None:
         """The loss's per-chunk elementwise pass, fused (chunk lengths vary: dynamic shapes)."""

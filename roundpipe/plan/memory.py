@@ -247,6 +247,14 @@ class MemoryPrediction:
         return head | {"slots": [s.to_dict() for s in self.slots]}
 
 
+def in_flight_microbatches(num_microbatches: int, act_in_flight: int = 2) -> int:
+    """How many microbatches' boundary activations `predict_peak` counts in flight: ``act_in_flight``
+    (one arriving, one leaving), but never more than the iteration has. With one microbatch only
+    its own edges exist (the next stage's input uploaded ahead, the gradient from above): counting a
+    second pair put 4 GiB on a 262,144-token run of an 8B shape that it never holds."""
+    return max(1, min(act_in_flight, num_microbatches))
+
+
 def _in_flight(mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight: int) -> int:
     """Boundary activations besides the computing microbatch's: ``act_in_flight`` microbatches'
     stage inputs and outputs (for a backward stage the output is the gradient from above, at most

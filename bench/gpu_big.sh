@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The big-model and long-context GPU benchmarks (bench/gpu_throughput.py workloads E, E-nf4, F, G,
+# G-nf4, D, D16, D2), for one device call of at most 9 minutes each.
+#
+# Why a script: device time is short and every call must give figures. Each workload runs in its
+# own process (a 32B bf16 base pins ~70 GiB of host memory, which the pinned allocator keeps until
+# the process ends), async mode only, with warm-up and measured steps sized to its expected step
+# time, and under a time limit cut from what is left of the call's deadline, so a slow workload
+# loses its own line, never the ones after it. Most important first within each group.
+#
+#   OUT=/path bash bench/gpu_big.sh 1       # F, E-nf4, E       (70B nf4; 32B nf4; 32B bf16)
+#   OUT=/path bash bench/gpu_big.sh 2       # G                 (8B, one 262,144-token sequence)
+#   OUT=/path bash bench/gpu_big.sh 3       # D, D2, D16        (30B-A3B; GPT-OSS-20B; 30B-A3B x 16)
+#   OUT=/path bash bench/gpu_big.sh 4       # G-nf4 at 131,072 tokens, then at 262,144
+#   OUT=/path bash bench/gpu_big.sh F D     # named workloads, default settings
+#
+# Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
+# per workload. DEADLINE_S (default 530) bounds the whole call.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DEVICES=${DEVICES:-cuda:0}  # DEVICES=cpu:1 bash bench/gpu_big.sh tiny: the script's own smoke run
+START=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-530}
+
+# name -> "limit_s|least_s|gpu_throughput.py arguments": a workload runs for at most limit_s and
+# only when least_s are left. Expected wall times (H200): imports, build, profile, compile, steps;
+# step times from E bf16 ~3K tok/s and F ~1.4K tok/s at 16K tokens per step, D from
+# bench/moe_link.py (2.2 s/step at 4 x 4096, 4.5 s at 16 x 4096), G from flash attention's FLOPs
+# (about 1.4 s per layer forward at 262,144 tokens: ~3 min a step, and as much for the profile).
+declare -A JOB=(
+  [F]="330|200|--workload F --warmup 2 --steps 2"             # ~3 min: 12 s/step, build ~1 min
+  [E-nf4]="200|120|--workload E-nf4 --warmup 2 --steps 3"     # ~2.5 min
+  [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; pins ~70 GiB of host
+  [G]="520|420|--workload G --warmup 0 --steps 1"             # ~6-7 min at 262,144 tokens
+  [G-nf4]="520|420|--workload G-nf4 --warmup 0 --steps 1"
+  [G131]="300|200|--workload G --seq 131072 --warmup 1 --steps 1"      # ~3 min
+  [G131-nf4]="300|200|--workload G-nf4 --seq 131072 --warmup 1 --steps 1"
+  [D]="170|100|--workload D --warmup 2 --steps 3"             # ~1.5-2 min
+  [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
+  [D2]="170|100|--workload D2 --warmup 2 --steps 3"           # ~1.5-2 min (eager attention)
+)
+case "${1:-1}" in
+  1) NAMES=(F E-nf4 E) ;;
+  2) NAMES=(G) ;;
+  3) NAMES=(D D2 D16) ;;
+  4) NAMES=(G131-nf4 G-nf4) ;;
+  *) NAMES=("$@") ;;
+esac
+
+summary() {  # the figures a reader looks for first, from the workload's JSON line
+  python - "$1" <<'PY'
+import json, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith("{")]
+if not lines:
+    print("   no result line"); sys.exit()
+d = json.loads(lines[-1]); r = d["roundpipe"]
+if "error" in r:
+    print("   ERROR", r["error"][:300]); sys.exit()
+keys = ["tokens_per_s", "peak_gib", "predicted_peak_gib", "host_rss_gib", "h2d_bytes_per_iteration",
+        "h2d_gbps_achieved", "h2d_gbps_probe", "link_busy", "compute_fraction", "bubble",
+        "exposed_transfer", "host_bound", "link_bound_tokens_per_s", "of_link_bound", "slots", "build_s"]
+print("  ", json.dumps({k: r.get(k) for k in keys}))
+PY
+}
+
+for name in "${NAMES[@]}"; do
+  spec=${JOB[$name]:-"300|60|--workload $name --warmup 2 --steps 2"}
+  IFS='|' read -r limit least args <<<"$spec"
+  left=$((DEADLINE_S - ($(date +%s) - START)))
+  if ((left < least)); then
+    echo "== $name skipped: ${left}s left of the call's ${DEADLINE_S}s, it needs about ${least}s"
+    continue
+  fi
+  ((limit > left)) && limit=$left
+  echo "== $name: $args (limit ${limit}s, $(date +%T))"
+  # shellcheck disable=SC2086  # the arguments are words
+  timeout --kill-after=15 "$limit" python bench/gpu_throughput.py --devices "$DEVICES" --async \
+    --out "$OUT/big.jsonl" $args >"$OUT/$name.log" 2>&1
+  echo "   exit $? after $(($(date +%s) - START))s of the call"
+  summary "$OUT/$name.log"
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/   /'

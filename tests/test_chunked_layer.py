@@ -1,0 +1,204 @@
+"""A whole attention decoder layer sliced over long sequences: the same numbers, memory linear in
+tokens with a bounded workspace, users untouched."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from roundpipe.model import chunked_layer, chunked_mlp
+from roundpipe.model.chunked_layer import chunk_long_attention_layer
+from tests.test_transformers_parity import assert_same_weights, pipe_loop, reference_loop, token_data
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def small_slices(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Slices of 8 tokens from 16 tokens per row on (the MLP's too); records each checkpointed call."""
+    for module in (chunked_layer, chunked_mlp):
+        monkeypatch.setattr(module, "CHUNK_TOKENS", 8)
+        monkeypatch.setattr(module, "MIN_TOKENS", 16)
+    calls: list[int] = []
+    real = chunked_layer.checkpoint
+
+    def spy(fn: Any, first: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        calls.append(first.shape[-2])
+        return real(fn, first, *rest, **kwargs)
+
+    monkeypatch.setattr(chunked_layer, "checkpoint", spy)
+    return calls
+
+
+def _causal_lm(family: str, hidden: int = 64, intermediate: int = 96, lora: bool = True) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
+    config = config_class(
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    if not lora:
+        return model
+    lora_config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "o_proj"]
+    )
+    model = get_peft_model(model, lora_config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # non-zero adapters, so their gradients reach A
+                p.normal_(0.0, 0.1)
+    return model.get_base_model()
+
+
+def _layer_run(layer: torch.nn.Module, rotary: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Any:
+    x = x.detach().clone().requires_grad_()
+    cos, sin = rotary(x, torch.arange(x.shape[1])[None])
+    out = layer(x, attention_mask=None, position_embeddings=(cos, sin))
+    out.backward(grad)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sliced_layer_equals_the_original(small_slices: list[int], family: str) -> None:
+    model = _causal_lm(family)
+    layer = model.model.layers[0]
+    chunked = copy.deepcopy(layer)
+    assert chunk_long_attention_layer(chunked)
+    assert chunked.state_dict().keys() == layer.state_dict().keys()
+    torch.manual_seed(1)
+    x = torch.randn(2, 20, 64, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    want = _layer_run(layer, model.model.rotary_emb, x, grad)
+    got = _layer_run(chunked, model.model.rotary_emb, x, grad)
+    assert small_slices == [8, 8, 4] * 2  # parts A and C, each over 8 + 8 + 4 tokens
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)
+    assert got[2].keys() == want[2].keys() and any("lora_A" in n for n in got[2])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-10, atol=1e-12)
+    short = x[:, :10]  # 10 tokens per row: the original forward, nothing sliced
+    cos, sin = model.model.rotary_emb(short, torch.arange(10)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            chunked(short, position_embeddings=(cos, sin)), layer(short, position_embeddings=(cos, sin))
+        )
+    assert len(small_slices) == 6
+
+
+def test_layers_it_cannot_reproduce_are_left_alone() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    eager = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert not chunk_long_attention_layer(eager.model.layers[0])  # eager attention builds an n x n mask
+    assert type(eager.model.layers[0]).__name__ == "LlamaDecoderLayer"
+    assert not chunk_long_attention_layer(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_training_through_sliced_replicas_equals_the_plain_loop(
+    small_slices: list[int], compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also with the layers compiled (dynamo's capture, its "eager" backend): the slicing is a
+    graph break for long inputs only."""
+    from roundpipe.backends import compiling
+    from tests.test_transformers_parity import tiny_llama
+
+    torch._dynamo.reset()
+    monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    data = token_data(2, batch=4, seq=24)  # 24 tokens per row: sliced 8 + 8 + 8
+    expected = reference_loop(reference, data)
+    losses = pipe_loop(model, data, compile=compiled)
+    assert small_slices, "the replicas did not slice"
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert_same_weights(model, reference)
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in model.model.layers)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created under this mode and alive, and their peak: the CPU's
+    stand-in for the CUDA allocator's ``memory_allocated`` / ``max_memory_allocated``. Storages of
+    ``existing`` tensors (inputs, parameters) are not counted when a view of them appears."""
+
+    def __init__(self, existing: Any = ()) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.known = {t.untyped_storage().data_ptr() for t in existing}
+        self.now = 0
+        self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and key not in self.known:
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+
+def layer_peak_bytes(layer: torch.nn.Module, rotary: torch.nn.Module, tokens: int, hidden: int) -> int:
+    """Peak bytes a layer's forward with grad and backward allocate on one row of ``tokens``
+    (beyond its input and the output's gradient): what the profile's working sets measure."""
+    torch.manual_seed(2)
+    x = torch.randn(1, tokens, hidden, dtype=torch.float32, requires_grad=True)
+    grad = torch.randn(1, tokens, hidden)
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.arange(tokens)[None])
+    with LiveBytes([x, grad, cos, sin, *layer.parameters()]) as live:
+        layer(x, attention_mask=None, position_embeddings=(cos, sin)).backward(grad)
+    return live.peak
+
+
+def test_layer_memory_is_linear_in_tokens_with_a_bounded_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliced, a layer's peak grows by a fixed number of bytes per token (about 9 hidden-sized
+    values: input, q/k/v, attention output and their gradients) above a workspace that stays that
+    of one slice; the original layer's grows three times faster (norm upcasts, LoRA sums, rotary
+    products, the MLP's intermediates: everything per token is kept or alive at once)."""
+    for module in (chunked_layer, chunked_mlp):
+        monkeypatch.setattr(module, "CHUNK_TOKENS", 32)
+        monkeypatch.setattr(module, "MIN_TOKENS", 64)
+    hidden = 64
+    model = _causal_lm("llama", hidden=hidden, intermediate=224).float()
+    layer = model.model.layers[0]
+    chunked = copy.deepcopy(layer)
+    chunk_long_attention_layer(chunked)
+    rotary = model.model.rotary_emb
+    tokens = (512, 1024, 2048)
+    sliced = [layer_peak_bytes(chunked, rotary, n, hidden) for n in tokens]
+    plain = [layer_peak_bytes(layer, rotary, n, hidden) for n in tokens]
+    per_element = [(sliced[i + 1] - sliced[i]) / ((tokens[i + 1] - tokens[i]) * hidden * 4) for i in range(2)]
+    assert per_element[1] == pytest.approx(per_element[0], rel=0.05)  # linear
+    assert per_element[1] < 8.5  # fp32 values per hidden element
+    workspace = sliced[-1] - per_element[1] * tokens[-1] * hidden * 4
+    assert workspace < 32 * 224 * 4 * 8  # a few of one slice's MLP intermediates
+    plain_slope = (plain[-1] - plain[-2]) / ((tokens[-1] - tokens[-2]) * hidden * 4)
+    assert plain_slope > 2.5 * per_element[1]
