@@ -381,11 +381,32 @@ def export_pretrained(pipe: RoundPipe, directory: str | os.PathLike[str], tokeni
     target = check_export_target(directory)
 
     def write(tmp: Path) -> None:
-        save(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+        from roundpipe.quiet import quiet_libraries
+
+        with quiet_libraries():  # no "Writing model shards" bar in the middle of roundpipe's output
+            save(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+        _absolute_base_path(tmp / ADAPTER_CONFIG)
 
     return _write_directory(target, write)
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: names the base model the adapters load onto
+
+
+def _absolute_base_path(path: Path) -> None:
+    """Make the base model an adapter export names loadable from any directory: peft records the
+    path as it was typed (``tiny-model``), which from elsewhere reads as a Hub name. A relative
+    path that exists here becomes absolute; a Hub name or an absolute path stays as it is."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base or Path(base).is_absolute() or not Path(base).exists():
+        return
+    config["base_model_name_or_path"] = str(Path(base).resolve())
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 __all__ = [

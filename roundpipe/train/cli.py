@@ -67,7 +67,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         int,
         "sequences per step, all processes together under torchrun (default 16)",
     ),
-    ("--seq-len", "seq_len", int, "tokens per sequence (default 64)"),
+    (
+        "--seq-len",
+        "seq_len",
+        int,
+        "tokens per sequence (default: from the data and the model: 64 for a text file; for "
+        "records, the longest example, within the model's max_position_embeddings)",
+    ),
     ("--steps", "steps", int, "optimizer steps in total, resumed ones included (default 200)"),
     ("--lr", "lr", float, "peak AdamW learning rate (default 1.5e-3)"),
     ("--warmup-steps", "warmup_steps", int, "linear warmup steps, then cosine decay (default 20)"),

@@ -33,6 +33,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.Pa
     ``save_pretrained`` layout: the full model, or the adapters of a LoRA run); returns it."""
     from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta
     from roundpipe.pipe import RoundPipe
+    from roundpipe.quiet import quiet_libraries
     from roundpipe.train.config import make_config
     from roundpipe.train.model import build_model, build_tokenizer
 
@@ -48,7 +49,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.Pa
     options = {**saved, "resume": None, "export": None, "overwrite": False, "devices": EXPORT_DEVICES}
     config = make_config(options, source=f"{checkpoint}/meta.json")
     tokenizer = build_tokenizer(config)
-    model = build_model(config, tokenizer)
+    with quiet_libraries():
+        model = build_model(config, tokenizer)
     run = config.run_config().model_copy(update={"replan": False})
     with RoundPipe(model, config=run) as pipe:
         load_checkpoint(pipe, checkpoint, restore_rng=False)

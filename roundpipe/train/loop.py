@@ -31,10 +31,12 @@ from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkp
 from roundpipe.errors import ConfigError, RoundPipeError
 from roundpipe.faults import fault_point
 from roundpipe.pipe import PendingLoss, RoundPipe
+from roundpipe.quiet import quiet_libraries
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
-from roundpipe.train.data import TrainData, data_path, prepare_data
+from roundpipe.train.data import TrainData, data_path, existing_file, prepare_data
 from roundpipe.train.model import build_model, build_tokenizer
+from roundpipe.train.preflight import check_model
 from roundpipe.train.progress import NON_FINITE_PREFIX, NoMetrics, Progress, open_metrics
 from roundpipe.train.ranks import RankNotes, Ranks, make_ranks
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
@@ -89,20 +91,25 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
 
 
 def _prepare(config: TrainConfig, ranks: Ranks) -> RunInputs:
-    """Everything checked before the model is built: options, data, checkpoint, outputs."""
+    """Everything checked before the model is built, cheapest first, so that a mistyped option is
+    reported before the data is read: options, model, files, checkpoint, outputs, then the data."""
     tensorboard = check_report_to(config.report_to)
-    tokenizer = build_tokenizer(config)
-    inputs = RunInputs(prepare_data(config, tokenizer), tokenizer, tensorboard)
-    inputs.resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
-    resume_step = int(inputs.resume_meta["data_step"]) if inputs.resume_meta is not None else None
+    facts = check_model(config)
+    data_path(config)  # a missing --data file, before any tokenizing
+    if config.eval_data is not None:
+        existing_file(config.eval_data, "--eval-data")
+    resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
+    resume_step = int(resume_meta["data_step"]) if resume_meta is not None else None
     if resume_step is not None and resume_step >= config.steps:
         raise ConfigError(
             f"the checkpoint {config.resume} is at step {resume_step} and --steps is {config.steps}: "
             "nothing to do; pass a larger --steps to train further, or export it with "
             f"'roundpipe export {config.resume} DIR'"
         )
-    if ranks.writer:
-        inputs.place = plan_outputs(config, resume_step)
+    place = plan_outputs(config, resume_step) if ranks.writer else None
+    tokenizer = build_tokenizer(config)
+    inputs = RunInputs(prepare_data(config, tokenizer, facts.max_positions), tokenizer, tensorboard)
+    inputs.resume_meta, inputs.place = resume_meta, place
     return inputs
 
 
@@ -114,9 +121,11 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
         error = exc
     ranks.check_setup(error, config)  # every process raises, or none does
     out_dir = Path(ranks.from_writer(str(inputs.place.out_dir) if inputs.place else None))
-    # The resolved name is saved, so resuming this run's checkpoint writes into its directory.
-    config = config.model_copy(update={"name": out_dir.name})
-    model = build_model(config, inputs.tokenizer)
+    # The resolved name and length are saved, so a resume writes into this run's directory and
+    # cuts the data as this run did.
+    config = config.model_copy(update={"name": out_dir.name, "seq_len": inputs.data.seq_len})
+    with quiet_libraries():  # roundpipe's progress display is the only one
+        model = build_model(config, inputs.tokenizer)
     ranks.barrier()  # built everywhere: building the pipe is a collective timed by --dist-timeout
     pipe = RoundPipe(
         model,
