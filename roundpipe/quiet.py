@@ -73,9 +73,14 @@ def quiet_libraries() -> Iterator[None]:
         levels = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
         for name in LIBRARY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
-        stack.callback(lambda: [logging.getLogger(n).setLevel(v) for n, v in levels.items()])
+        stack.callback(_restore_levels, levels)
         stack.enter_context(_bars_off())
         yield
+
+
+def _restore_levels(levels: dict[str, int]) -> None:
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @contextmanager
