@@ -66,7 +66,7 @@ def readme_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproce
     command = [
         sys.executable, "-m", "roundpipe.cli", "train", "--model", "tiny-model", "--data", "chats.jsonl",
         "--lora-r", "4", "--packing", "--eval-split", "0.1", "--eval-every", "2", "--export", "out/model",
-        "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--devices", "cpu:1", "--name", "r",
+        "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--devices", "cpu:1", "--name", "r", "--json",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "COLUMNS": "100"}
     done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
@@ -81,8 +81,27 @@ def test_readme_command_chooses_the_length_from_the_data(
     meta = json.loads((work / "runs" / "r" / "checkpoint" / "meta.json").read_text())
     seq_len = meta["extra"]["train_config"]["seq_len"]
     assert seq_len is not None and seq_len > 64  # saved resolved: a resume cuts the data the same way
-    assert f"--seq-len {seq_len}, chosen from the data" in done.stdout
-    assert "the model takes 512" in done.stdout
+    assert f"--seq-len {seq_len}, chosen from the data" in done.stderr
+    assert "the model takes 512" in done.stderr
+    assert "2 steps of 4 rows: " in done.stderr and " epochs" in done.stderr
+
+
+def test_tokens_per_s_counts_real_tokens(readme_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    """Packed rows are partly padding: the rate counts the examples' tokens, and the fill says
+    how much of each row they take."""
+    work, done = readme_run
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (work / "runs" / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "fill" in r]
+    assert len(steps) == 2 and all(0 < r["fill"] < 1 for r in steps)
+    assert summary["fill"] == pytest.approx(sum(r["fill"] for r in steps) / 2)
+    seq_len = json.loads((work / "runs" / "r" / "checkpoint" / "meta.json").read_text())["extra"][
+        "train_config"
+    ]["seq_len"]
+    real = summary["fill"] * 2 * 4 * seq_len
+    assert summary["tokens_per_s"] * summary["elapsed_s"] == pytest.approx(real, rel=1e-6)
+    assert "rows filled" in done.stderr
 
 
 def test_no_other_library_prints_into_the_run(

@@ -8,7 +8,7 @@ batches an uninterrupted one would have seen. Nothing here builds a model or tou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ class TrainData:
     notes: list[str] = field(default_factory=list)
     seq_len: int = TEXT_SEQ_LEN  # the run's tokens per row (chosen here when not given)
     epoch_rows: int | None = None  # rows per pass over the training examples (None: a text stream)
+    # (step) -> tokens of the step's batch that are not padding; None: every slot is a token.
+    real_tokens: Callable[[int], int] | None = None
 
     def batches(self, start_step: int) -> Iterator[dict[str, torch.Tensor]]:
         step = start_step
@@ -121,7 +123,19 @@ def stream_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
     def batch(step: int) -> dict[str, torch.Tensor]:
         return batch_at(tokens, step, _seq_len(config), config.batch_size, config.seed)
 
-    return TrainData(batch, eval_batches=held, seq_len=_seq_len(config))
+    windows = tokens.numel() / _seq_len(config)
+    note = f"{path}: {tokens.numel()} tokens to train on" + epochs_note(config, windows, "windows")
+    return TrainData(batch, eval_batches=held, notes=[note], seq_len=_seq_len(config))
+
+
+def epochs_note(config: TrainConfig, rows: float, what: str) -> str:
+    """`` (R rows of L); S steps of B rows: E epochs``, for the data's note: how often the run
+    reads its data, which on a small dataset is many times."""
+    epochs = config.steps * config.batch_size / max(rows, 1e-9)
+    return (
+        f" ({rows:,.0f} {what} of {_seq_len(config)}); {config.steps} steps of {config.batch_size} "
+        f"rows: {epochs:,.1f} epochs"
+    )
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -211,8 +225,10 @@ def example_data(
         packing=config.packing,
     )
     trainable = sum(e.trainable for e in examples)
-    rows = f", packed into {batches.rows_per_epoch()} rows" if config.packing else ""
-    note = f"{path}: {len(examples)} examples{rows}, {trainable} tokens with loss"
+    what = "packed rows" if config.packing else "rows"
+    note = f"{path}: {len(examples)} examples, {trainable} tokens with loss" + epochs_note(
+        config, batches.rows_per_epoch(), what
+    )
     if held:
         note += f"; {len(held)} held out to evaluate"
     return TrainData(
@@ -221,6 +237,7 @@ def example_data(
         notes=[note] + ([chosen] if chosen else []),
         seq_len=seq_len,
         epoch_rows=batches.rows_per_epoch(),
+        real_tokens=batches.real_tokens,
     )
 
 

@@ -182,6 +182,7 @@ def _run(
         metrics = MetricsSink(log, out_dir, inputs.tensorboard) if log is not None else NoMetrics()
         progress = Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics, ranks)
         progress.eval_batches = inputs.data.eval_batches
+        progress.real_tokens = inputs.data.real_tokens
         interrupted = _steps_agreed(progress, inputs.data.batches(start), stop) or stop.is_set()
         if not progress.non_finite and pipe.runtime.non_finite_grad_norm is not None:
             progress.check_finite(0.0)  # the last step's norm, known only now (async optimizer)
@@ -204,7 +205,8 @@ def _run(
         start_step=start,
         steps=step,
         losses=progress.losses,
-        tokens_per_s=(step - start) * config.tokens_per_step / elapsed if elapsed > 0 else 0.0,
+        tokens_per_s=progress.tokens / elapsed if elapsed > 0 else 0.0,
+        fill=progress.fill(),
         steady_tokens_per_s=progress.steady_tokens_per_s(),
         bubble_ratio=bubble,
         host_bound=host_bound,
