@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from roundpipe.checkpoint_find import run_checkpoints, with_alternative
 from roundpipe.checkpoint_manifest import (
     ManifestMissingError,
     check_meta_fields,
@@ -270,7 +271,9 @@ def read_checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is not a directory")
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(f"{path} is not a roundpipe checkpoint: {META_FILE} is missing")
+        found = run_checkpoints(path)
+        hint = f"; it is a run directory: pass its checkpoint, {found[0][1]}" if found else ""
+        raise CheckpointError(f"{path} is not a roundpipe checkpoint: {META_FILE} is missing{hint}")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -299,6 +302,8 @@ def load_checkpoint(
         verify_checkpoint(path)
     except ManifestMissingError as exc:
         warnings.warn(f"{exc}; loading it unverified", UserWarning, stacklevel=2)
+    except CheckpointError as exc:
+        raise with_alternative(exc, path) from None
     _check_model(meta["model"], _fingerprint(pipe), path)
     from safetensors.torch import load_file
 

@@ -253,9 +253,12 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         make_config(file_values, source=args.config)  # report a bad file as the file's fault
     resume = flags.get("resume", file_values.get("resume"))
     if resume:
-        values.update(_saved_options(str(resume)))
+        resume = _checkpoint_of(str(resume))
+        values.update(_saved_options(resume))
     values.update(file_values)
     values.update(flags)
+    if resume:
+        values["resume"] = resume
     if not resume:
         restart_from = _elastic_resume(values)
         if restart_from is not None:
@@ -277,6 +280,16 @@ def _elastic_resume(values: dict[str, Any]) -> str | None:
         file=sys.stderr,
         flush=True,
     )
+    return str(checkpoint)
+
+
+def _checkpoint_of(path: str) -> str:
+    """The checkpoint ``--resume`` means: a run directory (runs/NAME) gives its newest intact one."""
+    from roundpipe.checkpoint_find import resolve_checkpoint
+
+    checkpoint, note = resolve_checkpoint(path)
+    if note:
+        print(f"roundpipe train: {note}", file=sys.stderr, flush=True)
     return str(checkpoint)
 
 
