@@ -360,7 +360,25 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(info))
     else:
         print_plan(info, source, args.devices, args.microbatches, args.mem_limit)
+    _advise(args, costs)
     return 0
+
+
+def _advise(args: argparse.Namespace, costs: LayerCosts) -> None:
+    """A microbatch count that wastes devices, said once with the better value, when the engine
+    on the fake backend shows it (on stderr: --json stays one line)."""
+    from roundpipe.settings_advice import microbatch_advice
+    from roundpipe.simulate import simulate
+
+    def ms_per_microbatch(m: int) -> float:
+        settings = argparse.Namespace(**{**vars(args), "microbatches": m})
+        plan = _partition(costs, settings)
+        result = simulate(plan, costs, args.devices, m, iterations=2, async_optimizer=args.async_optimizer)
+        return float(result.makespan_ms) / m
+
+    advice = microbatch_advice(args.microbatches, args.devices, ms_per_microbatch=ms_per_microbatch)
+    if advice:
+        print(f"note: {advice}", file=sys.stderr)
 
 
 SIMULATE_DIR = "runs/simulate"
@@ -438,6 +456,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     else:
         run_settings = {**settings, "devices": args.devices, "microbatches": args.microbatches}
         print_simulation(info, result, source, run_settings, files)
+    _advise(args, costs)
     return 0
 
 

@@ -32,6 +32,7 @@ from roundpipe.errors import ConfigError, RoundPipeError
 from roundpipe.faults import fault_point
 from roundpipe.pipe import PendingLoss, RoundPipe
 from roundpipe.quiet import quiet_libraries
+from roundpipe.settings_advice import microbatch_advice
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import TrainData, data_path, existing_file, prepare_data
@@ -157,7 +158,15 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
                 "the first step compiles the layers (torch.compile) and measures them: up to a "
                 "minute or two on a fresh machine, less once the compile cache is warm"
             )
-        for note in [*inputs.data.notes, *(inputs.place.notes if inputs.place else [])]:
+        rows = config.batch_size // ranks.world if config.batch_size % ranks.world == 0 else None
+        advice = microbatch_advice(
+            config.microbatches, pipe.num_devices, rows, ms_per_microbatch=_simulated_ms(pipe, config)
+        )
+        for note in [
+            *inputs.data.notes,
+            *(inputs.place.notes if inputs.place else []),
+            *([advice] if advice else []),
+        ]:
             reporter.note(note)
         elapsed = saved_elapsed(inputs.resume_meta)
         return _run(pipe, config, inputs, start, out_dir, reporter, ranks, elapsed)
@@ -223,6 +232,22 @@ def _run(
     )
     reporter.finish(result)
     return result
+
+
+def _simulated_ms(pipe: RoundPipe, config: TrainConfig) -> Any:
+    """Iteration time over m of the pipe's estimated costs on m microbatches, by the planner and
+    the engine on the fake backend (for `microbatch_advice`)."""
+    from roundpipe.plan.partition import partition
+    from roundpipe.simulate import simulate
+
+    def ms(m: int) -> float:
+        plan = partition(pipe.costs, pipe.num_devices, m)
+        result = simulate(
+            plan, pipe.costs, pipe.num_devices, m, iterations=2, async_optimizer=config.async_optimizer
+        )
+        return float(result.makespan_ms) / m
+
+    return ms
 
 
 def _steps_agreed(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest) -> bool:
