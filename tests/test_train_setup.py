@@ -171,7 +171,7 @@ def test_mistyped_model_is_reported_before_the_data_is_read(
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--model", "./tiny-modle", "--data", str(data)]) == 2
     err = capsys.readouterr().err
-    assert "--model './tiny-modle': no such directory or file, and not a preset" in err
+    assert "unknown model './tiny-modle' (--model): no such directory or file, and not a preset" in err
     assert "did you mean 'tiny-model'?" in err
     assert main(["train", "--model", "tiny-model", "--data", "chat.jsonl"]) == 2
     assert "--data 'chat.jsonl': no such file" in capsys.readouterr().err

@@ -124,7 +124,8 @@ def stream_data(config: TrainConfig, path: Path, tokenizer: Any) -> TrainData:
         return batch_at(tokens, step, _seq_len(config), config.batch_size, config.seed)
 
     windows = tokens.numel() / _seq_len(config)
-    note = f"{path}: {tokens.numel()} tokens to train on" + epochs_note(config, windows, "windows")
+    name = "the corpus shipped with roundpipe" if path == CORPUS_PATH else str(path)
+    note = f"{name}: {tokens.numel()} tokens to train on" + epochs_note(config, windows, "windows")
     return TrainData(batch, eval_batches=held, notes=[note], seq_len=_seq_len(config))
 
 

@@ -45,8 +45,8 @@ def check_model(config: TrainConfig) -> ModelFacts:
     if path.is_file():
         return ModelFacts(_positions(_read_json(path)))
     raise ModelError(
-        f"--model {name!r}: no such directory or file, and not a preset ({', '.join(sorted(PRESETS))})"
-        + _did_you_mean(path, sorted(PRESETS))
+        f"unknown model {name!r} (--model): no such directory or file, and not a preset "
+        f"({', '.join(sorted(PRESETS))})" + _did_you_mean(path, sorted(PRESETS))
     )
 
 
