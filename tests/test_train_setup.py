@@ -177,3 +177,25 @@ def test_mistyped_model_is_reported_before_the_data_is_read(
     assert "--data 'chat.jsonl': no such file" in capsys.readouterr().err
     assert main(["train", "--model", "tiny-model", "--data", str(data), "--resume", "nowhere"]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_the_quickstart_lora_snippet_prints_nothing_foreign(tmp_path: Path) -> None:
+    """docs/quickstart.md's LoRA lines (peft wrapping a model, saving and loading adapters): none
+    of peft's, transformers' or bitsandbytes' messages about each other reach the user."""
+    script = """
+import roundpipe
+from peft import LoraConfig, PeftModel, get_peft_model
+from roundpipe.model import build_model
+lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+model = get_peft_model(build_model("qwen3-tiny"), lora)
+model.save_pretrained("adapters")
+PeftModel.from_pretrained(build_model("qwen3-tiny"), "adapters")
+print("done")
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    for noise in NOISE:
+        assert noise not in done.stderr, done.stderr
