@@ -26,6 +26,7 @@ from pathlib import Path
 
 DOC = Path(__file__).resolve().parent / "train.md"
 BEGIN, END = "<!-- sample: roundpipe train -->", "<!-- /sample -->"
+JSON_BEGIN = "<!-- sample: roundpipe train --json -->"
 WIDTH = 80
 _BOX = re.compile(r"[━│┃┌┐└┘├┤┬┴┼─╭╮╰╯┏┓┗┛┡┩╇┳┻]+")
 _NUMBER = re.compile(r"\d[\d,.:]*%?")
@@ -46,11 +47,18 @@ def table_label(line: str) -> str | None:
     return label or None
 
 
-def sample_block(text: str) -> list[str]:
-    """The lines between the markers (without the code fence and the ``$`` line)."""
-    start, end = text.index(BEGIN), text.index(END)
-    lines = text[start + len(BEGIN) : end].strip("\n").splitlines()
+def sample_block(text: str, begin: str = BEGIN) -> list[str]:
+    """The lines between ``begin`` and the next end marker (without the code fence and the
+    ``$`` line)."""
+    start = text.index(begin) + len(begin)
+    lines = text[start : text.index(END, start)].strip("\n").splitlines()
     return [line for line in lines if not line.startswith(("```", "$ "))]
+
+
+def _replace(text: str, begin: str, body: list[str]) -> str:
+    start = text.index(begin)
+    end = text.index(END, start) + len(END)
+    return text[:start] + "\n".join([begin, *body, END]) + text[end:]
 
 
 def run(extra: list[str]) -> tuple[list[str], dict[str, object], float]:
@@ -77,12 +85,15 @@ def run(extra: list[str]) -> tuple[list[str], dict[str, object], float]:
 def main(argv: list[str]) -> int:
     lines, summary, wall = run(argv)
     command = " ".join(["roundpipe train", *argv])
-    block = "\n".join([BEGIN, "```", f"$ {command}", *lines, "```", END])
-    text = DOC.read_text(encoding="utf-8")
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    DOC.write_text(text[:start] + block + text[end:], encoding="utf-8")
+    text = _replace(DOC.read_text(encoding="utf-8"), BEGIN, ["```", f"$ {command}", *lines, "```"])
+    text = _replace(text, JSON_BEGIN, ["```json", json.dumps(summary, indent=1), "```"])
+    DOC.write_text(text, encoding="utf-8")
     keys = ("initial_loss", "final_loss", "bubble_ratio", "tokens_per_s", "steady_tokens_per_s", "elapsed_s")
-    print(json.dumps({"doc": str(DOC), "command": command, "wall_s": round(wall, 1)} | {k: summary[k] for k in keys}))
+    print(
+        json.dumps(
+            {"doc": str(DOC), "command": command, "wall_s": round(wall, 1)} | {k: summary[k] for k in keys}
+        )
+    )
     return 0
 
 
