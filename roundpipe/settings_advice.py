@@ -12,6 +12,10 @@ imports torch, never plans, and never refuses a setting.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from roundpipe.plan.costs import LayerCosts
 
 # Advice only for a gain worth a flag: the schedule's own noise is well under this.
 MIN_GAIN = 0.05
@@ -71,4 +75,20 @@ def microbatch_advice(
     )
 
 
-__all__ = ["MIN_GAIN", "microbatch_advice"]
+def simulated_ms(costs: LayerCosts, devices: int, async_optimizer: bool) -> Callable[[int], float]:
+    """``ms_per_microbatch`` for `microbatch_advice`: the partition of ``costs`` for m
+    microbatches run by the engine on the fake backend (two iterations), its makespan over m."""
+
+    def ms(m: int) -> float:
+        from roundpipe.plan.partition import partition
+        from roundpipe.simulate import simulate
+
+        result = simulate(
+            partition(costs, devices, m), costs, devices, m, iterations=2, async_optimizer=async_optimizer
+        )
+        return float(result.makespan_ms) / m
+
+    return ms
+
+
+__all__ = ["MIN_GAIN", "microbatch_advice", "simulated_ms"]

@@ -32,7 +32,7 @@ from roundpipe.errors import ConfigError, RoundPipeError
 from roundpipe.faults import fault_point
 from roundpipe.pipe import PendingLoss, RoundPipe
 from roundpipe.quiet import quiet_libraries
-from roundpipe.settings_advice import microbatch_advice
+from roundpipe.settings_advice import microbatch_advice, simulated_ms
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import TrainData, data_path, existing_file, prepare_data
@@ -159,9 +159,8 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
                 "minute or two on a fresh machine, less once the compile cache is warm"
             )
         rows = config.batch_size // ranks.world if config.batch_size % ranks.world == 0 else None
-        advice = microbatch_advice(
-            config.microbatches, pipe.num_devices, rows, ms_per_microbatch=_simulated_ms(pipe, config)
-        )
+        simulated = simulated_ms(pipe.costs, pipe.num_devices, config.async_optimizer)
+        advice = microbatch_advice(config.microbatches, pipe.num_devices, rows, ms_per_microbatch=simulated)
         for note in [
             *inputs.data.notes,
             *(inputs.place.notes if inputs.place else []),
@@ -232,22 +231,6 @@ def _run(
     )
     reporter.finish(result)
     return result
-
-
-def _simulated_ms(pipe: RoundPipe, config: TrainConfig) -> Any:
-    """Iteration time over m of the pipe's estimated costs on m microbatches, by the planner and
-    the engine on the fake backend (for `microbatch_advice`)."""
-    from roundpipe.plan.partition import partition
-    from roundpipe.simulate import simulate
-
-    def ms(m: int) -> float:
-        plan = partition(pipe.costs, pipe.num_devices, m)
-        result = simulate(
-            plan, pipe.costs, pipe.num_devices, m, iterations=2, async_optimizer=config.async_optimizer
-        )
-        return float(result.makespan_ms) / m
-
-    return ms
 
 
 def _steps_agreed(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest) -> bool:
