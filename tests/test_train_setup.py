@@ -199,3 +199,15 @@ print("done")
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
     for noise in NOISE:
         assert noise not in done.stderr, done.stderr
+
+
+def test_loading_a_model_directory_draws_no_foreign_bar(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from roundpipe.model import build_model
+
+    model_dir = chat_model_dir(tmp_path / "m", positions=64)
+    capfd.readouterr()
+    build_model(str(model_dir))
+    captured = capfd.readouterr()
+    assert "Loading weights" not in captured.err + captured.out
