@@ -29,6 +29,9 @@ from roundpipe.errors import (
     TaskFailedError,
     UsageError,
 )
+from roundpipe.quiet import install_filters as _install_filters
+
+_install_filters()  # other libraries' known, unactionable messages (roundpipe/quiet.py)
 
 if TYPE_CHECKING:
     from roundpipe.config import RunConfig

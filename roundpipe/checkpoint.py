@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from roundpipe.checkpoint_find import run_checkpoints, with_alternative
 from roundpipe.checkpoint_manifest import (
     ManifestMissingError,
     check_meta_fields,
@@ -270,7 +271,9 @@ def read_checkpoint_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is not a directory")
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(f"{path} is not a roundpipe checkpoint: {META_FILE} is missing")
+        found = run_checkpoints(path)
+        hint = f"; it is a run directory: pass its checkpoint, {found[0][1]}" if found else ""
+        raise CheckpointError(f"{path} is not a roundpipe checkpoint: {META_FILE} is missing{hint}")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -299,6 +302,8 @@ def load_checkpoint(
         verify_checkpoint(path)
     except ManifestMissingError as exc:
         warnings.warn(f"{exc}; loading it unverified", UserWarning, stacklevel=2)
+    except CheckpointError as exc:
+        raise with_alternative(exc, path) from None
     _check_model(meta["model"], _fingerprint(pipe), path)
     from safetensors.torch import load_file
 
@@ -381,11 +386,32 @@ def export_pretrained(pipe: RoundPipe, directory: str | os.PathLike[str], tokeni
     target = check_export_target(directory)
 
     def write(tmp: Path) -> None:
-        save(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+        from roundpipe.quiet import quiet_libraries
+
+        with quiet_libraries():  # no "Writing model shards" bar in the middle of roundpipe's output
+            save(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+        _absolute_base_path(tmp / ADAPTER_CONFIG)
 
     return _write_directory(target, write)
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: names the base model the adapters load onto
+
+
+def _absolute_base_path(path: Path) -> None:
+    """Make the base model an adapter export names loadable from any directory: peft records the
+    path as it was typed (``tiny-model``), which from elsewhere reads as a Hub name. A relative
+    path that exists here becomes absolute; a Hub name or an absolute path stays as it is."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base or Path(base).is_absolute() or not Path(base).exists():
+        return
+    config["base_model_name_or_path"] = str(Path(base).resolve())
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 __all__ = [

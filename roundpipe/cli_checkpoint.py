@@ -10,9 +10,12 @@ is `roundpipe.checkpoint_manifest.verify_checkpoint`, and a problem is raised as
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from roundpipe.checkpoint_manifest import verify_checkpoint
+from roundpipe.checkpoint_find import resolve_checkpoint, with_alternative
+from roundpipe.checkpoint_manifest import ManifestMissingError, verify_checkpoint
+from roundpipe.errors import CheckpointError
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -26,15 +29,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Print 'ok' (exit 0) when every file matches the manifest; otherwise one line "
         "naming the file and what is wrong (exit 2). A checkpoint without a manifest fails.",
     )
-    verify.add_argument("directory", metavar="DIR", help="the checkpoint directory")
+    verify.add_argument(
+        "directory",
+        metavar="DIR",
+        help="the checkpoint directory, or a run directory (runs/NAME: its newest intact checkpoint)",
+    )
     verify.set_defaults(run=run_verify)
     parser.set_defaults(run=run_verify)  # unreachable (a subcommand is required); cli.main wants one
     return parser
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    verify_checkpoint(args.directory)
-    print("ok")
+    checkpoint, note = resolve_checkpoint(args.directory)
+    if note:
+        print(note, file=sys.stderr)
+    try:
+        verify_checkpoint(checkpoint)
+    except ManifestMissingError:
+        raise
+    except CheckpointError as exc:
+        raise with_alternative(exc, checkpoint) from None
+    print(f"ok: {checkpoint}" if note else "ok")
     return 0
 
 

@@ -84,10 +84,14 @@ def print_plan(
     from rich.table import Table
 
     out = console()
-    table = Table(
-        title=f"plan for {source}: {info['num_layers']} layers on {devices} devices, {microbatches} microbatches",
-        title_justify="left",
+    # A line of its own, not the table's title: rich wraps a title to the table's width, which cut
+    # "16 / microbatches" apart at 80 columns.
+    out.print(
+        f"plan for {source}: {info['num_layers']} layers on {devices} devices, {microbatches} microbatches",
+        soft_wrap=True,
+        style="italic",
     )
+    table = Table()
     table.add_column("slot")
     table.add_column("kind")
     table.add_column("layers", justify="right")

@@ -220,9 +220,16 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "with --after-loss: 1 reads each loss one iteration late, as roundpipe train does "
         "(RunConfig.loss_lag; the plan is chosen for it)",
     )
-    s.add_argument("--trace", metavar="OUT.json", help="save the trace (roundpipe trace ... reads it)")
-    s.add_argument("--perfetto", metavar="OUT.json", help="write a Perfetto/Chrome trace (ui.perfetto.dev)")
-    s.add_argument("--png", metavar="OUT.png", help="draw the timeline (needs matplotlib)")
+    # Each file flag takes a path, or none: then a file under runs/simulate/ named after the run,
+    # so that an example typed in a clone leaves nothing in the working tree.
+    for flag, suffix, text in SIMULATE_FILES:
+        s.add_argument(
+            flag,
+            nargs="?",
+            const=DEFAULT_FILE,
+            metavar=f"OUT{suffix[suffix.rfind('.') :]}",
+            help=f"{text} (alone: {SIMULATE_DIR}/<example>-<N>d-<M>mb{suffix})",
+        )
     s.set_defaults(run=run_simulate)
 
 
@@ -353,7 +360,45 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(info))
     else:
         print_plan(info, source, args.devices, args.microbatches, args.mem_limit)
+    _advise(args, costs)
     return 0
+
+
+def _advise(args: argparse.Namespace, costs: LayerCosts) -> None:
+    """A microbatch count that wastes devices, said once with the better value, when the engine
+    on the fake backend shows it (on stderr: --json stays one line)."""
+    from roundpipe.settings_advice import microbatch_advice
+    from roundpipe.simulate import simulate
+
+    def ms_per_microbatch(m: int) -> float:
+        settings = argparse.Namespace(**{**vars(args), "microbatches": m})
+        plan = _partition(costs, settings)
+        result = simulate(plan, costs, args.devices, m, iterations=2, async_optimizer=args.async_optimizer)
+        return float(result.makespan_ms) / m
+
+    advice = microbatch_advice(args.microbatches, args.devices, ms_per_microbatch=ms_per_microbatch)
+    if advice:
+        print(f"note: {advice}", file=sys.stderr)
+
+
+SIMULATE_DIR = "runs/simulate"
+DEFAULT_FILE = "\0default"  # the value of a file flag given without a path
+SIMULATE_FILES = (
+    ("--trace", ".trace.json", "save the trace (roundpipe trace ... reads it)"),
+    ("--perfetto", ".perfetto.json", "write a Perfetto/Chrome trace (ui.perfetto.dev)"),
+    ("--png", ".png", "draw the timeline (needs matplotlib)"),
+)
+
+
+def _output(args: argparse.Namespace, value: str, suffix: str) -> Path:
+    """Where a simulate file goes: the path given, or one under `SIMULATE_DIR` named after the
+    model and the settings (its directory made)."""
+    if value != DEFAULT_FILE:
+        return Path(value)
+    model = Path(args.costs).stem if args.costs is not None else args.example or DEFAULT_EXAMPLE
+    path = Path(SIMULATE_DIR) / f"{model}-{args.devices}d-{args.microbatches}mb{suffix}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -390,11 +435,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     files: dict[str, str] = {}
     if args.trace:
-        files["trace"] = str(result.trace.save(args.trace))
+        files["trace"] = str(result.trace.save(_output(args, args.trace, ".trace.json")))
     if args.perfetto:
-        files["perfetto"] = str(result.trace.to_perfetto(args.perfetto))
+        files["perfetto"] = str(result.trace.to_perfetto(_output(args, args.perfetto, ".perfetto.json")))
     if args.png:
-        files["png"] = str(result.trace.plot(args.png))
+        files["png"] = str(result.trace.plot(_output(args, args.png, ".png")))
     settings = {
         "iterations": args.iterations,
         "async_optimizer": args.async_optimizer,
@@ -411,6 +456,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     else:
         run_settings = {**settings, "devices": args.devices, "microbatches": args.microbatches}
         print_simulation(info, result, source, run_settings, files)
+    _advise(args, costs)
     return 0
 
 

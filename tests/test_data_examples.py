@@ -151,7 +151,8 @@ def test_train_on_a_conversation_file(tmp_path: Path, capsys: pytest.CaptureFixt
     args += ["--export", str(tmp_path / "hf")]
     assert main(args) == 0
     out = capsys.readouterr()
-    assert f"{path}: 4 examples, packed into" in out.err and "2 held out to evaluate" in out.err
+    assert f"{path}: 4 examples, " in out.err and "packed rows of 64" in out.err
+    assert "2 held out to evaluate" in out.err
     summary = json.loads(out.out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["final_loss"] > 0
     rows = [json.loads(line) for line in (tmp_path / "chat" / "metrics.jsonl").read_text().splitlines()]

@@ -114,6 +114,10 @@ class ExampleBatches:
             epoch += 1
         return rows
 
+    def real_tokens(self, step: int) -> int:
+        """Tokens of examples in the batch of ``step``: its slots less the padding."""
+        return sum(len(example.ids) for row in self.rows_of_step(step) for example in row)
+
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         return collate(self.rows_of_step(step), self.seq_len, self.pad_id, self.packing)
 

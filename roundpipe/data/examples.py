@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ class Example:
 
     ids: list[int]
     labels: list[int]
+    # Where the record came from ("chats.jsonl:12"), for messages about it; not part of its value.
+    source: str = field(default="", compare=False, repr=False)
 
     @property
     def trainable(self) -> int:
@@ -295,14 +297,10 @@ def load_examples(
     examples = []
     for i, record in enumerate(records.rows):
         example = make(record, records.where(i))
-        if max_len is not None and len(example.ids) > max_len:
-            if not truncation:
-                raise DataError(
-                    f"{records.where(i)}: the example has {len(example.ids)} tokens, more than --seq-len "
-                    f"{max_len}; pass --truncation to cut it, or a larger --seq-len"
-                )
-            example = Example(example.ids[:max_len], example.labels[:max_len])
+        example.source = records.where(i)
         examples.append(example)
+    if max_len is not None:
+        examples = fit_length(examples, max_len, truncation)
     if not any(example.trainable for example in examples):
         raise DataError(
             f"{records.path}: no token to train on in {len(examples)} {fmt} records (every label is "
@@ -311,12 +309,33 @@ def load_examples(
     return examples
 
 
+def fit_length(
+    examples: Sequence[Example], max_len: int, truncation: bool, *, limit: str | None = None
+) -> list[Example]:
+    """``examples`` with none longer than ``max_len``: cut when ``truncation``, else an error
+    naming the first that is too long. ``limit`` says where ``max_len`` comes from (default:
+    ``--seq-len``)."""
+    limit = limit or f"--seq-len {max_len}"
+    fitted = []
+    for example in examples:
+        if len(example.ids) > max_len:
+            if not truncation:
+                raise DataError(
+                    f"{example.source or 'an example'}: the example has {len(example.ids)} tokens, more "
+                    f"than {limit}; pass --truncation to cut it, or a larger --seq-len"
+                )
+            example = Example(example.ids[:max_len], example.labels[:max_len], example.source)
+        fitted.append(example)
+    return fitted
+
+
 __all__ = [
     "FIELDS",
     "IGNORE_INDEX",
     "Example",
     "HubDataset",
     "detect_format",
+    "fit_length",
     "is_records_file",
     "load_examples",
     "load_hub_records",

@@ -129,7 +129,10 @@ def build_model(
                     f"{path} holds trained weights; vocab_size cannot be changed when loading them "
                     "(leave vocab_size=None, or pass only the config.json for a random init)"
                 )
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            from roundpipe.quiet import quiet_libraries
+
+            with quiet_libraries():  # no "Loading weights" bar in the caller's output
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
             return model
         config = _config_from_file(path / "config.json")
     else:

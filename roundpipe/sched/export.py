@@ -267,21 +267,40 @@ def _draw_bars(
         )
 
 
+# Text sizes in points: a character is about 0.6 of the font size wide; a lane row is about
+# 0.26 in (19 pt) high, so a rotated name of a few characters still fits a narrow bar.
+_NAME_FONT, _NARROW_FONT, _CHAR_WIDTH = 6.0, 5.0, 0.6
+_AXIS_POINTS = 15 * 72 * 0.93  # the figure's width less the lane labels
+
+
 def _draw_stage_names(ax: Any, computes: list[Task], row_of: dict[tuple[int, str], int], span: float) -> None:
-    # Stage names on compute bars when they are wide enough to read.
-    if 0 < len(computes) <= 600:
-        for task in computes:
-            if (task.end_t - task.start_t) / span * 15 * 72 >= 9 * max(len(task.stage), 1):
-                ax.text(
-                    (task.start_t + task.end_t) / 2,
-                    row_of[(task.device, task.lane)],
-                    task.stage,
-                    ha="center",
-                    va="center",
-                    fontsize=6,
-                    color="white" if task.stage_kind in (SlotKind.FUSED, SlotKind.BWD) else "black",
-                    clip_on=True,
-                )
+    """Stage names on compute and recompute bars (``B1``, ``B2``: which backward stage a bar is
+    matters most in a pipeline): across the bar where it is wide enough, turned upright in a
+    smaller font where it is narrow, left out only where not even that fits."""
+    if not 0 < len(computes) <= 1500:
+        return
+    for task in computes:
+        name = task.stage or ""
+        if not name:
+            continue
+        width = (task.end_t - task.start_t) / span * _AXIS_POINTS
+        across = width >= _CHAR_WIDTH * _NAME_FONT * len(name) + 2
+        upright = not across and width >= _NARROW_FONT + 1 and len(name) <= 3
+        if not (across or upright):
+            continue
+        ax.text(
+            (task.start_t + task.end_t) / 2,
+            row_of[(task.device, task.lane)],
+            name,
+            ha="center",
+            va="center",
+            fontsize=_NAME_FONT if across else _NARROW_FONT,
+            rotation=0 if across else 90,
+            color="white"
+            if task.kind == RECOMPUTE or task.stage_kind in (SlotKind.FUSED, SlotKind.BWD)
+            else "black",
+            clip_on=True,
+        )
 
 
 def _draw_legend(fig: Any, tasks: list[Task], computes: list[Task]) -> None:

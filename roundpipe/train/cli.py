@@ -67,7 +67,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         int,
         "sequences per step, all processes together under torchrun (default 16)",
     ),
-    ("--seq-len", "seq_len", int, "tokens per sequence (default 64)"),
+    (
+        "--seq-len",
+        "seq_len",
+        int,
+        "tokens per sequence (default: from the data and the model: 64 for a text file; for "
+        "records, the longest example, within the model's max_position_embeddings)",
+    ),
     ("--steps", "steps", int, "optimizer steps in total, resumed ones included (default 200)"),
     ("--lr", "lr", float, "peak AdamW learning rate (default 1.5e-3)"),
     ("--warmup-steps", "warmup_steps", int, "linear warmup steps, then cosine decay (default 20)"),
@@ -253,9 +259,12 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         make_config(file_values, source=args.config)  # report a bad file as the file's fault
     resume = flags.get("resume", file_values.get("resume"))
     if resume:
-        values.update(_saved_options(str(resume)))
+        resume = _checkpoint_of(str(resume))
+        values.update(_saved_options(resume))
     values.update(file_values)
     values.update(flags)
+    if resume:
+        values["resume"] = resume
     if not resume:
         restart_from = _elastic_resume(values)
         if restart_from is not None:
@@ -277,6 +286,16 @@ def _elastic_resume(values: dict[str, Any]) -> str | None:
         file=sys.stderr,
         flush=True,
     )
+    return str(checkpoint)
+
+
+def _checkpoint_of(path: str) -> str:
+    """The checkpoint ``--resume`` means: a run directory (runs/NAME) gives its newest intact one."""
+    from roundpipe.checkpoint_find import resolve_checkpoint
+
+    checkpoint, note = resolve_checkpoint(path)
+    if note:
+        print(f"roundpipe train: {note}", file=sys.stderr, flush=True)
     return str(checkpoint)
 
 

@@ -85,7 +85,12 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(
         default=16, ge=1, description="sequences per step (the global batch under torchrun)"
     )
-    seq_len: int = Field(default=64, ge=2, description="tokens per sequence")
+    seq_len: int | None = Field(
+        default=None,
+        ge=2,
+        description="tokens per sequence; None = chosen from the data and the model when the run "
+        "starts (64 for a text stream; for records, their longest, within the model's positions)",
+    )
     steps: int = Field(default=200, ge=1, description="optimizer steps (in total, counting resumed ones)")
     lr: float = Field(default=1.5e-3, gt=0, description="peak learning rate of AdamW")
     warmup_steps: int = Field(default=20, ge=0, description="linear warmup steps before the cosine decay")
@@ -251,6 +256,9 @@ class TrainConfig(BaseModel):
 
     @property
     def tokens_per_step(self) -> int:
+        """Token slots per step, padding included (the run's seq_len must be chosen by then)."""
+        if self.seq_len is None:
+            raise ConfigError("seq_len is chosen from the data when the run starts; set it first")
         return self.batch_size * self.seq_len
 
 

@@ -32,10 +32,13 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.Pa
     """Export the model of a ``roundpipe train`` checkpoint into ``directory`` (the
     ``save_pretrained`` layout: the full model, or the adapters of a LoRA run); returns it."""
     from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta
+    from roundpipe.checkpoint_find import resolve_checkpoint
     from roundpipe.pipe import RoundPipe
+    from roundpipe.quiet import quiet_libraries
     from roundpipe.train.config import make_config
     from roundpipe.train.model import build_model, build_tokenizer
 
+    checkpoint, _ = resolve_checkpoint(checkpoint)
     meta = read_checkpoint_meta(checkpoint)
     saved = meta.get("extra", {}).get("train_config")
     if not isinstance(saved, dict):
@@ -48,7 +51,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.Pa
     options = {**saved, "resume": None, "export": None, "overwrite": False, "devices": EXPORT_DEVICES}
     config = make_config(options, source=f"{checkpoint}/meta.json")
     tokenizer = build_tokenizer(config)
-    model = build_model(config, tokenizer)
+    with quiet_libraries():
+        model = build_model(config, tokenizer)
     run = config.run_config().model_copy(update={"replan": False})
     with RoundPipe(model, config=run) as pipe:
         load_checkpoint(pipe, checkpoint, restore_rng=False)
@@ -67,7 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (runs/NAME/checkpoint)"
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a checkpoint directory (runs/NAME/checkpoint), or a run directory (its newest intact checkpoint)",
     )
     parser.add_argument("directory", metavar="DIR", help="where to write the model")
     return parser

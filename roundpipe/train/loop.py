@@ -31,10 +31,13 @@ from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkp
 from roundpipe.errors import ConfigError, RoundPipeError
 from roundpipe.faults import fault_point
 from roundpipe.pipe import PendingLoss, RoundPipe
+from roundpipe.quiet import quiet_libraries
+from roundpipe.settings_advice import microbatch_advice, simulated_ms
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
-from roundpipe.train.data import TrainData, data_path, prepare_data
+from roundpipe.train.data import TrainData, data_path, existing_file, prepare_data
 from roundpipe.train.model import build_model, build_tokenizer
+from roundpipe.train.preflight import check_model
 from roundpipe.train.progress import NON_FINITE_PREFIX, NoMetrics, Progress, open_metrics
 from roundpipe.train.ranks import RankNotes, Ranks, make_ranks
 from roundpipe.train.result import NullReporter, Reporter, TrainResult
@@ -89,20 +92,25 @@ def train(config: TrainConfig, *, reporter: Reporter | None = None) -> TrainResu
 
 
 def _prepare(config: TrainConfig, ranks: Ranks) -> RunInputs:
-    """Everything checked before the model is built: options, data, checkpoint, outputs."""
+    """Everything checked before the model is built, cheapest first, so that a mistyped option is
+    reported before the data is read: options, model, files, checkpoint, outputs, then the data."""
     tensorboard = check_report_to(config.report_to)
-    tokenizer = build_tokenizer(config)
-    inputs = RunInputs(prepare_data(config, tokenizer), tokenizer, tensorboard)
-    inputs.resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
-    resume_step = int(inputs.resume_meta["data_step"]) if inputs.resume_meta is not None else None
+    facts = check_model(config)
+    data_path(config)  # a missing --data file, before any tokenizing
+    if config.eval_data is not None:
+        existing_file(config.eval_data, "--eval-data")
+    resume_meta = read_checkpoint_meta(config.resume) if config.resume else None
+    resume_step = int(resume_meta["data_step"]) if resume_meta is not None else None
     if resume_step is not None and resume_step >= config.steps:
         raise ConfigError(
             f"the checkpoint {config.resume} is at step {resume_step} and --steps is {config.steps}: "
             "nothing to do; pass a larger --steps to train further, or export it with "
             f"'roundpipe export {config.resume} DIR'"
         )
-    if ranks.writer:
-        inputs.place = plan_outputs(config, resume_step)
+    place = plan_outputs(config, resume_step) if ranks.writer else None
+    tokenizer = build_tokenizer(config)
+    inputs = RunInputs(prepare_data(config, tokenizer, facts.max_positions), tokenizer, tensorboard)
+    inputs.resume_meta, inputs.place = resume_meta, place
     return inputs
 
 
@@ -114,9 +122,11 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
         error = exc
     ranks.check_setup(error, config)  # every process raises, or none does
     out_dir = Path(ranks.from_writer(str(inputs.place.out_dir) if inputs.place else None))
-    # The resolved name is saved, so resuming this run's checkpoint writes into its directory.
-    config = config.model_copy(update={"name": out_dir.name})
-    model = build_model(config, inputs.tokenizer, reporter)
+    # The resolved name and length are saved, so a resume writes into this run's directory and
+    # cuts the data as this run did.
+    config = config.model_copy(update={"name": out_dir.name, "seq_len": inputs.data.seq_len})
+    with quiet_libraries():  # roundpipe's progress display is the only one
+        model = build_model(config, inputs.tokenizer, reporter)
     ranks.barrier()  # built everywhere: building the pipe is a collective timed by --dist-timeout
     pipe = RoundPipe(
         model,
@@ -148,7 +158,14 @@ def _train(config: TrainConfig, reporter: Reporter, ranks: Ranks) -> TrainResult
                 "the first step compiles the layers (torch.compile) and measures them: up to a "
                 "minute or two on a fresh machine, less once the compile cache is warm"
             )
-        for note in [*inputs.data.notes, *(inputs.place.notes if inputs.place else [])]:
+        rows = config.batch_size // ranks.world if config.batch_size % ranks.world == 0 else None
+        simulated = simulated_ms(pipe.costs, pipe.num_devices, config.async_optimizer)
+        advice = microbatch_advice(config.microbatches, pipe.num_devices, rows, ms_per_microbatch=simulated)
+        for note in [
+            *inputs.data.notes,
+            *(inputs.place.notes if inputs.place else []),
+            *([advice] if advice else []),
+        ]:
             reporter.note(note)
         elapsed = saved_elapsed(inputs.resume_meta)
         return _run(pipe, config, inputs, start, out_dir, reporter, ranks, elapsed)
@@ -173,6 +190,7 @@ def _run(
         metrics = MetricsSink(log, out_dir, inputs.tensorboard) if log is not None else NoMetrics()
         progress = Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics, ranks)
         progress.eval_batches = inputs.data.eval_batches
+        progress.real_tokens = inputs.data.real_tokens
         interrupted = _steps_agreed(progress, inputs.data.batches(start), stop) or stop.is_set()
         if not progress.non_finite and pipe.runtime.non_finite_grad_norm is not None:
             progress.check_finite(0.0)  # the last step's norm, known only now (async optimizer)
@@ -195,7 +213,8 @@ def _run(
         start_step=start,
         steps=step,
         losses=progress.losses,
-        tokens_per_s=(step - start) * config.tokens_per_step / elapsed if elapsed > 0 else 0.0,
+        tokens_per_s=progress.tokens / elapsed if elapsed > 0 else 0.0,
+        fill=progress.fill(),
         steady_tokens_per_s=progress.steady_tokens_per_s(),
         bubble_ratio=bubble,
         host_bound=host_bound,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -77,6 +78,11 @@ class Progress:
         self.ranks = ranks
         self.non_finite: str | None = None  # why it stopped, once loss or weights are not finite
         self.eval_batches: list[Any] = []
+        # (step) -> the real (not padding) tokens of that step's batch; None: all slots are real.
+        self.real_tokens: Callable[[int], int] | None = None
+        self.tokens = 0  # real tokens of this call's logged steps
+        self.slots = 0  # token slots (padding included) of the same steps
+        self.first_tokens = 0  # real tokens of this call's first logged step
         self.evaluated_at: int | None = None
         self.last_eval: dict[str, Any] | None = None
 
@@ -115,16 +121,22 @@ class Progress:
         """One line of metrics.jsonl (and one report) for the step ``done`` just completed; the
         tokens are the global batch's, so under torchrun rank 0 reports every process's."""
         now = time.perf_counter()
+        slots = self.config.tokens_per_step
+        tokens = slots if self.real_tokens is None else self.real_tokens(done - 1)
+        self.tokens += tokens
+        self.slots += slots
         record = {
             "step": done,
             "loss": loss,
-            "tokens_per_s": self.config.tokens_per_step / max(now - self.last, 1e-9),
+            "tokens_per_s": tokens / max(now - self.last, 1e-9),  # real tokens, padding left out
             "lr": self.config.lr * lr_factor(self.config, done - 1),
             "elapsed": self.elapsed_offset + now - self.t0,
         }
+        if self.real_tokens is not None:  # rows of examples: how full this step's rows were
+            record["fill"] = tokens / slots
         self.last = now
         if self.first_logged is None:
-            self.first_logged = now
+            self.first_logged, self.first_tokens = now, tokens
         self.losses.append(loss)
         self.metrics.write(record)
         self.reporter.step(record)
@@ -136,7 +148,11 @@ class Progress:
         if self.first_logged is None or len(self.losses) < 2:
             return None
         seconds = self.last - self.first_logged
-        return (len(self.losses) - 1) * self.config.tokens_per_step / seconds if seconds > 0 else None
+        return (self.tokens - self.first_tokens) / seconds if seconds > 0 else None
+
+    def fill(self) -> float | None:
+        """Real tokens over token slots of the logged steps (None before any step)."""
+        return self.tokens / self.slots if self.slots else None
 
     def evaluate(self) -> None:
         """Evaluate on the eval set (if any) at the current step; one line of metrics.jsonl.

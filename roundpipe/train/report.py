@@ -122,7 +122,9 @@ class RichReporter:
         rate = f"{result.tokens_per_s:,.0f}"
         if result.steady_tokens_per_s is not None:
             rate = f"{result.steady_tokens_per_s:,.0f} after the first step ({rate} over the whole run)"
-        table.add_row("tokens/s", rate)
+        table.add_row("tokens/s", rate + ", padding left out" if _padded(result) else rate)
+        if _padded(result):
+            table.add_row("rows filled", f"{result.fill:.0%} of the token slots hold real tokens")
         table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
         if result.fresh_layers:
             table.add_row("fresh layers", ", ".join(map(str, result.fresh_layers)) + " (staleness 0)")
@@ -145,6 +147,10 @@ class RichReporter:
         self.console.print(table)
         for note in result.notes:
             self.note(note)
+
+
+def _padded(result: TrainResult) -> bool:
+    return result.fill is not None and result.fill < 1.0
 
 
 __all__ = ["RichReporter"]

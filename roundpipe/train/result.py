@@ -46,6 +46,9 @@ class TrainResult:
     # Layers that read the newest weights (`RoundPipe.fresh_units`): which ones depends on the
     # plan for `TrainConfig.fresh_at_if_fused`, so the run says which it got.
     fresh_layers: tuple[int, ...] = ()
+    # Real tokens over token slots (padding included) of this call's steps: ``tokens_per_s``
+    # counts real tokens only, so a run of half-empty rows shows both figures.
+    fill: float | None = None
 
     @property
     def exit_code(self) -> int:
@@ -79,6 +82,7 @@ class TrainResult:
             "eval_perplexity": self.eval_perplexity,
             "tokens_per_s": self.tokens_per_s,
             "steady_tokens_per_s": self.steady_tokens_per_s,
+            "fill": self.fill,
             "bubble_ratio": self.bubble_ratio,
             "host_bound": self.host_bound,
             "fresh_layers": list(self.fresh_layers),
