@@ -31,16 +31,16 @@ DEADLINE_S=${DEADLINE_S:-530}
 # bench/moe_link.py (2.2 s/step at 4 x 4096, 4.5 s at 16 x 4096), G from flash attention's FLOPs
 # (about 1.4 s per layer forward at 262,144 tokens: ~3 min a step, and as much for the profile).
 declare -A JOB=(
-  [F]="330|200|--workload F --warmup 2 --steps 2"             # ~3 min: 12 s/step, build ~1 min
-  [E-nf4]="200|120|--workload E-nf4 --warmup 2 --steps 3"     # ~2.5 min
+  [F]="300|180|--workload F --warmup 2 --steps 1"             # ~3 min: 12 s/step, build ~1 min
+  [E-nf4]="200|110|--workload E-nf4 --warmup 2 --steps 2"     # ~2.5 min
   [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; pins ~70 GiB of host
   [G]="520|420|--workload G --warmup 0 --steps 1"             # ~6-7 min at 262,144 tokens
   [G-nf4]="520|420|--workload G-nf4 --warmup 0 --steps 1"
   [G131]="300|200|--workload G --seq 131072 --warmup 1 --steps 1"      # ~3 min
   [G131-nf4]="300|200|--workload G-nf4 --seq 131072 --warmup 1 --steps 1"
-  [D]="170|100|--workload D --warmup 2 --steps 3"             # ~1.5-2 min
+  [D]="170|90|--workload D --warmup 2 --steps 2"             # ~1.5-2 min
   [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
-  [D2]="170|100|--workload D2 --warmup 2 --steps 3"           # ~1.5-2 min (eager attention)
+  [D2]="170|90|--workload D2 --warmup 2 --steps 2"           # ~1.5-2 min (eager attention)
 )
 case "${1:-1}" in
   1) NAMES=(F E-nf4 E) ;;
