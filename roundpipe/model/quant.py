@@ -303,10 +303,18 @@ def quantize_frozen_(
     Left alone: embeddings, norms, every module with a trainable parameter (LoRA's own ``lora_A``
     / ``lora_B``), subclasses of ``nn.Linear``, a linear whose weight is shared with another module
     (a tied LM head), the LM head (``get_output_embeddings()``) unless ``include_lm_head``, and a
-    weight whose element count is not a multiple of ``block_size``. Mixture-of-experts weights held
-    as 3-D parameters (transformers 5 experts) are not linears and stay as they are."""
+    weight whose element count is not a multiple of ``block_size``.
+
+    Mixture-of-experts weights held as 3-D parameters (transformers 5's ``Qwen3MoeExperts`` and
+    ``GptOssExperts``) are quantized too when both are frozen and each expert's matrix is a whole
+    number of blocks (`roundpipe.model.experts.quantize_experts_`); their biases stay as they are."""
+    # Imported here: the experts module builds on this one's format.
+    from roundpipe.model.experts import quantize_experts_
+
     if fmt != "nf4":
         raise ConfigError(f"unknown quantized base format {fmt!r}; the supported one is 'nf4'")
+    for sub in list(module.modules()):
+        quantize_experts_(sub, block_size)
     kept = _kept(module, include_lm_head)
     done: dict[int, NF4Linear] = {}
     for parent in list(module.modules()):
@@ -324,14 +332,17 @@ def quantize_frozen_(
 
 
 def count_nf4(module: nn.Module) -> int:
-    """How many `NF4Linear` layers ``module`` holds."""
-    return sum(isinstance(m, NF4Linear) for m in module.modules())
+    """How many modules of ``module`` hold NF4 weights: `NF4Linear` layers and experts modules
+    quantized by `roundpipe.model.experts.quantize_experts_`."""
+    return sum(
+        isinstance(m, NF4Linear) or getattr(type(m), "_roundpipe_nf4", False) for m in module.modules()
+    )
 
 
 def apply_base_format(model: nn.Module, base_format: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     """What ``RunConfig.base_format`` asks of a model, before its layers are split: "compute"
-    leaves it as it is; "nf4" quantizes its frozen linears (`quantize_frozen_`), or accepts a
-    model that already holds `NF4Linear`s, and refuses a model with nothing frozen to quantize."""
+    leaves it as it is; "nf4" quantizes its frozen linears and experts (`quantize_frozen_`), or
+    accepts a model that already holds NF4 weights, and refuses a model with nothing frozen to quantize."""
     if base_format not in BASE_FORMATS:
         raise ConfigError(f"unknown base_format {base_format!r}; use one of {', '.join(BASE_FORMATS)}")
     if base_format == "compute":
