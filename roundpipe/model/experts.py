@@ -25,7 +25,7 @@ zeros (exact; real models never need it), a misaligned base pointer is copied to
 Frozen experts in 4 bits: `quantize_experts_` (what `roundpipe.model.quant.quantize_frozen_`
 calls for ``base_format="nf4"``) replaces the 3-D ``gate_up_proj`` / ``down_proj`` of frozen
 experts by NF4 bytes (``<name>_packed`` and ``<name>_absmax``, frozen ``uint8`` parameters laid out
-as `roundpipe.model.quant.quantize_nf4` lays out the flattened weight, one row per expert) and gives
+as `roundpipe.model.nf4.quantize_nf4` lays out the flattened weight, one row per expert) and gives
 the module a subclass whose grouped products dequantize each weight on the device, right before
 its product, inside `_NF4GroupedMM`: autograd saves the 4-bit bytes, and the backward dequantizes
 again, so no dense expert weight outlives its product. GPT-OSS's biases stay as they are.
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roundpipe.model.quant import NF4Linear, NF4Weight, dequantize_nf4, quantize_nf4
+from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
 REPLACEABLE = frozenset({None, "eager", "grouped_mm", "batched_mm"})
@@ -212,7 +212,7 @@ def _projection(
     if quantized is not None and name in quantized:
         packed: torch.Tensor = getattr(experts, f"{name}_packed")
         absmax: torch.Tensor = getattr(experts, f"{name}_absmax")
-        compiled = NF4Linear.compiled
+        compiled = bool(getattr(experts, "compiled", False))
         args = (x, packed, absmax, routing.offsets, quantized[name], layout.transposed, compiled)
         out: torch.Tensor = _NF4GroupedMM.apply(*args)
     else:
@@ -321,6 +321,8 @@ def _nf4_class(base: type, layout: Layout) -> type:
             "dequantized_bytes": dequantized_bytes,
             "_roundpipe_grouped": True,
             "_roundpipe_nf4": True,
+            # As `NF4Linear.compiled`: dequantize with one torch.compile'd kernel on CUDA.
+            "compiled": False,
             "__module__": base.__module__,
         }
         subclass = _nf4_subclasses[base] = type(f"NF4{base.__name__}", (base,), methods)
