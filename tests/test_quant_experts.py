@@ -188,3 +188,29 @@ def test_the_profile_counts_the_dense_expert_weight_as_working_set() -> None:
     config = model.config
     gate_up_bytes = config.num_experts * 2 * config.moe_intermediate_size * config.hidden_size * 4
     assert all(m.work_bytes == m.bwd_work_bytes == gate_up_bytes for m in measured[1:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("make", MODELS, ids=IDS)
+def test_nf4_experts_bf16_on_cuda_without_syncing(make: Any, compiled: bool) -> None:
+    """On CUDA in bf16 the NF4 block equals the grouped block on the dequantized weights (to bf16's
+    rounding of the products) and never waits for the device after its first call."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dense, quantized = frozen_pair(make)
+    dense, quantized = dense.to("cuda", torch.bfloat16), quantized.to("cuda", torch.bfloat16)
+    quantized.experts.compiled = compiled
+    torch.manual_seed(2)
+    x = torch.randn(4, 128, 32, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4, 128, 32, device="cuda", dtype=torch.bfloat16)
+    want, want_dx = run_block(dense, x, weight)
+    run_block(quantized, x, weight)  # first call: the byte table, kernels (and the compile) load
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, got_dx = run_block(quantized, x, weight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_dx.float(), want_dx.float(), rtol=2e-2, atol=5e-2)
