@@ -95,6 +95,10 @@ def test_trainable_or_ragged_experts_stay_dense() -> None:
     assert not quantize_experts_(grouped.experts, 64)  # trainable: LoRA or a full fine-tune
     grouped.experts.requires_grad_(False)
     assert not quantize_experts_(grouped.experts, 3 * 64)  # blocks would straddle two experts
+    parametrized = copy.deepcopy(grouped.experts)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "down_proj", nn.Identity())
+    parametrized.requires_grad_(False)
+    assert not quantize_experts_(parametrized, 64)  # as peft's LoRA on experts computes them
     assert quantize_experts_(grouped.experts, 64)
     assert not quantize_experts_(grouped.experts, 64)  # already quantized
 

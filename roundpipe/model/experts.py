@@ -330,10 +330,13 @@ def _nf4_class(base: type, layout: Layout) -> type:
 
 
 def quantizable_experts(module: nn.Module, block_size: int) -> Layout | None:
-    """The layout of ``module`` when it is a known experts module whose two weights are frozen,
-    floating, laid out as the layout says, and hold a whole number of NF4 blocks per expert."""
+    """The layout of ``module`` when it is a known experts module whose two weights are frozen
+    parameters (not computed by a parametrization), floating, laid out as the layout says, and
+    hold a whole number of NF4 blocks per expert."""
     layout = layout_of(module)
     if layout is None or getattr(type(module), "_roundpipe_nf4", False) or not fits(module, layout):
+        return None
+    if torch.nn.utils.parametrize.is_parametrized(module):  # peft's LoRA on experts computes them
         return None
     weights: list[torch.Tensor] = [getattr(module, name) for name in EXPERT_WEIGHTS]
     if any(w.requires_grad or not w.is_floating_point() or w[0].numel() % block_size for w in weights):
