@@ -5,7 +5,12 @@ weights in bf16, ``--tokens`` tokens (default 4096), frozen experts as under LoR
 gradient only) or ``--train-experts``. For each implementation it times forward and backward
 (CUDA events, median of ``--repeats`` after warm-up), reads the peak memory above the weights,
 counts the host synchronisations of one call (`torch.cuda.set_sync_debug_mode("warn")` warnings)
-and prints one JSON line; the grouped line carries its largest difference to the eager output.
+and prints one JSON line; the grouped lines carry their largest difference to the eager output.
+With frozen experts two more lines run the grouped block on experts held in NF4
+(`roundpipe.model.experts.quantize_experts_`): dequantized per product in eager torch
+(``roundpipe_grouped_nf4``) and with the compiled kernel (``roundpipe_grouped_nf4_compiled``);
+their difference is to the grouped block on the dequantized weights (the quantization error
+excluded), and ``expert_weight_bytes`` says what the experts hold on the device.
 Run on the GPU machine: ``python bench/moe_experts_gpu.py`` (about a minute).
 """
 
@@ -20,7 +25,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.model.experts import use_grouped_experts
+from roundpipe.model.experts import dequantized_experts, quantize_experts_, use_grouped_experts
 
 
 def block(args: argparse.Namespace) -> Any:
@@ -80,6 +85,21 @@ def measure(name: str, mlp: Any, x: torch.Tensor, repeats: int) -> tuple[dict[st
     return line | {"peak_above_weights_bytes": peak, "host_syncs": syncs}, out
 
 
+def expert_bytes(mlp: Any) -> int:
+    return sum(p.numel() * p.element_size() for n, p in mlp.named_parameters() if "experts." in n)
+
+
+def nf4_pair(grouped: Any) -> tuple[Any, Any]:
+    """The grouped block with its experts in NF4, and a grouped block on the dequantized weights."""
+    quantized = copy.deepcopy(grouped)
+    assert quantize_experts_(quantized.experts, 64)
+    dense = copy.deepcopy(grouped)
+    with torch.no_grad():
+        for name, weight in dequantized_experts(quantized.experts).items():
+            getattr(dense.experts, name).copy_(weight)
+    return quantized, dense
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -100,6 +120,24 @@ def main() -> None:
             line["max_abs_diff_to_eager"] = float((out.float() - reference).abs().max())
             line["ref_abs_max"] = float(reference.abs().max())
         line["train_experts"] = args.train_experts
+        line["expert_weight_bytes"] = expert_bytes(mlp)
+        print(json.dumps(line), flush=True)
+    if args.train_experts:
+        return
+    del eager
+    quantized, dense = nf4_pair(grouped)
+    del grouped
+    _, dense_out = measure("roundpipe_grouped_dequantized", dense, x, 1)
+    del dense
+    for name, compiled in (("roundpipe_grouped_nf4", False), ("roundpipe_grouped_nf4_compiled", True)):
+        quantized.experts.compiled = compiled
+        line, out = measure(name, quantized, x, args.repeats)
+        line["max_abs_diff_to_dequantized"] = float((out.float() - dense_out.float()).abs().max())
+        line["max_abs_diff_to_eager"] = (
+            float((out.float() - reference).abs().max()) if reference is not None else None
+        )
+        line["train_experts"] = False
+        line["expert_weight_bytes"] = expert_bytes(quantized)
         print(json.dumps(line), flush=True)
 
 

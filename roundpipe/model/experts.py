@@ -22,7 +22,16 @@ offsets to the host once per product (two per layer forward, not one per expert)
 16-byte strides and base pointers: a dimension that is not a multiple of 16 bytes is padded with
 zeros (exact; real models never need it), a misaligned base pointer is copied to a fresh tensor.
 
-This module must never change the routing, the user's model (only roundpipe's copies), or the
+Frozen experts in 4 bits: `quantize_experts_` (what `roundpipe.model.quant.quantize_frozen_`
+calls for ``base_format="nf4"``) replaces the 3-D ``gate_up_proj`` / ``down_proj`` of frozen
+experts by NF4 bytes (``<name>_packed`` and ``<name>_absmax``, frozen ``uint8`` parameters laid out
+as `roundpipe.model.nf4.quantize_nf4` lays out the flattened weight, one row per expert) and gives
+the module a subclass whose grouped products dequantize each weight on the device, right before
+its product, inside `_NF4GroupedMM`: autograd saves the 4-bit bytes, and the backward dequantizes
+again, so no dense expert weight outlives its product. GPT-OSS's biases stay as they are.
+
+This module must never change the routing, the user's model (only roundpipe's copies; the one
+exception is `quantize_experts_`, which the user's choice of a 4-bit base asks for), or the
 numbers beyond the blocking of the matrix products.
 """
 
@@ -35,6 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
 REPLACEABLE = frozenset({None, "eager", "grouped_mm", "batched_mm"})
@@ -136,12 +147,78 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return out[:, :d_out] if p_out != d_out else out
 
 
+@dataclass(frozen=True)
+class NF4Meta:
+    """What the NF4 bytes of one expert weight dequantize to: its 3-D ``shape``, ``dtype`` and
+    ``block_size`` (blocks run along each expert's flattened matrix and never straddle two)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _dense_weight(
+    packed: torch.Tensor, absmax: torch.Tensor, meta: NF4Meta, dtype: torch.dtype, compiled: bool
+) -> torch.Tensor:
+    """The dense weight in its stored layout, on the device of its bytes (a new tensor)."""
+    scales = absmax.reshape(-1).view(torch.float32)
+    q = NF4Weight(packed.reshape(-1), scales, meta.shape, meta.dtype, meta.block_size)
+    return dequantize_nf4(q, dtype, compiled=compiled and packed.is_cuda)
+
+
+class _NF4GroupedMM(torch.autograd.Function):
+    """`grouped_mm` of ``x`` with a frozen expert weight held in NF4, dequantized to ``x``'s dtype
+    in the forward and again in the backward: autograd saves the 4-bit bytes and the offsets,
+    never the dense weight (a plain ``grouped_mm`` would save it for the input's gradient). No
+    gradient reaches the weight."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        absmax: torch.Tensor,
+        offsets: torch.Tensor,
+        meta: NF4Meta,
+        transposed: bool,
+        compiled: bool,
+    ) -> torch.Tensor:
+        weight = _dense_weight(packed, absmax, meta, x.dtype, compiled)
+        ctx.save_for_backward(packed, absmax, offsets)
+        ctx.meta, ctx.transposed, ctx.compiled = meta, transposed, compiled
+        return grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offsets)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None, None
+        packed, absmax, offsets = ctx.saved_tensors
+        weight = _dense_weight(packed, absmax, ctx.meta, grad.dtype, ctx.compiled)
+        # out[rows of e] = x[rows of e] @ W_e, so dx[rows of e] = grad[rows of e] @ W_e^T.
+        grad_x = grouped_mm(grad, weight.transpose(-2, -1) if ctx.transposed else weight, offsets)
+        return grad_x, None, None, None, None, None, None
+
+
 def _projection(
     experts: nn.Module, name: str, layout: Layout, x: torch.Tensor, routing: Routing
 ) -> torch.Tensor:
-    weight: torch.Tensor = getattr(experts, name)
-    mat_b = weight if layout.transposed else weight.transpose(-2, -1)
-    out = grouped_mm(x, mat_b, routing.offsets)
+    quantized: dict[str, NF4Meta] | None = getattr(experts, "nf4_meta", None)
+    if quantized is not None and name in quantized:
+        packed: torch.Tensor = getattr(experts, f"{name}_packed")
+        absmax: torch.Tensor = getattr(experts, f"{name}_absmax")
+        compiled = bool(getattr(experts, "compiled", False))
+        args = (x, packed, absmax, routing.offsets, quantized[name], layout.transposed, compiled)
+        out: torch.Tensor = _NF4GroupedMM.apply(*args)
+    else:
+        weight: torch.Tensor = getattr(experts, name)
+        mat_b = weight if layout.transposed else weight.transpose(-2, -1)
+        out = grouped_mm(x, mat_b, routing.offsets)
     if layout.bias:
         bias: torch.Tensor = getattr(experts, f"{name}_bias")
         out = out + bias[routing.expert].to(out.dtype)
@@ -220,3 +297,92 @@ def use_grouped_experts(layer: nn.Module) -> int:
         module.__class__ = _grouped_class(type(module), layout)
         count += 1
     return count
+
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+_nf4_subclasses: dict[type, type] = {}
+
+
+def _nf4_class(base: type, layout: Layout) -> type:
+    """A subclass of ``base`` that runs `grouped_experts` on its NF4 weights (and tells the
+    profile the bytes of the dense weight one product holds transiently)."""
+    subclass = _nf4_subclasses.get(base)
+    if subclass is None:
+
+        def forward(self: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> Any:
+            return grouped_experts(self, layout, hidden, index, weights)
+
+        def dequantized_bytes(self: nn.Module, dtype: torch.dtype) -> int:
+            meta: dict[str, NF4Meta] = getattr(self, "nf4_meta")  # noqa: B009
+            return max(m.numel for m in meta.values()) * torch.empty(0, dtype=dtype).element_size()
+
+        methods = {
+            "forward": forward,
+            "dequantized_bytes": dequantized_bytes,
+            "_roundpipe_grouped": True,
+            "_roundpipe_nf4": True,
+            # As `NF4Linear.compiled`: dequantize with one torch.compile'd kernel on CUDA.
+            "compiled": False,
+            "__module__": base.__module__,
+        }
+        subclass = _nf4_subclasses[base] = type(f"NF4{base.__name__}", (base,), methods)
+    return subclass
+
+
+def quantizable_experts(module: nn.Module, block_size: int) -> Layout | None:
+    """The layout of ``module`` when it is a known experts module whose two weights are frozen
+    parameters (not computed by a parametrization), floating, laid out as the layout says, and
+    hold a whole number of NF4 blocks per expert."""
+    layout = layout_of(module)
+    if layout is None or getattr(type(module), "_roundpipe_nf4", False) or not fits(module, layout):
+        return None
+    if torch.nn.utils.parametrize.is_parametrized(module):  # peft's LoRA on experts computes them
+        return None
+    weights: list[torch.Tensor] = [getattr(module, name) for name in EXPERT_WEIGHTS]
+    if any(w.requires_grad or not w.is_floating_point() or w[0].numel() % block_size for w in weights):
+        return None
+    return layout
+
+
+@torch.no_grad()
+def quantize_experts_(module: nn.Module, block_size: int) -> bool:
+    """Hold the frozen expert weights of ``module`` in NF4 (in place, on their device), one expert
+    at a time so the quantization scratch stays that of one matrix; whether it did. Each dense
+    weight leaves the module as its bytes are made, so the module never holds both."""
+    layout = quantizable_experts(module, block_size)
+    if layout is None:
+        return False
+    meta: dict[str, NF4Meta] = {}
+    for name in EXPERT_WEIGHTS:
+        weight: torch.Tensor = getattr(module, name)
+        experts, per_expert = weight.shape[0], weight[0].numel()
+        packed = torch.empty(experts, per_expert // 2, dtype=torch.uint8, device=weight.device)
+        absmax = torch.empty(experts, per_expert // block_size, dtype=torch.float32, device=weight.device)
+        for e in range(experts):
+            q = quantize_nf4(weight[e], block_size)
+            packed[e].copy_(q.packed)
+            absmax[e].copy_(q.absmax)
+        meta[name] = NF4Meta(weight.shape, weight.dtype, block_size)
+        delattr(module, name)
+        del weight
+        module.register_parameter(f"{name}_packed", nn.Parameter(packed, requires_grad=False))
+        module.register_parameter(
+            f"{name}_absmax", nn.Parameter(absmax.view(torch.uint8), requires_grad=False)
+        )
+    # Plain attributes (no parameters): copies of the module (deepcopy) carry them.
+    setattr(module, "nf4_meta", meta)  # noqa: B010
+    setattr(module, "weight_dtype", meta["gate_up_proj"].dtype)  # noqa: B010
+    module.__class__ = _nf4_class(type(module), layout)
+    return True
+
+
+def dequantized_experts(module: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The dense expert weights of a module `quantize_experts_` quantized, by name, in their stored
+    layout (new tensors; for inspection, export and tests)."""
+    meta: dict[str, NF4Meta] = getattr(module, "nf4_meta")  # noqa: B009
+    return {
+        name: _dense_weight(
+            getattr(module, f"{name}_packed"), getattr(module, f"{name}_absmax"), m, dtype or m.dtype, False
+        ).view(m.shape)
+        for name, m in meta.items()
+    }

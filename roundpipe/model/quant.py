@@ -1,4 +1,4 @@
-"""4-bit NormalFloat (NF4) frozen weights: the format, the layer that holds it, the model pass.
+"""4-bit NormalFloat (NF4) frozen weights: the layer that holds one, the model pass.
 
 Why it exists: when the base of a LoRA run is frozen, every iteration moves every base weight over
 the host link at least twice, so the bytes a frozen weight occupies on the host *are* the bytes that
@@ -6,7 +6,9 @@ travel. Holding the base in NF4 (QLoRA's 4-bit NormalFloat, 16 code values, one 
 of 64) moves about a quarter of a bf16 base. The layout is the one bitsandbytes uses for
 ``quant_type="nf4"``: the weight flattened row-major, two codes per byte with the first element in
 the high nibble, and the absolute maximum of each block as its scale, so the same bytes mean the
-same weights in both.
+same weights in both. The format itself is `roundpipe.model.nf4` (its names are re-exported here);
+frozen mixture-of-experts weights are held in it by `roundpipe.model.experts.quantize_experts_`,
+which `quantize_frozen_` calls.
 
 `NF4Linear` keeps its 4-bit weight as two frozen ``uint8`` parameters (the packed codes, and the
 fp32 block scales stored as their raw bytes): integer tensors are never cast to the compute
@@ -20,7 +22,6 @@ build a second full copy of a model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,149 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundpipe.errors import ConfigError, ModelError
+from roundpipe.model.experts import quantize_experts_
+from roundpipe.model.nf4 import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
+from roundpipe.model.nf4 import NF4_CODES as NF4_CODES
+from roundpipe.model.nf4 import NF4Weight as NF4Weight
+from roundpipe.model.nf4 import check_quantizable as check_quantizable
+from roundpipe.model.nf4 import dequantize_nf4 as dequantize_nf4
+from roundpipe.model.nf4 import quantize_nf4 as quantize_nf4
 
-DEFAULT_BLOCK_SIZE = 64
 BASE_FORMATS = ("compute", "nf4")
-
-# QLoRA's NormalFloat4 code book (arXiv 2305.14314, appendix E): quantiles of N(0, 1) scaled to
-# [-1, 1], with an exact zero; 7 negative and 8 positive values.
-NF4_CODES: tuple[float, ...] = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
-
-# Elements dequantized per pass in eager mode: bounds the fp32 scratch beside the output.
-_EAGER_CHUNK = 1 << 24
-
-
-@dataclass(frozen=True)
-class NF4Weight:
-    """A quantized tensor: ``packed`` uint8 [numel / 2] (first element in the high nibble),
-    ``absmax`` fp32 [numel / block_size], the ``shape`` and ``dtype`` to dequantize to."""
-
-    packed: torch.Tensor
-    absmax: torch.Tensor
-    shape: torch.Size
-    dtype: torch.dtype
-    block_size: int = DEFAULT_BLOCK_SIZE
-
-    @property
-    def numel(self) -> int:
-        return self.packed.numel() * 2
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the packed codes and the block scales."""
-        return self.packed.numel() + self.absmax.numel() * 4
-
-
-def _codes(device: torch.device) -> torch.Tensor:
-    return torch.tensor(NF4_CODES, dtype=torch.float32, device=device)
-
-
-def check_quantizable(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, block_size: int) -> None:
-    """Refuse what NF4 cannot hold: a block size that is not a positive even number (two codes share
-    a byte), a tensor whose element count is not a whole number of blocks (every block has its
-    own scale; a ragged last block would need a second layout), a non-floating tensor."""
-    if block_size <= 0 or block_size % 2:
-        raise ModelError(f"NF4 block size must be a positive even number, got {block_size}")
-    numel = 1
-    for size in shape:
-        numel *= size
-    if numel == 0 or numel % block_size:
-        raise ModelError(
-            f"cannot quantize a tensor of shape {tuple(shape)} ({numel} elements) to NF4: its element "
-            f"count must be a positive multiple of the block size {block_size}; leave it unquantized "
-            "or pick a block size that divides it"
-        )
-    if not dtype.is_floating_point:
-        raise ModelError(f"only floating-point tensors can be quantized to NF4, got {dtype}")
-
-
-@torch.no_grad()
-def quantize_nf4(weight: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> NF4Weight:
-    """``weight`` in NF4, on its own device: each element scaled by the reciprocal of its block's
-    absolute maximum and given the nearest code (a value exactly between two codes takes the
-    lower one, as bitsandbytes does). A block of zeros has scale 0 and dequantizes to zeros."""
-    check_quantizable(weight.shape, weight.dtype, block_size)
-    blocks = weight.detach().reshape(-1, block_size).to(torch.float32)
-    absmax = blocks.abs().amax(dim=1)
-    inverse = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    codes = _codes(weight.device)
-    midpoints = (codes[1:] + codes[:-1]) / 2
-    index = torch.bucketize(blocks * inverse[:, None], midpoints).to(torch.uint8).view(-1, 2)
-    packed = (index[:, 0] << 4) | index[:, 1]
-    return NF4Weight(packed.contiguous(), absmax.contiguous(), weight.shape, weight.dtype, block_size)
-
-
-_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _byte_table(device: torch.device) -> torch.Tensor:
-    """[256, 2] fp32: the two code values each byte holds (high nibble first), made once per
-    device: a fresh table per call would be a host-to-device copy in every layer call, which
-    stalls a host that runs ahead of the GPU."""
-    table = _BYTE_TABLES.get(device)
-    if table is None:
-        codes = _codes(torch.device("cpu"))
-        every = torch.arange(256)
-        table = torch.stack((codes[every >> 4], codes[every & 15]), dim=1).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # complete before another stream reads it
-        _BYTE_TABLES[device] = table
-    return table
-
-
-def _dequantize_flat(
-    packed: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The core: codes times their block's scale, in fp32, rounded once to ``dtype``."""
-    values = _byte_table(packed.device)[packed.to(torch.int32)].view(-1, block_size)
-    return (values * absmax[:, None]).to(dtype).view(-1)
-
-
-_compiled_core: Any = None
-
-
-def _compiled_dequantize() -> Any:
-    global _compiled_core
-    if _compiled_core is None:
-        _compiled_core = torch.compile(_dequantize_flat, dynamic=False)
-    return _compiled_core
-
-
-def dequantize_nf4(q: NF4Weight, dtype: torch.dtype | None = None, *, compiled: bool = False) -> torch.Tensor:
-    """``q`` as a dense tensor of ``dtype`` (default: the quantized tensor's own) on the device of
-    its bytes. Eager mode works through chunks of blocks so its fp32 scratch stays small;
-    ``compiled`` runs one fused ``torch.compile`` kernel (CUDA; compiled once per shape)."""
-    target = dtype or q.dtype
-    if compiled:
-        return _compiled_dequantize()(q.packed, q.absmax, q.block_size, target).view(q.shape)
-    out = torch.empty(q.numel, dtype=target, device=q.packed.device)
-    step = max(q.block_size, _EAGER_CHUNK // q.block_size * q.block_size)
-    for first in range(0, q.numel, step):
-        last = min(q.numel, first + step)
-        out[first:last] = _dequantize_flat(
-            q.packed[first // 2 : last // 2],
-            q.absmax[first // q.block_size : last // q.block_size],
-            q.block_size,
-            target,
-        )
-    return out.view(q.shape)
 
 
 class _NF4Matmul(torch.autograd.Function):
@@ -303,10 +170,15 @@ def quantize_frozen_(
     Left alone: embeddings, norms, every module with a trainable parameter (LoRA's own ``lora_A``
     / ``lora_B``), subclasses of ``nn.Linear``, a linear whose weight is shared with another module
     (a tied LM head), the LM head (``get_output_embeddings()``) unless ``include_lm_head``, and a
-    weight whose element count is not a multiple of ``block_size``. Mixture-of-experts weights held
-    as 3-D parameters (transformers 5 experts) are not linears and stay as they are."""
+    weight whose element count is not a multiple of ``block_size``.
+
+    Mixture-of-experts weights held as 3-D parameters (transformers 5's ``Qwen3MoeExperts`` and
+    ``GptOssExperts``) are quantized too when both are frozen and each expert's matrix is a whole
+    number of blocks (`roundpipe.model.experts.quantize_experts_`); their biases stay as they are."""
     if fmt != "nf4":
         raise ConfigError(f"unknown quantized base format {fmt!r}; the supported one is 'nf4'")
+    for sub in list(module.modules()):
+        quantize_experts_(sub, block_size)
     kept = _kept(module, include_lm_head)
     done: dict[int, NF4Linear] = {}
     for parent in list(module.modules()):
@@ -324,14 +196,17 @@ def quantize_frozen_(
 
 
 def count_nf4(module: nn.Module) -> int:
-    """How many `NF4Linear` layers ``module`` holds."""
-    return sum(isinstance(m, NF4Linear) for m in module.modules())
+    """How many modules of ``module`` hold NF4 weights: `NF4Linear` layers and experts modules
+    quantized by `roundpipe.model.experts.quantize_experts_`."""
+    return sum(
+        isinstance(m, NF4Linear) or getattr(type(m), "_roundpipe_nf4", False) for m in module.modules()
+    )
 
 
 def apply_base_format(model: nn.Module, base_format: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     """What ``RunConfig.base_format`` asks of a model, before its layers are split: "compute"
-    leaves it as it is; "nf4" quantizes its frozen linears (`quantize_frozen_`), or accepts a
-    model that already holds `NF4Linear`s, and refuses a model with nothing frozen to quantize."""
+    leaves it as it is; "nf4" quantizes its frozen linears and experts (`quantize_frozen_`), or
+    accepts a model that already holds NF4 weights, and refuses a model with nothing frozen to quantize."""
     if base_format not in BASE_FORMATS:
         raise ConfigError(f"unknown base_format {base_format!r}; use one of {', '.join(BASE_FORMATS)}")
     if base_format == "compute":

@@ -1,0 +1,162 @@
+"""The 4-bit NormalFloat (NF4) format: its code book, quantization and dequantization.
+
+Why it exists apart from `roundpipe.model.quant`: every module that holds NF4 weights reads the
+format from here: `NF4Linear` and the frozen-model pass in `roundpipe.model.quant`, the experts'
+grouped products in `roundpipe.model.experts`; the pass in turn quantizes experts, so the format
+must sit below both. The layout is the one bitsandbytes uses for ``quant_type="nf4"``: the weight
+flattened row-major, two codes per byte with the first element in the high nibble, and the
+absolute maximum of each block of 64 as its fp32 scale, so the same bytes mean the same weights.
+
+This module must never hold a model, a module, or a dequantized tensor beyond the call that made it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from roundpipe.errors import ModelError
+
+DEFAULT_BLOCK_SIZE = 64
+
+# QLoRA's NormalFloat4 code book (arXiv 2305.14314, appendix E): quantiles of N(0, 1) scaled to
+# [-1, 1], with an exact zero; 7 negative and 8 positive values.
+NF4_CODES: tuple[float, ...] = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+# Elements dequantized per pass in eager mode: bounds the fp32 scratch beside the output.
+_EAGER_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class NF4Weight:
+    """A quantized tensor: ``packed`` uint8 [numel / 2] (first element in the high nibble),
+    ``absmax`` fp32 [numel / block_size], the ``shape`` and ``dtype`` to dequantize to."""
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def numel(self) -> int:
+        return self.packed.numel() * 2
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the packed codes and the block scales."""
+        return self.packed.numel() + self.absmax.numel() * 4
+
+
+def _codes(device: torch.device) -> torch.Tensor:
+    return torch.tensor(NF4_CODES, dtype=torch.float32, device=device)
+
+
+def check_quantizable(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, block_size: int) -> None:
+    """Refuse what NF4 cannot hold: a block size that is not a positive even number (two codes share
+    a byte), a tensor whose element count is not a whole number of blocks (every block has its
+    own scale; a ragged last block would need a second layout), a non-floating tensor."""
+    if block_size <= 0 or block_size % 2:
+        raise ModelError(f"NF4 block size must be a positive even number, got {block_size}")
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel == 0 or numel % block_size:
+        raise ModelError(
+            f"cannot quantize a tensor of shape {tuple(shape)} ({numel} elements) to NF4: its element "
+            f"count must be a positive multiple of the block size {block_size}; leave it unquantized "
+            "or pick a block size that divides it"
+        )
+    if not dtype.is_floating_point:
+        raise ModelError(f"only floating-point tensors can be quantized to NF4, got {dtype}")
+
+
+@torch.no_grad()
+def quantize_nf4(weight: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> NF4Weight:
+    """``weight`` in NF4, on its own device: each element scaled by the reciprocal of its block's
+    absolute maximum and given the nearest code (a value exactly between two codes takes the
+    lower one, as bitsandbytes does). A block of zeros has scale 0 and dequantizes to zeros."""
+    check_quantizable(weight.shape, weight.dtype, block_size)
+    blocks = weight.detach().reshape(-1, block_size).to(torch.float32)
+    absmax = blocks.abs().amax(dim=1)
+    inverse = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    codes = _codes(weight.device)
+    midpoints = (codes[1:] + codes[:-1]) / 2
+    index = torch.bucketize(blocks * inverse[:, None], midpoints).to(torch.uint8).view(-1, 2)
+    packed = (index[:, 0] << 4) | index[:, 1]
+    return NF4Weight(packed.contiguous(), absmax.contiguous(), weight.shape, weight.dtype, block_size)
+
+
+_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: the two code values each byte holds (high nibble first), made once per
+    device: a fresh table per call would be a host-to-device copy in every layer call, which
+    stalls a host that runs ahead of the GPU."""
+    table = _BYTE_TABLES.get(device)
+    if table is None:
+        codes = _codes(torch.device("cpu"))
+        every = torch.arange(256)
+        table = torch.stack((codes[every >> 4], codes[every & 15]), dim=1).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # complete before another stream reads it
+        _BYTE_TABLES[device] = table
+    return table
+
+
+def _dequantize_flat(
+    packed: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The core: codes times their block's scale, in fp32, rounded once to ``dtype``."""
+    values = _byte_table(packed.device)[packed.to(torch.int32)].view(-1, block_size)
+    return (values * absmax[:, None]).to(dtype).view(-1)
+
+
+_compiled_core: Any = None
+
+
+def _compiled_dequantize() -> Any:
+    global _compiled_core
+    if _compiled_core is None:
+        _compiled_core = torch.compile(_dequantize_flat, dynamic=False)
+    return _compiled_core
+
+
+def dequantize_nf4(q: NF4Weight, dtype: torch.dtype | None = None, *, compiled: bool = False) -> torch.Tensor:
+    """``q`` as a dense tensor of ``dtype`` (default: the quantized tensor's own) on the device of
+    its bytes. Eager mode works through chunks of blocks so its fp32 scratch stays small;
+    ``compiled`` runs one fused ``torch.compile`` kernel (CUDA; compiled once per shape)."""
+    target = dtype or q.dtype
+    if compiled:
+        return _compiled_dequantize()(q.packed, q.absmax, q.block_size, target).view(q.shape)
+    out = torch.empty(q.numel, dtype=target, device=q.packed.device)
+    step = max(q.block_size, _EAGER_CHUNK // q.block_size * q.block_size)
+    for first in range(0, q.numel, step):
+        last = min(q.numel, first + step)
+        out[first:last] = _dequantize_flat(
+            q.packed[first // 2 : last // 2],
+            q.absmax[first // q.block_size : last // q.block_size],
+            q.block_size,
+            target,
+        )
+    return out.view(q.shape)
