@@ -127,7 +127,15 @@ def _byte_table(device: torch.device) -> torch.Tensor:
 def _dequantize_flat(
     packed: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The core: codes times their block's scale, in fp32, rounded once to ``dtype``."""
+    """The core: codes times their block's scale, in fp32, rounded once to ``dtype``.
+
+    Inside a compiled graph the code book is a constant of the graph and each nibble is looked up
+    in it: the per-device table cache is a side effect that dynamo cannot carry out of the
+    autograd function this runs in (tracing would fail and the whole layer would run eagerly)."""
+    if torch.compiler.is_compiling():
+        codes = torch.tensor(NF4_CODES, dtype=torch.float32, device=packed.device)
+        pairs = (codes[(packed >> 4).long()], codes[(packed & 15).long()])
+        return (torch.stack(pairs, dim=-1).view(-1, block_size) * absmax[:, None]).to(dtype).view(-1)
     values = _byte_table(packed.device)[packed.to(torch.int32)].view(-1, block_size)
     return (values * absmax[:, None]).to(dtype).view(-1)
 
