@@ -14,8 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from roundpipe.plan import _candidates, _stream
+from roundpipe.plan import _candidates
 from roundpipe.plan._ranking import _Candidate, _rank, _stages, _StageTimes
+from roundpipe.plan._stream_graph import Shape
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 
@@ -149,7 +150,7 @@ class _Pool:
     num_microbatches: int
     rounds: tuple[int, ...]
     plans: dict[object, _Candidate]
-    shapes: dict[object, _stream.Shape] = field(default_factory=dict)
+    shapes: dict[object, Shape] = field(default_factory=dict)
 
     def apart(
         self, family: Iterable[_candidates.EvenPlan], *seen: dict[object, _Candidate]

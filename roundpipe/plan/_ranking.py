@@ -16,9 +16,11 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Sequence
 
-from roundpipe.plan import _split_stream, _stream
+from roundpipe.plan import _split_stream
+from roundpipe.plan._sharing import sharers_and_waits
 from roundpipe.plan._split_stream import Split, split_ms
-from roundpipe.plan._stream import sharers_and_waits, stream_ms
+from roundpipe.plan._stream import stream_ms
+from roundpipe.plan._stream_graph import Shape
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.partition import Plan
@@ -172,7 +174,7 @@ def _rank(
     loop: bool = False,
     late: bool = False,
     longer: bool = False,
-    shapes: dict[object, _stream.Shape] | None = None,
+    shapes: dict[object, Shape] | None = None,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
@@ -232,7 +234,7 @@ class _Model:
         loop: bool,
         late: bool,
         longer: bool,
-        shapes: dict[object, _stream.Shape] | None,
+        shapes: dict[object, Shape] | None,
     ) -> None:
         self.times, self.n, self.rounds = times, num_devices, rounds
         self.m, self.largest_round = sum(rounds), max(rounds)
@@ -241,7 +243,7 @@ class _Model:
         self.splits: dict[int, Split] = {}  # by id of the candidate (sync plans)
         self.floors: dict[int, float] = {}  # by id of the candidate (async plans)
         # plans of one slot count share a task graph (the caller's, if it ranks again)
-        self.shapes: dict[object, _stream.Shape] = {} if shapes is None else shapes
+        self.shapes: dict[object, Shape] = {} if shapes is None else shapes
         self.graphs: dict[object, _split_stream.SplitGraph] = {}  # so do split models (`split_ms`)
 
     def split_of(self, p: _Candidate) -> Split:
