@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from roundpipe.plan import _candidates, _search
+from roundpipe.plan import _candidates, _search, _steady_search
 from roundpipe.plan._collector import collections_paused
 from roundpipe.plan._families import _ranked_candidates
 from roundpipe.plan._ranking import _Candidate, _rank, _stages, _StageTimes, spread
@@ -293,7 +293,7 @@ def _steady_plan(
     rounds = round_sizes(num_microbatches, n, round_size)
     if len(set(rounds)) == 1:
         rounds = rounds[:1]  # as partition: one round is already the period of the stream
-    found = _candidates.steady_search(chains.ticks, n, rounds, chains)
+    found = _steady_search.steady_search(chains.ticks, n, rounds, chains)
     return base if found is None else Plan.from_stages(*found, costs, n, num_microbatches)
 
 
