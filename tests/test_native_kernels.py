@@ -22,9 +22,10 @@ from roundpipe.plan import LayerCosts, Plan, native, partition
 from roundpipe.plan._candidates import balanced_split
 from roundpipe.plan._ranking import _StageTimes
 from roundpipe.plan._search import Ticks, to_ticks
+from roundpipe.plan._sharing import sharers_and_waits
 from roundpipe.plan._split_stream import SplitGraph, split_ms
 from roundpipe.plan._steady import steady_bound, steady_bound_ticks, steady_period
-from roundpipe.plan._stream import sharers_and_waits, stream_ms
+from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator

@@ -19,8 +19,9 @@ from roundpipe.plan._ranking import (
     _StageTimes,
     spread,
 )
+from roundpipe.plan._sharing import sharers, weight_waits
 from roundpipe.plan._split_stream import split_ms
-from roundpipe.plan._stream import sharers, stream_ms, weight_waits
+from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.rounds import round_sizes

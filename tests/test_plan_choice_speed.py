@@ -30,7 +30,16 @@ from collections.abc import Sequence
 
 import pytest
 
-from roundpipe.plan import LayerCosts, Plan, _candidates, _search, _stream, choose_plan, partition
+from roundpipe.plan import (
+    LayerCosts,
+    Plan,
+    _candidates,
+    _search,
+    _steady_search,
+    _stream,
+    choose_plan,
+    partition,
+)
 from roundpipe.plan._candidates import _nearest_target
 from roundpipe.plan._ranking import _Candidate, _rank, _StageTimes, device_bound
 from roundpipe.plan._split_stream import split_ms
@@ -202,13 +211,13 @@ def all_bounded_steady_search(ticks: _search.Ticks, n: int, rounds: tuple[int, .
     for s_count in range(lowest, max(3 * n, lowest + 2 * n) + 1):
         for p in range(layers - 1, ticks.p_mem - 1, -1):
             fused_t = fb[layers] - fb[p]
-            if fused_t > _candidates.STEADY_MAX_SPREAD * total / s_count:
+            if fused_t > _steady_search.STEADY_MAX_SPREAD * total / s_count:
                 break
             for slots, stages in chains.plans(s_count, p):
                 others = slots[: len(stages[0])] + slots[len(stages[0]) + 1 :]
                 if (p and fused_t > max(others)) or max(slots) * len(
                     slots
-                ) > _candidates.STEADY_MAX_SPREAD * sum(slots):
+                ) > _steady_search.STEADY_MAX_SPREAD * sum(slots):
                     continue
                 found.append((steady_bound(slots, n, rounds), len(slots), p, slots, stages))
     found.sort(key=lambda c: c[:3])
@@ -236,7 +245,7 @@ def test_lazy_steady_search_is_the_search_over_all_candidates() -> None:
         rounds = rounds[:1] if len(set(rounds)) == 1 else rounds
         f, fb = _search.to_ticks(fwd, bwd)
         expected = all_bounded_steady_search(_search.Ticks(f, fb, mem, cap), n, rounds)
-        assert _candidates.steady_search(_search.Ticks(f, fb, mem, cap), n, rounds) == expected
+        assert _steady_search.steady_search(_search.Ticks(f, fb, mem, cap), n, rounds) == expected
 
 
 def split_with_cover(

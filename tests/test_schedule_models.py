@@ -29,8 +29,9 @@ from hypothesis import strategies as st
 
 from roundpipe.plan import LayerCosts, Plan, native
 from roundpipe.plan._ranking import _StageTimes
+from roundpipe.plan._sharing import sharers_and_waits
 from roundpipe.plan._split_stream import split_ms
-from roundpipe.plan._stream import sharers_and_waits, stream_ms
+from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_eval import engine_evaluator
 

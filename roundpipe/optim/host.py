@@ -21,13 +21,15 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
+from roundpipe.optim.defaults import LossScaler as LossScaler
+from roundpipe.optim.defaults import default_optimizer
+from roundpipe.optim.defaults import host_adamw as host_adamw
 from roundpipe.optim.lr_ramp import scaled_lr
 from roundpipe.optim.prediction import WeightPredictor
 
@@ -35,63 +37,6 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def host_adamw(
-    params: Sequence[torch.Tensor] | Sequence[dict[str, Any]], **options: Any
-) -> torch.optim.AdamW:
-    """AdamW on host tensors with torch's fused CPU kernel.
-
-    The optimizer copies always live in host RAM, and on CPU tensors torch's AdamW defaults to
-    its per-tensor loop: several kernels per parameter tensor, each a pass over memory. The
-    fused kernel makes one vectorised pass per tensor: 8x faster on 0.74M parameters shaped
-    like a decoder block, 8x on 101M parameters in 25M-parameter units (``bench/host_optimizer.py --kernel``),
-    which keeps the optimizer lane of a large model off the critical path and a fresh unit's
-    step short. It rounds differently from the loop (about one ulp per step), so a reference
-    loop compared to the pipe must use it too. Without the kernel (torch built without it)
-    torch's default loop is used.
-    """
-    try:
-        return torch.optim.AdamW(params, fused=True, **options)
-    except (RuntimeError, ValueError):
-        return torch.optim.AdamW(params, **options)
-
-
-def default_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return host_adamw(params, lr=1e-4)
-
-
-@dataclass
-class LossScaler:
-    """Dynamic loss scaling for fp16: halve on overflow (the step is skipped), double after
-    ``growth_interval`` clean steps."""
-
-    scale: float = 2.0**16
-    growth_interval: int = 2000
-    dynamic: bool = True
-    clean_steps: int = 0
-    skipped_steps: int = 0
-
-    def update(self, found_inf: bool) -> None:
-        if not self.dynamic:
-            if found_inf:
-                self.skipped_steps += 1
-            return
-        if found_inf:
-            self.scale = max(self.scale / 2.0, 1.0)
-            self.clean_steps = 0
-            self.skipped_steps += 1
-        else:
-            self.clean_steps += 1
-            if self.clean_steps >= self.growth_interval:
-                self.scale *= 2.0
-                self.clean_steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> int:

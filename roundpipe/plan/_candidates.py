@@ -1,10 +1,10 @@
-"""Candidate plans made of even chains, and the steady-state search over them.
+"""Candidate plans made of even chains.
 
 `partition`'s t_max search gives the optimum of a proxy; several plans can share that optimum and
 round-robin stalls on uneven ones (a 1-layer stage behind 9-layer stages). This module makes the
 plans worth comparing: for a slot count and a fused stage, each chain (forward, backward) is cut
 into the stage count nearest the even split of the work, with its largest stage as small as
-possible and its stages as even as possible (`balanced_split`). `steady_search` picks among them
+possible and its stages as even as possible (`balanced_split`). `_steady_search` picks among them
 by the steady-state model (``_steady``); `neighbourhood` lists them around a given plan for
 `choose_plan` to order and evaluate. Plain integers (ticks) only: it must never build `Plan`
 objects, raise on user input (partition validates first), or import torch.
@@ -12,7 +12,6 @@ objects, raise on user input (partition validates first), or import torch.
 
 from __future__ import annotations
 
-import heapq
 import math
 from array import array
 from bisect import bisect_left, bisect_right
@@ -21,7 +20,6 @@ from operator import neg, sub
 from typing import TYPE_CHECKING
 
 from roundpipe.plan import native
-from roundpipe.plan._steady import steady_bound_ticks, steady_period
 
 if TYPE_CHECKING:
     from roundpipe.plan._search import Ticks
@@ -47,6 +45,13 @@ def balanced_split(
     if kernels is not None and isinstance(pre, array) and isinstance(reach, array):
         ends = kernels.balanced_split(pre, stop, parts, reach, larger_last)  # the same, compiled
         return None if ends is None else [range(a, b) for a, b in zip([0, *ends], ends, strict=False)]
+    return _balanced_split(pre, stop, parts, reach, larger_last)
+
+
+def _balanced_split(
+    pre: Sequence[int], stop: int, parts: int, reach: Sequence[int], larger_last: bool
+) -> list[range] | None:
+    """`balanced_split` in Python (the reference of the compiled one), ``parts`` within [1, stop]."""
 
     def nxt(i: int, t: int) -> int:
         return min(bisect_right(pre, pre[i] + t, i + 1, stop + 1) - 1, reach[i])
@@ -183,13 +188,6 @@ def _least_largest_part(
 
 _JUMPS = 8
 """Breakpoint jumps before bisection in `_least_largest_part`."""
-
-
-STEADY_MAX_SPREAD = 1.5
-"""The steady-state model is trusted for plans whose slowest stage is at most this many times the
-mean stage: a much slower stage (typically one forward stage holding every layer) feeds the runs
-after it slower than they compute, and they then hold their devices longer than the model counts
-(measured: 15-20% bubble where it predicts 3%). Such plans are not candidates."""
 
 
 class EvenChains:
@@ -355,82 +353,3 @@ def _mean_slot_fused_start(ticks: Ticks, s_count: int) -> int:
     while p > ticks.p_mem and s_count * (fb[n] - fb[p - 1]) <= fwd[p - 1] + fb[n]:
         p -= 1
     return p
-
-
-def steady_search(
-    ticks: Ticks, num_devices: int, rounds: Sequence[int], chains: EvenChains | None = None
-) -> Stages | None:
-    """The plan with the shortest modelled async iteration (`steady_period`), or None.
-
-    Candidates: every fused suffix that fits memory and is not slower than the spread allows; every
-    slot count S from N (fewer slots leave devices idle in every round; more if memory needs them)
-    up to 2N more; even chains (`EvenChains.plans`); and no fused stage slower than all the others.
-    Ties go to fewer slots, then to a longer fused stage. `steady_bound` orders the candidates, so
-    most are never timed exactly. ``chains`` (over ``ticks``) shares its splits with the caller.
-    """
-    n, fwd, fb = ticks.n, ticks.fwd, ticks.fb
-    total = fwd[n] + fb[n]  # an upper bound of any plan's work (everything recomputed)
-    chains = chains if chains is not None else EvenChains(ticks)
-    # From N (or the fewest slots memory allows) up to 2N more: beyond, stages only get smaller
-    # while the transfers per slot (not in the model) grow.
-    lowest = max(num_devices, ticks.probe(ticks.t_top)[0])
-    pairs: list[tuple[float, int, int, int]] = []  # (work bound, order, slot count, fused start)
-    for s_count in range(lowest, max(3 * num_devices, lowest + 2 * num_devices) + 1):
-        for p in range(n - 1, ticks.p_mem - 1, -1):
-            if fb[n] - fb[p] > STEADY_MAX_SPREAD * total / s_count:
-                break  # longer suffixes are slower still
-            # `steady_bound`'s first term, exactly: every plan of p has the work fwd[p] + fb[n]
-            work = sum(rounds) * math.fsum([fwd[p] + fb[n]]) / num_devices
-            pairs.append((work, len(pairs), s_count, p))
-    pairs.sort()
-
-    def candidates(pair: tuple[float, int, int, int]) -> Iterable[Candidate]:
-        _, order, s_count, p = pair
-        fused_t = fb[n] - fb[p]
-        for k, (slots, stages) in enumerate(chains.plans(s_count, p)):
-            others = slots[: len(stages[0])] + slots[len(stages[0]) + 1 :]
-            if p and fused_t > max(others):
-                continue  # a fused stage slower than all others starves the backward stages behind it
-            if max(slots) * len(slots) > STEADY_MAX_SPREAD * sum(slots):
-                continue
-            yield steady_bound_ticks(slots, num_devices, rounds), len(slots), p, order, k, slots, stages
-
-    return _least_period(pairs, candidates, num_devices, rounds)
-
-
-Candidate = tuple[float, int, int, int, int, list[int], Stages]
-"""A plan of `steady_search`: its bound, slot count, fused start, place in the search's order, then
-its slot times and stages."""
-
-
-def _least_period(
-    pairs: list[tuple[float, int, int, int]],
-    candidates: Callable[[tuple[float, int, int, int]], Iterable[Candidate]],
-    num_devices: int,
-    rounds: Sequence[int],
-) -> Stages | None:
-    """Exact periods in order of the lower bounds (then fewer slots, a longer fused stage, search
-    order), until no bound can beat (or tie) the best. Periods within float noise of each other
-    tie: then fewer slots, then a longer fused stage. The plans of a (slot count, fused start) pair
-    are cut only once the pair's work bound (``pairs``, ascending) could come first: each of its
-    plans' bounds is at least that, so the order is that of all plans bounded and sorted."""
-    best_period = math.inf
-    best_tie = (0, 0)
-    best_plan: Stages | None = None
-    heap: list[Candidate] = []
-    at = 0
-    while True:
-        while at < len(pairs) and (not heap or pairs[at][0] <= heap[0][0]):
-            for candidate in candidates(pairs[at]):
-                heapq.heappush(heap, candidate)
-            at += 1
-        if not heap:
-            return best_plan
-        bound, s_count, p, _, _, slots, plan = heapq.heappop(heap)
-        if bound > best_period * (1 + 1e-9):
-            return best_plan
-        period = steady_period(slots, num_devices, rounds)
-        if period < best_period * (1 - 1e-9) or (
-            period <= best_period * (1 + 1e-9) and (s_count, p) < best_tie
-        ):
-            best_period, best_tie, best_plan = period, (s_count, p), plan

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
-from roundpipe.plan import _candidates, _stream
+from roundpipe.plan import _candidates
 from roundpipe.plan._ranking import _Candidate, _rank, _stages, _StageTimes
+from roundpipe.plan._stream_graph import Shape
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
+
+Ranked = list[tuple[float, Plan]]
+"""Plans with their modelled times, best first."""
 
 SLOT_REACH, FUSED_REACH = 2, 3
 """Candidates: slot counts within SLOT_REACH of a proxy's plan, fused stages starting within
@@ -89,83 +95,37 @@ def _ranked_candidates(
     late: bool = False,
     dealt: int = 0,
     wider_listed: int = 0,
-) -> tuple[
-    list[tuple[float, Plan]], list[tuple[float, Plan]], list[tuple[float, Plan]], list[tuple[float, Plan]]
-]:
+) -> tuple[Ranked, Ranked, Ranked, Ranked]:
     """Even plans around each proxy plan (and the proxies; sync, also those of more slots up to
     `many_slots`), best modelled first; apart, the best
     modelled of the even plans with N+1 to 2N slots and a fused stage about the mean slot;
     (``loop``, async) the best of the even plans of up to N slots by the model of a training
-    loop's submission; and the best ``dealt`` of the plans with 2N backward stages beyond 2N
-    slots (`_candidates.dealt_backward`) by that model too, those it puts no slower than the
-    ``needed``-th of the first list (`DEALT_LISTED`), and with them the best ``wider_listed`` of
-    the wider plans below by that model, on the same condition (`WIDER_LISTED`).
+    loop's submission (`_few_best`); and the best ``dealt`` of the plans with 2N backward stages
+    beyond 2N slots and the best ``wider_listed`` of the wider plans below, by that model too
+    (`_also_listed`).
 
     Those wider plans (a 1-3 layer fused stage, stages a little shorter than with N slots) are the
     fastest on several grid shapes (up to 11% faster than the others), but the ranking model is
     off by up to 20% on async plans: ranked with the rest they displace, on other shapes, the plan
     the engine prefers. So the best of them is timed in addition, and only when the model puts it
-    first of all. ``needed``: how many of the ranked plans the caller reads, best first.
-
-    Why the third: the async ranking models a chained run (cheap to prune, and it orders the
-    many-slot plans as the loop's evaluation does), but a plan of up to N slots runs its rounds
-    side by side, and the idle devices a chained run lends to the next iteration a loop cannot
-    lend, so the chained model ranks those plans against the rest by a time they do not run in.
-    Among themselves they are ranked by the loop's model (`stream_ms` with ``gate``), and their
-    best is timed in addition. On the 48 (8, 16) async grid shapes of 24-32 layers that brings the
-    chosen plan within 0.19% of the fastest even plan on the mean (2.5% at most), against 4.0%
-    (11.8%) with the chained ranking alone; ranking every candidate by the loop's model instead
-    made 20 of 64 grid shapes slower, by up to 8.4% (docs/performance.md)."""
-    n, m = proxies[0].num_devices, proxies[0].num_microbatches
-    plans = {_stages(p): _Candidate(p) for p in proxies}
-    around = (
-        _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
-        for proxy in proxies
-    )
-    longer = 0 if async_optimizer else SYNC_LONGER_FUSED
-    families = [*around, _candidates.balanced_fused(chains, range(1, n + 1), longer)]
-    if not async_optimizer:  # and the sync plans of more slots than the proxies' (`many_slots`)
-        top = max(p.num_slots for p in proxies) + SLOT_REACH
-        families.append(_candidates.balanced_fused(chains, range(top + 1, many_slots(n, m) + 1)))
-        families.append(_candidates.finest(chains, FINEST_FUSED_LAYERS))
-    times = _StageTimes(costs)
-    few: dict[object, _Candidate] = {}  # the plans of up to N slots
-    for family in families:
-        for _, stages in family:
-            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
-            if key not in plans:
-                plans[key] = _Candidate(None, key, times.of(*key), n, m)
-            if len(stages[0]) + 1 + len(stages[2]) <= n:
-                few[key] = plans[key]
-
-    def apart(
-        family: Iterable[_candidates.EvenPlan], *seen: dict[object, _Candidate]
-    ) -> dict[object, _Candidate]:
-        """A family's plans not among ``plans`` nor ``seen``, to be ranked apart from them."""
-        out: dict[object, _Candidate] = {}
-        for _, stages in family:
-            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
-            if key not in plans and key not in out and all(key not in other for other in seen):
-                out[key] = _Candidate(None, key, times.of(*key), n, m)
-        return out
-
-    wider = apart(_candidates.balanced_fused(chains, range(n + 1, 2 * n + 1), longer))
+    first of all. ``needed``: how many of the ranked plans the caller reads, best first."""
+    n = proxies[0].num_devices
+    pool, few, wider = _gathered(costs, proxies, chains, rounds, async_optimizer)
     # Sync bounds are meant as true lower bounds of the model, so that the first ``needed`` are
     # exact with ``keep=needed`` (they are not quite: see `_rank`'s shared bound); the async
     # window's time per iteration can fall under its bound (iterations overlap), so there the
     # margin of 4 stays.
     keep = 4 if async_optimizer else needed
-    shapes: dict[object, _stream.Shape] = {}  # the stream model's task graphs, for every ranking here
     ranked = _rank(
-        list(plans.values()),
+        list(pool.plans.values()),
         *(n, rounds, async_optimizer),
         keep=keep,
         reads=max(keep, needed),
-        times=times,
+        times=pool.times,
         # Sync: the proxies first (a good plan, whose time then prunes the rest sooner: 3 of 40 ms
         # at 94 layers); the order changes what is pruned, not the first ``reads`` (see `_rank`).
         first=0 if async_optimizer else len(proxies),
-        shapes=shapes,
+        shapes=pool.shapes,
         # A loop waiting for each loss: every candidate by the loop's model (the late loop runs
         # most plans as a chained run does, so its ranking stays chained).
         loop=loop and not late,
@@ -173,43 +133,145 @@ def _ranked_candidates(
     # With sync bounds (as above) a wider plan whose bound is past the best modelled plan above
     # could not be timed (see `choose_plan`), so it need not be modelled.
     cutoff = ranked[0][0] if ranked and not async_optimizer else math.inf
-    extra = _rank(
-        list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, times=times, shapes=shapes
-    )
+    extra = _rank(list(wider.values()), n, rounds, async_optimizer, keep=1, cutoff=cutoff, **pool.shared())
+    few_best = _few_best(pool, few, ranked, chains, loop, late)
+    also_listed = _also_listed(pool, ranked, chains, wider, needed, dealt, wider_listed)
+    return ranked, extra[:1], few_best, also_listed
+
+
+@dataclass
+class _Pool:
+    """The candidates of one `_ranked_candidates` call and what every ranking of them shares: the
+    stage times, the stream model's task graphs (built once per plan shape), the run's devices,
+    microbatches and rounds."""
+
+    times: _StageTimes
+    num_devices: int
+    num_microbatches: int
+    rounds: tuple[int, ...]
+    plans: dict[object, _Candidate]
+    shapes: dict[object, Shape] = field(default_factory=dict)
+
+    def apart(
+        self, family: Iterable[_candidates.EvenPlan], *seen: dict[object, _Candidate]
+    ) -> dict[object, _Candidate]:
+        """A family's plans not among ``plans`` nor ``seen``, to be ranked apart from them."""
+        out: dict[object, _Candidate] = {}
+        for _, stages in family:
+            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
+            if key not in self.plans and key not in out and all(key not in other for other in seen):
+                out[key] = _Candidate(None, key, self.times.of(*key), self.num_devices, self.num_microbatches)
+        return out
+
+    def shared(self) -> dict[str, Any]:
+        """What every `_rank` call of the pool passes: the stage times and the task graphs."""
+        return {"times": self.times, "shapes": self.shapes}
 
     def best_in_loop(
-        candidates: dict[object, _Candidate], keep: int, cutoff: float = math.inf, late: bool = False
+        self, candidates: dict[object, _Candidate], keep: int, cutoff: float = math.inf, late: bool = False
     ) -> list[tuple[float, Plan]]:
         """The best ``keep`` of ``candidates`` by the model of a training loop's submission (one
         loss late with ``late``), none past ``cutoff``."""
         return _rank(
             list(candidates.values()),
-            n,
-            rounds,
+            self.num_devices,
+            self.rounds,
             True,
             keep=keep,
             cutoff=cutoff,
-            times=times,
+            times=self.times,
             loop=True,
             late=late,
-            shapes=shapes,
+            shapes=self.shapes,
         )[:keep]
 
-    few_best = best_in_loop(few, 1) if loop else []
+
+def _gathered(
+    costs: LayerCosts,
+    proxies: list[Plan],
+    chains: _candidates.EvenChains,
+    rounds: tuple[int, ...],
+    async_optimizer: bool,
+) -> tuple[_Pool, dict[object, _Candidate], dict[object, _Candidate]]:
+    """The ranked families' plans, the proxies first (`_ranked_candidates`); the plans of up to N
+    slots among them; and apart from them the wider plans, of N+1 to 2N slots."""
+    n, m = proxies[0].num_devices, proxies[0].num_microbatches
+    longer = 0 if async_optimizer else SYNC_LONGER_FUSED
+    pool = _Pool(_StageTimes(costs), n, m, rounds, {_stages(p): _Candidate(p) for p in proxies})
+    around = (
+        _candidates.neighbourhood(chains, proxy.num_slots, proxy.fused.start, SLOT_REACH, FUSED_REACH)
+        for proxy in proxies
+    )
+    families = [*around, _candidates.balanced_fused(chains, range(1, n + 1), longer)]
+    if not async_optimizer:  # and the sync plans of more slots than the proxies' (`many_slots`)
+        top = max(p.num_slots for p in proxies) + SLOT_REACH
+        families.append(_candidates.balanced_fused(chains, range(top + 1, many_slots(n, m) + 1)))
+        families.append(_candidates.finest(chains, FINEST_FUSED_LAYERS))
+    plans, few = pool.plans, dict[object, _Candidate]()
+    for family in families:
+        for _, stages in family:
+            key = (tuple(stages[0]), stages[1], tuple(stages[2]))
+            if key not in plans:
+                plans[key] = _Candidate(None, key, pool.times.of(*key), n, m)
+            if len(stages[0]) + 1 + len(stages[2]) <= n:
+                few[key] = plans[key]
+    wider = pool.apart(_candidates.balanced_fused(chains, range(n + 1, 2 * n + 1), longer))
+    return pool, few, wider
+
+
+def _few_best(
+    pool: _Pool,
+    few: dict[object, _Candidate],
+    ranked: list[tuple[float, Plan]],
+    chains: _candidates.EvenChains,
+    loop: bool,
+    late: bool,
+) -> list[tuple[float, Plan]]:
+    """(``loop``) The best of the plans of up to N slots by the loop's model; for a loop one loss
+    late also the chained ranking's best few of them (`LATE_FEW_TIMED`), the best by that loop's
+    own model (`LATE_MODELLED`) and the best of equal stages (`LATE_EQUAL_TIMED`).
+
+    Why: the async ranking models a chained run (cheap to prune, and it orders the many-slot plans
+    as the loop's evaluation does), but a plan of up to N slots runs its rounds side by side, and
+    the idle devices a chained run lends to the next iteration a loop cannot lend, so the chained
+    model ranks those plans against the rest by a time they do not run in. Among themselves they
+    are ranked by the loop's model (`stream_ms` with ``gate``), and their best is timed in
+    addition. On the 48 (8, 16) async grid shapes of 24-32 layers that brings the chosen plan
+    within 0.19% of the fastest even plan on the mean (2.5% at most), against 4.0% (11.8%) with
+    the chained ranking alone; ranking every candidate by the loop's model instead made 20 of 64
+    grid shapes slower, by up to 8.4% (docs/performance.md)."""
+    n = pool.num_devices
+    few_best = pool.best_in_loop(few, 1) if loop else []
     if late:  # a loop one loss late runs most plans as the chained model does (`choose_plan`):
         # the best few-slot plans of the chained ranking above (modelled there already)
         few_best += [timed for timed in ranked if timed[1].num_slots <= n][:LATE_FEW_TIMED]
         if LATE_MODELLED:  # and the best few by the model of a loop one loss late
-            few_best += best_in_loop(few, LATE_MODELLED, late=True)
+            few_best += pool.best_in_loop(few, LATE_MODELLED, late=True)
         if LATE_EQUAL_TIMED:  # and of the plans of equal stages, not among them
-            equal = apart(_candidates.equal_splits(chains, range(1, n + 1), EQUAL_SPLIT_REACH), few)
-            few_best += best_in_loop(equal, LATE_EQUAL_TIMED, late=True)
+            equal = pool.apart(_candidates.equal_splits(chains, range(1, n + 1), EQUAL_SPLIT_REACH), few)
+            few_best += pool.best_in_loop(equal, LATE_EQUAL_TIMED, late=True)
+    return few_best
+
+
+def _also_listed(
+    pool: _Pool,
+    ranked: list[tuple[float, Plan]],
+    chains: _candidates.EvenChains,
+    wider: dict[object, _Candidate],
+    needed: int,
+    dealt: int,
+    wider_listed: int,
+) -> list[tuple[float, Plan]]:
+    """The best ``dealt`` of the plans with 2N backward stages beyond 2N slots
+    (`_candidates.dealt_backward`) by the loop's model, those it puts no slower than the
+    ``needed``-th of ``ranked`` (`DEALT_LISTED`), and with them the best ``wider_listed`` of the
+    ``wider`` plans by that model, on the same condition (`WIDER_LISTED`)."""
     also_listed: list[tuple[float, Plan]] = []
     if ranked:  # by the loop's model, as ``ranked``, and only where they would be listed
         listed_ms = ranked[min(len(ranked), needed) - 1][0]
         if dealt:
-            others = apart(_candidates.dealt_backward(chains, n), wider)
-            also_listed += best_in_loop(others, dealt, cutoff=listed_ms)
+            others = pool.apart(_candidates.dealt_backward(chains, pool.num_devices), wider)
+            also_listed += pool.best_in_loop(others, dealt, cutoff=listed_ms)
         if wider_listed:
-            also_listed += best_in_loop(wider, wider_listed, cutoff=listed_ms)
-    return ranked, extra[:1], few_best, also_listed
+            also_listed += pool.best_in_loop(wider, wider_listed, cutoff=listed_ms)
+    return also_listed

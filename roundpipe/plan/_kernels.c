@@ -1,7 +1,7 @@
 /* The inner loops of plan evaluation, compiled.
 
 Why this file exists: `choose_plan` ranks tens to hundreds of candidate plans with list-schedule
-models (`_stream.event_loop`, for `_stream.stream_ms` and `_split_stream.split_ms`) and times the best few with a
+models (`_event_loop.event_loop`, for `_stream.stream_ms` and `_split_stream.split_ms`) and times the best few with a
 replay of the engine's start rule (`roundpipe.plan_replay.replay_starts`). At 94 layers those
 three loops are most of a choice's time, each a heap of events over thousands of tasks, and in
 Python each event costs a microsecond or more. Here they run the same steps on C arrays.
@@ -234,9 +234,9 @@ typedef struct {
     int broken; /* a dependency on a task that does not exist: `GraphBuilder` would raise */
 } Graph;
 
-/* ---- the stream models' loop: `_stream.event_loop` ---------------------------------------- */
+/* ---- the stream models' loop: `_event_loop.event_loop` ---------------------------------------- */
 
-/* One loop for both models, as in Python (`_stream.event_loop`): a free
+/* One loop for both models, as in Python (`_event_loop.event_loop`): a free
    device starts its ready task first in dispatch order; computes end in time order; dependencies
    met after transfers (codes past k) come once every compute of the instant has ended. Optional
    parts (NULL when unused): extra dependents (`_stream`'s weight waits and gate), the watched
@@ -1108,7 +1108,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- stream_extras: the weight waits and the gate of `_stream._structure` -------------- */
+/* ---- stream_extras: the weight waits and the gate of `_stream_graph._structure` -------------- */
 
 static PyObject *stream_extras(PyObject *self, PyObject *args) {
     PyObject *o_run_start, *o_unmet, *o_woff, *o_widx, *o_soff, *o_sidx;
@@ -1294,7 +1294,7 @@ static PyObject *split_layout(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- stream_base: `_stream._runs_structure` ---------------------------------------------- */
+/* ---- stream_base: `_stream_graph._runs_structure` ---------------------------------------------- */
 
 static PyObject *stream_base(PyObject *self, PyObject *args) {
     PyObject *o_rounds;
@@ -1968,10 +1968,10 @@ done:
     return out;
 }
 
-/* ---- sharers: `_stream.sharers` and `_stream.weight_waits` ------------------------------ */
+/* ---- sharers: `_sharing.sharers` and `_sharing.weight_waits` ------------------------------ */
 
 /* The stages in dispatch order (a sequence of ranges) and the forward stage count: per stage the
-   stages that overlap it, itself included, ascending (`_stream.sharers`: its chain walk finds the
+   stages that overlap it, itself included, ascending (`_sharing.sharers`: its chain walk finds the
    same pairs), and of those the ones from the fused stage on (`weight_waits`), as tuples. */
 static int range_bounds(PyObject *r, i64 *start, i64 *stop) {
     PyObject *a = PyObject_GetAttrString(r, "start");
@@ -2045,9 +2045,9 @@ done:
 
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS, "`GraphBuilder`'s graph for plan evaluation, packed."},
-    {"stream_extras", stream_extras, METH_VARARGS, "`_stream._structure`'s extra dependents."},
+    {"stream_extras", stream_extras, METH_VARARGS, "`_stream_graph._structure`'s extra dependents."},
     {"split_layout", split_layout, METH_VARARGS, "`SplitGraph.layout`, packed."},
-    {"stream_base", stream_base, METH_VARARGS, "`_stream._runs_structure`, packed."},
+    {"stream_base", stream_base, METH_VARARGS, "`_stream_graph._runs_structure`, packed."},
     {"span", span, METH_VARARGS, "The makespan of a replay: max(start + dur) - min(start)."},
     {"balanced_split", balanced_split, METH_VARARGS, "`_candidates.balanced_split`: the part ends."},
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
@@ -2058,7 +2058,7 @@ static PyMethodDef methods[] = {
     {"busiest_share", busiest_share, METH_VARARGS, "`dispatch.busiest_device_share`."},
     {"steady_period_of", steady_period_of, METH_VARARGS, "`_steady.steady_period`, graph and all."},
     {"steady_bound_ticks", steady_bound_ticks, METH_VARARGS, "`_steady.steady_bound` on integer slots."},
-    {"sharers", sharers, METH_VARARGS, "`_stream.sharers` and `_stream.weight_waits`, as tuples."},
+    {"sharers", sharers, METH_VARARGS, "`_sharing.sharers` and `_sharing.weight_waits`, as tuples."},
     {NULL, NULL, 0, NULL},
 };
 

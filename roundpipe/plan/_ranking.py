@@ -16,9 +16,11 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Sequence
 
-from roundpipe.plan import _split_stream, _stream
+from roundpipe.plan import _split_stream
+from roundpipe.plan._sharing import sharers_and_waits
 from roundpipe.plan._split_stream import Split, split_ms
-from roundpipe.plan._stream import sharers_and_waits, stream_ms
+from roundpipe.plan._stream import stream_ms
+from roundpipe.plan._stream_graph import Shape
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.partition import Plan
@@ -172,7 +174,7 @@ def _rank(
     loop: bool = False,
     late: bool = False,
     longer: bool = False,
-    shapes: dict[object, _stream.Shape] | None = None,
+    shapes: dict[object, Shape] | None = None,
 ) -> list[tuple[float, Plan]]:
     """``plans`` with their modelled times, best first, in order of a lower bound: a plan whose
     bound is past the ``keep``-th best modelled time so far, or past ``cutoff``, is not modelled
@@ -192,28 +194,77 @@ def _rank(
     its gradient, as the engine runs it: the whole-microbatch `stream_ms` is up to 16% slow on
     plans whose backward runs wait for gradients, and often left the engine's best out of the few
     timed), and bounded for it."""
-    n = num_devices
-    m = sum(rounds)
-    largest_round = max(rounds)
-    splits: dict[int, Split] = {}  # by id of the candidate (sync plans)
+    model = _Model(times, num_devices, rounds, async_optimizer, loop, late, longer, shapes)
+    modelled: list[tuple[float, float, int, _Candidate]] = []
+    reads = max(reads, keep)
+    best: list[float] = []  # every modelled time so far, ascending
+    for lower, i, p in _by_bound(plans, model.shared, model.bound, first=first):
+        kept = best[keep - 1] if len(best) >= keep else math.inf
+        if lower > min(kept, cutoff) * (1 + 1e-9):
+            break
+        ms = model.ms(p, give_up=min(best[reads - 1] if len(best) >= reads else math.inf, cutoff))
+        if ms == math.inf:
+            continue  # past the reads-th best (or the cutoff): modelled only as far as that shows
+        modelled.append((ms, spread(p), i, p))
+        insort(best, ms)
+    modelled.sort(key=lambda x: x[:3])
+    return [(x[0], x[3].plan()) for x in modelled]
 
-    def split_of(p: _Candidate) -> Split:
-        if id(p) not in splits:
-            splits[id(p)] = times.split(p.fwd_stages, p.fused, p.bwd_stages)
-        return splits[id(p)]
 
-    def shared(p: _Candidate) -> float:
-        work = m * math.fsum(p.slot_ms) / n  # every device's share of the work
-        if async_optimizer and loop:
+def _window(loop: bool, late: bool, longer: bool) -> tuple[int, tuple[int, int]]:
+    """The iterations an async ranking models and the window it reads (see `_rank`)."""
+    if late:
+        return LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW
+    if loop and longer:
+        return LONG_LOOP_MODEL_ITERATIONS, LONG_LOOP_MODEL_WINDOW
+    return (LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW) if loop else (MODEL_ITERATIONS, MODEL_WINDOW)
+
+
+class _Model:
+    """One ranking's model of a candidate's time (`_rank`) and the lower bounds of it that let
+    most candidates be dropped unmodelled, with what they share across candidates: the split
+    models of sync plans, the busiest device's share of async ones, the task graphs of both."""
+
+    def __init__(
+        self,
+        times: _StageTimes,
+        num_devices: int,
+        rounds: tuple[int, ...],
+        async_optimizer: bool,
+        loop: bool,
+        late: bool,
+        longer: bool,
+        shapes: dict[object, Shape] | None,
+    ) -> None:
+        self.times, self.n, self.rounds = times, num_devices, rounds
+        self.m, self.largest_round = sum(rounds), max(rounds)
+        self.async_optimizer, self.loop, self.late = async_optimizer, loop, late
+        self.iterations, self.window = _window(loop, late, longer)
+        self.splits: dict[int, Split] = {}  # by id of the candidate (sync plans)
+        self.floors: dict[int, float] = {}  # by id of the candidate (async plans)
+        # plans of one slot count share a task graph (the caller's, if it ranks again)
+        self.shapes: dict[object, Shape] = {} if shapes is None else shapes
+        self.graphs: dict[object, _split_stream.SplitGraph] = {}  # so do split models (`split_ms`)
+
+    def split_of(self, p: _Candidate) -> Split:
+        if id(p) not in self.splits:
+            self.splits[id(p)] = self.times.split(p.fwd_stages, p.fused, p.bwd_stages)
+        return self.splits[id(p)]
+
+    def shared(self, p: _Candidate) -> float:
+        """The least time of any plan given its work alone, shared evenly by the devices."""
+        n = self.n
+        work = self.m * math.fsum(p.slot_ms) / n  # every device's share of the work
+        if self.async_optimizer and self.loop:
             # A loop submits iteration t + 1 once iteration t's fused runs are done, and a fused run
             # computes its round's microbatches one after the other, the first once it has been
             # through the forward slots: no iteration is shorter than that.
             f = len(p.fwd_stages)
-            return max(work, (math.fsum(p.slot_ms[:f]) + largest_round * p.slot_ms[f]) / (1 + late))
-        if async_optimizer:
+            return max(work, (math.fsum(p.slot_ms[:f]) + self.largest_round * p.slot_ms[f]) / (1 + self.late))
+        if self.async_optimizer:
             return work
         # `split_ms`: `Split.heads` of the first N slots, `Split.tails` of the last N
-        fill = times.split_fill(p.fwd_stages, p.bwd_stages, p.slot_ms, n)
+        fill = self.times.split_fill(p.fwd_stages, p.bwd_stages, p.slot_ms, n)
         # device d starts after d slots and stops d slots before the end. Not a true lower bound
         # with S < 2N slots and several rounds (a later round's first slots can start at time 0
         # on a device whose first round-0 slot comes later), so the order of the plans decides
@@ -221,65 +272,42 @@ def _rank(
         # sync choices (28 layers bwd 3.8x head 4x: 430.8 -> 430.6 ms; 32/2.0/4: 339.3 -> 346.0)
         return work + fill / n
 
-    floors: dict[int, float] = {}  # by id of the candidate (async plans)
-
-    def floor(p: _Candidate) -> float:
+    def floor(self, p: _Candidate) -> float:
         # A loop's evaluation never reads less than the busiest device's share (`settled_ms`),
         # and round-robin can give one device much more than the mean: a model's window cannot
         # see the backlog that builds there over tens of iterations.
-        if id(p) not in floors:
-            floors[id(p)] = busiest_device_share(p.slot_ms, n, rounds)
-        return floors[id(p)]
+        if id(p) not in self.floors:
+            self.floors[id(p)] = busiest_device_share(p.slot_ms, self.n, self.rounds)
+        return self.floors[id(p)]
 
-    def bound(p: _Candidate, least: float) -> float:  # ``least``: shared(p)
-        if async_optimizer:
-            return max(least, floor(p))
-        split = split_of(p)
-        return max(least, device_bound(p.slot_ms, n, rounds, split.heads(p.slot_ms), split.tails(p.slot_ms)))
+    def bound(self, p: _Candidate, least: float) -> float:  # ``least``: shared(p)
+        if self.async_optimizer:
+            return max(least, self.floor(p))
+        split = self.split_of(p)
+        heads, tails = split.heads(p.slot_ms), split.tails(p.slot_ms)
+        return max(least, device_bound(p.slot_ms, self.n, self.rounds, heads, tails))
 
-    if late:
-        iterations, window = LATE_MODEL_ITERATIONS, LATE_MODEL_WINDOW
-    elif loop and longer:
-        iterations, window = LONG_LOOP_MODEL_ITERATIONS, LONG_LOOP_MODEL_WINDOW
-    else:
-        iterations, window = (
-            (LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW) if loop else (MODEL_ITERATIONS, MODEL_WINDOW)
-        )
-    modelled: list[tuple[float, float, int, _Candidate]] = []
-    if shapes is None:
-        shapes = {}  # plans of one slot count share a task graph (the caller's, if it ranks again)
-    graphs: dict[object, _split_stream.SplitGraph] = {}  # so do split models (`split_ms`)
-    reads = max(reads, keep)
-    best: list[float] = []  # every modelled time so far, ascending
-    for lower, i, p in _by_bound(plans, shared, bound, first=first):
-        kept = best[keep - 1] if len(best) >= keep else math.inf
-        if lower > min(kept, cutoff) * (1 + 1e-9):
-            break
-        give_up = min(best[reads - 1] if len(best) >= reads else math.inf, cutoff)
-        if async_optimizer:
-            shares, waits = sharers_and_waits(p.fwd_stages, p.fused, p.bwd_stages)
-            ms = stream_ms(
-                p.slot_ms,
-                n,
-                rounds,
-                iterations=iterations,
-                window=window,
-                weight_waits=waits,
-                sharers=shares,
-                give_up=give_up,
-                shapes=shapes,
-                gate=len(p.fwd_stages) if loop else None,
-                gate_lag=int(late),
+    def ms(self, p: _Candidate, give_up: float) -> float:
+        """``p``'s modelled time, or inf once it shows to be past ``give_up``."""
+        if not self.async_optimizer:
+            return split_ms(
+                p.slot_ms, self.split_of(p), self.n, self.rounds, give_up=give_up, graphs=self.graphs
             )
-            ms = max(ms, floor(p))
-        else:
-            ms = split_ms(p.slot_ms, split_of(p), n, rounds, give_up=give_up, graphs=graphs)
-        if ms == math.inf:
-            continue  # past the reads-th best (or the cutoff): modelled only as far as that shows
-        modelled.append((ms, spread(p), i, p))
-        insort(best, ms)
-    modelled.sort(key=lambda x: x[:3])
-    return [(x[0], x[3].plan()) for x in modelled]
+        shares, waits = sharers_and_waits(p.fwd_stages, p.fused, p.bwd_stages)
+        ms = stream_ms(
+            p.slot_ms,
+            self.n,
+            self.rounds,
+            iterations=self.iterations,
+            window=self.window,
+            weight_waits=waits,
+            sharers=shares,
+            give_up=give_up,
+            shapes=self.shapes,
+            gate=len(p.fwd_stages) if self.loop else None,
+            gate_lag=int(self.late),
+        )
+        return max(ms, self.floor(p))
 
 
 def _by_bound(

@@ -67,26 +67,31 @@ def _refine(
     by the ranking model (the loop's model for plans of up to N slots when ``loop``), and around
     a plan of up to N slots for a loop one loss late (``late``) the `REFINE_LATE_TIMED` best by
     that loop's own model."""
-    n, m = chains.ticks.n, sum(rounds)
-    timed, time = timer.timed, timer.time
-    num_devices = next(iter(timed.values()))[1].num_devices
-    times = _StageTimes(costs)
-
-    def best(plans: Iterable[tuple[float, Plan]]) -> Plan:
-        return min(plans, key=lambda timed_plan: timed_plan[0])[1]
-
-    def even_candidates(s_count: int, fused_start: int) -> list[_Candidate]:
-        if not chains.ticks.p_mem <= fused_start < n or s_count < 1:
-            return []
-        keys = [(tuple(f), fused, tuple(b)) for _, (f, fused, b) in chains.plans(s_count, fused_start)]
-        return [_Candidate(None, key, times.of(*key), num_devices, m) for key in keys]
-
+    num_devices = next(iter(timer.timed.values()))[1].num_devices
+    evens = _Evens(chains, _StageTimes(costs), num_devices, sum(rounds))
     for plan in wider:
-        time(plan)
-    for plan in [best(timed.values()), *wider]:
-        for candidate in even_candidates(plan.num_slots, plan.fused.start):
-            time(candidate.plan())
-    first = best(timed.values())
+        timer.time(plan)
+    for plan in [_best(timer.timed.values()), *wider]:
+        for candidate in evens.of(plan.num_slots, plan.fused.start):
+            timer.time(candidate.plan())
+    for around in _starts(timer, num_devices):
+        near = evens.near(around, timer)
+        few = async_optimizer and loop and around.num_slots <= num_devices
+        ranking = (evens.times, num_devices, rounds)
+        _time_best(timer, near, REFINE_TIMED, *ranking, async_optimizer, loop=few)
+        if few and late and REFINE_LATE_TIMED:  # and by the late loop's own model
+            _time_best(timer, near, REFINE_LATE_TIMED, *ranking, True, loop=True, late=True)
+
+
+def _best(plans: Iterable[tuple[float, Plan]]) -> Plan:
+    return min(plans, key=lambda timed_plan: timed_plan[0])[1]
+
+
+def _starts(timer: _Timer, num_devices: int) -> list[Plan]:
+    """The plans `_refine` looks around: the best timed, and the best of the other kind (up to N
+    slots or more than N) where that is within OTHER_KIND_WITHIN of it."""
+    timed = timer.timed
+    first = _best(timed.values())
     wide = first.num_slots > num_devices
     first_ms = timed[_stages(first)][0]
     other_kind = [
@@ -94,34 +99,58 @@ def _refine(
         for x in timed.values()
         if (x[1].num_slots > num_devices) != wide and x[0] <= first_ms * OTHER_KIND_WITHIN
     ]
-    for around in [first, *([best(other_kind)] if other_kind else [])]:
+    return [first, *([_best(other_kind)] if other_kind else [])]
+
+
+class _Evens:
+    """The even plans of a slot count and fused start (`_candidates.EvenChains.plans`), as
+    candidates the ranking models."""
+
+    def __init__(self, chains: _candidates.EvenChains, times: _StageTimes, num_devices: int, m: int) -> None:
+        self.chains, self.times, self.num_devices, self.m = chains, times, num_devices, m
+
+    def of(self, s_count: int, fused_start: int) -> list[_Candidate]:
+        if not self.chains.ticks.p_mem <= fused_start < self.chains.ticks.n or s_count < 1:
+            return []
+        plans = self.chains.plans(s_count, fused_start)
+        keys = [(tuple(f), fused, tuple(b)) for _, (f, fused, b) in plans]
+        return [_Candidate(None, key, self.times.of(*key), self.num_devices, self.m) for key in keys]
+
+    def near(self, around: Plan, timer: _Timer) -> dict[object, _Candidate]:
+        """The even plans with a slot count and a fused start within one of ``around``'s, neither
+        timed nor spared by ``timer``."""
         near: dict[object, _Candidate] = {}
         for s_count in (around.num_slots, around.num_slots - 1, around.num_slots + 1):
             for fused_start in (around.fused.start, around.fused.start - 1, around.fused.start + 1):
-                for candidate in even_candidates(s_count, fused_start):
+                for candidate in self.of(s_count, fused_start):
                     key = (candidate.fwd_stages, candidate.fused, candidate.bwd_stages)
-                    if key not in timed and key not in timer.spared:
+                    if key not in timer.timed and key not in timer.spared:
                         near.setdefault(key, candidate)
-        few = async_optimizer and loop and around.num_slots <= num_devices
-        modelled = _rank(
-            list(near.values()),
-            num_devices,
-            rounds,
-            async_optimizer,
-            keep=REFINE_TIMED,
-            times=times,
-            loop=few,
-        )
-        for _, plan in modelled[:REFINE_TIMED]:
-            time(plan)
-        if few and late and REFINE_LATE_TIMED:  # and by the late loop's own model
-            own = _rank(
-                list(near.values()),
-                *(num_devices, rounds, True),
-                keep=REFINE_LATE_TIMED,
-                times=times,
-                loop=True,
-                late=True,
-            )
-            for _, plan in own[:REFINE_LATE_TIMED]:
-                time(plan)
+        return near
+
+
+def _time_best(
+    timer: _Timer,
+    near: dict[object, _Candidate],
+    keep: int,
+    times: _StageTimes,
+    num_devices: int,
+    rounds: tuple[int, ...],
+    async_optimizer: bool,
+    *,
+    loop: bool,
+    late: bool = False,
+) -> None:
+    """Time the best ``keep`` of ``near`` by the ranking model (`_rank`'s ``loop`` and ``late``)."""
+    modelled = _rank(
+        list(near.values()),
+        num_devices,
+        rounds,
+        async_optimizer,
+        keep=keep,
+        times=times,
+        loop=loop,
+        late=late,
+    )
+    for _, plan in modelled[:keep]:
+        timer.time(plan)

@@ -10,7 +10,7 @@ than devices, the engine's time: `tests/test_schedule_models.py`). It costs abou
 
 A backward run's recompute waits for its saved activation and one parameter upload per layer,
 never for the gradient; its backward waits for the gradient and its own recompute. It shares the
-list schedule of `_stream.stream_ms` (one loop, `_stream.event_loop`) and its bounds' reasoning;
+list schedule of `_stream.stream_ms` (one loop, `_event_loop.event_loop`) and its bounds' reasoning;
 it must never build plans or import torch or the scheduler.
 """
 
@@ -21,7 +21,8 @@ from array import array
 from collections.abc import Sequence
 
 from roundpipe.plan import native
-from roundpipe.plan._stream import _ACTIVATION_HOPS, SplitExtras, event_loop
+from roundpipe.plan._event_loop import SplitExtras, event_loop
+from roundpipe.plan._stream_graph import _ACTIVATION_HOPS
 
 
 class Split:

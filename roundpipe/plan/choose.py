@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from roundpipe.plan import _candidates, _search
+from roundpipe.plan import _candidates, _search, _steady_search
 from roundpipe.plan._collector import collections_paused
 from roundpipe.plan._families import _ranked_candidates
 from roundpipe.plan._ranking import _Candidate, _rank, _stages, _StageTimes, spread
@@ -143,21 +143,10 @@ def _choose(
     refine: bool | None,
 ) -> Plan:
     """`choose_plan`'s work."""
-    num_devices, num_microbatches = shape.num_devices, shape.num_microbatches
-    async_optimizer, round_size = shape.async_optimizer, shape.round_size
-    base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
-    proxies = [base]
-    if costs.num_layers > max(STEADY_SEARCH_MAX_LAYERS, EVALUATE_MAX_LAYERS):
-        return base  # neither the steady search nor an evaluation
-    chains = _even_chains(costs, mem_limit_bytes)  # one cache of splits for both
-    if async_optimizer and costs.num_layers <= STEADY_SEARCH_MAX_LAYERS:
-        steady = _steady_plan(chains, base, num_microbatches, round_size, costs)
-        if steady != base:
-            period = steady_iteration_ms(base, num_microbatches, num_devices, round_size=round_size)
-            steady_period = steady_iteration_ms(steady, num_microbatches, num_devices, round_size=round_size)
-            proxies = [steady, base] if steady_period < period else [base, steady]
-    if evaluate is None or costs.num_layers > EVALUATE_MAX_LAYERS:
+    proxies, chains = _proxies(costs, shape, mem_limit_bytes)
+    if chains is None or evaluate is None or costs.num_layers > EVALUATE_MAX_LAYERS:
         return proxies[0]
+    num_microbatches, async_optimizer = shape.num_microbatches, shape.async_optimizer
     iterations = ASYNC_EVALUATED_ITERATIONS if async_optimizer else 1
     count = (
         default_evaluations(proxies[0], num_microbatches, iterations) if evaluations is None else evaluations
@@ -180,28 +169,7 @@ def _choose(
         dealt=DEALT_LISTED if shortlist and async_optimizer and loop else 0,
         wider_listed=WIDER_LISTED if shortlist and async_optimizer and loop else 0,
     )
-    # The proxies' choice always runs in the comparison: evaluation never does worse than it.
-    chosen = {_stages(proxies[0]): proxies[0]}
-    for _, plan in ranked:
-        if len(chosen) >= max(count, 2):
-            break
-        chosen.setdefault(_stages(plan), plan)
-    if extra and (not ranked or extra[0][0] < ranked[0][0]):
-        chosen.setdefault(_stages(extra[0][1]), extra[0][1])  # see `_ranked_candidates`
-    for _, plan in few:
-        chosen.setdefault(_stages(plan), plan)
-    # Best modelled first (by the least of its models' figures): the sooner the best time is known,
-    # the more plans its floor spares (`_Timer`: a spared plan could not be chosen). The late
-    # loop's first few by the chained model are its proxies' many-slot plans, the slowest to time
-    # (11 ms of 60 at 94 layers), and most are slower than its few-slot best. On the 16 grid
-    # shapes of 94 layers, the late loop's timings took 284-290 ms in all at (8, 16) against
-    # 332-365 (33-35 against 65-67 at (4, 8)); the waiting loop's within noise (95-112 against
-    # 89-98). The choices of 384 grid shape/loop/device cases stayed the same.
-    modelled: dict[object, float] = {}
-    for ms, plan in [*ranked, *extra, *few]:
-        key = _stages(plan)
-        modelled[key] = min(ms, modelled.get(key, math.inf))
-    for _, plan in sorted(chosen.items(), key=lambda item: modelled.get(item[0], math.inf)):
+    for plan in _first_timed(proxies[0], ranked, extra, few, count):
         timer.time(plan)
     if shortlist:  # by the evaluation's short run
         rechecked = _recheck(ranked[listed:RECHECKED], costs, rounds) if async_optimizer and loop else []
@@ -213,6 +181,61 @@ def _choose(
     best_ms = min(ms for ms, _ in timed.values())
     ties = [p for ms, p in timed.values() if ms <= best_ms * (1 + 1e-9)]
     return min(ties, key=lambda p: (spread(p), p.num_slots, -len(p.fused)))
+
+
+def _proxies(
+    costs: LayerCosts, shape: RunShape, mem_limit_bytes: int | None
+) -> tuple[list[Plan], _candidates.EvenChains | None]:
+    """The proxies' plans, their choice first: `partition`'s, and for an async run the steady
+    search's (the one of the lesser `steady_iteration_ms` first; ties keep `partition`'s); and the
+    even chains both searches share, None past every search's size (the proxies decide)."""
+    num_devices, num_microbatches = shape.num_devices, shape.num_microbatches
+    async_optimizer, round_size = shape.async_optimizer, shape.round_size
+    base = partition(costs, num_devices, num_microbatches, mem_limit_bytes, async_optimizer=async_optimizer)
+    if costs.num_layers > max(STEADY_SEARCH_MAX_LAYERS, EVALUATE_MAX_LAYERS):
+        return [base], None  # neither the steady search nor an evaluation
+    chains = _even_chains(costs, mem_limit_bytes)  # one cache of splits for both
+    if async_optimizer and costs.num_layers <= STEADY_SEARCH_MAX_LAYERS:
+        steady = _steady_plan(chains, base, num_microbatches, round_size, costs)
+        if steady != base:
+            period = steady_iteration_ms(base, num_microbatches, num_devices, round_size=round_size)
+            steady_period = steady_iteration_ms(steady, num_microbatches, num_devices, round_size=round_size)
+            return ([steady, base] if steady_period < period else [base, steady]), chains
+    return [base], chains
+
+
+def _first_timed(
+    proxy: Plan,
+    ranked: list[tuple[float, Plan]],
+    extra: list[tuple[float, Plan]],
+    few: list[tuple[float, Plan]],
+    count: int,
+) -> list[Plan]:
+    """The plans timed in full before any shortlist: the proxies' choice (evaluation never does
+    worse than it), the best ``count`` ranked (at least 2), the best wider plan where it is
+    modelled first of all (see `_ranked_candidates`) and the best few-slot plans.
+
+    Best modelled first (by the least of its models' figures): the sooner the best time is known,
+    the more plans its floor spares (`_Timer`: a spared plan could not be chosen). The late loop's
+    first few by the chained model are its proxies' many-slot plans, the slowest to time (11 ms of
+    60 at 94 layers), and most are slower than its few-slot best. On the 16 grid shapes of 94
+    layers, the late loop's timings took 284-290 ms in all at (8, 16) against 332-365 (33-35
+    against 65-67 at (4, 8)); the waiting loop's within noise (95-112 against 89-98). The choices
+    of 384 grid shape/loop/device cases stayed the same."""
+    chosen = {_stages(proxy): proxy}
+    for _, plan in ranked:
+        if len(chosen) >= max(count, 2):
+            break
+        chosen.setdefault(_stages(plan), plan)
+    if extra and (not ranked or extra[0][0] < ranked[0][0]):
+        chosen.setdefault(_stages(extra[0][1]), extra[0][1])
+    for _, plan in few:
+        chosen.setdefault(_stages(plan), plan)
+    modelled: dict[object, float] = {}
+    for ms, plan in [*ranked, *extra, *few]:
+        key = _stages(plan)
+        modelled[key] = min(ms, modelled.get(key, math.inf))
+    return [plan for _, plan in sorted(chosen.items(), key=lambda item: modelled.get(item[0], math.inf))]
 
 
 def _recheck(
@@ -270,7 +293,7 @@ def _steady_plan(
     rounds = round_sizes(num_microbatches, n, round_size)
     if len(set(rounds)) == 1:
         rounds = rounds[:1]  # as partition: one round is already the period of the stream
-    found = _candidates.steady_search(chains.ticks, n, rounds, chains)
+    found = _steady_search.steady_search(chains.ticks, n, rounds, chains)
     return base if found is None else Plan.from_stages(*found, costs, n, num_microbatches)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roundpipe.errors import PlanError
-from roundpipe.plan import _candidates, _search
+from roundpipe.plan import _search, _steady_search
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.rounds import as_count, round_sizes
@@ -382,7 +382,7 @@ def partition(
         rounds = round_sizes(m, n, round_size)
         if len(set(rounds)) == 1:
             rounds = rounds[:1]  # rounds alike: one round is already the period of the stream
-        found = _candidates.steady_search(ticks, n, rounds)
+        found = _steady_search.steady_search(ticks, n, rounds)
         if found is not None:
             return Plan.from_stages(*found, costs, n, m)
         # No candidate lies where the model can be trusted: the t_max objective decides.
