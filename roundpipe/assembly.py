@@ -25,7 +25,7 @@ from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.optim.lr_ramp import ramp_factor
 from roundpipe.plan import LayerCosts, Plan
-from roundpipe.plan_eval import choose_evaluated_plan
+from roundpipe.planning.ranking import choose_evaluated_plan
 from roundpipe.sched.spec import ScheduleOptions, fresh_layer_set, fresh_units_at
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from roundpipe.plan.costs import LayerCosts
     from roundpipe.plan.partition import Plan
-    from roundpipe.simulate import SimulationResult
+    from roundpipe.planning.simulate import SimulationResult
 
 
 def console() -> Console:

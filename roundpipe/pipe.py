@@ -28,17 +28,6 @@ from roundpipe.assembly import (
 )
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
-from roundpipe.device_plan import (
-    REPLAN_AFTER_ITERATIONS,
-    DevicePlan,
-    budget_release,
-    plan_from,
-    planning_config,
-    profile_and_plan,
-    refined_costs,
-    resolve_budget,
-    with_link,
-)
 from roundpipe.errors import (
     ConfigError,
     InputError,
@@ -54,6 +43,17 @@ from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
 from roundpipe.plan import Plan
 from roundpipe.plan.memory import MemoryPrediction
+from roundpipe.planning.device_plan import (
+    REPLAN_AFTER_ITERATIONS,
+    DevicePlan,
+    budget_release,
+    plan_from,
+    planning_config,
+    profile_and_plan,
+    refined_costs,
+    resolve_budget,
+    with_link,
+)
 from roundpipe.retention import Retention
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec
@@ -513,9 +513,9 @@ class RoundPipe:
     def _waits_for_loss(self, plan: Plan) -> bool:
         """With `RunConfig.loss_lag` 1: whether ``plan`` runs faster when each step waits for its
         iteration's losses, so that the next iteration goes in only then, as in a loop that reads
-        every loss at once (`roundpipe.plan_eval.submission_lag`: the fake engine on the plan's
+        every loss at once (`roundpipe.planning.ranking.submission_lag`: the fake engine on the plan's
         costs). The loop still gets its `PendingLoss` at once; only ``step()`` waits."""
-        from roundpipe.plan_eval import submission_lag
+        from roundpipe.planning.ranking import submission_lag
 
         config = self._plan_config
         if not config.loss_lag or not config.async_optimizer:

@@ -1,4 +1,4 @@
-"""Plans from what the device measured (roundpipe.device_plan), through the facade, on CPU workers.
+"""Plans from what the device measured (roundpipe.planning.device_plan), through the facade, on CPU workers.
 
 With a `RunConfig.memory_budget` the layers are measured before the first iteration and the
 plan is the best one whose predicted peak fits; the numerics stay exactly those of the plain
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe.device_plan import planning_budget, planning_config, refined_costs
 from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts
+from roundpipe.planning.device_plan import planning_budget, planning_config, refined_costs
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import Trace
 from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
@@ -118,8 +118,8 @@ def test_a_head_larger_than_half_the_budget_still_leaves_small_stages_beside_it(
     head: the head is capped to its share and judged by the exact prediction, so the decoder
     stages keep getting smaller until the plan fits (on an H200 the uncapped search found no plan
     under 4 GiB for the Qwen3-1.7B shape, whose 2-layer-stage plan is predicted at 3.32 GiB)."""
-    from roundpipe.device_plan import plan_from
     from roundpipe.plan.memory import LayerMemory, layer_plan_bytes
+    from roundpipe.planning.device_plan import plan_from
 
     mib = 1 << 20
     blocks = 28

@@ -24,7 +24,7 @@ from roundpipe.plan._stream import sharers, stream_ms, weight_waits
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import (
+from roundpipe.planning.ranking import (
     STEADY_WINDOW,
     FlooredEvaluator,
     choose_evaluated_plan,
@@ -32,7 +32,7 @@ from roundpipe.plan_eval import (
     iteration_starts,
     late_loop_evaluator,
 )
-from roundpipe.simulate import simulate
+from roundpipe.planning.simulate import simulate
 
 SYNC_SLACK = 0.015  # sync bubble <= analytic bubble of the chosen S + 1.5 points
 

@@ -21,6 +21,7 @@ from hypothesis import given
 
 from roundpipe.backends.fake import FakeBackend
 from roundpipe.plan import dispatch
+from roundpipe.planning.simulate import SimulationResult
 from roundpipe.sched import rules
 from roundpipe.sched.task import (
     ACT_DOWN,
@@ -34,7 +35,6 @@ from roundpipe.sched.task import (
     Task,
 )
 from roundpipe.sched.trace import Trace
-from roundpipe.simulate import SimulationResult
 from tests.scenarios import PROPERTY_SETTINGS, Scenario, scenarios
 
 # --------------------------------------------------------------------- property checks

@@ -3,7 +3,7 @@
 The first iterations of an async loop are not what a long run gets: a device round-robin gives a
 little more than its share builds a backlog for tens of iterations before it sets the pace, and a
 loop reading each loss one iteration late takes a few iterations to find its rhythm. The
-evaluator (`roundpipe.plan_eval.engine_evaluator`, `roundpipe.plan_replay.settled_ms`) reads the
+evaluator (`roundpipe.planning.ranking.engine_evaluator`, `roundpipe.planning.replay.settled_ms`) reads the
 gap between consecutive iterations once it repeats, never under the busiest device's time
 (`busiest_device_ms`). These tests check it against long engine runs on the fake backend
 (virtual clock), and check the parts on their own.
@@ -19,20 +19,20 @@ from collections.abc import Callable
 
 import pytest
 
-from roundpipe import plan_replay
 from roundpipe.plan import LayerCosts, Plan, choose_plan, native
 from roundpipe.plan._ranking import _stages
 from roundpipe.plan.choose import _Timer, every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms, busiest_device_share, dispatch
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import (
+from roundpipe.planning import replay as plan_replay
+from roundpipe.planning.ranking import (
     FlooredEvaluator,
     choose_evaluated_plan,
     engine_evaluator,
     iteration_starts,
     late_loop_evaluator,
 )
-from roundpipe.plan_replay import (
+from roundpipe.planning.replay import (
     SETTLE_LONG,
     SETTLE_SHORT,
     TAIL_GAPS,
@@ -40,8 +40,8 @@ from roundpipe.plan_replay import (
     settled_ms,
     side_by_side,
 )
-from roundpipe.replay_graph import ReplayGraph
-from roundpipe.simulate import simulate
+from roundpipe.planning.replay_graph import ReplayGraph
+from roundpipe.planning.simulate import simulate
 from tests.test_plan_choice import grid_costs
 
 
