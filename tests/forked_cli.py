@@ -30,7 +30,7 @@ import torch
 import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (the tiny model's class)
 
 import roundpipe.cli
-import roundpipe.train.cli
+import roundpipe.cli.train_command
 import roundpipe.train.loop
 import roundpipe.train.report
 from roundpipe.data.tokenizer import load_tokenizer  # noqa: F401

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from roundpipe.cli import main
-from roundpipe.cli_schedule import parse_bytes
+from roundpipe.cli.plan_commands import parse_bytes
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.sched.trace import Trace
 

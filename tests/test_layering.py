@@ -240,7 +240,7 @@ def test_sched_imports_only_plan_and_errors() -> None:
 
 
 def test_nothing_below_the_facade_imports_planning_or_the_cli() -> None:
-    top = ("roundpipe.planning", "roundpipe.pipe", "roundpipe.cli", "roundpipe.cli_schedule")
+    top = ("roundpipe.planning", "roundpipe.pipe", "roundpipe.cli")
     for layer in ("roundpipe.plan", "roundpipe.sched", "roundpipe.backends"):
         bad = [x for x in _roundpipe_imports(layer) if _inside(x[1], *top)]
         assert not bad, f"{layer} imports a module above it: {bad}"
@@ -277,7 +277,7 @@ sys.meta_path.insert(0, NoTorch())
 for name in ("roundpipe", "roundpipe.plan", "roundpipe.sched", "roundpipe.backends.fake", "roundpipe.planning.simulate"):
     importlib.import_module(name)
 below_cli = sorted(m for m in ("pydantic", "rich", "matplotlib") if m in sys.modules)
-for name in ("roundpipe.cli", "roundpipe.cli_schedule", "roundpipe.train"):
+for name in ("roundpipe.cli", "roundpipe.cli.plan_commands", "roundpipe.train"):
     importlib.import_module(name)
 
 import roundpipe, roundpipe.sched, roundpipe.planning.simulate

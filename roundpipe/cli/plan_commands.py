@@ -3,7 +3,7 @@
 Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan`, `roundpipe.planning.simulate`
 and `roundpipe.sched` (partition a model's layer costs, run the real engine on the fake backend,
 inspect saved traces), and keep the dispatcher tiny. This module parses the arguments and runs the
-work; `roundpipe.cli_report` words and draws what ``plan`` and ``simulate`` print. ``roundpipe simulate`` with no arguments is the project's demo, so
+work; `roundpipe.cli.plan_report` words and draws what ``plan`` and ``simulate`` print. ``roundpipe simulate`` with no arguments is the project's demo, so
 it must stay quick (well under 5 s) and print something a newcomer can read. This module must
 never import torch or touch a device, and never print a traceback for bad input: it raises
 `roundpipe.errors` / `ValueError` / `OSError` and lets `roundpipe.cli.main` report one line.
@@ -347,7 +347,7 @@ def _evaluated(plan: Plan, costs: LayerCosts, args: argparse.Namespace) -> dict[
 
 def run_plan(args: argparse.Namespace) -> int:
     import roundpipe.planning.ranking  # noqa: F401  (imported before the clock starts)
-    from roundpipe.cli_report import plan_summary, print_plan
+    from roundpipe.cli.plan_report import plan_summary, print_plan
 
     source, costs = _load_costs(args)
     started = time.perf_counter()
@@ -402,7 +402,7 @@ def _output(args: argparse.Namespace, value: str, suffix: str) -> Path:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from roundpipe.cli_report import plan_summary, print_simulation
+    from roundpipe.cli.plan_report import plan_summary, print_simulation
     from roundpipe.planning.simulate import simulate
 
     source, costs = _load_costs(args)
