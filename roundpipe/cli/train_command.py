@@ -291,7 +291,7 @@ def _elastic_resume(values: dict[str, Any]) -> str | None:
 
 def _checkpoint_of(path: str) -> str:
     """The checkpoint ``--resume`` means: a run directory (runs/NAME) gives its newest intact one."""
-    from roundpipe.checkpoint_find import resolve_checkpoint
+    from roundpipe.checkpoint.find import resolve_checkpoint
 
     checkpoint, note = resolve_checkpoint(path)
     if note:
