@@ -1,7 +1,7 @@
 """`RoundPipe`: the facade users call. Thin: it wires model, host copies, plan, graph builder,
 engine and backend together and translates the public API into submitted task graphs.
 
-What it delegates: the engine's loop thread (`roundpipe.looprunner`), what is kept how long
+What it delegates: the engine's loop thread (`roundpipe.loop_thread`), what is kept how long
 (`roundpipe.retention`), and the state format (`roundpipe.state`). What it keeps: the counters of
 iterations and steps, the re-plan from measured times, and recovery after a failed task.
 It must never do tensor math itself (that is the runtime's) nor decide ordering (the rules').
@@ -37,7 +37,7 @@ from roundpipe.errors import (
     UsageError,
     name_earlier_iteration,
 )
-from roundpipe.looprunner import LoopRunner, shutdown
+from roundpipe.loop_thread import LoopRunner, shutdown
 from roundpipe.model.quant import apply_base_format
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
@@ -330,7 +330,7 @@ class RoundPipe:
         self, inputs: Any, targets: Any = None, loss_fn: Any = None, *, microbatches: int = 0
     ) -> float:
         """`forward_backward`'s loss by forward only at the current weights; see docs/api.md."""
-        from roundpipe.evaluation import forward_only
+        from roundpipe.forward_only import forward_only
 
         self.synchronize()
         parts = microbatches or self.config.num_microbatches

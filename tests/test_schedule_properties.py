@@ -282,7 +282,7 @@ def test_schedule_properties(sc: Scenario) -> None:
 
 def _engine_run(tasks: list[Task], ms: dict[str, float]) -> Trace:
     from roundpipe.sched.engine import Engine
-    from roundpipe.sched.loop import run_sync
+    from roundpipe.sched.event_loop import run_sync
 
     engine = Engine(FakeBackend(durations=lambda t: ms[t.key[0]]))
 

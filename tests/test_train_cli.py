@@ -14,8 +14,8 @@ from roundpipe.optim.host import default_optimizer
 from roundpipe.pipe import RoundPipe
 from roundpipe.train import TrainConfig, make_config, read_config_file
 from roundpipe.train.config import DEFAULT_ASYNC_LR_RAMP_START, DEFAULT_ASYNC_LR_RAMP_STEPS
-from roundpipe.train.loop import lr_factor
-from roundpipe.train.schedule import make_optimizer
+from roundpipe.train.lr_schedule import make_optimizer
+from roundpipe.train.trainer import lr_factor
 from tests.helpers import metrics_logged, train_args
 
 JSON_KEYS = {"initial_loss", "final_loss", "tokens_per_s", "bubble_ratio", "steps", "out_dir"}
