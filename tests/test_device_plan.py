@@ -148,13 +148,13 @@ def test_the_replan_keeps_the_device_kind_and_so_its_headroom(monkeypatch: pytes
     planning budget)."""
     import dataclasses
 
-    import roundpipe.pipe as pipe_module
+    import roundpipe.planning.replan as replan_module
 
     config = roundpipe.RunConfig(
         devices="cpu:2", num_microbatches=4, async_optimizer=False, memory_budget="1GiB"
     )
     seen: list[str] = []
-    real_plan_from = pipe_module.plan_from
+    real_plan_from = replan_module.plan_from
 
     def recording_plan_from(*args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(args[5] if len(args) > 5 else kwargs.get("kind", "cpu"))
@@ -163,10 +163,11 @@ def test_the_replan_keeps_the_device_kind_and_so_its_headroom(monkeypatch: pytes
     data = batches(3)
     with roundpipe.RoundPipe(_wide_mlp(), optimizer=sgd, config=config) as pipe:
         train_steps(pipe, data[:1], mse)  # measures the layers and makes the first plan
-        assert pipe._device_plan is not None
-        pipe._device_plan = dataclasses.replace(pipe._device_plan, kind="cuda")
-        pipe._replanned = False  # the first step's housekeeping re-planned already: once more
-        monkeypatch.setattr(pipe_module, "plan_from", recording_plan_from)
-        monkeypatch.setattr(pipe_module, "refined_costs", lambda trace, costs: costs)
+        planner = pipe._planner
+        assert planner.device_plan is not None
+        planner.device_plan = dataclasses.replace(planner.device_plan, kind="cuda")
+        planner.replanned = False  # the first step's housekeeping re-planned already: once more
+        monkeypatch.setattr(replan_module, "plan_from", recording_plan_from)
+        monkeypatch.setattr(replan_module, "refined_costs", lambda trace, costs: costs)
         train_steps(pipe, data[1:], mse)
     assert seen == ["cuda"]

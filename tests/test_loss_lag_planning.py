@@ -70,19 +70,20 @@ def test_a_step_that_waits_for_its_losses_submits_as_the_waiting_loop(
 ) -> None:
     """Where `submission_lag` says 0, ``step()`` waits for its iteration's losses, and a loop
     reading each loss late runs on the engine exactly as the waiting loop."""
-    import roundpipe.assembly
+    import roundpipe.planning.replan
+    from roundpipe.planning.replan import RunPlanner
 
     data = batches(5)
     runs = []
     # One plan for both loops (the late one may be planned otherwise): the submissions are compared.
-    chosen = roundpipe.assembly.choose_evaluated_plan
+    chosen = roundpipe.planning.replan.choose_evaluated_plan
     monkeypatch.setattr(
-        roundpipe.assembly,
+        roundpipe.planning.replan,
         "choose_evaluated_plan",
         lambda *args, **kwargs: chosen(*args, **{**kwargs, "loss_lag": 0}),
     )
     for lag, gate in ((0, False), (1, True)):
-        monkeypatch.setattr(roundpipe.RoundPipe, "_waits_for_loss", lambda self, plan, gate=gate: gate)
+        monkeypatch.setattr(RunPlanner, "waits_for_loss", lambda self, plan, costs, gate=gate: gate)
         config = roundpipe.RunConfig(devices="fake:3", num_microbatches=6, loss_lag=lag)
         with roundpipe.RoundPipe(
             mlp(depth=6), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=config
