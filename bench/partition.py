@@ -29,7 +29,7 @@ import statistics
 import time
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, native, objective, partition
-from roundpipe.planning import ranking as plan_eval
+from roundpipe.planning import ranking
 from roundpipe.planning.ranking import choose_evaluated_plan
 
 GIB = 2**30
@@ -55,7 +55,7 @@ def time_choose(repeats: int) -> None:
         for mode in ("sync", "async", "lag1"):
             times = []
             for _ in range(repeats if decoders < 1000 else max(1, repeats // 3)):
-                plan_eval._submissions_of.cache_clear()  # a late loop's timings are remembered
+                ranking._submissions_of.cache_clear()  # a late loop's timings are remembered
                 start = time.perf_counter()
                 plan = choose_evaluated_plan(
                     costs, N, M, None, async_optimizer=mode != "sync", loss_lag=int(mode == "lag1")

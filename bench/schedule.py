@@ -29,7 +29,7 @@ Prints one JSON line per profile and mode:
       the chosen S (sync), ok (sync: bubble <= analytic + 1.5 points; async: < 3% at (8, 16)),
       iteration_ms, proxy_ms (the plan chosen without evaluation), planning_ms; async also
       loop_ms (the chosen plan as a training loop runs it once settled: each iteration submitted
-      once the previous losses are in, what plan_eval judges by) and chained_choice_loop_ms (the same for
+      once the previous losses are in, what planning.ranking judges by) and chained_choice_loop_ms (the same for
       the plan a chained evaluation, every iteration submitted at once, would choose).
     python bench/schedule.py --grid [--layers 24 28] [--modes sync] [--devices 8] [--evaluations 8]
                                     [--no-refine]   # the ranking's choice, without choose_plan's refinement
