@@ -365,7 +365,7 @@ class RoundPipe:
         # Bounded look-ahead: the oldest iteration still waiting for its losses goes first.
         while len(self._uncollected) >= LOSSES_IN_FLIGHT:
             await self._collect(next(iter(self._uncollected.values())), caller=self._iteration)
-        if self._planner.profile_pending:
+        if self._planner.claim_profile():  # claimed here, on the loop: one profile per run
             await asyncio.get_running_loop().run_in_executor(
                 None, self._plan_on_device, input_parts[0], target_parts[0], loss_fn
             )

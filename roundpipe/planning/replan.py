@@ -91,6 +91,11 @@ class RunPlanner:
         self.device_plan: DevicePlan | None = None
         self.replanned = False
 
+    def claim_profile(self) -> bool:
+        """Whether the layers are still to be measured on the device; True once only."""
+        pending, self.profile_pending = self.profile_pending, False
+        return pending
+
     def first_plan(self, costs: LayerCosts) -> Plan:
         return plan_for(costs, self.config, self.num_devices)
 
@@ -106,7 +111,7 @@ class RunPlanner:
         prepare: Any = None,
     ) -> DevicePlan:
         """Measure the layers on ``device`` with one microbatch; plan within the budget."""
-        self.profile_pending = False
+        self.profile_pending = False  # also when called without `claim_profile`
         self.device_plan = profile_and_plan(
             self.config,
             sequence,
