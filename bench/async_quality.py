@@ -183,8 +183,8 @@ def reference_losses(config: Any, mode: Mode, device: str = "cpu") -> list[float
     from roundpipe.optim.host import host_adamw
     from roundpipe.optim.lr_ramp import ramp_factor
     from roundpipe.train.data import prepare_data
-    from roundpipe.train.loop import lr_factor
     from roundpipe.train.model import build_model, build_tokenizer
+    from roundpipe.train.trainer import lr_factor
 
     torch.set_num_threads(1)
     tokenizer = build_tokenizer(config)
@@ -268,7 +268,7 @@ def fresh_parameters(model: Any, fresh_layers: int, at: tuple[int, ...] = ()) ->
 
 
 def pipe_losses(config: Any) -> list[float]:
-    from roundpipe.train.loop import train
+    from roundpipe.train.trainer import train
 
     with tempfile.TemporaryDirectory() as out:
         result = train(config.model_copy(update={"out": out, "name": "run"}))

@@ -30,8 +30,8 @@ import time
 from roundpipe.backends.fake import FakeBackend, FakeCostModel
 from roundpipe.plan import LayerCosts, partition
 from roundpipe.sched.engine import Engine
+from roundpipe.sched.event_loop import run_sync
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
-from roundpipe.sched.loop import run_sync
 from roundpipe.sched.task import Task
 
 N, M = 8, 16

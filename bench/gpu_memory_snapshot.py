@@ -220,7 +220,8 @@ def main() -> None:
         summary["predicted_peak_gib"] = None if prediction is None else prediction.peak_bytes / 2**30
         summary["prediction"] = None if prediction is None else prediction.to_dict()
         summary["plan"] = str(pipe.plan)
-        memory = getattr(getattr(pipe, "_device_plan", None), "memory", None)
+        device_plan = getattr(getattr(pipe, "_planner", None), "device_plan", None)
+        memory = getattr(device_plan, "memory", None)
         summary["layer_memory"] = None if memory is None else memory.to_dict()
     summary["measured_peak_gib"] = torch.cuda.max_memory_allocated(0) / 2**30
     snapshot = torch.cuda.memory._snapshot()

@@ -175,10 +175,10 @@ def plan(
     tokens: int, fit: dict[str, tuple[float, float]], base_format: str, budget: int | None
 ) -> dict[str, Any]:
     from roundpipe import RunConfig
-    from roundpipe.device_plan import plan_from
     from roundpipe.errors import PlanError
     from roundpipe.plan.costs import LayerCosts
     from roundpipe.plan.memory import layer_plan_bytes
+    from roundpipe.planning.device_plan import plan_from
 
     memory = layer_memory(tokens, fit, base_format)
     attention_ms = 1000.0 * (tokens / 262144) ** 2  # an H200's flash forward of one 8B layer, about

@@ -18,7 +18,7 @@ import json
 
 from roundpipe.plan import LayerCosts, choose_plan, round_sizes
 from roundpipe.plan.link import link_costs, link_report
-from roundpipe.simulate import simulate
+from roundpipe.planning.simulate import simulate
 
 GIB = 1 << 30
 

@@ -7,7 +7,7 @@ otherwise hold ~10 layers, are cut by memory). For L <= 95 it also runs a plain 
 (every candidate t_max, each checked by an O(L) greedy: the published O(L^3) method) on the same
 costs, checks that both find the same objective, and reports the ratio.
 
-It then times what a run really plans with, `roundpipe.plan_eval.choose_evaluated_plan`
+It then times what a run really plans with, `roundpipe.planning.ranking.choose_evaluated_plan`
 (candidates around the proxies, ranked by a model and timed on the fake engine; above
 `EVALUATE_MAX_LAYERS` the proxies decide), on the grid costs of `bench/schedule.py --grid`
 (94 decoder layers, backward 2x forward, head 3x a layer, no memory limit; and 1000 layers), in
@@ -28,9 +28,9 @@ import random
 import statistics
 import time
 
-from roundpipe import plan_eval
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, native, objective, partition
-from roundpipe.plan_eval import choose_evaluated_plan
+from roundpipe.planning import ranking
+from roundpipe.planning.ranking import choose_evaluated_plan
 
 GIB = 2**30
 N, M = 8, 16
@@ -55,7 +55,7 @@ def time_choose(repeats: int) -> None:
         for mode in ("sync", "async", "lag1"):
             times = []
             for _ in range(repeats if decoders < 1000 else max(1, repeats // 3)):
-                plan_eval._submissions_of.cache_clear()  # a late loop's timings are remembered
+                ranking._submissions_of.cache_clear()  # a late loop's timings are remembered
                 start = time.perf_counter()
                 plan = choose_evaluated_plan(
                     costs, N, M, None, async_optimizer=mode != "sync", loss_lag=int(mode == "lag1")

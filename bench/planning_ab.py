@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent.parent
 def _child(loop: str, repeats: int, layers: int, devices: int) -> None:
     """One process's share: every grid shape planned ``repeats`` times, as JSON on stdout."""
     import roundpipe
-    from roundpipe.plan_eval import _submissions_of, choose_evaluated_plan
+    from roundpipe.planning.ranking import _submissions_of, choose_evaluated_plan
 
     sys.path.insert(0, str(HERE / "bench"))
     from schedule import GRID_BWD_RATIOS, GRID_DEVICES, GRID_HEADS, grid_costs

@@ -29,7 +29,7 @@ Prints one JSON line per profile and mode:
       the chosen S (sync), ok (sync: bubble <= analytic + 1.5 points; async: < 3% at (8, 16)),
       iteration_ms, proxy_ms (the plan chosen without evaluation), planning_ms; async also
       loop_ms (the chosen plan as a training loop runs it once settled: each iteration submitted
-      once the previous losses are in, what plan_eval judges by) and chained_choice_loop_ms (the same for
+      once the previous losses are in, what planning.ranking judges by) and chained_choice_loop_ms (the same for
       the plan a chained evaluation, every iteration submitted at once, would choose).
     python bench/schedule.py --grid [--layers 24 28] [--modes sync] [--devices 8] [--evaluations 8]
                                     [--no-refine]   # the ranking's choice, without choose_plan's refinement
@@ -64,14 +64,14 @@ from typing import Any
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, partition
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import steady_iteration_ms
-from roundpipe.plan_eval import (
+from roundpipe.planning.ranking import (
     choose_evaluated_plan,
     engine_evaluator,
     iteration_starts,
     late_loop_evaluator,
     submission_lag,
 )
-from roundpipe.simulate import simulate
+from roundpipe.planning.simulate import simulate
 
 N, M = 8, 16
 ASYNC_TARGET = 0.045
@@ -140,7 +140,7 @@ def loop_ms(plan: Plan, costs: LayerCosts, n: int, m: int, loss_lag: int = 0) ->
     """Async ms per iteration as a training loop runs it, once settled: each iteration submitted
     once the previous one's losses are in (`simulate(..., after_loss=True)`), or with
     ``loss_lag=1`` once the losses of the one before that are (each loss read one iteration late);
-    run on the engine (`engine_evaluator(..., engine=True)`, `roundpipe.plan_replay.settled_ms`)."""
+    run on the engine (`engine_evaluator(..., engine=True)`, `roundpipe.planning.replay.settled_ms`)."""
     return engine_evaluator(costs, n, m, async_optimizer=True, loss_lag=loss_lag, engine=True)(plan)
 
 
@@ -406,7 +406,7 @@ def planning_rows(layers: int, n: int = 8, m: int = 16) -> list[dict[str, object
     for (sync; async waiting for each loss; async reading each loss one iteration late), as the
     pipe plans (`choose_evaluated_plan`, then its `submission_lag` check): the median of PLANNING_REPEATS calls, each with a fresh
     evaluator and no remembered evaluations."""
-    from roundpipe.plan_eval import _submissions_of
+    from roundpipe.planning.ranking import _submissions_of
 
     rows: list[dict[str, object]] = []
     for ratio, head in itertools.product(GRID_BWD_RATIOS, GRID_HEADS):

@@ -158,7 +158,7 @@ def main() -> int:
     from transformers import Qwen3Config
 
     import roundpipe.cli
-    import roundpipe.train.loop  # noqa: F401
+    import roundpipe.train.trainer  # noqa: F401
 
     sys.modules["matplotlib"] = None  # type: ignore[assignment]  # no timeline.png: it costs more than a run
     out = Path(tempfile.mkdtemp(prefix="roundpipe-soak-"))

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from roundpipe.plan import LayerCosts, Plan, analytic_bubble, partition
+from roundpipe.planning.simulate import simulate
 from roundpipe.sched import Trace
 from roundpipe.sched.export import format_grid
-from roundpipe.simulate import simulate
 
 
 @dataclass(frozen=True)

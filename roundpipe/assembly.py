@@ -1,9 +1,8 @@
 """How a `RunConfig` becomes the parts `RoundPipe` wires together: the host copies, the loss
-scaler, the runtime, the cost estimates, the plan and the backend.
+scaler, the runtime, the cost estimates and the backend (the plan is `roundpipe.planning.replan`'s).
 
 Why apart from the facade: each choice here is a small rule of its own (which backend a device
-string names, when fp16 needs a loss scale, what a layer costs before anything was measured, how
-a planning failure is explained in the user's terms) and the facade reads better as the wiring of
+string names, when fp16 needs a loss scale, what a layer costs before anything was measured) and the facade reads better as the wiring of
 their results. Backends are imported only when chosen, so a machine without CUDA never imports
 the CUDA backend.
 
@@ -19,13 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from roundpipe.config import RunConfig
-from roundpipe.errors import ConfigError, PlanError
+from roundpipe.errors import ConfigError
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.optim.lr_ramp import ramp_factor
-from roundpipe.plan import LayerCosts, Plan
-from roundpipe.plan_eval import choose_evaluated_plan
+from roundpipe.plan import LayerCosts
 from roundpipe.sched.spec import ScheduleOptions, fresh_layer_set, fresh_units_at
 
 if TYPE_CHECKING:
@@ -180,32 +178,3 @@ def estimated_costs(host: HostModel, names: list[str]) -> LayerCosts:
     parameter-free layers are not free), backward twice the forward."""
     fwd = [1e-6 * n + 1e-3 for n in host.layer_numel()]
     return LayerCosts(tuple(fwd), tuple(2 * f for f in fwd), host.param_bytes(), tuple(names))
-
-
-def measured_costs(fwd_ms: list[float | None], previous: LayerCosts) -> LayerCosts | None:
-    """Costs from measured forward times (backward twice the forward), or None while some layer
-    has not been measured yet."""
-    if any(ms is None for ms in fwd_ms):
-        return None
-    fwd = tuple(float(ms) for ms in fwd_ms if ms is not None)
-    return LayerCosts(fwd, tuple(2 * f for f in fwd), previous.mem_bytes, previous.names)
-
-
-def plan_for(costs: LayerCosts, config: RunConfig, num_devices: int) -> Plan:
-    """The plan for ``costs``; a planning failure says what to change in the `RunConfig`."""
-    try:
-        return choose_evaluated_plan(
-            costs,
-            num_devices,
-            config.num_microbatches,
-            config.mem_limit_bytes,
-            async_optimizer=config.async_optimizer,
-            round_size=config.round_size,
-            loss_lag=config.loss_lag,
-        )
-    except PlanError as exc:
-        raise PlanError(
-            f"{exc}\n(RoundPipe counts a layer's memory as its parameter bytes in the compute "
-            f"precision {config.precision!r}: raise RunConfig.mem_limit_bytes "
-            f"(now {config.mem_limit_bytes}) or use precision='bf16')"
-        ) from None

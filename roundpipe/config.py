@@ -208,7 +208,7 @@ class RunConfig(BaseModel):
         description="async remedy: the deepest N layers read the newest weights (staleness 0; a "
         "layer sharing weights with a shallower one, such as a tied LM head, stays stale); their "
         "next forward waits for their step, which costs nothing when it lands before the forward "
-        "reaches them (`roundpipe.simulate` shows whether it does)",
+        "reaches them (`roundpipe.planning.simulate` shows whether it does)",
     )
     fresh_at: LayerIndices = Field(
         (),

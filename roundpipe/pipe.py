@@ -1,9 +1,10 @@
 """`RoundPipe`: the facade users call. Thin: it wires model, host copies, plan, graph builder,
 engine and backend together and translates the public API into submitted task graphs.
 
-What it delegates: the engine's loop thread (`roundpipe.looprunner`), what is kept how long
-(`roundpipe.retention`), and the state format (`roundpipe.state`). What it keeps: the counters of
-iterations and steps, the re-plan from measured times, and recovery after a failed task.
+What it delegates: the engine's loop thread (`roundpipe.loop_thread`), which plan runs and when it
+is re-planned (`roundpipe.planning.replan`), what is kept how long (`roundpipe.retention`), and the
+state format (`roundpipe.state`). What it keeps: the counters of iterations and steps, applying a
+new plan, and recovery after a failed task.
 It must never do tensor math itself (that is the runtime's) nor decide ordering (the rules').
 """
 
@@ -22,23 +23,10 @@ from roundpipe.assembly import (
     make_host,
     make_runtime,
     make_scaler,
-    measured_costs,
-    plan_for,
     schedule_options,
 )
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
-from roundpipe.device_plan import (
-    REPLAN_AFTER_ITERATIONS,
-    DevicePlan,
-    budget_release,
-    plan_from,
-    planning_config,
-    profile_and_plan,
-    refined_costs,
-    resolve_budget,
-    with_link,
-)
 from roundpipe.errors import (
     ConfigError,
     InputError,
@@ -48,12 +36,14 @@ from roundpipe.errors import (
     UsageError,
     name_earlier_iteration,
 )
-from roundpipe.looprunner import LoopRunner, shutdown
+from roundpipe.loop_thread import LoopRunner, shutdown
 from roundpipe.model.quant import apply_base_format
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.optim.host import OptimizerFactory, SchedulerFactory
 from roundpipe.plan import Plan
 from roundpipe.plan.memory import MemoryPrediction
+from roundpipe.planning.device_plan import DevicePlan, budget_release
+from roundpipe.planning.replan import Replan, RunPlanner
 from roundpipe.retention import Retention
 from roundpipe.sched.engine import Engine
 from roundpipe.sched.graph import GraphBuilder, ModelSpec
@@ -147,10 +137,7 @@ class RoundPipe:
         device_spec = config.device_spec()
         self.num_devices = device_spec.count
         # Before anything is allocated on a device: the budget, enforced where it is below the card.
-        self._budget = resolve_budget(config, device_spec.kind, device_spec.indices)
-        self._plan_config = planning_config(config, device_spec.kind)
-        self._profile_pending = device_spec.kind == "cuda" or config.memory_budget is not None
-        self._device_plan: DevicePlan | None = None
+        self._planner = RunPlanner(config, device_spec.kind, device_spec.indices, self.num_devices)
         apply_base_format(model, config.base_format)  # before the split: a layer may be a linear
         self._sequence = to_layer_sequence(model)
         self._model = model
@@ -159,14 +146,14 @@ class RoundPipe:
         self.runtime = make_runtime(self.host, self._sequence, config, self._scaler, device_spec.kind)
         self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
         self.costs = estimated_costs(self.host, self._sequence.names)
-        self.plan: Plan = plan_for(self.costs, self._plan_config, self.num_devices)
-        self._step_waits_for_loss = self._waits_for_loss(self.plan)
+        self.plan: Plan = self._planner.first_plan(self.costs)
+        self._step_waits_for_loss = self._planner.waits_for_loss(self.plan, self.costs)
         # Fixed here, from the plan of the estimated costs: a later plan (measured on the device,
         # or re-planned) never changes which units read fresh weights, so the numerics of a run
         # depend on the model and the config alone.
         self._options = schedule_options(
             config,
-            self._plan_config.round_size,
+            self._planner.config.round_size,
             self.runtime,
             self._spec.owners,
             one_fused_stage=self.plan.num_slots == 1,
@@ -178,14 +165,13 @@ class RoundPipe:
         self._step = 0
         self._builder = self._new_builder(base_version=0)
         self._retention = Retention(config.trace_iterations)
-        self._replanned = False
         self._closed = False
         self._broken: str | None = None
         self._runner = LoopRunner()
         self._backend = make_backend(device_spec.kind, device_spec.indices, self.runtime, self.costs)
         self._trace = Trace(meta=self._builder.meta())
         self._engine = Engine(self._backend, trace=self._trace, stall_timeout_s=config.stall_timeout_s)
-        release = budget_release(device_spec, self._budget)
+        release = budget_release(device_spec, self._planner.budget)
         self._finalizer = weakref.finalize(self, shutdown, self._runner, self._backend, release)
 
     def _new_builder(self, *, base_version: int, fresh_base_version: int | None = None) -> GraphBuilder:
@@ -330,7 +316,7 @@ class RoundPipe:
         self, inputs: Any, targets: Any = None, loss_fn: Any = None, *, microbatches: int = 0
     ) -> float:
         """`forward_backward`'s loss by forward only at the current weights; see docs/api.md."""
-        from roundpipe.evaluation import forward_only
+        from roundpipe.forward_only import forward_only
 
         self.synchronize()
         parts = microbatches or self.config.num_microbatches
@@ -379,8 +365,7 @@ class RoundPipe:
         # Bounded look-ahead: the oldest iteration still waiting for its losses goes first.
         while len(self._uncollected) >= LOSSES_IN_FLIGHT:
             await self._collect(next(iter(self._uncollected.values())), caller=self._iteration)
-        if self._profile_pending:
-            self._profile_pending = False
+        if self._planner.claim_profile():  # claimed here, on the loop: one profile per run
             await asyncio.get_running_loop().run_in_executor(
                 None, self._plan_on_device, input_parts[0], target_parts[0], loss_fn
             )
@@ -435,7 +420,7 @@ class RoundPipe:
                 "no new gradients to apply; call forward_backward(...) first (several calls before one "
                 "step() accumulate)"
             )
-        if self._step_waits_for_loss and self._uncollected:  # see `_waits_for_loss`
+        if self._step_waits_for_loss and self._uncollected:  # see `RunPlanner.waits_for_loss`
             await self._collect_all()
         self._stepped_at = self._iteration
         self.runtime.collectives.step_scheduled(self._step, self._iteration - 1)  # before its tasks run
@@ -457,42 +442,26 @@ class RoundPipe:
         """Let go of what the retention policy no longer keeps; re-plan once from measured times
         (off the loop thread: planning times candidate plans on the fake engine)."""
         self._retention.tidy(self._engine, self.runtime, self._trace, self._iteration, self._step)
-        # Measured on the device: the first iteration compiles, so re-plan from the second.
-        after = 1 if self._device_plan is None else REPLAN_AFTER_ITERATIONS
-        if self.config.replan and not self._replanned and self._iteration >= after:
+        if self._planner.replan_due(self._iteration):
             await asyncio.get_running_loop().run_in_executor(None, self._maybe_replan)
 
     @property
     def memory_prediction(self) -> MemoryPrediction | None:
         """The planner's predicted peak device memory of the current plan (None until the layers
         were measured: on CUDA, or with a `RunConfig.memory_budget`, at the first iteration)."""
-        return None if self._device_plan is None else self._device_plan.prediction
+        device_plan = self._planner.device_plan
+        return None if device_plan is None else device_plan.prediction
 
     def _plan_on_device(self, sample: Any, target: Any, loss_fn: Any) -> None:
         """Measure the layers on the first device with one microbatch; plan within the budget."""
-        config, sequence, dtype, device = (
-            self._plan_config,
-            self._sequence,
-            self.host.dtype,
-            self.runtime.device(0),
-        )
         prepare = self.runtime.compiler.prepare
-        plan = profile_and_plan(
-            config,
-            sequence,
-            dtype,
-            device,
-            self.num_devices,
-            sample,
-            target,
-            loss_fn,
-            self._budget,
-            prepare=prepare,
+        device = self.runtime.device(0)
+        plan = self._planner.profile(
+            self._sequence, self.host.dtype, device, sample, target, loss_fn, prepare=prepare
         )
         self._use_device_plan(plan)
 
     def _use_device_plan(self, device_plan: DevicePlan) -> None:
-        self._device_plan = device_plan
         self.costs = device_plan.costs
         self.runtime.memory_prediction = device_plan.prediction
         # Iterations already built keep running under the plan they were built for (OOM messages).
@@ -508,52 +477,22 @@ class RoundPipe:
             self.plan = device_plan.plan
             self._builder.set_plan(device_plan.plan)
             self._trace.meta["plan"] = device_plan.plan.to_dict()
-        self._step_waits_for_loss = self._waits_for_loss(self.plan)  # by the measured costs
-
-    def _waits_for_loss(self, plan: Plan) -> bool:
-        """With `RunConfig.loss_lag` 1: whether ``plan`` runs faster when each step waits for its
-        iteration's losses, so that the next iteration goes in only then, as in a loop that reads
-        every loss at once (`roundpipe.plan_eval.submission_lag`: the fake engine on the plan's
-        costs). The loop still gets its `PendingLoss` at once; only ``step()`` waits."""
-        from roundpipe.plan_eval import submission_lag
-
-        config = self._plan_config
-        if not config.loss_lag or not config.async_optimizer:
-            return False
-        lag = submission_lag(
-            plan,
-            self.costs,
-            self.num_devices,
-            config.num_microbatches,
-            async_optimizer=True,
-            round_size=config.round_size,
-            loss_lag=config.loss_lag,
-        )
-        return lag == 0
+        self._step_waits_for_loss = self._planner.waits_for_loss(self.plan, self.costs)  # measured costs
 
     def _maybe_replan(self) -> None:
-        if self._device_plan is not None:  # measured on the device: refine from its timings
-            refined = refined_costs(self._trace, self.costs)
-            if refined is None:
-                return
-            self._replanned = True
-            old = self._device_plan  # its kind: on CUDA the re-plan keeps the allocator's headroom too
-            args = (old.memory, self.num_devices, old.budget_bytes, old.kind)
-            device_plan = plan_from(self._plan_config, refined, *args)
-            if old.kind == "cuda":  # uploads that outlast compute (experts) reshape the plan
-                device_plan = with_link(device_plan, self._plan_config, self._trace, self._spec.param_bytes)
-            self._use_device_plan(device_plan)
+        """Re-plan once from measured times (`RunPlanner.replan`) and apply the new plan."""
+        times = self.runtime.times.fwd_ms
+        replan: Replan | None = self._planner.replan(self.costs, self._trace, times, self._spec.param_bytes)
+        if replan is None:
             return
-        costs = measured_costs(self.runtime.times.fwd_ms, self.costs)
-        if costs is None:
+        if replan.device_plan is not None:
+            self._use_device_plan(replan.device_plan)
             return
-        self._replanned = True
-        self.costs = costs
-        plan = plan_for(costs, self._plan_config, self.num_devices)
-        if plan != self.plan:
-            self.plan = plan
-            self._builder.set_plan(plan)
-        self._step_waits_for_loss = self._waits_for_loss(plan)
+        self.costs = replan.costs
+        if replan.plan != self.plan:
+            self.plan = replan.plan
+            self._builder.set_plan(replan.plan)
+        self._step_waits_for_loss = self._planner.waits_for_loss(replan.plan, self.costs)
 
     def _recover(self, error: BaseException) -> None:
         """After a failed task: drop what cannot run, keep the host copies consistent, go on.

@@ -81,7 +81,7 @@ def simulated_ms(costs: LayerCosts, devices: int, async_optimizer: bool) -> Call
 
     def ms(m: int) -> float:
         from roundpipe.plan.partition import partition
-        from roundpipe.simulate import simulate
+        from roundpipe.planning.simulate import simulate
 
         result = simulate(
             partition(costs, devices, m), costs, devices, m, iterations=2, async_optimizer=async_optimizer

@@ -30,9 +30,9 @@ import torch
 import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (the tiny model's class)
 
 import roundpipe.cli
-import roundpipe.train.cli
-import roundpipe.train.loop
+import roundpipe.cli.train_command
 import roundpipe.train.report
+import roundpipe.train.trainer
 from roundpipe.data.tokenizer import load_tokenizer  # noqa: F401
 
 _CONTEXT = multiprocessing.get_context("forkserver")

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from roundpipe.backends.fake import FakeBackend, Perturbation
 from roundpipe.plan import LayerCosts, Plan, partition
+from roundpipe.planning.simulate import SimulationResult, simulate
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, G_COPY, GRAD_DOWN, P_COPY, PARAM_UP, STEP
-from roundpipe.simulate import SimulationResult, simulate
 
 KINDS = (PARAM_UP, ACT_UP, COMPUTE, ACT_DOWN, GRAD_DOWN, G_COPY, STEP, P_COPY)
 PROPERTY_SETTINGS = settings(

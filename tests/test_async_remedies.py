@@ -466,7 +466,7 @@ def test_simulate_shows_what_fresh_layers_cost_the_next_forward() -> None:
     fresh layer makes the next iteration wait; on a split plan the deep stages' gradients arrive
     while the shallow ones still drain, and their steps land before the next forward needs them."""
     from roundpipe.plan.choose import choose_plan
-    from roundpipe.simulate import simulate
+    from roundpipe.planning.simulate import simulate
 
     costs = LayerCosts((1.0,) * 4, (2.0,) * 4, (1,) * 4)
     plan = fused_plan(4, 2, 4)
@@ -565,7 +565,7 @@ def test_a_fresh_units_optimizer_work_runs_first_on_the_lane() -> None:
     waits for the fresh unit's G-copy, step and P-copy: they run before the stale units' work,
     so the wait is one unit's chain wherever the unit lies (before, a deep fresh unit waited
     behind every shallower unit's G-copy and step)."""
-    from roundpipe.simulate import simulate
+    from roundpipe.planning.simulate import simulate
 
     n = 8
     costs = LayerCosts((1.0,) * n, (2.0,) * n, (1,) * n)
@@ -643,7 +643,7 @@ def test_simulate_after_loss_runs_as_a_training_loop_does() -> None:
     once the fused stage's losses are in: never sooner than the chained run, and the fresh
     layers' wait is measured against that loop. The trace replays exactly."""
     from roundpipe.plan.choose import choose_plan
-    from roundpipe.simulate import replay, simulate
+    from roundpipe.planning.simulate import replay, simulate
 
     costs = LayerCosts((1.0,) * 24, (2.0,) * 24, (1,) * 24)
     plan = choose_plan(costs, 4, 8, async_optimizer=True)
@@ -672,7 +672,7 @@ def test_the_next_iterations_p_copies_run_before_the_steps() -> None:
     """The deferred P-copies gate the next iteration's uploads; the steps are first read two
     iterations later. On the lane every P-copy of step s-1 ends before any step of s starts, and
     the next iteration's first compute does not wait for the steps."""
-    from roundpipe.simulate import simulate
+    from roundpipe.planning.simulate import simulate
 
     costs = LayerCosts((1.0,) * 6, (2.0,) * 6, (1,) * 6)
     plan = fused_plan(6, 2, 4)

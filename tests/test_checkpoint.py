@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe import checkpoint as ckpt
 from roundpipe.checkpoint import CheckpointError, export_pretrained, load_checkpoint, save_checkpoint
+from roundpipe.checkpoint import store as ckpt
 from roundpipe.data import CORPUS_PATH, batch_at
 from tests.helpers import tiny_causal_lm
 from tests.test_transformers_parity import lora, tiny_llama, tiny_qwen3

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from roundpipe.checkpoint_manifest import MANIFEST_FILE, ManifestMissingError, verify_checkpoint
+from roundpipe.checkpoint.manifest import MANIFEST_FILE, ManifestMissingError, verify_checkpoint
 from roundpipe.cli import main
 from roundpipe.errors import CheckpointError
 from roundpipe.train.keep import non_finite_message

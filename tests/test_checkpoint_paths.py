@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from roundpipe.checkpoint import read_checkpoint_meta
-from roundpipe.checkpoint_find import resolve_checkpoint
+from roundpipe.checkpoint.find import resolve_checkpoint
 from roundpipe.cli import main
 from roundpipe.errors import CheckpointError
 

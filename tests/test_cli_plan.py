@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from roundpipe.cli import main
-from roundpipe.cli_schedule import parse_bytes
+from roundpipe.cli.plan_commands import parse_bytes
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.sched.trace import Trace
 
@@ -48,7 +48,7 @@ def test_plan_shows_the_iteration_that_chose_it(capsys: pytest.CaptureFixture[st
     """The plan is `choose_evaluated_plan`'s for the loop asked for, and its figure the evaluator's:
     on the built-in example one loss late runs a plan of its own (5 slots; waiting, 10)."""
     from roundpipe.plan.examples import EXAMPLES
-    from roundpipe.plan_eval import (
+    from roundpipe.planning.ranking import (
         choose_evaluated_plan,
         engine_evaluator,
         late_loop_evaluator,

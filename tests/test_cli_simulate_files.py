@@ -11,9 +11,9 @@ import pytest
 from roundpipe.cli import main
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import partition
+from roundpipe.planning.simulate import simulate
 from roundpipe.sched.export import _draw_stage_names
 from roundpipe.sched.task import COMPUTE_KINDS, RECOMPUTE
-from roundpipe.simulate import simulate
 
 
 def test_file_flags_without_a_path_write_under_runs(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import roundpipe
-import roundpipe.assembly
+import roundpipe.planning.replan
 from roundpipe.backends import runtime as runtime_module
 from roundpipe.backends.holdings import _tensors
 from roundpipe.plan import Plan
@@ -37,7 +37,7 @@ def split_plan(costs: Any, num_devices: int, num_microbatches: int, *args: Any, 
 
 
 def test_a_backward_holds_its_whole_uploaded_activation(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(roundpipe.assembly, "choose_evaluated_plan", split_plan)
+    monkeypatch.setattr(roundpipe.planning.replan, "choose_evaluated_plan", split_plan)
     uploaded: dict[tuple[int, int, int], Any] = {}
     checked: list[tuple[int, int, int]] = []
     recompute, compute = runtime_module.Runtime.recompute, runtime_module.Runtime.compute

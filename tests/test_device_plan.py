@@ -1,4 +1,4 @@
-"""Plans from what the device measured (roundpipe.device_plan), through the facade, on CPU workers.
+"""Plans from what the device measured (roundpipe.planning.device_plan), through the facade, on CPU workers.
 
 With a `RunConfig.memory_budget` the layers are measured before the first iteration and the
 plan is the best one whose predicted peak fits; the numerics stay exactly those of the plain
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe.device_plan import planning_budget, planning_config, refined_costs
 from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts
+from roundpipe.planning.device_plan import planning_budget, planning_config, refined_costs
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import Trace
 from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
@@ -118,8 +118,8 @@ def test_a_head_larger_than_half_the_budget_still_leaves_small_stages_beside_it(
     head: the head is capped to its share and judged by the exact prediction, so the decoder
     stages keep getting smaller until the plan fits (on an H200 the uncapped search found no plan
     under 4 GiB for the Qwen3-1.7B shape, whose 2-layer-stage plan is predicted at 3.32 GiB)."""
-    from roundpipe.device_plan import plan_from
     from roundpipe.plan.memory import LayerMemory, layer_plan_bytes
+    from roundpipe.planning.device_plan import plan_from
 
     mib = 1 << 20
     blocks = 28
@@ -148,13 +148,13 @@ def test_the_replan_keeps_the_device_kind_and_so_its_headroom(monkeypatch: pytes
     planning budget)."""
     import dataclasses
 
-    import roundpipe.pipe as pipe_module
+    import roundpipe.planning.replan as replan_module
 
     config = roundpipe.RunConfig(
         devices="cpu:2", num_microbatches=4, async_optimizer=False, memory_budget="1GiB"
     )
     seen: list[str] = []
-    real_plan_from = pipe_module.plan_from
+    real_plan_from = replan_module.plan_from
 
     def recording_plan_from(*args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(args[5] if len(args) > 5 else kwargs.get("kind", "cpu"))
@@ -163,10 +163,11 @@ def test_the_replan_keeps_the_device_kind_and_so_its_headroom(monkeypatch: pytes
     data = batches(3)
     with roundpipe.RoundPipe(_wide_mlp(), optimizer=sgd, config=config) as pipe:
         train_steps(pipe, data[:1], mse)  # measures the layers and makes the first plan
-        assert pipe._device_plan is not None
-        pipe._device_plan = dataclasses.replace(pipe._device_plan, kind="cuda")
-        pipe._replanned = False  # the first step's housekeeping re-planned already: once more
-        monkeypatch.setattr(pipe_module, "plan_from", recording_plan_from)
-        monkeypatch.setattr(pipe_module, "refined_costs", lambda trace, costs: costs)
+        planner = pipe._planner
+        assert planner.device_plan is not None
+        planner.device_plan = dataclasses.replace(planner.device_plan, kind="cuda")
+        planner.replanned = False  # the first step's housekeeping re-planned already: once more
+        monkeypatch.setattr(replan_module, "plan_from", recording_plan_from)
+        monkeypatch.setattr(replan_module, "refined_costs", lambda trace, costs: costs)
         train_steps(pipe, data[1:], mse)
     assert seen == ["cuda"]

@@ -9,7 +9,7 @@ import pytest
 from roundpipe.backends.fake import FakeBackend
 from roundpipe.errors import ScheduleError, TaskFailedError
 from roundpipe.sched.engine import Engine
-from roundpipe.sched.loop import run_sync
+from roundpipe.sched.event_loop import run_sync
 from roundpipe.sched.task import Task
 
 

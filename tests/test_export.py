@@ -9,11 +9,11 @@ import pytest
 
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import partition
+from roundpipe.planning.simulate import simulate
 from roundpipe.sched.export import explain_violation, format_grid, lane_rows, task_label, write_perfetto
 from roundpipe.sched.rules import RuleViolation
 from roundpipe.sched.task import DEVICE_LANES
 from roundpipe.sched.trace import Trace
-from roundpipe.simulate import simulate
 
 
 @pytest.fixture(scope="module")

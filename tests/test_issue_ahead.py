@@ -16,8 +16,8 @@ from roundpipe.backends.fake import FakeBackend, FakeCostModel
 from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, partition
 from roundpipe.sched.engine import Engine
+from roundpipe.sched.event_loop import run_sync
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
-from roundpipe.sched.loop import run_sync
 from roundpipe.sched.trace import Trace
 
 LAYERS = 10

@@ -123,8 +123,11 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_the_package() -> None:
     graph = _graph()
-    assert "roundpipe.simulate" in graph and "roundpipe.sched.engine" in graph["roundpipe.simulate"]
-    assert "roundpipe.backends.fake" in graph["roundpipe.simulate"]
+    assert (
+        "roundpipe.planning.simulate" in graph
+        and "roundpipe.sched.engine" in graph["roundpipe.planning.simulate"]
+    )
+    assert "roundpipe.backends.fake" in graph["roundpipe.planning.simulate"]
     # TYPE_CHECKING imports are edges: the facade is one, behind the lazy __getattr__.
     assert "roundpipe.pipe" in graph["roundpipe"]
 
@@ -144,7 +147,7 @@ def test_no_import_cycle() -> None:
 # none of its readers (rules, export, replay): they import it, and the package attaches them.
 # Anything else deferred must keep the whole graph acyclic and respect the layers too.
 DEFERRED_BY_DESIGN = {
-    ("roundpipe.sched", "roundpipe.simulate"),  # roundpipe.sched.simulate & co. (PEP 562)
+    ("roundpipe.sched", "roundpipe.planning.simulate"),  # roundpipe.sched.simulate & co. (PEP 562)
 }
 
 
@@ -187,7 +190,7 @@ def test_trace_imports_none_of_its_readers() -> None:
         "roundpipe.sched.engine",
         "roundpipe.sched.rules",
         "roundpipe.sched.export",
-        "roundpipe.simulate",
+        "roundpipe.planning.simulate",
     )
     for reader in readers:
         assert _reaches(every, reader, "roundpipe.sched.trace"), reader
@@ -201,7 +204,7 @@ def test_a_deferred_import_that_closes_a_cycle_fails() -> None:
         module: {i.target for i in found if i.target in MODULES} - {module}
         for module, found in IMPORTS.items()
     }
-    graph["roundpipe.sched.trace"] = graph["roundpipe.sched.trace"] | {"roundpipe.simulate"}
+    graph["roundpipe.sched.trace"] = graph["roundpipe.sched.trace"] | {"roundpipe.planning.simulate"}
     cycle = _find_cycle(graph)
     assert cycle is not None and "roundpipe.sched.trace" in cycle
 
@@ -236,8 +239,8 @@ def test_sched_imports_only_plan_and_errors() -> None:
     assert not bad, f"roundpipe.sched must import only roundpipe.plan and roundpipe.errors: {bad}"
 
 
-def test_nothing_below_the_facade_imports_simulate_or_the_cli() -> None:
-    top = ("roundpipe.simulate", "roundpipe.pipe", "roundpipe.cli", "roundpipe.cli_schedule")
+def test_nothing_below_the_facade_imports_planning_or_the_cli() -> None:
+    top = ("roundpipe.planning", "roundpipe.pipe", "roundpipe.cli")
     for layer in ("roundpipe.plan", "roundpipe.sched", "roundpipe.backends"):
         bad = [x for x in _roundpipe_imports(layer) if _inside(x[1], *top)]
         assert not bad, f"{layer} imports a module above it: {bad}"
@@ -254,7 +257,7 @@ def _closure(start: str) -> set[str]:
 
 
 def test_fake_backend_and_simulation_import_no_torch() -> None:
-    for start in ("roundpipe.backends.fake", "roundpipe.simulate"):
+    for start in ("roundpipe.backends.fake", "roundpipe.planning.simulate"):
         for module in sorted(_closure(start)):
             torch_lines = [i.line for i in IMPORTS[module] if i.target == "torch"]
             assert not torch_lines, f"{start} loads {module}, which imports torch (line {torch_lines})"
@@ -271,16 +274,16 @@ class NoTorch:
         return None
 
 sys.meta_path.insert(0, NoTorch())
-for name in ("roundpipe", "roundpipe.plan", "roundpipe.sched", "roundpipe.backends.fake", "roundpipe.simulate"):
+for name in ("roundpipe", "roundpipe.plan", "roundpipe.sched", "roundpipe.backends.fake", "roundpipe.planning.simulate"):
     importlib.import_module(name)
 below_cli = sorted(m for m in ("pydantic", "rich", "matplotlib") if m in sys.modules)
-for name in ("roundpipe.cli", "roundpipe.cli_schedule", "roundpipe.train"):
+for name in ("roundpipe.cli", "roundpipe.cli.plan_commands", "roundpipe.train"):
     importlib.import_module(name)
 
-import roundpipe, roundpipe.sched, roundpipe.simulate
+import roundpipe, roundpipe.sched, roundpipe.planning.simulate
 from roundpipe.cli import main
 
-assert roundpipe.sched.simulate is roundpipe.simulate.simulate
+assert roundpipe.sched.simulate is roundpipe.planning.simulate.simulate
 trace = sys.argv[1]
 codes = [
     main(["plan", "--example", "tiny", "-n", "2", "-m", "4", "--json"]),
@@ -316,11 +319,11 @@ def test_schedule_commands_run_without_torch(tmp_path: Path) -> None:
 
 def test_lazy_public_names_resolve() -> None:
     import roundpipe
+    import roundpipe.planning.simulate
     import roundpipe.sched
-    import roundpipe.simulate
 
     for package in (roundpipe, roundpipe.sched):
         missing = [name for name in package.__all__ if not hasattr(package, name)]
         assert not missing, f"{package.__name__}.__all__ names that do not resolve: {missing}"
-    assert roundpipe.sched.replay is roundpipe.simulate.replay
-    assert roundpipe.sched.SimulationResult is roundpipe.simulate.SimulationResult
+    assert roundpipe.sched.replay is roundpipe.planning.simulate.replay
+    assert roundpipe.sched.SimulationResult is roundpipe.planning.simulate.SimulationResult

@@ -14,9 +14,9 @@ from types import ModuleType
 import pytest
 
 import roundpipe
-from roundpipe.device_plan import plan_from
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.memory import in_flight_microbatches, layer_plan_bytes, predict_peak
+from roundpipe.planning.device_plan import plan_from
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

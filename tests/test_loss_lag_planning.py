@@ -14,7 +14,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe.plan import _families, _refine
-from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, submission_lag
+from roundpipe.planning.ranking import choose_evaluated_plan, engine_evaluator, submission_lag
 from tests.helpers import batches, mlp
 from tests.test_plan_choice import grid_costs
 
@@ -70,19 +70,20 @@ def test_a_step_that_waits_for_its_losses_submits_as_the_waiting_loop(
 ) -> None:
     """Where `submission_lag` says 0, ``step()`` waits for its iteration's losses, and a loop
     reading each loss late runs on the engine exactly as the waiting loop."""
-    import roundpipe.assembly
+    import roundpipe.planning.replan
+    from roundpipe.planning.replan import RunPlanner
 
     data = batches(5)
     runs = []
     # One plan for both loops (the late one may be planned otherwise): the submissions are compared.
-    chosen = roundpipe.assembly.choose_evaluated_plan
+    chosen = roundpipe.planning.replan.choose_evaluated_plan
     monkeypatch.setattr(
-        roundpipe.assembly,
+        roundpipe.planning.replan,
         "choose_evaluated_plan",
         lambda *args, **kwargs: chosen(*args, **{**kwargs, "loss_lag": 0}),
     )
     for lag, gate in ((0, False), (1, True)):
-        monkeypatch.setattr(roundpipe.RoundPipe, "_waits_for_loss", lambda self, plan, gate=gate: gate)
+        monkeypatch.setattr(RunPlanner, "waits_for_loss", lambda self, plan, costs, gate=gate: gate)
         config = roundpipe.RunConfig(devices="fake:3", num_microbatches=6, loss_lag=lag)
         with roundpipe.RoundPipe(
             mlp(depth=6), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=config
@@ -108,7 +109,7 @@ def test_a_late_loop_also_times_the_runner_up_few_slot_plan(monkeypatch: pytest.
     late loop's own model does not look: `LATE_MODELLED` and `LATE_EQUAL_TIMED` 0; with it, a
     6-slot plan at 251.77)."""
     from roundpipe.plan.choose import even_plan
-    from roundpipe.plan_eval import late_loop_evaluator
+    from roundpipe.planning.ranking import late_loop_evaluator
 
     costs = grid_costs(28, 2.5, 1.0)
     best = even_plan([range(0, 23)], range(23, 30), [range(17, 23), range(11, 17), range(6, 11), range(0, 6)], costs, 8, 16)  # fmt: skip
@@ -132,7 +133,7 @@ def test_a_late_loop_times_the_few_slot_plans_its_own_model_ranks_best(
     iterations: `_ranking.LATE_MODEL_ITERATIONS`), the best of them are timed: 7 slots, 259.61 ms,
     the fastest even plan (over 8 iterations: a 5-slot plan at 259.90); without it a 19-slot plan
     at 266.05."""
-    from roundpipe.plan_eval import late_loop_evaluator
+    from roundpipe.planning.ranking import late_loop_evaluator
 
     costs = grid_costs(28, 2.5, 2.0)
     evaluate = late_loop_evaluator(costs, 8, 16)
@@ -151,7 +152,7 @@ def test_a_late_loop_times_the_best_plan_of_equal_stages_too(monkeypatch: pytest
     longer than the mean slot's); of the plans of equal stages (`_candidates.equal_splits`) it is
     the late loop's model's best, and timed (`LATE_EQUAL_TIMED`). Without, a 5-slot plan at
     177.18 ms, 2.6% slower."""
-    from roundpipe.plan_eval import late_loop_evaluator
+    from roundpipe.planning.ranking import late_loop_evaluator
 
     costs = grid_costs(24, 1.3, 3.0)
     evaluate = late_loop_evaluator(costs, 8, 16)
@@ -171,7 +172,7 @@ def test_a_late_loop_refines_around_few_slot_plans_by_its_own_model_too(
     (7 slots, fused stage from layer 27: 371.70 ms) is a neighbour of the best the first timings
     find (fused from 28: 374.58), and the best of its neighbours by the late loop's own model;
     `_refine` times the best by that model too (`REFINE_LATE_TIMED`)."""
-    from roundpipe.plan_eval import late_loop_evaluator
+    from roundpipe.planning.ranking import late_loop_evaluator
 
     costs = grid_costs(32, 3.8, 1.0)
     evaluate = late_loop_evaluator(costs, 8, 16)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from roundpipe.errors import PlanError
-from roundpipe.link_plan import choose_link_plan, link_iteration_ms
 from roundpipe.plan import LayerCosts, Plan, choose_plan, round_sizes
 from roundpipe.plan.link import link_costs, link_report, upload_bytes, upload_ms
+from roundpipe.planning.link_plan import choose_link_plan, link_iteration_ms
+from roundpipe.planning.simulate import simulate
 from roundpipe.sched.trace import Trace
-from roundpipe.simulate import simulate
 
 LINK_GBPS = 1.0
 MB20 = 20_000_000  # 20 ms per upload at 1 GB/s, against 3 ms of compute per microbatch
@@ -117,8 +117,8 @@ def test_the_replan_takes_the_link_aware_plan_where_the_measured_link_makes_it_f
     """`with_link` (the CUDA re-plan): the link measured from the trace's weight uploads, the
     plan made on link-aware costs within the same memory budget, kept where it runs faster."""
     import roundpipe
-    from roundpipe.device_plan import measured_link_gbps, plan_from, with_link
     from roundpipe.plan.memory import LayerMemory, layer_plan_bytes
+    from roundpipe.planning.device_plan import measured_link_gbps, plan_from, with_link
 
     mb, layers = 10**6, 12
     mem = LayerMemory(

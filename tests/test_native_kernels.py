@@ -1,7 +1,7 @@
 """The compiled loops of plan evaluation (`roundpipe.plan.native`) give what the Python loops give.
 
 What must hold: every function of `_kernels.c` stands in for a Python loop and must decide
-nothing differently: the replay graph built in C is the engine's graph as `roundpipe.replay_graph`
+nothing differently: the replay graph built in C is the engine's graph as `roundpipe.planning.replay_graph`
 renders it, array for array and in the same order; the replay, the stream model and the split model give the same floats to
 the last bit, given up or not; and `choose_evaluated_plan` chooses the same plan in every mode.
 Each check runs the same inputs through both (`native.pure_python()` turns the compiled loops
@@ -28,9 +28,9 @@ from roundpipe.plan._steady import steady_bound, steady_bound_ticks, steady_peri
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.dispatch import busiest_device_share
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
-from roundpipe.plan_replay import _first_computes, replay_run, replay_starts
-from roundpipe.replay_graph import build_graph
+from roundpipe.planning.ranking import choose_evaluated_plan, engine_evaluator, late_loop_evaluator
+from roundpipe.planning.replay import _first_computes, replay_run, replay_starts
+from roundpipe.planning.replay_graph import build_graph
 
 needs_native = pytest.mark.skipif(not native.built(), reason="the compiled loops were not built here")
 

@@ -25,7 +25,7 @@ from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.choose import every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import (
+from roundpipe.planning.ranking import (
     STEADY_WINDOW,
     FlooredEvaluator,
     choose_evaluated_plan,
@@ -33,7 +33,7 @@ from roundpipe.plan_eval import (
     iteration_starts,
     late_loop_evaluator,
 )
-from roundpipe.simulate import simulate
+from roundpipe.planning.simulate import simulate
 
 SYNC_SLACK = 0.015  # sync bubble <= analytic bubble of the chosen S + 1.5 points
 

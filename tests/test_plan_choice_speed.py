@@ -47,7 +47,7 @@ from roundpipe.plan._steady import steady_bound, steady_period
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.choose import _stages, _steady_plan, even_plan
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import EstimatingEvaluator, engine_evaluator, late_loop_evaluator
+from roundpipe.planning.ranking import EstimatingEvaluator, engine_evaluator, late_loop_evaluator
 
 
 def grid_costs(layers: int, ratio: float, head: float) -> LayerCosts:

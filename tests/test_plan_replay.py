@@ -1,8 +1,8 @@
-"""The replay evaluator (`roundpipe.plan_replay`) equals the engine it stands in for.
+"""The replay evaluator (`roundpipe.planning.replay`) equals the engine it stands in for.
 
 Two checks, each on plans of every dispatch kind (one round and several, uneven rounds, a round
 size, few slots and more slots than devices, a plan cut by memory, sync and async): the flat graph
-of `roundpipe.replay_graph` is the graph `GraphBuilder` makes, task for task (resource, priority,
+of `roundpipe.planning.replay_graph` is the graph `GraphBuilder` makes, task for task (resource, priority,
 duration, dependencies, submission batches); and the iteration times the replay gives equal, to
 the last bit, what the engine gives on the fake backend, for async runs submitted at once
 (chained) and as a training loop submits them (each iteration once the previous losses are in).
@@ -17,12 +17,12 @@ import random
 
 import pytest
 
-from roundpipe import replay_graph
 from roundpipe.backends.fake import FakeBackend, FakeCostModel
 from roundpipe.plan import LayerCosts, Plan, partition
-from roundpipe.plan_eval import engine_evaluator
-from roundpipe.plan_replay import replay_starts
-from roundpipe.replay_graph import COMPUTE_RES, D2H_RES, H2D_RES, build_graph
+from roundpipe.planning import replay_graph
+from roundpipe.planning.ranking import engine_evaluator
+from roundpipe.planning.replay import replay_starts
+from roundpipe.planning.replay_graph import COMPUTE_RES, D2H_RES, H2D_RES, build_graph
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import PRIORITY, Task
 
@@ -68,7 +68,7 @@ CASES = plans()
 def engine_graph(
     plan: Plan, costs: LayerCosts, n: int, m: int, rs: int | None, asynch: bool
 ) -> list[list[Task]]:
-    """What `roundpipe.simulate.run_fake` submits for the evaluator, batch by batch."""
+    """What `roundpipe.planning.simulate.run_fake` submits for the evaluator, batch by batch."""
     spec = ModelSpec(param_bytes=costs.mem_bytes, owners=tuple((i,) for i in range(costs.num_layers)))
     builder = GraphBuilder(plan, spec, n, ScheduleOptions(async_optimizer=asynch, round_size=rs))
     batches = []

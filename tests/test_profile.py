@@ -238,7 +238,7 @@ def test_cuda_profile_cross_checks_saved_bytes() -> None:
 
 
 def test_release_budget_lifts_the_cap_it_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    from roundpipe.device_plan import release_budget
+    from roundpipe.planning.device_plan import release_budget
 
     calls: list[tuple[float, int]] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

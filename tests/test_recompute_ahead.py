@@ -13,10 +13,10 @@ import pytest
 
 from roundpipe.backends.fake import FakeCostModel
 from roundpipe.plan import LayerCosts, Plan, partition
+from roundpipe.planning.simulate import simulate
 from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions, Trace
 from roundpipe.sched.keys import ActDownKey, ComputeKey, GradUpKey, RecomputeKey
 from roundpipe.sched.task import Task
-from roundpipe.simulate import simulate
 
 
 def grid_costs(layers: int, bwd_ratio: float, head: float) -> LayerCosts:

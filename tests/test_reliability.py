@@ -24,7 +24,7 @@ from torch import nn
 import roundpipe
 from roundpipe import faults
 from roundpipe.checkpoint import load_checkpoint
-from roundpipe.checkpoint_manifest import verify_checkpoint
+from roundpipe.checkpoint.manifest import verify_checkpoint
 from roundpipe.cli import main
 from roundpipe.errors import CheckpointError, StageError
 from roundpipe.optim.host import HostModel

@@ -10,11 +10,11 @@ from random import Random
 import pytest
 
 from roundpipe.plan import LayerCosts, partition
+from roundpipe.planning.simulate import simulate
 from roundpipe.sched import rules
 from roundpipe.sched.rules import RuleViolation
 from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, G_COPY, GRAD_DOWN, P_COPY, PARAM_UP, STEP, Task
 from roundpipe.sched.trace import Trace
-from roundpipe.simulate import simulate
 
 KINDS = (PARAM_UP, ACT_UP, COMPUTE, ACT_DOWN, GRAD_DOWN, G_COPY, STEP, P_COPY)
 

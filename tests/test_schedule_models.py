@@ -2,7 +2,7 @@
 
 The planner ranks plans with specialised models of the engine's schedule (`_stream.stream_ms`,
 `_split_stream.split_ms`) and times the best few with a replay of the engine's graph
-(`roundpipe.plan_replay`, on the graph `roundpipe.replay_graph` renders or the compiled kernels
+(`roundpipe.planning.replay`, on the graph `roundpipe.planning.replay_graph` renders or the compiled kernels
 build). None of them runs the engine, so each is checked here against it: the real `Engine` on the
 fake backend (`engine_evaluator(..., engine=True)`), on plans hypothesis draws (1-4 devices, one
 to three rounds, stages cut anywhere), compiled and in Python. What holds:
@@ -33,7 +33,7 @@ from roundpipe.plan._sharing import sharers_and_waits
 from roundpipe.plan._split_stream import split_ms
 from roundpipe.plan._stream import stream_ms
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import engine_evaluator
+from roundpipe.planning.ranking import engine_evaluator
 
 MODELS = settings(derandomize=True, database=None, deadline=None, max_examples=60)
 

@@ -21,6 +21,7 @@ from hypothesis import given
 
 from roundpipe.backends.fake import FakeBackend
 from roundpipe.plan import dispatch
+from roundpipe.planning.simulate import SimulationResult
 from roundpipe.sched import rules
 from roundpipe.sched.task import (
     ACT_DOWN,
@@ -34,7 +35,6 @@ from roundpipe.sched.task import (
     Task,
 )
 from roundpipe.sched.trace import Trace
-from roundpipe.simulate import SimulationResult
 from tests.scenarios import PROPERTY_SETTINGS, Scenario, scenarios
 
 # --------------------------------------------------------------------- property checks
@@ -282,7 +282,7 @@ def test_schedule_properties(sc: Scenario) -> None:
 
 def _engine_run(tasks: list[Task], ms: dict[str, float]) -> Trace:
     from roundpipe.sched.engine import Engine
-    from roundpipe.sched.loop import run_sync
+    from roundpipe.sched.event_loop import run_sync
 
     engine = Engine(FakeBackend(durations=lambda t: ms[t.key[0]]))
 

@@ -17,7 +17,7 @@ from roundpipe.plan import LayerCosts, Plan, analytic_bubble, choose_plan, parti
 from roundpipe.plan._candidates import balanced_split
 from roundpipe.plan._steady import steady_bound, steady_period
 from roundpipe.plan.dispatch import round_sizes, steady_iteration_ms
-from roundpipe.simulate import simulate
+from roundpipe.planning.simulate import simulate
 
 N, M = 8, 16
 ASYNC_TARGET = 0.045  # steady-state bubble of the async optimizer

@@ -3,7 +3,7 @@
 The first iterations of an async loop are not what a long run gets: a device round-robin gives a
 little more than its share builds a backlog for tens of iterations before it sets the pace, and a
 loop reading each loss one iteration late takes a few iterations to find its rhythm. The
-evaluator (`roundpipe.plan_eval.engine_evaluator`, `roundpipe.plan_replay.settled_ms`) reads the
+evaluator (`roundpipe.planning.ranking.engine_evaluator`, `roundpipe.planning.replay.settled_ms`) reads the
 gap between consecutive iterations once it repeats, never under the busiest device's time
 (`busiest_device_ms`). These tests check it against long engine runs on the fake backend
 (virtual clock), and check the parts on their own.
@@ -19,20 +19,20 @@ from collections.abc import Callable
 
 import pytest
 
-from roundpipe import plan_replay
 from roundpipe.plan import LayerCosts, Plan, choose_plan, native
 from roundpipe.plan._ranking import _stages
 from roundpipe.plan.choose import _Timer, every_even_plan
 from roundpipe.plan.dispatch import busiest_device_ms, busiest_device_share, dispatch
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.plan_eval import (
+from roundpipe.planning import replay as replay_module
+from roundpipe.planning.ranking import (
     FlooredEvaluator,
     choose_evaluated_plan,
     engine_evaluator,
     iteration_starts,
     late_loop_evaluator,
 )
-from roundpipe.plan_replay import (
+from roundpipe.planning.replay import (
     SETTLE_LONG,
     SETTLE_SHORT,
     TAIL_GAPS,
@@ -40,8 +40,8 @@ from roundpipe.plan_replay import (
     settled_ms,
     side_by_side,
 )
-from roundpipe.replay_graph import ReplayGraph
-from roundpipe.simulate import simulate
+from roundpipe.planning.replay_graph import ReplayGraph
+from roundpipe.planning.simulate import simulate
 from tests.test_plan_choice import grid_costs
 
 
@@ -192,13 +192,13 @@ def test_the_short_run_read_from_the_long_one_gives_the_same_figures(monkeypatch
     graph: the same figures both ways, on plans of every size, both loss lags, and both branches
     taken (a loop one loss late lets an iteration in early enough on some plans)."""
     shorts: list[int] = []
-    replay_short = plan_replay._first_computes
+    replay_short = replay_module._first_computes
 
     def counted(graph: ReplayGraph, iterations: int, loop: bool, loss_lag: int) -> list[float]:
         shorts.append(iterations)
         return replay_short(graph, iterations, loop, loss_lag)
 
-    monkeypatch.setattr(plan_replay, "_first_computes", counted)
+    monkeypatch.setattr(replay_module, "_first_computes", counted)
     read = replayed = 0
     for layers, ratio, head in ((24, 1.3, 1.0), (24, 2.5, 4.0), (28, 3.8, 2.0)):
         costs = grid_costs(layers, ratio, head)
@@ -215,19 +215,19 @@ def test_the_short_run_read_from_the_long_one_gives_the_same_figures(monkeypatch
 
 def test_the_late_loop_choice_leaves_no_thread_behind() -> None:
     """`choose_evaluated_plan` for a loop one loss late replays side by side on a worker thread of
-    its own (`plan_replay.side_by_side`), joined before it returns: the same plan as one by one,
+    its own (`roundpipe.planning.replay.side_by_side`), joined before it returns: the same plan as one by one,
     and no thread left (a closed pipe leaves none)."""
     costs = grid_costs(24, 3.8, 2.0)
     before = {t.name for t in threading.enumerate()}
     seen: list[str] = []
-    run_long = plan_replay._long_run
+    run_long = replay_module._long_run
 
     def watched(graph: ReplayGraph, loss_lag: int) -> tuple[list[float], float]:
         seen.append(threading.current_thread().name)
         return run_long(graph, loss_lag)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan_replay, "_long_run", watched)
+        patch.setattr(replay_module, "_long_run", watched)
         plan = choose_evaluated_plan(costs, 8, 16, None, async_optimizer=True, loss_lag=1)
     assert {t.name for t in threading.enumerate()} - before == set()
     if native.built():
@@ -239,7 +239,7 @@ def test_the_late_loop_choice_leaves_no_thread_behind() -> None:
 # The fork is the point: the parent has the worker thread running (Python 3.12 warns of it).
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_child_forked_inside_side_by_side_replays_one_by_one() -> None:
-    """Within `plan_replay.side_by_side` the late loop's second replay runs on a worker thread. A
+    """Within `roundpipe.planning.replay.side_by_side` the late loop's second replay runs on a worker thread. A
     child forked there has no such thread: it replays one by one instead of waiting forever for
     the parent's."""
     costs = grid_costs(24, 2.5, 4.0)

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from roundpipe.backends.fake import Perturbation
 from roundpipe.plan import LayerCosts, Plan, partition
+from roundpipe.planning.simulate import replay, simulate
 from roundpipe.sched.task import ACT_UP, COMPUTE, PARAM_UP, STEP, Task
 from roundpipe.sched.trace import TRACE_FORMAT, Trace
-from roundpipe.simulate import replay, simulate
 
 # Every field a recorded task carries (declared and run-time) that must survive a save/load.
 FIELDS = (

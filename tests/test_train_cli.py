@@ -14,8 +14,8 @@ from roundpipe.optim.host import default_optimizer
 from roundpipe.pipe import RoundPipe
 from roundpipe.train import TrainConfig, make_config, read_config_file
 from roundpipe.train.config import DEFAULT_ASYNC_LR_RAMP_START, DEFAULT_ASYNC_LR_RAMP_STEPS
-from roundpipe.train.loop import lr_factor
-from roundpipe.train.schedule import make_optimizer
+from roundpipe.train.lr_schedule import make_optimizer
+from roundpipe.train.trainer import lr_factor
 from tests.helpers import metrics_logged, train_args
 
 JSON_KEYS = {"initial_loss", "final_loss", "tokens_per_s", "bubble_ratio", "steps", "out_dir"}
@@ -163,7 +163,7 @@ def test_config_file_and_flag_precedence(model_config: Path, tmp_path: Path) -> 
     (tmp_path / "run.json").write_text(json.dumps({"steps": 1, "microbatches": 2}))
     args = [*tiny_args(model_config, tmp_path, "p", steps=2), "--config", str(tmp_path / "run.json")]
     from roundpipe.cli import build_parser
-    from roundpipe.train.cli import options
+    from roundpipe.cli.train_command import options
 
     merged = make_config(options(build_parser().parse_args(args)))
     assert merged.steps == 2 and merged.microbatches == 2  # the flag beats the file
@@ -255,7 +255,7 @@ def test_the_host_optimizers_use_the_fused_cpu_kernel() -> None:
 
 def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: Path) -> None:
     from roundpipe.cli import build_parser
-    from roundpipe.train.cli import options
+    from roundpipe.cli.train_command import options
 
     args = tiny_args(model_config, tmp_path, "r", steps=2)
     chosen = make_config(
@@ -293,7 +293,7 @@ def test_async_remedy_flags_reach_the_run_config(model_config: Path, tmp_path: P
 
 def test_a_checkpoint_saved_before_the_lr_ramp_resumes_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import roundpipe.checkpoint
-    from roundpipe.train.cli import _saved_options
+    from roundpipe.cli.train_command import _saved_options
 
     old = {"extra": {"train_config": {"steps": 9, "async_warmup_steps": 20}}}
     monkeypatch.setattr(roundpipe.checkpoint, "read_checkpoint_meta", lambda path: old)

@@ -158,7 +158,7 @@ def test_too_long_for_the_model_names_its_positions(
 def test_mistyped_model_is_reported_before_the_data_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import roundpipe.train.loop as loop
+    import roundpipe.train.trainer as loop
 
     def must_not_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("the data or the tokenizer was read before --model was checked")

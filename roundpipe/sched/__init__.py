@@ -2,7 +2,7 @@
 
 Public names: `Task`, `Engine`, `Trace`, `GraphBuilder`, `ModelSpec`, `ScheduleOptions`,
 `RuleViolation`, and `simulate`, `replay`, `SimulationResult`. The last three live in
-`roundpipe.simulate`, above both this package and the backends (simulation joins the engine to the
+`roundpipe.planning.simulate`, above both this package and the backends (simulation joins the engine to the
 fake backend, which builds on this package); they are forwarded here on first access so that
 ``roundpipe.sched.simulate(...)`` keeps working without this package ever importing upward.
 
@@ -43,19 +43,19 @@ __all__ = [
 
 
 def _replay(trace: Trace) -> Trace:
-    """`Trace.replay`: `roundpipe.simulate.replay`, reached as the forwarded names are."""
-    import roundpipe.simulate
+    """`Trace.replay`: `roundpipe.planning.simulate.replay`, reached as the forwarded names are."""
+    import roundpipe.planning.simulate
 
-    return roundpipe.simulate.replay(trace)
+    return roundpipe.planning.simulate.replay(trace)
 
 
 attach_readers(TraceReaders(check_trace, write_perfetto, write_png, _replay))
 
 
 def __getattr__(name: str) -> Any:
-    # Deferred, so the module-level import graph keeps sched below roundpipe.simulate.
+    # Deferred, so the module-level import graph keeps sched below roundpipe.planning.simulate.
     if name in _FROM_SIMULATE:
-        import roundpipe.simulate
+        import roundpipe.planning.simulate
 
-        return getattr(roundpipe.simulate, name)
+        return getattr(roundpipe.planning.simulate, name)
     raise AttributeError(f"module 'roundpipe.sched' has no attribute {name!r}")

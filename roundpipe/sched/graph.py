@@ -22,7 +22,7 @@ then per unit a G-copy (rule 3, rule 5). An optimizer step adds per unit, shallo
 P-copy (rules 1 and 5), after an optional global grad-norm barrier (clipping, fp16 overflow).
 
 The builder never touches tensors: tasks carry indices, backends look up the data. It is the one
-description of what runs: plan evaluation replays this very graph (`roundpipe.replay_graph`
+description of what runs: plan evaluation replays this very graph (`roundpipe.planning.replay_graph`
 writes its tasks down as numbers; the compiled builder there is checked against it task for task).
 """
 

@@ -9,7 +9,7 @@ trace from a real run can be inspected or replayed anywhere.
 A trace never holds tensors. It keeps the data and the questions about it; the readers that do
 more with it live beside it and import it, never the reverse: rule checking in
 `roundpipe.sched.rules`, export and plotting in `roundpipe.sched.export` (so this module stays free
-of optional dependencies), replay in `roundpipe.simulate` (above the backends). The methods that
+of optional dependencies), replay in `roundpipe.planning.simulate` (above the backends). The methods that
 reach them (`check_rules`, `to_perfetto`, `plot`, `replay`) call the `TraceReaders` the package
 attaches when it loads (`roundpipe.sched.__init__`, which runs before this module can be
 imported), so this module imports none of them and no import cycle runs through it.

@@ -96,7 +96,7 @@ def _finish_instant(backend: Backend) -> None:
     the waiter submits then finds the instant's completions all in, as a real caller, woken some
     time after its task ended, would. Without it, a batch submitted in the middle of an instant
     could start on a lane a higher-priority task was about to be released onto, and when a loop
-    submits would depend on the order of equal end times (`roundpipe.plan_replay` models the
+    submits would depend on the order of equal end times (`roundpipe.planning.replay` models the
     loop's submission on this rule)."""
     now = backend.now()
     while backend.next_time() == now and backend.advance():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from roundpipe.train.config import TrainConfig, make_config, read_config_file
 
 if TYPE_CHECKING:
-    from roundpipe.train.loop import TrainResult, train
+    from roundpipe.train.trainer import TrainResult, train
 
 __all__ = ["TrainConfig", "TrainResult", "make_config", "read_config_file", "train"]
 
@@ -23,7 +23,7 @@ __all__ = ["TrainConfig", "TrainResult", "make_config", "read_config_file", "tra
 def __getattr__(name: str) -> Any:
     # `train` and `TrainResult` pull in torch; load them only when asked for.
     if name in ("train", "TrainResult"):
-        from roundpipe.train import loop
+        from roundpipe.train import trainer
 
-        return getattr(loop, name)
+        return getattr(trainer, name)
     raise AttributeError(f"module 'roundpipe.train' has no attribute {name!r}")

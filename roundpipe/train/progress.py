@@ -24,10 +24,10 @@ from roundpipe.train.board import MetricsSink
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.evaluate import evaluate
 from roundpipe.train.keep import non_finite_message, non_finite_weight, preserve_before_save
+from roundpipe.train.lr_schedule import lr_factor
 from roundpipe.train.ranks import Ranks
 from roundpipe.train.result import Reporter
 from roundpipe.train.rundir import CHECKPOINT_DIR
-from roundpipe.train.schedule import lr_factor
 
 NON_FINITE_PREFIX = "non-finite-step-"  # --save-non-finite: the bad state, kept apart
 
@@ -48,7 +48,7 @@ def open_metrics(path: Path, ranks: Ranks) -> IO[str] | None:
 
 
 class Progress:
-    """The state `roundpipe.train.loop` carries from step to step."""
+    """The state `roundpipe.train.trainer` carries from step to step."""
 
     def __init__(
         self,

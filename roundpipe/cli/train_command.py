@@ -1,6 +1,6 @@
 """The ``roundpipe train`` subcommand: parse options, merge them, call `roundpipe.train.train`.
 
-Why thin: the options live in `TrainConfig`, the work in `roundpipe.train.loop`, the drawing in
+Why thin: the options live in `TrainConfig`, the work in `roundpipe.train.trainer`, the drawing in
 `roundpipe.train.report`; this module only maps flags onto config fields (a flag given on the
 command line overrides the ``--config`` file, which overrides what a ``--resume`` checkpoint was
 trained with, which overrides the defaults) and picks where output goes. It must never import
@@ -291,7 +291,7 @@ def _elastic_resume(values: dict[str, Any]) -> str | None:
 
 def _checkpoint_of(path: str) -> str:
     """The checkpoint ``--resume`` means: a run directory (runs/NAME) gives its newest intact one."""
-    from roundpipe.checkpoint_find import resolve_checkpoint
+    from roundpipe.checkpoint.find import resolve_checkpoint
 
     checkpoint, note = resolve_checkpoint(path)
     if note:
@@ -334,8 +334,8 @@ def run(args: argparse.Namespace) -> int:
     from roundpipe.faults import fault_point
 
     fault_point("startup")  # tests: a Ctrl-C before torch and the training code are loaded
-    from roundpipe.train.loop import train
     from roundpipe.train.report import RichReporter
+    from roundpipe.train.trainer import train
 
     result = train(config, reporter=RichReporter(console, progress=True))
     if result.rank:  # under torchrun rank 0 reports for every process

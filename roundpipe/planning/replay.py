@@ -1,7 +1,7 @@
 """Plan evaluation without the engine: the same task graph and the same start rule, on integers.
 
 Why: `choose_plan` times its candidates by running the real engine on the fake backend
-(`roundpipe.plan_eval`). At 94 layers one evaluation runs ~7000 tasks and costs 65-100 ms, half
+(`roundpipe.planning.ranking`). At 94 layers one evaluation runs ~7000 tasks and costs 65-100 ms, half
 of it building `Task` objects, the rest the engine's bookkeeping around them. The evaluator only
 reads a few compute start times, so this module builds the graph `GraphBuilder` would build for
 the evaluator's configuration (free transfers, free optimizer, no chunking, no grad-norm barrier,
@@ -18,7 +18,7 @@ rule on it:
   resource picks its next task only once the whole wave has released its dependents. Within a
   wave, the order of completions changes only the numbering of the next starts, never which task
   a resource picks, so waves are replayed as sets;
-- the graphs are submitted in the order `roundpipe.simulate.run_fake` submits them (per
+- the graphs are submitted in the order `roundpipe.planning.simulate.run_fake` submits them (per
   iteration its graph, then its optimizer step), idle resources starting after each batch: all
   at time 0 (a chained run), or as a training loop does (``after_loss``): iteration t's step and
   iteration t + 1's graph once iteration t's losses are in and the instant they came in at is
@@ -47,8 +47,8 @@ from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.partition import Plan
 from roundpipe.plan.shape import RunShape
-from roundpipe.replay_graph import ReplayGraph, build_graph
-from roundpipe.replay_rule import replay_run, replay_starts
+from roundpipe.planning.replay_graph import ReplayGraph, build_graph
+from roundpipe.planning.replay_rule import replay_run, replay_starts
 
 SETTLE_SHORT, SETTLE_LONG = 6, 20
 """A loop's settled time per iteration (`settled_ms`): a run of SETTLE_SHORT iterations, and one
@@ -73,7 +73,7 @@ def replay_iteration_ms(
     loop: bool = True,
     loss_lag: int = 0,
 ) -> float:
-    """What `roundpipe.plan_eval.engine_evaluator` returns for ``plan``: sync, the makespan of one
+    """What `roundpipe.planning.ranking.engine_evaluator` returns for ``plan``: sync, the makespan of one
     iteration; async, submitted as a training loop submits them (``loop``, reading each loss
     ``loss_lag`` iterations late), the settled time per iteration (`loop_iteration_ms`), or with a
     ``window`` (chained runs: (1, 5) by default) the time per iteration between the first
@@ -111,7 +111,7 @@ def loop_iteration_ms(
     long_first: bool = False,
 ) -> list[float]:
     """Async `replay_iteration_ms` for each of ``loss_lags``, from one graph per run length
-    (building one costs about what a replay does: `roundpipe.plan_eval.choose_evaluated_plan`
+    (building one costs about what a replay does: `roundpipe.planning.ranking.choose_evaluated_plan`
     times both submissions). ``long_first``: for plans whose short run seldom settles, build
     and replay the long run at once and read the short one from it (`_loop_runs`).
 
@@ -140,7 +140,7 @@ def settled_ms(first_computes: Callable[[int], Sequence[float]], floor: float) -
     iteration's first compute start in a run of k iterations, and the busiest device's time per
     iteration (``floor``): the last gap of SETTLE_SHORT iterations where their last SHORT_REPEATS
     gaps are equal, else the mean of the last TAIL_GAPS gaps of SETTLE_LONG iterations; never
-    under ``floor``. The engine's evaluation (`roundpipe.plan_eval`) shares it.
+    under ``floor``. The engine's evaluation (`roundpipe.planning.ranking`) shares it.
 
     Why these lengths: against runs of 40 iterations on the 24- and 28-layer grid shapes at
     (8, 16), every even plan and both loops, a long run of 20 is within 1% on 98% of the plans
@@ -274,7 +274,7 @@ def side_by_side() -> Iterator[None]:
     figures are the same as one by one. The worker is this block's: it starts here and is joined
     on the way out (a pipe leaves no thread behind), and the compiled replay's working blocks are
     the thread's own, freed as it ends. Without the compiled loops (all Python, GIL-bound) it does
-    nothing. `roundpipe.plan_eval.choose_evaluated_plan` opens one around a late loop's choice."""
+    nothing. `roundpipe.planning.ranking.choose_evaluated_plan` opens one around a late loop's choice."""
     if native.kernels() is None or getattr(_side, "pool", None) is not None:
         yield
         return

@@ -1,8 +1,8 @@
-"""The task graph of plan evaluation as flat lists: what `roundpipe.plan_replay` replays.
+"""The task graph of plan evaluation as flat lists: what `roundpipe.planning.replay` replays.
 
 Why flat lists: plan evaluation needs, per task, only its resource, priority, duration and
 dependencies, and replays them thousands of times per choice. The graph is the engine's own:
-`GraphBuilder` (`roundpipe.sched.graph`) builds it for `roundpipe.simulate.run_fake`'s evaluation
+`GraphBuilder` (`roundpipe.sched.graph`) builds it for `roundpipe.planning.simulate.run_fake`'s evaluation
 setup (one trainable unit per layer, default ``ScheduleOptions`` but the optimizer mode and round
 size; free transfers and optimizer on the fake backend with shared links), and `_rendered` writes
 its tasks down as numbers, in submission order. There is no second description of the schedule

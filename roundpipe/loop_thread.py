@@ -4,7 +4,7 @@ Why a private loop on a background thread: the engine is asyncio, but users call
 `RoundPipe.forward_backward` from scripts, notebooks whose loop is already running, other
 threads, or their own services. Owning the loop means the sync API works anywhere (it blocks only
 the caller's thread) and the async API awaits the engine without ever blocking the caller's loop.
-`roundpipe.sched.loop` decides which loop implementation to use; this module owns the thread
+`roundpipe.sched.event_loop` decides which loop implementation to use; this module owns the thread
 that runs it.
 
 It must never run engine work on the caller's loop, and never let a synchronous call from its
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from roundpipe.sched.loop import new_event_loop
+from roundpipe.sched.event_loop import new_event_loop
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """What ``roundpipe plan`` and ``roundpipe simulate`` print: the plan's numbers and the tables.
 
-Why apart from `roundpipe.cli_schedule`: that module parses arguments and runs the planner and
+Why apart from `roundpipe.cli.plan_commands`: that module parses arguments and runs the planner and
 the simulation; this one only turns their results into a JSON-ready summary and rich tables, so
 each stays short and the wording of the demo can change without touching the commands. It must
 never plan, simulate or read files, never import torch, and import rich only when it prints.
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from roundpipe.plan.costs import LayerCosts
     from roundpipe.plan.partition import Plan
-    from roundpipe.simulate import SimulationResult
+    from roundpipe.planning.simulate import SimulationResult
 
 
 def console() -> Console:

@@ -3,7 +3,7 @@
 Why a command: before resuming a long run, or after copying a checkpoint between machines, a
 person wants to know that every file is the one that was written, without building the model.
 It must never import torch (it runs where torch is absent, like the schedule commands): the check
-is `roundpipe.checkpoint_manifest.verify_checkpoint`, and a problem is raised as a
+is `roundpipe.checkpoint.manifest.verify_checkpoint`, and a problem is raised as a
 `CheckpointError` that `roundpipe.cli.main` prints as one line with exit code 2.
 """
 
@@ -13,8 +13,8 @@ import argparse
 import sys
 from typing import Any
 
-from roundpipe.checkpoint_find import resolve_checkpoint, with_alternative
-from roundpipe.checkpoint_manifest import ManifestMissingError, verify_checkpoint
+from roundpipe.checkpoint.find import resolve_checkpoint, with_alternative
+from roundpipe.checkpoint.manifest import ManifestMissingError, verify_checkpoint
 from roundpipe.errors import CheckpointError
 
 

@@ -32,7 +32,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], directory: str | os.Pa
     """Export the model of a ``roundpipe train`` checkpoint into ``directory`` (the
     ``save_pretrained`` layout: the full model, or the adapters of a LoRA run); returns it."""
     from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta
-    from roundpipe.checkpoint_find import resolve_checkpoint
+    from roundpipe.checkpoint.find import resolve_checkpoint
     from roundpipe.pipe import RoundPipe
     from roundpipe.quiet import quiet_libraries
     from roundpipe.train.config import make_config

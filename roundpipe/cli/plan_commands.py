@@ -1,9 +1,9 @@
 """The ``plan``, ``simulate`` and ``trace`` subcommands: the schedule, without a GPU.
 
-Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan`, `roundpipe.simulate`
+Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan`, `roundpipe.planning.simulate`
 and `roundpipe.sched` (partition a model's layer costs, run the real engine on the fake backend,
 inspect saved traces), and keep the dispatcher tiny. This module parses the arguments and runs the
-work; `roundpipe.cli_report` words and draws what ``plan`` and ``simulate`` print. ``roundpipe simulate`` with no arguments is the project's demo, so
+work; `roundpipe.cli.plan_report` words and draws what ``plan`` and ``simulate`` print. ``roundpipe simulate`` with no arguments is the project's demo, so
 it must stay quick (well under 5 s) and print something a newcomer can read. This module must
 never import torch or touch a device, and never print a traceback for bad input: it raises
 `roundpipe.errors` / `ValueError` / `OSError` and lets `roundpipe.cli.main` report one line.
@@ -308,7 +308,7 @@ def _load_costs(args: argparse.Namespace) -> tuple[str, LayerCosts]:
 
 
 def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
-    from roundpipe.plan_eval import choose_evaluated_plan
+    from roundpipe.planning.ranking import choose_evaluated_plan
 
     return choose_evaluated_plan(
         costs,
@@ -323,7 +323,7 @@ def _partition(costs: LayerCosts, args: argparse.Namespace) -> Plan:
 def _evaluated(plan: Plan, costs: LayerCosts, args: argparse.Namespace) -> dict[str, Any]:
     """What chose ``plan`` (`choose_evaluated_plan`): its iteration as the engine runs it on the
     fake backend (free transfers and optimizer), for the loop ``args`` plans for."""
-    from roundpipe.plan_eval import engine_evaluator, late_loop_evaluator, submission_lag
+    from roundpipe.planning.ranking import engine_evaluator, late_loop_evaluator, submission_lag
 
     n, m, asynch = args.devices, args.microbatches, args.async_optimizer
     lag = args.loss_lag if asynch else 0
@@ -346,8 +346,8 @@ def _evaluated(plan: Plan, costs: LayerCosts, args: argparse.Namespace) -> dict[
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    import roundpipe.plan_eval  # noqa: F401  (imported before the clock starts)
-    from roundpipe.cli_report import plan_summary, print_plan
+    import roundpipe.planning.ranking  # noqa: F401  (imported before the clock starts)
+    from roundpipe.cli.plan_report import plan_summary, print_plan
 
     source, costs = _load_costs(args)
     started = time.perf_counter()
@@ -367,8 +367,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def _advise(args: argparse.Namespace, costs: LayerCosts) -> None:
     """A microbatch count that wastes devices, said once with the better value, when the engine
     on the fake backend shows it (on stderr: --json stays one line)."""
+    from roundpipe.planning.simulate import simulate
     from roundpipe.settings_advice import microbatch_advice
-    from roundpipe.simulate import simulate
 
     def ms_per_microbatch(m: int) -> float:
         settings = argparse.Namespace(**{**vars(args), "microbatches": m})
@@ -402,8 +402,8 @@ def _output(args: argparse.Namespace, value: str, suffix: str) -> Path:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from roundpipe.cli_report import plan_summary, print_simulation
-    from roundpipe.simulate import simulate
+    from roundpipe.cli.plan_report import plan_summary, print_simulation
+    from roundpipe.planning.simulate import simulate
 
     source, costs = _load_costs(args)
     if (args.fresh_layers or args.fresh_at) and not args.async_optimizer:

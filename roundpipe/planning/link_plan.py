@@ -1,6 +1,6 @@
 """The plan of a link-bound run, judged with its uploads: the fake engine with the link on.
 
-Why: the planner judges plans with free transfers (`roundpipe.plan_eval`), right while uploads
+Why: the planner judges plans with free transfers (`roundpipe.planning.ranking`), right while uploads
 hide behind compute. When they do not (`roundpipe.plan.link`: a mixture of experts moving 1.2 GB
 a layer), a plan with a longer fused stage uploads less, and one with more slots spreads the
 uploads over more devices; which is faster depends on the link. `choose_link_plan` takes the plan
@@ -21,7 +21,7 @@ from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.link import LinkReport, link_costs, link_report
 from roundpipe.plan.partition import Plan
 from roundpipe.plan.rounds import round_sizes
-from roundpipe.simulate import simulate
+from roundpipe.planning.simulate import simulate
 
 ASYNC_ITERATIONS = 4
 """An async plan's time with the link is the mean over this many chained iterations, the step

@@ -36,6 +36,7 @@ from roundpipe.settings_advice import microbatch_advice, simulated_ms
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
 from roundpipe.train.config import TrainConfig
 from roundpipe.train.data import TrainData, data_path, existing_file, prepare_data
+from roundpipe.train.lr_schedule import lr_factor, make_optimizer, make_scheduler
 from roundpipe.train.model import build_model, build_tokenizer
 from roundpipe.train.preflight import check_model
 from roundpipe.train.progress import NON_FINITE_PREFIX, NoMetrics, Progress, open_metrics
@@ -50,7 +51,6 @@ from roundpipe.train.rundir import (
     run_dir,
     saved_elapsed,
 )
-from roundpipe.train.schedule import lr_factor, make_optimizer, make_scheduler
 from roundpipe.train.signals import StopRequest, stop_on_signals
 
 TRACE_FILE = "trace.json"

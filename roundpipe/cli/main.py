@@ -1,8 +1,8 @@
-"""The ``roundpipe`` command line: a tiny dispatcher over subcommands that live elsewhere.
+"""The ``roundpipe`` command line's dispatcher over the command modules beside it.
 
-Why so small: each subcommand belongs to the part of roundpipe it drives (``plan``/``simulate``/
-``trace`` in `roundpipe.cli_schedule`, ``train`` with the training code), so this file only builds
-the top-level parser, lets each command module register itself, and turns expected failures into
+Why so small: each subcommand lives in a module of its own in this package (``plan``/``simulate``/
+``trace`` in `roundpipe.cli.plan_commands`, ``train`` in `roundpipe.cli.train_command`, which hands
+the run to `roundpipe.train`), so this file only builds the top-level parser, lets each command module register itself, and turns expected failures into
 one ``roundpipe: error: ...`` line and exit code 2. Importing it, or any command module, must never
 import torch or do real work: ``roundpipe --help``, ``plan``, ``simulate`` and ``trace`` start fast
 and run where torch is not installed (tests/test_layering.py runs them with torch blocked); only
@@ -25,10 +25,10 @@ from roundpipe.errors import RoundPipeError
 
 # Modules whose subcommands make up `roundpipe`, in the order `roundpipe --help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
-    "roundpipe.cli_schedule",
-    "roundpipe.train.cli",
-    "roundpipe.cli_checkpoint",
-    "roundpipe.train.export",
+    "roundpipe.cli.plan_commands",
+    "roundpipe.cli.train_command",
+    "roundpipe.cli.checkpoint_commands",
+    "roundpipe.cli.export_command",
 )
 
 # A failed check (exit 1) is a command's own result; the dispatcher only knows these two.
@@ -109,7 +109,3 @@ def _main(argv: list[str]) -> int:
     except OSError as exc:
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         return _error(f"{where}{exc.strerror or exc}")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

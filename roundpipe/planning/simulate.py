@@ -24,8 +24,8 @@ from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.partition import Plan
 from roundpipe.plan.shape import RunShape
 from roundpipe.sched.engine import Engine
+from roundpipe.sched.event_loop import run_sync
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
-from roundpipe.sched.loop import run_sync
 from roundpipe.sched.spec import fresh_units_of
 from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import BubbleReport, Trace

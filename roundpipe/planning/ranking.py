@@ -6,7 +6,7 @@ evaluation: it builds the graphs the training path builds, for whatever plan it 
 them through the engine under a virtual clock and returns the iteration time in milliseconds.
 Synchronous runs: the makespan of one iteration (fill and drain included). Asynchronous runs: the
 time per iteration that a run settles at (the gap between consecutive iterations' first computes
-once it repeats, never under the busiest device's share: `roundpipe.plan_replay.settled_ms`),
+once it repeats, never under the busiest device's share: `roundpipe.planning.replay.settled_ms`),
 submitted as a training loop submits it: `RoundPipe.forward_backward` returns, and the loop calls
 `step()` and submits the next iteration, once the fused stage's losses are in. The settled time,
 not a fixed window of the first iterations: those run up to 10-40% faster or slower than a long
@@ -18,7 +18,7 @@ rounds on two of them, and judged chained it looked twice as fast as it runs
 It lives outside ``plan`` because it runs the scheduler; ``plan`` must stay pure. It must never
 touch a device or sleep.
 
-By default the evaluator does not run the engine itself but `roundpipe.plan_replay`: the same
+By default the evaluator does not run the engine itself but `roundpipe.planning.replay`: the same
 graph as flat lists and the engine's start rule, which gives the same iteration times (checked
 task for task and time for time in `tests/test_plan_replay.py`) four to eight times faster. It
 applies because evaluation runs with free transfers and a free optimizer; ``engine=True`` runs the
@@ -38,7 +38,7 @@ from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.dispatch import busiest_device_ms
 from roundpipe.plan.partition import Plan
 from roundpipe.plan.shape import RunShape
-from roundpipe.plan_replay import (
+from roundpipe.planning.replay import (
     CHAINED_WINDOW,
     loop_estimates,
     loop_iteration_ms,
@@ -47,7 +47,7 @@ from roundpipe.plan_replay import (
     short_estimate,
     side_by_side,
 )
-from roundpipe.simulate import SimulationResult, run_fake
+from roundpipe.planning.simulate import SimulationResult, run_fake
 
 STEADY_WINDOW = CHAINED_WINDOW
 """A chained async evaluation (and one given a window): time per iteration between the first
@@ -80,7 +80,7 @@ def engine_evaluator(
     backend, by `replay_iteration_ms` (or, with ``engine=True``, by running the engine). Async:
     as a training loop submits the iterations (the module docstring; ``loss_lag=1``: a loop that
     reads each loss one iteration late, `RoundPipe.forward_backward(..., wait=False)`), the time
-    per iteration the loop settles at (`roundpipe.plan_replay.settled_ms`); with a ``window``,
+    per iteration the loop settles at (`roundpipe.planning.replay.settled_ms`); with a ``window``,
     or chained (``loop=False``: what the ranking models are checked against), the time per
     iteration between the first computes of the window's two iterations (STEADY_WINDOW)."""
     if window is not None:
@@ -99,8 +99,8 @@ def engine_evaluator(
 
 @dataclass(frozen=True)
 class _Timing:
-    """`engine_evaluator`'s figures for one run shape: by the replay (`roundpipe.plan_replay`) or
-    by the engine itself (`roundpipe.simulate.run_fake`), which give the same times."""
+    """`engine_evaluator`'s figures for one run shape: by the replay (`roundpipe.planning.replay`) or
+    by the engine itself (`roundpipe.planning.simulate.run_fake`), which give the same times."""
 
     costs: LayerCosts
     shape: RunShape
@@ -192,7 +192,7 @@ class FlooredEvaluator:
 
 class EstimatingEvaluator(FlooredEvaluator):
     """A `FlooredEvaluator` with ``estimate(plan)``: the figure of the evaluation's short run alone
-    (`roundpipe.plan_replay.short_estimate`), ``(ms, True)`` where that is the evaluation's
+    (`roundpipe.planning.replay.short_estimate`), ``(ms, True)`` where that is the evaluation's
     figure, ``(ms, False)`` where it is only an estimate (`choose_plan` looks at a shortlist of
     plans this way before it times them)."""
 

@@ -1,8 +1,8 @@
-"""The engine's start rule on integers: the replay loop behind `roundpipe.plan_replay`.
+"""The engine's start rule on integers: the replay loop behind `roundpipe.planning.replay`.
 
-Why a module of its own: `roundpipe.plan_replay` turns replays into iteration times (settled
+Why a module of its own: `roundpipe.planning.replay` turns replays into iteration times (settled
 runs, estimates, the second submission on a worker); this is the rule itself, replayed on a
-`ReplayGraph` (the module docstring of `roundpipe.plan_replay` states it: resources, priorities,
+`ReplayGraph` (the module docstring of `roundpipe.planning.replay` states it: resources, priorities,
 waves, batches), in Python where the compiled loop (`roundpipe.plan.native`) is absent and the
 reference it is checked against. It must never import the scheduler or torch, and never differ
 from the engine's order: `tests/test_plan_replay.py` and `tests/test_native_kernels.py` compare.
@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Sequence
 
 from roundpipe.plan import native
-from roundpipe.replay_graph import ReplayGraph
+from roundpipe.planning.replay_graph import ReplayGraph
 
 
 def replay_starts(
@@ -24,7 +24,7 @@ def replay_starts(
     where a task did not start. With ``stop`` (a flag per task), the replay ends at the first
     instant a flagged task starts: later starts cannot come earlier.
 
-    The batches are submitted as `roundpipe.simulate.run_fake` submits them: all at time 0, or
+    The batches are submitted as `roundpipe.planning.simulate.run_fake` submits them: all at time 0, or
     (``loop``, its ``after_loss``) as a training loop does: iteration t's optimizer step and
     iteration t + 1's graph once iteration t's losses are all in and their instant is over (a
     virtual `Engine.wait` returns then: `roundpipe.sched.waiting`). With ``loss_lag=1`` the loop

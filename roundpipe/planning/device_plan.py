@@ -32,7 +32,7 @@ from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.link import LinkReport
 from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
 from roundpipe.plan.shape import RunShape
-from roundpipe.plan_eval import choose_for_shape
+from roundpipe.planning.ranking import choose_for_shape
 from roundpipe.sched.trace import Trace
 
 
@@ -255,9 +255,9 @@ def with_link(
     device_plan: DevicePlan, config: RunConfig, trace: Trace, param_bytes: tuple[int, ...]
 ) -> DevicePlan:
     """``device_plan``, or the plan made on link-aware costs where that one runs faster with the
-    measured link (`roundpipe.link_plan.choose_link_plan`), with the link's report; unchanged
+    measured link (`roundpipe.planning.link_plan.choose_link_plan`), with the link's report; unchanged
     when no upload was timed. Its costs stay the compute times."""
-    from roundpipe.link_plan import choose_link_plan
+    from roundpipe.planning.link_plan import choose_link_plan
 
     gbps = measured_link_gbps(trace)
     if gbps is None or len(param_bytes) != device_plan.costs.num_layers:

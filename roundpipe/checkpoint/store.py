@@ -6,7 +6,7 @@ can inspect (weights as safetensors, metadata as JSON) and that refuses clearly 
 wrong model. A checkpoint is a directory built under a temporary name beside the target, flushed
 to disk, and only then renamed to its final name, so the final name never points at a half-written
 checkpoint; its ``manifest.json`` (size and sha256 of every file, written last) lets loading refuse
-a checkpoint damaged later (`roundpipe.checkpoint_manifest`). `export_pretrained` is the other way out: the user's model saved with its own
+a checkpoint damaged later (`roundpipe.checkpoint.manifest`). `export_pretrained` is the other way out: the user's model saved with its own
 ``save_pretrained``, for loading with transformers or peft without roundpipe.
 
 This module must never reach into the engine: it goes through the public `RoundPipe` API
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from roundpipe.checkpoint_find import run_checkpoints, with_alternative
-from roundpipe.checkpoint_manifest import (
+from roundpipe.checkpoint.find import run_checkpoints, with_alternative
+from roundpipe.checkpoint.manifest import (
     ManifestMissingError,
     check_meta_fields,
     verify_checkpoint,

@@ -5,7 +5,7 @@ checkpoint is asked for (``--resume``, ``roundpipe checkpoint verify``, ``roundp
 A run directory holds ``checkpoint`` (the newest) and ``checkpoint-<step>`` copies; this module
 names the newest intact one, and, for a damaged checkpoint, the intact older one beside it to use
 instead. It reads only meta.json and manifest files (through
-`roundpipe.checkpoint_manifest.verify_checkpoint`), never imports torch, and never writes.
+`roundpipe.checkpoint.manifest.verify_checkpoint`), never imports torch, and never writes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from roundpipe.checkpoint_manifest import ManifestMissingError, verify_checkpoint
+from roundpipe.checkpoint.manifest import ManifestMissingError, verify_checkpoint
 from roundpipe.errors import CheckpointError
 
 LATEST = "checkpoint"  # as roundpipe.train.rundir.CHECKPOINT_DIR
