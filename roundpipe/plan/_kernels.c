@@ -2,7 +2,7 @@
 
 Why this file exists: `choose_plan` ranks tens to hundreds of candidate plans with list-schedule
 models (`_event_loop.event_loop`, for `_stream.stream_ms` and `_split_stream.split_ms`) and times the best few with a
-replay of the engine's start rule (`roundpipe.plan_replay.replay_starts`). At 94 layers those
+replay of the engine's start rule (`roundpipe.planning.replay_rule.replay_starts`). At 94 layers those
 three loops are most of a choice's time, each a heap of events over thousands of tasks, and in
 Python each event costs a microsecond or more. Here they run the same steps on C arrays.
 
@@ -526,9 +526,9 @@ static PyObject *split_schedule(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- replay: `roundpipe.plan_replay.replay_starts` -------------------------------------- */
+/* ---- replay: `roundpipe.planning.replay_rule.replay_starts` -------------------------------------- */
 
-/* The working blocks of the replay, the graph builder and its inversion. `plan_replay.side_by_side`
+/* The working blocks of the replay, the graph builder and its inversion. `planning.replay.side_by_side`
    replays a graph's two submissions at once, each on a thread of its own with the GIL let go, so
    two replays cannot share one set. Each call takes a set from a free list and gives it back
    (both holding the GIL, which guards the list): a set is kept from one call to the next (see
@@ -1382,7 +1382,7 @@ static PyObject *stream_base(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- span: `max(s + d) - min(s)` of a sync replay (`plan_replay.replay_iteration_ms`) ---- */
+/* ---- span: `max(s + d) - min(s)` of a sync replay (`planning.replay.replay_iteration_ms`) ---- */
 
 static PyObject *span(PyObject *self, PyObject *args) {
     PyObject *o_start, *o_dur;
@@ -1410,7 +1410,7 @@ static PyObject *span(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(last - first);
 }
 
-/* ---- first_starts: each iteration's first compute (`plan_replay._first_computes`) ----- */
+/* ---- first_starts: each iteration's first compute (`planning.replay._first_computes`) ----- */
 
 /* Per group g (``idx[off[g]..off[g+1]]``, task numbers): the least of their starts that is not
    negative (a task that never started has -1). */
@@ -2053,7 +2053,7 @@ static PyMethodDef methods[] = {
     {"invert", invert, METH_VARARGS, "Dependencies (CSR) to dependents (CSR) and unmet counts."},
     {"list_schedule", list_schedule, METH_VARARGS, "`_stream._list_schedule` on packed arrays."},
     {"split_schedule", split_schedule, METH_VARARGS, "`_split_stream.split_ms`'s `event_loop` on packed arrays."},
-    {"replay", replay, METH_VARARGS, "`plan_replay.replay_starts` on packed arrays."},
+    {"replay", replay, METH_VARARGS, "`planning.replay_rule.replay_starts` on packed arrays."},
     {"first_starts", first_starts, METH_VARARGS, "Per group of tasks, the least start not negative."},
     {"busiest_share", busiest_share, METH_VARARGS, "`dispatch.busiest_device_share`."},
     {"steady_period_of", steady_period_of, METH_VARARGS, "`_steady.steady_period`, graph and all."},

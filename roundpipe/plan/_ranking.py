@@ -29,7 +29,7 @@ MODEL_ITERATIONS, MODEL_WINDOW = 4, (1, 3)
 """Async ranking: the modelled time per iteration between iterations 1 and 3 of a chained run."""
 LOOP_MODEL_ITERATIONS, LOOP_MODEL_WINDOW = 4, (1, 3)
 """Async ranking with ``loop`` (a run submitted as a training loop submits it): iterations 1 to 3
-of 4. The evaluator reads the settled time (`roundpipe.plan_replay.settled_ms`), which no short
+of 4. The evaluator reads the settled time (`roundpipe.planning.replay.settled_ms`), which no short
 window gives; with the busiest device's floor this window ranks as well as iterations 1 to 5 of
 6 (the chosen plans' settled times within 0.1%) and costs a third less, which pays for ranking
 every candidate this way (`choose_plan`)."""

@@ -43,7 +43,7 @@ def _estimate_margin(plan: Plan) -> float:
 
 class _Timer:
     """The plans `choose_plan` has timed, by stages. An evaluator with a ``floor(plan)`` method (a
-    lower bound of its figure: `roundpipe.plan_eval`'s loop evaluators give the busiest device's
+    lower bound of its figure: `roundpipe.planning.ranking`'s loop evaluators give the busiest device's
     time per iteration) spares the plans whose floor is already past the best time so far: their
     time could not be the least (nor tie with it), so what is chosen stays the same."""
 

@@ -4,7 +4,7 @@
 size), and with ``steady=True`` the best plan under the steady-state model of async round-robin
 dispatch. Both are proxies: several plans share a t_max optimum and round-robin stalls on uneven
 ones, and the steady model can be wrong on shapes it was not checked on. So when the caller gives
-an ``evaluate`` function (ms per iteration of a plan, e.g. `roundpipe.plan_eval.engine_evaluator`:
+an ``evaluate`` function (ms per iteration of a plan, e.g. `roundpipe.planning.ranking.engine_evaluator`:
 the real engine on the fake backend), `choose_plan` generates candidates around the proxies' plans
 (slot counts and fused stages nearby, chains cut evenly), ranks them with a fast model of the
 stream (`_ranking`: `_split_stream.split_ms` for sync runs, `_stream.stream_ms` for async),
@@ -37,7 +37,7 @@ EVALUATE_MAX_LAYERS = 256
 proxies decide."""
 
 SHORTLISTED = 5
-"""With an evaluator that estimates (`roundpipe.plan_eval`'s loop evaluators: `_Timer.consider`),
+"""With an evaluator that estimates (`roundpipe.planning.ranking`'s loop evaluators: `_Timer.consider`),
 the waiting loop looks at the best this many by the ranking, not only the `default_evaluations`
 few it times in full. The ranking models four iterations and misses the settled order by a few
 percent on some shapes; the evaluation's short run is exact on most plans (it has settled) and
@@ -77,7 +77,7 @@ it 5% slow: they run a backward stage's recompute after the gradient, the engine
 About 2.6 ms more a shape at 94 layers; 2 listed find half of what 3 find."""
 
 ASYNC_EVALUATED_ITERATIONS = 6
-"""What one async evaluation runs (`roundpipe.plan_eval`: a chained run of 6); sizes the budget."""
+"""What one async evaluation runs (`roundpipe.planning.ranking`: a chained run of 6); sizes the budget."""
 
 
 def choose_plan(
@@ -102,11 +102,11 @@ def choose_plan(
     and the best-modelled candidates, ``evaluations`` plans in all (at least 2; default by size,
     see `default_evaluations`); up to EVALUATE_MAX_LAYERS layers, beyond which the proxies decide.
     ``loop`` (async): the evaluator times iterations as a training loop submits them, each once
-    the previous one's losses are in (`roundpipe.plan_eval.engine_evaluator`'s default), and the
+    the previous one's losses are in (`roundpipe.planning.ranking.engine_evaluator`'s default), and the
     plans of up to N slots, whose rounds run side by side and which a loop cannot lend an
     iteration's idle devices, have their best by the loop's model timed too (`_ranked_candidates`);
     ``loop=False`` for an evaluator that times chained runs. ``late`` (async, with ``loop``): the
-    loop reads each loss one iteration late (`roundpipe.plan_eval.late_loop_evaluator`), which on
+    loop reads each loss one iteration late (`roundpipe.planning.ranking.late_loop_evaluator`), which on
     most plans submits as a chained run does, so the best two of those few-slot plans by the
     chained model are timed as well, and the best two by a model of its own submission
     (`LATE_MODELLED`). ``refine``: then the plans next to the best timed ones
@@ -115,7 +115,7 @@ def choose_plan(
     costs: sync, 8 of the grid's 288 shapes shorter, by at most 2.1%; the
     waiting async loop, 58 of 288, 0.3% on the mean, for about 15 ms more at 94 layers (half
     again), against a 50 ms target (docs/performance.md). An ``evaluate`` with a ``floor(plan)``
-    method, a lower bound of its figure (`roundpipe.plan_eval`'s loop evaluators), spares the
+    method, a lower bound of its figure (`roundpipe.planning.ranking`'s loop evaluators), spares the
     plans whose floor is past the best time so far (`_Timer`): the same choice, fewer timings.
     An ``evaluate`` that also has an ``estimate(plan)`` method (the loop evaluators: the figure of
     the evaluation's short run, and whether that is its figure) lets the loop waiting for each

@@ -2,7 +2,7 @@
 
 Why: choosing a plan at 94 layers builds the engine's task graph and runs event loops over
 its thousands of tasks, tens to hundreds of times (the ranking models' list schedule
-`_event_loop.event_loop` and the engine replay `roundpipe.plan_replay.replay_starts`); in Python they
+`_event_loop.event_loop` and the engine replay `roundpipe.planning.replay.replay_starts`); in Python they
 are most of its time. `_kernels.c` runs the same loops on packed arrays, step for step, and
 builds the same graph: `tests/test_native_kernels.py` compares each loop with its Python loop,
 `tests/test_plan_replay.py` the graph with the engine's.
