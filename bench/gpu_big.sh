@@ -5,7 +5,8 @@
 # Why a script: device time is short and every call must give figures. Each workload runs in its
 # own process (a 32B bf16 base pins ~70 GiB of host memory, which the pinned allocator keeps until
 # the process ends), async mode only, with warm-up and measured steps sized to its expected step
-# time, and under a time limit cut from what is left of the call's deadline, so a slow workload
+# time, each loss read one step late (so tokens/s is the measured steps' wall time, drain
+# included, not the host's time to issue them), and under a time limit cut from what is left of the call's deadline, so a slow workload
 # loses its own line, never the ones after it. Most important first within each group.
 #
 #   OUT=/path bash bench/gpu_big.sh 1       # F, E-nf4, E       (70B nf4; 32B nf4; 32B bf16)
@@ -77,7 +78,7 @@ for name in "${NAMES[@]}"; do
   ((limit > left)) && limit=$left
   echo "== $name: $args (limit ${limit}s, $(date +%T))"
   # shellcheck disable=SC2086  # the arguments are words
-  timeout --kill-after=15 "$limit" python bench/gpu_throughput.py --devices "$DEVICES" --async \
+  timeout --kill-after=15 "$limit" python bench/gpu_throughput.py --devices "$DEVICES" --async --loss-lag 1 \
     --out "$OUT/big.jsonl" $args >"$OUT/$name.log" 2>&1
   echo "   exit $? after $(($(date +%s) - START))s of the call"
   summary "$OUT/$name.log"
