@@ -209,11 +209,7 @@ def _measure_layer(
     boundary, carried = activation_bytes(x)
     inputs: dict[int, int] = {}
     collect_storages(x, inputs)
-    kind = _layer_kind(layer, x, loss is not None)
-    if warmed is None or kind not in warmed:
-        _warm_up(call, x, index, params, loss)
-        if warmed is not None:
-            warmed.add(kind)
+    _warm_up_once(layer, call, x, index, params, loss, warmed)
     y, fwd, work = _forward_no_grad(call, x, meter, inputs)
     leaf_x, _ = with_leaves(x) if index > 0 else (x, [])
     param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] = {
@@ -252,6 +248,23 @@ def _measure_layer(
         saved_grad_bytes=min(saved_grad, max(hooks, alloc or 0)),
     )
     return measurement, y
+
+
+def _warm_up_once(
+    layer: nn.Module,
+    call: Callable[[Any], Any],
+    x: Any,
+    index: int,
+    params: dict[str, torch.Tensor],
+    loss: Callable[[Any], Any] | None,
+    warmed: set[tuple[Any, ...]] | None,
+) -> None:
+    """`_warm_up` unless a layer of this kind (`_layer_kind`) was warmed up already."""
+    kind = _layer_kind(layer, x, loss is not None)
+    if warmed is None or kind not in warmed:
+        _warm_up(call, x, index, params, loss)
+        if warmed is not None:
+            warmed.add(kind)
 
 
 def _forward_no_grad(
