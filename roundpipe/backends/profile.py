@@ -29,16 +29,15 @@ It must never keep a device copy after it returns, change the user's parameters,
 from __future__ import annotations
 
 import copy
-import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from roundpipe.backends.meter import Meter as _Meter
 from roundpipe.backends.replicas import Binder
 from roundpipe.backends.storages import (
     activation_bytes,
@@ -78,32 +77,6 @@ class LayerMeasurement:
     boundary_bytes: int
     saved_grad_bytes: int
     carried_bytes: int
-
-
-class _Meter:
-    """Allocated bytes and elapsed time around a phase; CUDA-only numbers are 0 elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def allocated(self) -> int:
-        return int(torch.cuda.memory_allocated(self.device)) if self.cuda else 0
-
-    @contextmanager
-    def phase(self) -> Iterator[dict[str, float]]:
-        result: dict[str, float] = {}
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        result["before"] = self.allocated()
-        started = time.perf_counter()
-        yield result
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        result["ms"] = (time.perf_counter() - started) * 1e3
-        result["after"] = self.allocated()
-        result["peak"] = float(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0.0
 
 
 def _device_copy(
@@ -236,17 +209,8 @@ def _measure_layer(
     boundary, carried = activation_bytes(x)
     inputs: dict[int, int] = {}
     collect_storages(x, inputs)
-    kind = _layer_kind(layer, x, loss is not None)
-    if warmed is None or kind not in warmed:
-        _warm_up(call, x, index, params, loss)
-        if warmed is not None:
-            warmed.add(kind)
-    with torch.no_grad(), meter.phase() as fwd:
-        y = call(x)
-    outputs: dict[int, int] = {}
-    collect_storages(y, outputs)
-    new_out = sum(b for k, b in outputs.items() if k not in inputs)
-    work = max(0, int(fwd["peak"] - fwd["before"]) - new_out) if meter.cuda else 0
+    _warm_up_once(layer, call, x, index, params, loss, warmed)
+    y, fwd, work = _forward_no_grad(call, x, meter, inputs)
     leaf_x, _ = with_leaves(x) if index > 0 else (x, [])
     param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] = {
         p.shape: [] for p in params.values() if p.dim()
@@ -284,6 +248,37 @@ def _measure_layer(
         saved_grad_bytes=min(saved_grad, max(hooks, alloc or 0)),
     )
     return measurement, y
+
+
+def _warm_up_once(
+    layer: nn.Module,
+    call: Callable[[Any], Any],
+    x: Any,
+    index: int,
+    params: dict[str, torch.Tensor],
+    loss: Callable[[Any], Any] | None,
+    warmed: set[tuple[Any, ...]] | None,
+) -> None:
+    """`_warm_up` unless a layer of this kind (`_layer_kind`) was warmed up already."""
+    kind = _layer_kind(layer, x, loss is not None)
+    if warmed is None or kind not in warmed:
+        _warm_up(call, x, index, params, loss)
+        if warmed is not None:
+            warmed.add(kind)
+
+
+def _forward_no_grad(
+    call: Callable[[Any], Any], x: Any, meter: _Meter, inputs: dict[int, int]
+) -> tuple[Any, dict[str, float], int]:
+    """The timed forward without grad: its output, the phase's figures, and its working memory
+    beyond the output storages not among the ``inputs`` (0 off CUDA)."""
+    with torch.no_grad(), meter.phase() as fwd:
+        y = call(x)
+    outputs: dict[int, int] = {}
+    collect_storages(y, outputs)
+    new_out = sum(b for k, b in outputs.items() if k not in inputs)
+    work = max(0, int(fwd["peak"] - fwd["before"]) - new_out) if meter.cuda else 0
+    return y, fwd, work
 
 
 def _layer_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:

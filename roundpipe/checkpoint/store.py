@@ -16,7 +16,6 @@ objects (``torch.load(weights_only=True)``).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import json
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from roundpipe.checkpoint.durable import fsync_dir, fsync_tree, write_safetensors
 from roundpipe.checkpoint.find import run_checkpoints, with_alternative
 from roundpipe.checkpoint.manifest import (
     ManifestMissingError,
@@ -118,9 +118,9 @@ def save_checkpoint(
 
 
 def _write_checkpoint_files(tmp: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    _write_safetensors(tmp / WEIGHTS_FILE, state["model"])
+    write_safetensors(tmp / WEIGHTS_FILE, state["model"])
     if "in_flight_weights" in state:
-        _write_safetensors(tmp / IN_FLIGHT_FILE, state["in_flight_weights"])
+        write_safetensors(tmp / IN_FLIGHT_FILE, state["in_flight_weights"])
     fault_point("save", meta["data_step"])  # tests: a kill with the checkpoint half written
     _write_torch(tmp / TRAINING_STATE_FILE, {"host": state["host"], "scaler": state["scaler"]})
     _write_torch(tmp / RNG_FILE, rng_state())
@@ -139,7 +139,7 @@ def _write_directory(target: Path, fill: Callable[[Path], None]) -> Path:
     try:
         fill(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a checkpoint is an ordinary directory
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _install(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -177,18 +177,18 @@ def _install(tmp: Path, target: Path) -> None:
     """
     if target.exists():
         if _exchange(tmp, target):
-            _fsync_dir(target.parent)
+            fsync_dir(target.parent)
             shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous checkpoint
             return
         old = Path(tempfile.mkdtemp(prefix=f"{OLD_PREFIX}{target.name}-", dir=target.parent))
         os.rmdir(old)
         os.rename(target, old)
         os.rename(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
         return
     os.rename(tmp, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -210,36 +210,8 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save
-
-    # safetensors refuses views and shared storage: give it contiguous private tensors.
-    path.write_bytes(save({name: t.detach().contiguous().clone() for name, t in tensors.items()}))
-
-
 def _write_torch(path: Path, obj: Any) -> None:
     torch.save(obj, path)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory under ``root`` (and ``root`` itself) to disk."""
-    for child in sorted(root.rglob("*")):
-        if child.is_dir():
-            _fsync_dir(child)
-        elif child.is_file():
-            with open(child, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Directory fsync makes the renames durable; some platforms cannot open directories.
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _fingerprint(pipe: RoundPipe) -> dict[str, Any]:

@@ -1,95 +1,44 @@
-"""The ``plan``, ``simulate`` and ``trace`` subcommands: the schedule, without a GPU.
+"""The ``plan`` and ``simulate`` subcommands: the schedule, without a GPU.
 
-Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan`, `roundpipe.planning.simulate`
-and `roundpipe.sched` (partition a model's layer costs, run the real engine on the fake backend,
-inspect saved traces), and keep the dispatcher tiny. This module parses the arguments and runs the
-work; `roundpipe.cli.plan_report` words and draws what ``plan`` and ``simulate`` print. ``roundpipe simulate`` with no arguments is the project's demo, so
-it must stay quick (well under 5 s) and print something a newcomer can read. This module must
-never import torch or touch a device, and never print a traceback for bad input: it raises
-`roundpipe.errors` / `ValueError` / `OSError` and lets `roundpipe.cli.main` report one line.
+Why here and not in `roundpipe.cli`: these commands drive `roundpipe.plan` and
+`roundpipe.planning.simulate` (partition a model's layer costs, run the real engine on the fake
+backend), and keep the dispatcher tiny. This module parses the arguments and runs the work;
+`roundpipe.cli.plan_report` words and draws what they print, `roundpipe.cli.arg_types` checks the
+flags, and ``trace`` (`roundpipe.cli.trace_command`) is registered from here, after ``simulate``.
+``roundpipe simulate`` with no arguments is the project's demo, so it must stay quick (well under
+5 s) and print something a newcomer can read. This module must never import torch or touch a
+device, and never print a traceback for bad input: it raises `roundpipe.errors` / `ValueError` /
+`OSError` and lets `roundpipe.cli.main` report one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from roundpipe.errors import ConfigError
-from roundpipe.plan import sizes
+from roundpipe.cli import trace_command
+from roundpipe.cli.arg_types import (
+    layer_indices,
+    non_negative_float,
+    non_negative_int,
+    parse_bytes,
+    positive_float,
+    positive_int,
+)
 from roundpipe.plan.examples import EXAMPLES
 
 if TYPE_CHECKING:
     from roundpipe.plan.costs import LayerCosts
     from roundpipe.plan.partition import Plan
-    from roundpipe.sched.trace import Trace
 
 DEFAULT_EXAMPLE = "qwen3-1.7b"
 DEFAULT_DEVICES = 8
 DEFAULT_MICROBATCHES = 16
 DEFAULT_ITERATIONS = 4
-
-
-# --------------------------------------------------------------------- argument types
-
-
-def parse_bytes(text: str) -> int:
-    """The memory limit flag: ``"24GB"`` -> 24e9, ``"24GiB"`` -> 24 * 2**30, ``"1.5e9"`` bytes."""
-    try:
-        return sizes.parse_bytes(text, "memory limit")
-    except ConfigError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; give bytes or a number with a unit: 24GB, 24GiB, 512MiB, 2.5e10"
-        ) from None
-
-
-def _whole_number(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _whole_number(text, 1)
-
-
-def _non_negative_int(text: str) -> int:
-    return _whole_number(text, 0)
-
-
-def _layer_indices(text: str) -> tuple[int, ...]:
-    from roundpipe.config import layer_indices
-
-    try:
-        return layer_indices(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _finite_number(text: str, *, zero_allowed: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_allowed):
-        raise argparse.ArgumentTypeError(f"must be a number {'>=' if zero_allowed else '>'} 0 (got {text})")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    return _finite_number(text, zero_allowed=False)
-
-
-def _non_negative_float(text: str) -> float:
-    return _finite_number(text, zero_allowed=True)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +54,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--devices",
         "-n",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_DEVICES,
         metavar="N",
         help=f"number of GPUs (default {DEFAULT_DEVICES})",
@@ -113,7 +62,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--microbatches",
         "-m",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MICROBATCHES,
         metavar="M",
         help=f"microbatches per iteration (default {DEFAULT_MICROBATCHES})",
@@ -155,7 +104,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.set_defaults(run=run_plan)
     _add_simulate_parser(subparsers)
-    _add_trace_parser(subparsers)
+    trace_command.add_parser(subparsers)
 
 
 def _add_loss_lag(parser: argparse.ArgumentParser, text: str) -> None:
@@ -174,41 +123,26 @@ def _add_simulate_parser(subparsers: Any) -> None:
     s.add_argument(
         "--iterations",
         "-k",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_ITERATIONS,
         metavar="K",
         help=f"iterations, each followed by an optimizer step (default {DEFAULT_ITERATIONS})",
     )
     s.add_argument(
         "--link-gbps",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="X",
         help="host<->device link in GB/s; transfers then take time (default: free)",
     )
     s.add_argument(
         "--optimizer-ms",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.0,
         metavar="X",
         help="host optimizer step per layer in ms (default 0: free)",
     )
-    s.add_argument(
-        "--fresh-layers",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="async: the deepest N layers read the newest weights (RunConfig.fresh_layers); the "
-        "makespan shows what waiting for their steps costs",
-    )
-    s.add_argument(
-        "--fresh-at",
-        type=_layer_indices,
-        default=(),
-        metavar="I[,J...]",
-        help="async: the layers at these indices read the newest weights (RunConfig.fresh_at; 0 is "
-        "the first layer); on a split plan the first stages then wait for the last",
-    )
+    _add_fresh_args(s)
     s.add_argument(
         "--after-loss",
         action="store_true",
@@ -220,6 +154,32 @@ def _add_simulate_parser(subparsers: Any) -> None:
         "with --after-loss: 1 reads each loss one iteration late, as roundpipe train does "
         "(RunConfig.loss_lag; the plan is chosen for it)",
     )
+    _add_file_args(s)
+    s.set_defaults(run=run_simulate)
+
+
+def _add_fresh_args(s: argparse.ArgumentParser) -> None:
+    """The async remedies a simulation can weigh: layers that read the newest weights."""
+    s.add_argument(
+        "--fresh-layers",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="async: the deepest N layers read the newest weights (RunConfig.fresh_layers); the "
+        "makespan shows what waiting for their steps costs",
+    )
+    s.add_argument(
+        "--fresh-at",
+        type=layer_indices,
+        default=(),
+        metavar="I[,J...]",
+        help="async: the layers at these indices read the newest weights (RunConfig.fresh_at; 0 is "
+        "the first layer); on a split plan the first stages then wait for the last",
+    )
+
+
+def _add_file_args(s: argparse.ArgumentParser) -> None:
+    """``--trace``, ``--perfetto``, ``--png``: what a simulation writes besides its report."""
     # Each file flag takes a path, or none: then a file under runs/simulate/ named after the run,
     # so that an example typed in a clone leaves nothing in the working tree.
     for flag, suffix, text in SIMULATE_FILES:
@@ -230,63 +190,6 @@ def _add_simulate_parser(subparsers: Any) -> None:
             metavar=f"OUT{suffix[suffix.rfind('.') :]}",
             help=f"{text} (alone: {SIMULATE_DIR}/<example>-<N>d-<M>mb{suffix})",
         )
-    s.set_defaults(run=run_simulate)
-
-
-def _add_trace_parser(subparsers: Any) -> None:
-    t = subparsers.add_parser(
-        "trace",
-        help="check, summarise, replay or convert a saved trace",
-        description="Work with a trace saved by `roundpipe simulate --trace` or `pipe.trace().save()`.",
-    )
-    actions = t.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
-    helps = {
-        "check": "verify dependencies, lanes and the five ordering rules (exit 1 if broken)",
-        "summary": "print tasks, makespan and bubble ratio",
-        "replay": "re-run on the fake backend and compare the per-lane order (exit 1 if it differs)",
-        "grid": "print an ASCII timeline of the compute lanes",
-        "perfetto": "convert to Perfetto/Chrome trace-event JSON",
-        "png": "draw the timeline as a PNG (needs matplotlib)",
-    }
-    for action, text in helps.items():
-        a = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
-        a.add_argument("trace_path", metavar="TRACE.json")
-        if action in ("perfetto", "png"):
-            a.add_argument("-o", "--output", metavar="OUT", help="output file (default: next to TRACE)")
-        if action == "grid":
-            a.add_argument("--width", type=_positive_int, default=100, help="columns (default 100)")
-            a.add_argument("--all-lanes", action="store_true", help="show transfer and host lanes too")
-    merge = actions.add_parser(
-        "merge",
-        help="merge the Perfetto traces of several ranks (torchrun) into one view",
-        description="Merge Perfetto/Chrome traces of several processes into one file, a process per rank "
-        "and device ('rank 1: device 0'). Give a run directory of `roundpipe train` under torchrun (its "
-        "trace.json and trace.rank<R>.json) or the files, rank 0 first.",
-    )
-    merge.add_argument("trace_paths", nargs="+", metavar="RUN_DIR|TRACE.json")
-    merge.add_argument(
-        "-o",
-        "--output",
-        metavar="OUT",
-        help="output file (default: trace.merged.json beside the first input)",
-    )
-    merge.set_defaults(run=run_merge)
-    t.set_defaults(run=run_trace)
-
-
-def run_merge(args: argparse.Namespace) -> int:
-    """``roundpipe trace merge``: one Perfetto file of every rank's trace."""
-    from roundpipe.sched.merge import MERGED_FILE, merge_perfetto, rank_files
-
-    paths = [Path(p) for p in args.trace_paths]
-    inputs = rank_files(paths)
-    first = paths[0]
-    out = Path(args.output) if args.output else (first if first.is_dir() else first.parent) / MERGED_FILE
-    merge_perfetto(inputs, out)
-    print(
-        f"wrote {out}: ranks {', '.join(str(rank) for rank, _ in inputs)} (open it in https://ui.perfetto.dev)"
-    )
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -458,82 +361,3 @@ def run_simulate(args: argparse.Namespace) -> int:
         print_simulation(info, result, source, run_settings, files)
     _advise(args, costs)
     return 0
-
-
-# --------------------------------------------------------------------- trace
-
-
-def load_trace(path: str) -> Trace:
-    """`Trace.load` with every way a file can be wrong turned into one `ValueError` line."""
-    from roundpipe.sched.trace import Trace
-
-    try:
-        return Trace.load(path)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc})") from exc
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path} is not a valid roundpipe trace (bad or missing field {exc})") from exc
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-
-
-def _default_output(trace_path: str, suffix: str) -> Path:
-    p = Path(trace_path)
-    stem = p.name[: -len(".json")] if p.name.endswith(".json") else p.stem
-    return p.with_name(stem + suffix)
-
-
-def run_trace(args: argparse.Namespace) -> int:
-    from roundpipe.sched.export import explain_violation, format_grid
-    from roundpipe.sched.rules import RuleViolation
-
-    trace = load_trace(args.trace_path)
-    action = args.trace_command
-    if action == "check":
-        try:
-            trace.check_rules()
-        except RuleViolation as violation:
-            print(explain_violation(trace, violation))
-            print(f"roundpipe: {args.trace_path}: {violation}", file=sys.stderr)
-            return 1
-        print(f"ok: {len(trace)} tasks respect their dependencies, the lanes and the five ordering rules")
-        return 0
-    if action == "summary":
-        print(trace.summary())
-        return 0
-    if action == "replay":
-        return _replay(trace)
-    if action == "grid":
-        lanes = None if args.all_lanes else ("compute",)
-        print(format_grid(trace, width=args.width, lanes=lanes))
-        return 0
-    if action == "perfetto":
-        out = Path(args.output) if args.output else _default_output(args.trace_path, ".perfetto.json")
-        print(f"wrote {trace.to_perfetto(out)} (open it in https://ui.perfetto.dev)")
-        return 0
-    if action == "png":
-        out = Path(args.output) if args.output else _default_output(args.trace_path, ".png")
-        print(f"wrote {trace.plot(out)}")
-        return 0
-    raise ValueError(f"unknown trace action {action!r}")  # pragma: no cover - argparse prevents it
-
-
-def _replay(trace: Trace) -> int:
-    """Replay on the fake backend; 0 when every lane runs in the recorded order, else 1 and where."""
-    replayed = trace.replay()
-    before, after = trace.order(), replayed.order()
-    if before == after:
-        print(
-            f"replay: per-lane order identical ({len(before)} lanes, {len(trace)} tasks); "
-            f"makespan {trace.makespan_ms():.2f} ms -> {replayed.makespan_ms():.2f} ms"
-        )
-        return 0
-    for lane in sorted(set(before) | set(after)):
-        a, b = before.get(lane, []), after.get(lane, [])
-        if a != b:
-            i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            got = b[i] if i < len(b) else "nothing"
-            want = a[i] if i < len(a) else "nothing"
-            print(f"replay: order differs on {lane} at position {i}: recorded {want}, replayed {got}")
-            break
-    return 1

@@ -11,7 +11,8 @@ the weights, optimizer, scheduler and RNG state from the checkpoint. Ctrl-C (SIG
 only set a flag (`roundpipe.train.signals`): the current step finishes, then a checkpoint is saved
 at a step boundary. Where the run writes is decided and checked before the model is built
 (`roundpipe.train.rundir`). Under torchrun every process runs this loop on its share of each
-global batch and rank 0 alone writes (`roundpipe.train.ranks`). The loop must never swallow an
+global batch and rank 0 alone writes (`roundpipe.train.ranks`). The step loop itself is
+`roundpipe.train.steps`. The loop must never swallow an
 error silently nor leave the pipe open.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +29,7 @@ import torch
 
 from roundpipe.checkpoint import export_pretrained, load_checkpoint, read_checkpoint_meta
 from roundpipe.errors import ConfigError, RoundPipeError
-from roundpipe.faults import fault_point
-from roundpipe.pipe import PendingLoss, RoundPipe
+from roundpipe.pipe import RoundPipe
 from roundpipe.quiet import quiet_libraries
 from roundpipe.settings_advice import microbatch_advice, simulated_ms
 from roundpipe.train.board import LOSS_CURVE_FILE, MetricsSink, check_report_to, plot_losses
@@ -52,6 +51,7 @@ from roundpipe.train.rundir import (
     saved_elapsed,
 )
 from roundpipe.train.signals import StopRequest, stop_on_signals
+from roundpipe.train.steps import loss_lag, steps_agreed
 
 TRACE_FILE = "trace.json"
 SCHEDULE_FILE = "schedule.json"  # the same trace in roundpipe's format: `roundpipe trace check|replay`
@@ -191,7 +191,7 @@ def _run(
         progress = Progress(pipe, config, start, out_dir, reporter, elapsed_offset, metrics, ranks)
         progress.eval_batches = inputs.data.eval_batches
         progress.real_tokens = inputs.data.real_tokens
-        interrupted = _steps_agreed(progress, inputs.data.batches(start), stop) or stop.is_set()
+        interrupted = steps_agreed(progress, inputs.data.batches(start), stop) or stop.is_set()
         if not progress.non_finite and pipe.runtime.non_finite_grad_norm is not None:
             progress.check_finite(0.0)  # the last step's norm, known only now (async optimizer)
         if not interrupted and not progress.non_finite:
@@ -233,110 +233,6 @@ def _run(
     return result
 
 
-def _steps_agreed(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest) -> bool:
-    """`_steps`, then every process's work finished; a failure under torchrun names this rank,
-    the step and the ranks that are behind."""
-    try:
-        interrupted = _steps(progress, batches, stop)
-        progress.pipe.synchronize()
-    except (RoundPipeError, RuntimeError) as exc:
-        failure = progress.ranks.failed(exc, progress.step + 1)
-        if failure is exc:
-            raise
-        raise failure from exc
-    return interrupted
-
-
-def _steps(progress: Progress, batches: Iterator[dict[str, torch.Tensor]], stop: StopRequest) -> bool:
-    """Train until ``config.steps``, a stop request or a non-finite loss; True when a
-    KeyboardInterrupt cut it short. Under torchrun each process trains on its share of every
-    global batch, and they all stop after the same step (`Ranks.agree`).
-
-    Each step's loss is read ``config.loss_lag`` steps after it was submitted
-    (``forward_backward(..., wait=False)``), so the devices compute step s while this loop hands
-    them step s + 1. Where the loop needs the state of step s itself (an evaluation, a checkpoint,
-    the last step) it reads step s's loss before submitting another. A non-finite loss comes to
-    light one step late, and that next step was applied (the last good checkpoint is still the
-    one saved before). A stop request (a signal) stops after the last step submitted when it came,
-    as without the lag: no step is submitted once it is set. Under torchrun the lag is 0."""
-    pipe, config, ranks = progress.pipe, progress.config, progress.ranks
-    waiting: list[tuple[int, PendingLoss]] = []  # submitted steps whose loss is not read yet
-    poisoned: set[int] = set()  # tests: steps whose loss this process turns NaN (`fault_point`)
-    lag = loss_lag(config, ranks)
-
-    def evaluates(step: int) -> bool:
-        return bool(config.eval_every and step % config.eval_every == 0)
-
-    def saves(step: int) -> bool:  # the last step's checkpoint is saved after the loop
-        return bool(config.save_every and step % config.save_every == 0 and step < config.steps)
-
-    def at_boundary(step: int) -> bool:  # the loop needs this step's own state after it
-        return step == config.steps or evaluates(step) or saves(step)
-
-    try:
-        while True:
-            if (
-                progress.step < config.steps
-                and not ranks.stopping(stop)
-                and not progress.non_finite
-                and not (waiting and at_boundary(waiting[-1][0]))
-            ):
-                step = progress.step + 1
-                ranks.reached(step, "forward_backward")
-                waiting.append(
-                    (step, pipe.forward_backward(ranks.share(next(batches)), None, None, wait=False))
-                )
-                if fault_point("step", step):  # tests: this process's loss turns NaN
-                    poisoned.add(step)
-                ranks.reached(step, "step")
-                pipe.step()
-                progress.step = step
-                if len(waiting) <= lag and not at_boundary(step):
-                    continue  # read its loss after the next step is submitted
-            if not waiting:
-                break
-            step, pending = waiting.pop(0)
-            loss = _read_loss(progress, step, pending, stop, step in poisoned)
-            if progress.non_finite:
-                continue  # the steps already submitted are still read and logged, then it stops
-            if not progress.check_finite(loss, step):
-                continue
-            if evaluates(step):
-                progress.evaluate()
-            if saves(step):
-                progress.save()  # None (and the run stopped) when the weights are not finite
-    except KeyboardInterrupt:
-        # Raised outside our handler (another thread's signal set-up, or code of the caller's):
-        # bring the pipe to a step boundary so the checkpoint is still exact.
-        settled = _settle(pipe, progress.step)
-        for step, pending in waiting:  # ran (or settled), not logged
-            if step <= settled and pending.done():
-                try:
-                    progress.log(step, pending.result())
-                except RoundPipeError:  # dropped by a failure: nothing to log
-                    pass
-        progress.step = settled
-        return True
-    return False
-
-
-def loss_lag(config: TrainConfig, ranks: Ranks) -> int:
-    """How late the loop reads each loss. Under torchrun the processes agree after every step
-    whether to go on (`Ranks.agree`), and a stop must come after the step it was asked in: each
-    loss is read before the next step is submitted."""
-    return config.loss_lag if ranks.world == 1 else 0
-
-
-def _read_loss(
-    progress: Progress, step: int, pending: PendingLoss, stop: StopRequest, poisoned: bool
-) -> float:
-    """Step ``step``'s loss (the global one under torchrun; NaN where ``poisoned``), logged."""
-    loss = float("nan") if poisoned else pending.result()
-    loss = progress.ranks.agree(step, loss, stop, progress.reporter)
-    progress.log(step, loss)
-    return loss
-
-
 def _host_bound(pipe: RoundPipe) -> float | None:
     """The trace's host-bound share (None when no task was issued ahead of its completion)."""
     from roundpipe.sched.breakdown import breakdown
@@ -369,18 +265,6 @@ def _write_trace_files(
     except ImportError as exc:
         notes.append(f"no {TIMELINE_FILE} nor {LOSS_CURVE_FILE}: {exc}")
     return bubble, notes
-
-
-def _settle(pipe: RoundPipe, step: int) -> int:
-    """After a KeyboardInterrupt anywhere in a step: let in-flight work finish and, if the step's
-    forward_backward already ran, apply its optimizer step. Returns the steps completed."""
-    pipe.synchronize()
-    # One forward_backward per step here: the iteration count tells whether step `step`'s ran.
-    iterations = pipe.iteration_count
-    if pipe.step_count == step and iterations == step + 1:
-        pipe.step()
-        pipe.synchronize()
-    return pipe.step_count
 
 
 __all__ = [
