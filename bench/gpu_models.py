@@ -139,16 +139,22 @@ def _to_host(module: nn.Module, pinned: bool) -> None:
         module.to("cpu")
         return
     for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, t in table.items():
-                if t is None or t.device.type == "cpu":
-                    continue
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t)
-                if isinstance(t, nn.Parameter):
-                    t.data = host
-                else:
-                    table[name] = host
+        for param in sub._parameters.values():
+            if param is not None and param.device.type != "cpu":
+                param.data = _pinned_copy(param)
+        for name, buffer in sub._buffers.items():
+            if buffer is None or buffer.device.type == "cpu":
+                continue
+            if isinstance(buffer, nn.Parameter):
+                buffer.data = _pinned_copy(buffer)
+            else:
+                sub._buffers[name] = _pinned_copy(buffer)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
 
 
 def _groups(base: Any) -> Iterator[tuple[nn.Module, bool]]:

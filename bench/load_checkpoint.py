@@ -101,6 +101,7 @@ def run_case(args: argparse.Namespace) -> dict[str, Any]:
     baseline_kb = status_kb("VmRSS")
     t0 = time.perf_counter()
     report = None
+    model: torch.nn.Module
     if args.case == "from_pretrained":
         from transformers import AutoModelForCausalLM
 

@@ -72,7 +72,8 @@ class Ledger(TorchDispatchMode):
 
 def small_layer() -> tuple[torch.nn.Module, torch.nn.Module]:
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from roundpipe.model.chunked_layer import chunk_long_attention_layer
     from roundpipe.model.chunked_mlp import chunk_long_sequences
@@ -94,7 +95,9 @@ def small_layer() -> tuple[torch.nn.Module, torch.nn.Module]:
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
     )
     base = get_peft_model(model, lora).get_base_model()
+    assert isinstance(base, LlamaForCausalLM)  # from_config of a LlamaConfig, LoRA wrapped around it
     layer = copy.deepcopy(base.model.layers[0])
+    assert isinstance(layer, LlamaDecoderLayer)
     chunk_long_attention_layer(layer)
     chunk_long_sequences(layer.mlp)
     return layer, base.model.rotary_emb

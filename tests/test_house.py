@@ -6,6 +6,10 @@ holds; what changed when belongs in git log. So every tracked text file of the p
 docs, benchmarks and examples is searched for the words that such narration needs, and the
 performance page is held to the current figures (at most ``PERFORMANCE_MAX_LINES`` lines).
 
+Sizes are a house rule of the same kind (docs/design.md, "Sizes"): every module under
+``roundpipe/`` is measured in lines and every function from its ``def`` to its last line, and
+anything over the limits fails unless it is one of the few named in ``SIZE_EXCEPTIONS``.
+
 The patterns are kept precise, so ordinary English passes: ordinals up to "tenth" are common
 ("a tenth faster", "an eighth of the budget", "the second iteration") and are not searched for;
 the ordinals past ten, the word for a working period, and an issue or pull request number are. The words are assembled from pieces so that this file does not find itself.
@@ -13,6 +17,7 @@ the ordinals past ten, the word for a working period, and an issue or pull reque
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -25,6 +30,14 @@ SUFFIXES = {".py", ".md", ".c", ".toml", ".sh", ".yml", ".yaml", ".json"}
 # Data, not prose: a tokenizer's vocabulary may hold any word.
 NOT_PROSE = {"roundpipe/data/tokenizer/tokenizer.json"}
 PERFORMANCE_MAX_LINES = 600
+MODULE_MAX_LINES = 400
+FUNCTION_MAX_LINES = 60
+# "file:function" -> why it stays whole. At most three entries, each named in docs/design.md.
+SIZE_EXCEPTIONS = {
+    # The Python twin of `stream_loop` in plan/_kernels.c, compared step for step by
+    # tests/test_native_kernels.py: split, the two would differ in structure.
+    "roundpipe/plan/_event_loop.py:event_loop": "the Python twin of the C stream_loop",
+}
 # pytest's own API names its test run so; these exact uses are code, not narration.
 _WORD = "sess" + "ion"
 ALLOWED = re.compile(rf'scope="{_WORD}"|request\.{_WORD}\b|\b{_WORD}: pytest\.{_WORD.capitalize()}\b')
@@ -111,3 +124,50 @@ def test_the_performance_page_holds_the_current_figures_only() -> None:
         f"docs/performance.md has {len(lines)} lines, more than {PERFORMANCE_MAX_LINES}: keep the "
         "current figures with their commands, machines and limits; history belongs in git log"
     )
+
+
+def oversized(source: str, rel: str) -> list[tuple[str, int]]:
+    """("file:function" or "file", length in lines) of everything in ``source`` over the limits;
+    nested functions and methods are named by their dotted path."""
+    found: list[tuple[str, int]] = []
+    lines = len(source.splitlines())
+    if lines > MODULE_MAX_LINES:
+        found.append((rel, lines))
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}.{child.name}" if prefix else child.name
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (child.end_lineno or child.lineno) - child.lineno + 1
+                if length > FUNCTION_MAX_LINES:
+                    found.append((f"{rel}:{name}", length))
+            visit(child, name)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def test_every_module_and_function_is_within_the_size_limits() -> None:
+    assert len(SIZE_EXCEPTIONS) <= 3, "at most three named exceptions: split the rest"
+    measured: dict[str, int] = {}
+    for path in sorted((ROOT / "roundpipe").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        measured.update(oversized(path.read_text(encoding="utf-8"), rel))
+    over = [f"{name}: {length} lines" for name, length in measured.items() if name not in SIZE_EXCEPTIONS]
+    assert not over, (
+        f"modules are at most {MODULE_MAX_LINES} lines and functions at most {FUNCTION_MAX_LINES}; "
+        "split these by role:\n" + "\n".join(over)
+    )
+    stale = sorted(set(SIZE_EXCEPTIONS) - set(measured))
+    assert not stale, f"within the limits now, drop from SIZE_EXCEPTIONS and docs/design.md: {stale}"
+
+
+def test_the_size_measure_names_file_function_and_length() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_MAX_LINES))
+    source = f"class C:\n    def small(self) -> None:\n        pass\n\n    def big(self) -> None:\n{body}\n"
+    indented = source.replace("\n    x", "\n        x")
+    assert oversized(indented, "m.py") == [("m.py:C.big", FUNCTION_MAX_LINES + 1)]
+    assert oversized("x = 1\n" * (MODULE_MAX_LINES + 1), "m.py") == [("m.py", MODULE_MAX_LINES + 1)]
+    assert oversized("def f() -> None:\n" + "    pass\n" * (FUNCTION_MAX_LINES - 1), "m.py") == []

@@ -3,8 +3,9 @@
 Why one runtime for every real backend: the CPU workers and the CUDA streams must give the same
 numbers, so what every task does (upload into a transient copy, the stage math of
 `roundpipe.backends.stage_math` over the layer calls of `roundpipe.backends.replicas`, gradient
-download, the optimizer-lane operations) is written once against a `torch.device`; backends only
-decide which thread or stream runs it and how completion is reported.
+download; the optimizer-lane operations of `roundpipe.backends.optimizer_lane`, a base of `Runtime`)
+is written once against a `torch.device`; backends only decide which thread or stream runs it and
+how completion is reported.
 
 Data flow of one microbatch through a plan, all keyed by `BoundaryKey` (iteration, layer, microbatch):
   host inputs -> F1 -> ... -> Fk -> FB (loss, backward) -> Bk -> ... -> B1
@@ -21,7 +22,6 @@ This module must never decide when anything runs: that is the engine's job.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +31,7 @@ import torch
 from roundpipe.backends.compiling import NO_COMPILE, CompileGarbage, LayerCompiler
 from roundpipe.backends.holdings import out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
+from roundpipe.backends.optimizer_lane import OptimizerLane
 from roundpipe.backends.replicas import Replicas
 from roundpipe.backends.stage_math import (
     Recomputed,
@@ -68,7 +69,7 @@ from roundpipe.sched.task import (
 )
 
 
-class Runtime:
+class Runtime(OptimizerLane):
     """Executes tasks on tensors. Shared by every device of a backend; thread-safe per lane."""
 
     def __init__(
@@ -357,36 +358,6 @@ class Runtime:
         if self.defer_release:
             state.uploaded = value
         self.recomputed[key] = state
-
-    # ------------------------------------------------------------------ optimizer lane
-
-    def g_copy(self, task: Task) -> None:
-        data = self.iterations.get(task.iteration)
-        self.host.g_copy(task.layers.start, data.loss_scale if data is not None else 1.0)
-        self.collectives.after_g_copy(task.iteration, task.layers.start)
-
-    def grad_norm(self, task: Task) -> None:
-        check = self.scaler is not None
-        self.collectives.before_norm(task.step)  # the norm (and clipping) of the averaged gradient
-        norm = self.host.grad_norm(self.max_grad_norm, check)
-        if not check and not math.isfinite(norm) and self.non_finite_grad_norm is None:
-            # Without a loss scaler nothing skips this step: remember it for whoever watches.
-            self.non_finite_grad_norm = (task.step + 1, norm)
-        if self.scaler is not None:
-            self.scaler.update(self.host.found_inf)
-
-    def _predicts(self, step: int, unit: int) -> bool:
-        return self.predict_from is not None and step >= self.predict_from and unit not in self.fresh_units
-
-    def step(self, task: Task) -> None:
-        self.collectives.before_step(task.step, task.layers.start)
-        unit, step = task.layers.start, task.step
-        self.host.step(unit, remember=self._predicts(step, unit), lr_scale=self.lr_scale(step))
-        self.collectives.after_step(task.step, task.layers.start)
-
-    def p_copy(self, task: Task) -> None:
-        unit = task.layers.start
-        self.host.p_copy(unit, predict=self._predicts(task.step, unit))
 
 
 _HANDLERS: dict[str, Callable[[Runtime, Task], None]] = {
