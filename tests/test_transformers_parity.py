@@ -122,12 +122,10 @@ def test_full_training_matches_transformers_loop(make: Callable[[], nn.Module]) 
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def lora(model: nn.Module) -> nn.Module:
+def lora(model: nn.Module, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets))
     torch.manual_seed(1)
     peft_model = get_peft_model(model, config)
     # peft starts lora_B at zero; give it values so the first step moves every adapter tensor.
