@@ -22,6 +22,7 @@ import roundpipe.model.experts as experts_module
 from roundpipe.model.experts import grouped_mm, route, use_grouped_experts
 from tests.test_moe_parity import accumulation_loop, padded_data, tiny_gpt_oss
 from tests.test_transformers_parity import assert_same_weights, pipe_loop, tiny_qwen3_moe
+from tests.test_transformers_parity import lora as qkvo_lora
 
 MODELS = [tiny_qwen3_moe, tiny_gpt_oss]
 IDS = ["qwen3-moe", "gpt-oss"]
@@ -170,21 +171,6 @@ def counted_grouped_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(experts_module, "grouped_experts", counting)
     return calls
-
-
-def qkvo_lora(model: nn.Module) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
-    torch.manual_seed(1)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # peft starts lora_B at zero; move it so every adapter gets a gradient
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.1)
-    return peft_model
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora-qkvo", "full"])
