@@ -222,21 +222,14 @@ def test_grouped_experts_bf16_on_cuda_match_eager_without_syncing(make: Any) -> 
         )
 
 
-def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The planner's memory facts come from the layer copy the run executes: the profile's copy
-    runs the grouped experts, and what a block saves for backward covers the routed rows sorted
-    by expert and their first projection (S = tokens x k rows)."""
+def profiled_on_cpu(layers: list[nn.Module], names: list[str]) -> list[Any]:
+    """The profile of a tiny causal LM's ``layers`` on a batch of 2 rows of 16 tokens, as a CPU
+    run prepares them (uncompiled)."""
     from roundpipe.backends.compiling import LayerCompiler
     from roundpipe.backends.profile import measure_layers
-    from roundpipe.model.transformers_presets import causal_lm_layers
 
-    model: Any = eager(tiny_qwen3_moe())
-    layers, names = causal_lm_layers(model)
-    calls = counted_grouped_calls(monkeypatch)
     batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
-    measured = measure_layers(
+    return measure_layers(
         layers,
         batch,
         torch.device("cpu"),
@@ -244,6 +237,20 @@ def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
         names=names,
         prepare=LayerCompiler(False, "cpu").prepare,
     )
+
+
+def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The planner's memory facts come from the layer copy the run executes: the profile's copy
+    runs the grouped experts, and what a block saves for backward covers the routed rows sorted
+    by expert and their first projection (S = tokens x k rows)."""
+    from roundpipe.model.transformers_presets import causal_lm_layers
+
+    model: Any = eager(tiny_qwen3_moe())
+    layers, names = causal_lm_layers(model)
+    calls = counted_grouped_calls(monkeypatch)
+    measured = profiled_on_cpu(layers, names)
     assert calls
     config = model.config
     rows = 2 * 16 * config.num_experts_per_tok
