@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_leaves
 
 from roundpipe.model import chunked_layer, chunked_mlp
 from roundpipe.model.chunked_layer import chunk_long_attention_layer
-from tests.test_transformers_parity import assert_same_weights, pipe_loop, reference_loop, token_data
+from tests.test_chunked_mlp import trains_like_the_plain_loop
+from tests.test_transformers_parity import token_data
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -118,21 +119,11 @@ def test_layers_it_cannot_reproduce_are_left_alone() -> None:
 def test_training_through_sliced_replicas_equals_the_plain_loop(
     small_slices: list[int], compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Also with the layers compiled (dynamo's capture, its "eager" backend): the slicing is a
-    graph break for long inputs only."""
-    from roundpipe.backends import compiling
+    """Also with the layers compiled: the slicing is a graph break for long inputs only."""
     from tests.test_transformers_parity import tiny_llama
 
-    torch._dynamo.reset()
-    monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
     data = token_data(2, batch=4, seq=24)  # 24 tokens per row: sliced 8 + 8 + 8
-    expected = reference_loop(reference, data)
-    losses = pipe_loop(model, data, compile=compiled)
-    assert small_slices, "the replicas did not slice"
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
-    assert_same_weights(model, reference)
+    model = trains_like_the_plain_loop(tiny_llama, data, small_slices, compiled, monkeypatch)
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in model.model.layers)
 
 

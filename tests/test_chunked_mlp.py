@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -79,21 +80,34 @@ def test_sliced_mlp_equals_the_original(small_slices: list[int]) -> None:
     assert _saved_bytes(lambda: chunked(x), chunked) < _saved_bytes(lambda: mlp(x), mlp) / 3
 
 
+def trains_like_the_plain_loop(
+    make: Callable[[], Any],
+    data: list[dict[str, torch.Tensor]],
+    slices: list[int],
+    compiled: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Any:
+    """A model from ``make`` trained on ``data`` through the pipe, its layers compiled or not
+    (dynamo's capture, its "eager" backend): it sliced, and has the losses and weights of the
+    plain loop on a copy. Returns the trained model."""
+    torch._dynamo.reset()
+    monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
+    model = make()
+    reference = copy.deepcopy(model)
+    expected = reference_loop(reference, data)
+    losses = pipe_loop(model, data, compile=compiled)
+    assert slices, "the replicas did not slice"
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert_same_weights(model, reference)
+    return model
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_training_through_sliced_replicas_equals_the_plain_loop(
     small_slices: list[int], compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Also with the layers compiled (dynamo's capture, its "eager" backend): the slicing is a
-    graph break for long inputs only."""
-    torch._dynamo.reset()
-    monkeypatch.setitem(compiling.DEFAULT_OPTIONS, "backend", "eager")
-    model = tiny_qwen3()
-    reference = copy.deepcopy(model)
+    """Also with the layers compiled: the slicing is a graph break for long inputs only."""
     data = token_data(2, batch=4, seq=16)  # 32 tokens per microbatch of 2 rows: sliced
-    expected = reference_loop(reference, data)
-    losses = pipe_loop(model, data, compile=compiled)
-    assert small_slices, "the replicas did not slice"
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
-    assert_same_weights(model, reference)
+    model = trains_like_the_plain_loop(tiny_qwen3, data, small_slices, compiled, monkeypatch)
     # The user's model keeps its own classes.
     assert all(type(layer.mlp).__name__ == "Qwen3MLP" for layer in model.model.layers)

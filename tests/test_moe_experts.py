@@ -22,6 +22,7 @@ import roundpipe.model.experts as experts_module
 from roundpipe.model.experts import grouped_mm, route, use_grouped_experts
 from tests.test_moe_parity import accumulation_loop, padded_data, tiny_gpt_oss
 from tests.test_transformers_parity import assert_same_weights, pipe_loop, tiny_qwen3_moe
+from tests.test_transformers_parity import lora as qkvo_lora
 
 MODELS = [tiny_qwen3_moe, tiny_gpt_oss]
 IDS = ["qwen3-moe", "gpt-oss"]
@@ -172,21 +173,6 @@ def counted_grouped_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def qkvo_lora(model: nn.Module) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
-    torch.manual_seed(1)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # peft starts lora_B at zero; move it so every adapter gets a gradient
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.1)
-    return peft_model
-
-
 @pytest.mark.parametrize("lora", [True, False], ids=["lora-qkvo", "full"])
 @pytest.mark.parametrize("make", MODELS, ids=IDS)
 def test_pipe_with_grouped_experts_matches_eager_loop(
@@ -236,21 +222,14 @@ def test_grouped_experts_bf16_on_cuda_match_eager_without_syncing(make: Any) -> 
         )
 
 
-def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The planner's memory facts come from the layer copy the run executes: the profile's copy
-    runs the grouped experts, and what a block saves for backward covers the routed rows sorted
-    by expert and their first projection (S = tokens x k rows)."""
+def profiled_on_cpu(layers: list[nn.Module], names: list[str]) -> list[Any]:
+    """The profile of a tiny causal LM's ``layers`` on a batch of 2 rows of 16 tokens, as a CPU
+    run prepares them (uncompiled)."""
     from roundpipe.backends.compiling import LayerCompiler
     from roundpipe.backends.profile import measure_layers
-    from roundpipe.model.transformers_presets import causal_lm_layers
 
-    model: Any = eager(tiny_qwen3_moe())
-    layers, names = causal_lm_layers(model)
-    calls = counted_grouped_calls(monkeypatch)
     batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
-    measured = measure_layers(
+    return measure_layers(
         layers,
         batch,
         torch.device("cpu"),
@@ -258,6 +237,20 @@ def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
         names=names,
         prepare=LayerCompiler(False, "cpu").prepare,
     )
+
+
+def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The planner's memory facts come from the layer copy the run executes: the profile's copy
+    runs the grouped experts, and what a block saves for backward covers the routed rows sorted
+    by expert and their first projection (S = tokens x k rows)."""
+    from roundpipe.model.transformers_presets import causal_lm_layers
+
+    model: Any = eager(tiny_qwen3_moe())
+    layers, names = causal_lm_layers(model)
+    calls = counted_grouped_calls(monkeypatch)
+    measured = profiled_on_cpu(layers, names)
     assert calls
     config = model.config
     rows = 2 * 16 * config.num_experts_per_tok

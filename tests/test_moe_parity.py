@@ -22,6 +22,7 @@ from roundpipe.errors import ModelError
 from tests.test_transformers_parity import (
     VOCAB,
     assert_same_weights,
+    peft_lora,
     pipe_loop,
     reference_loop,
     sgd,
@@ -165,7 +166,7 @@ def test_router_aux_without_router_modules_is_refused() -> None:
 def expert_lora(model: nn.Module) -> nn.Module:
     """LoRA on q/v and on the experts' 3-D weights (peft ``target_parameters``: peft wraps them
     with a parametrization for each forward, as the experts are no ``nn.Linear``)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     config = LoraConfig(
         r=4,
@@ -174,13 +175,7 @@ def expert_lora(model: nn.Module) -> nn.Module:
         target_modules=["q_proj", "v_proj"],
         target_parameters=["experts.gate_up_proj", "experts.down_proj"],
     )
-    torch.manual_seed(1)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # peft starts lora_B at zero; move it so every adapter gets a gradient
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.1)
-    return peft_model
+    return peft_lora(model, config)
 
 
 @pytest.mark.parametrize("make", [tiny_qwen3_moe, tiny_gpt_oss], ids=["qwen3-moe", "gpt-oss"])

@@ -19,7 +19,16 @@ from torch import nn
 import roundpipe
 from roundpipe.model.experts import EXPERT_WEIGHTS, NF4Meta, dequantized_experts, quantize_experts_
 from roundpipe.model.quant import count_nf4, quantize_frozen_
-from tests.test_moe_experts import IDS, MODELS, HostReads, eager, mlp_pair, qkvo_lora, run_block
+from tests.test_moe_experts import (
+    IDS,
+    MODELS,
+    HostReads,
+    eager,
+    mlp_pair,
+    profiled_on_cpu,
+    qkvo_lora,
+    run_block,
+)
 from tests.test_moe_parity import accumulation_loop, padded_data
 from tests.test_transformers_parity import pipe_loop, sgd, token_data
 
@@ -169,8 +178,6 @@ def test_a_moe_block_uploads_its_experts_in_a_quarter_of_the_bf16_bytes() -> Non
 def test_the_profile_counts_the_dense_expert_weight_as_working_set() -> None:
     """On a CPU the profile's working set of a block is the largest dense weight its call makes:
     with NF4 experts, the dequantized ``gate_up_proj``."""
-    from roundpipe.backends.compiling import LayerCompiler
-    from roundpipe.backends.profile import measure_layers
     from roundpipe.model.transformers_presets import causal_lm_layers
     from tests.test_transformers_parity import tiny_qwen3_moe
 
@@ -180,15 +187,7 @@ def test_the_profile_counts_the_dense_expert_weight_as_working_set() -> None:
     quantize_frozen_(model)
     assert count_nf4(model) == model.config.num_hidden_layers
     layers, names = causal_lm_layers(model)
-    batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
-    measured = measure_layers(
-        layers,
-        batch,
-        torch.device("cpu"),
-        computes_loss=True,
-        names=names,
-        prepare=LayerCompiler(False, "cpu").prepare,
-    )
+    measured = profiled_on_cpu(layers, names)
     config = model.config
     gate_up_bytes = config.num_experts * 2 * config.moe_intermediate_size * config.hidden_size * 4
     assert all(m.work_bytes == m.bwd_work_bytes == gate_up_bytes for m in measured[1:-1])

@@ -14,44 +14,11 @@ from torch import nn
 import roundpipe
 from roundpipe.model.quant import NF4Linear, count_nf4, quantize_frozen_
 from tests.helpers import tiny_causal_lm
-
-VOCAB = 64
+from tests.test_transformers_parity import VOCAB, lora, pipe_loop, reference_loop, sgd, token_data
 
 
 def lora_qwen3(seed: int = 0) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-
-    model = tiny_causal_lm("qwen3", vocab=VOCAB, seed=seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    torch.manual_seed(1)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # peft starts lora_B at zero; move every adapter from the first step
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.1)
-    return peft_model
-
-
-def token_data(steps: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    ids = [torch.randint(0, VOCAB, (4, 16), generator=g) for _ in range(steps)]
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-
-
-def reference_loop(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> list[float]:
-    opt = sgd([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for batch in data:
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return lora(tiny_causal_lm("qwen3", vocab=VOCAB, seed=seed), ("q_proj", "v_proj", "down_proj"))
 
 
 def adapters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -63,15 +30,7 @@ def test_nf4_lora_matches_a_plain_loop_over_the_same_quantized_model() -> None:
     reference = quantize_frozen_(copy.deepcopy(model))  # the bytes the pipe will make
     data = token_data(3)
     expected = reference_loop(reference, data)
-    config = roundpipe.RunConfig(
-        devices="cpu:2", num_microbatches=2, async_optimizer=False, precision="fp32", base_format="nf4"
-    )
-    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
-        losses = []
-        for batch in data:
-            losses.append(pipe.forward_backward(batch, None, None))
-            pipe.step()
-        pipe.synchronize()
+    losses = pipe_loop(model, data, base_format="nf4")
     assert count_nf4(model) == count_nf4(reference) == 2 * 7
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
     got, want = adapters(model), adapters(reference)
@@ -172,13 +131,5 @@ def test_nf4_lora_on_cuda_matches_a_plain_peft_loop() -> None:
         opt.step()
         opt.zero_grad()
         expected.append(loss.item())
-    config = roundpipe.RunConfig(
-        devices="cuda:0", num_microbatches=1, async_optimizer=False, precision="bf16", base_format="nf4"
-    )
-    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
-        losses = []
-        for batch in data:
-            losses.append(pipe.forward_backward(batch, None, None))
-            pipe.step()
-        pipe.synchronize()
+    losses = pipe_loop(model, data, devices="cuda:0", num_microbatches=1, precision="bf16", base_format="nf4")
     assert losses == pytest.approx(expected, rel=2e-2, abs=2e-2)

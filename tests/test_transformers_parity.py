@@ -122,15 +122,19 @@ def test_full_training_matches_transformers_loop(make: Callable[[], nn.Module]) 
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def lora(model: nn.Module) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+def lora(model: nn.Module, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:
+    from peft import LoraConfig
 
-    config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
+    return peft_lora(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets)))
+
+
+def peft_lora(model: nn.Module, config: Any) -> nn.Module:
+    """``model`` wrapped by peft with ``config`` (a ``LoraConfig``), seeded, with every lora_B
+    drawn away from peft's zero so the first step moves every adapter tensor."""
+    from peft import get_peft_model
+
     torch.manual_seed(1)
     peft_model = get_peft_model(model, config)
-    # peft starts lora_B at zero; give it values so the first step moves every adapter tensor.
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
