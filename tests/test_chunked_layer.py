@@ -4,13 +4,12 @@ tokens with a bounded workspace, users untouched."""
 from __future__ import annotations
 
 import copy
-import weakref
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from roundpipe.model import chunked_layer, chunked_mlp
 from roundpipe.model.chunked_layer import chunk_long_attention_layer
@@ -127,33 +126,18 @@ def test_training_through_sliced_replicas_equals_the_plain_loop(
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in model.model.layers)
 
 
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created under this mode and alive, and their peak: the CPU's
-    stand-in for the CUDA allocator's ``memory_allocated`` / ``max_memory_allocated``. Storages of
-    ``existing`` tensors (inputs, parameters) are not counted when a view of them appears."""
+def _ledger_class() -> Any:
+    """bench/long_context_memory.py's `Ledger`: the one CPU stand-in for the CUDA allocator's
+    ``memory_allocated`` / ``max_memory_allocated`` that the bench and this test share."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "long_context_memory.py"
+    spec = importlib.util.spec_from_file_location("long_context_memory", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Ledger
 
-    def __init__(self, existing: Any = ()) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.known = {t.untyped_storage().data_ptr() for t in existing}
-        self.now = 0
-        self.peak = 0
 
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in self.known:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key)
-        return out
+Ledger = _ledger_class()
 
 
 def layer_peak_bytes(layer: torch.nn.Module, rotary: torch.nn.Module, tokens: int, hidden: int) -> int:
@@ -164,7 +148,7 @@ def layer_peak_bytes(layer: torch.nn.Module, rotary: torch.nn.Module, tokens: in
     grad = torch.randn(1, tokens, hidden)
     with torch.no_grad():
         cos, sin = rotary(x, torch.arange(tokens)[None])
-    with LiveBytes([x, grad, cos, sin, *layer.parameters()]) as live:
+    with Ledger([x, grad, cos, sin, *layer.parameters()]) as live:
         layer(x, attention_mask=None, position_embeddings=(cos, sin)).backward(grad)
     return live.peak
 
