@@ -26,7 +26,7 @@ from roundpipe.plan import native
 from roundpipe.plan.costs import LayerCosts
 from roundpipe.plan.kinds import SlotKind
 from roundpipe.plan.partition import Plan
-from roundpipe.plan.rounds import round_sizes
+from roundpipe.plan.shape import RunShape
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import (
     ACT_DOWN,
@@ -159,34 +159,22 @@ def build_graph(
       the host lane's tasks by age), and nothing else waits for them: in sync, they end when some
       compute does, so the makespan stays; in async, all but the step's P-copies wait for the
       last iteration's computes, after the replay's end."""
+    shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size)
     kernels = native.kernels()
     if kernels is not None:  # the same graph, built compiled (`native`)
-        return _built(
-            kernels, plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size, lean
-        )
-    return _rendered(
-        plan, costs, num_devices, num_microbatches, iterations, async_optimizer, round_size, lean
-    )
+        return _built(kernels, plan, costs, shape, iterations, lean)
+    return _rendered(plan, costs, shape, iterations, lean)
 
 
-def _rendered(
-    plan: Plan,
-    costs: LayerCosts,
-    num_devices: int,
-    num_microbatches: int,
-    iterations: int,
-    async_optimizer: bool,
-    round_size: int | None,
-    lean: bool,
-) -> ReplayGraph:
+def _rendered(plan: Plan, costs: LayerCosts, shape: RunShape, iterations: int, lean: bool) -> ReplayGraph:
     """`build_graph` from `GraphBuilder`'s tasks, batch by batch as `run_fake` submits them."""
     spec = ModelSpec.uniform(plan.num_layers)
-    options = ScheduleOptions(async_optimizer=async_optimizer, round_size=round_size)
-    builder = GraphBuilder(plan, spec, num_devices, options)
-    render = _Renderer(plan, costs, num_devices, lean)
+    options = ScheduleOptions(async_optimizer=shape.async_optimizer, round_size=shape.round_size)
+    builder = GraphBuilder(plan, spec, shape.num_devices, options)
+    render = _Renderer(plan, costs, shape.num_devices, lean)
     for it in range(iterations):
         last = lean and it == iterations - 1
-        built = builder.forward_backward(it, it, num_microbatches)
+        built = builder.forward_backward(it, it, shape.num_microbatches)
         tasks = built.tasks
         if last:  # no gradients: nothing the replay reads waits for them (see `build_graph`)
             tasks = [t for t in tasks if t.kind is not GRAD_DOWN and t.kind is not G_COPY]
@@ -238,15 +226,7 @@ _OFFSET: dict[str, int] = {
 
 
 def _built(
-    kernels: ModuleType,
-    plan: Plan,
-    costs: LayerCosts,
-    num_devices: int,
-    num_microbatches: int,
-    iterations: int,
-    async_optimizer: bool,
-    round_size: int | None,
-    lean: bool,
+    kernels: ModuleType, plan: Plan, costs: LayerCosts, shape: RunShape, iterations: int, lean: bool
 ) -> ReplayGraph:
     """`build_graph` by `native`'s builder: the plan and the round sizes in, the packed graph out
     (the dispatch it follows is `dispatch`'s, round by round from device 0)."""
@@ -261,11 +241,11 @@ def _built(
         native.floats([ms for _, ms in times]),
         native.ints([by for by, _ in saved]),
         native.ints([by for _, by in saved]),
-        native.ints(round_sizes(num_microbatches, num_devices, round_size)),
-        *(num_devices, iterations, plan.num_layers, async_optimizer, lean, SEQ),
+        native.ints(shape.rounds()),
+        *(shape.num_devices, iterations, plan.num_layers, shape.async_optimizer, lean, SEQ),
     )
     res, rank, dur, dependents, batches, comp_offsets, computes, loss_offsets, losses, seq = packed
-    graph = ReplayGraph(num_devices)
+    graph = ReplayGraph(shape.num_devices)
     graph.res, graph.rank, graph.dur, graph.seq = res, rank, dur, seq
     graph.batches = batches.tolist()
     graph.computes = [computes[a:b].tolist() for a, b in itertools.pairwise(comp_offsets)]
