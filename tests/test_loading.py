@@ -236,13 +236,12 @@ def test_nf4_load_equals_quantizing_from_pretrained(tmp_path: Path, kind: str) -
 
 
 def test_nf4_in_pieces_is_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from roundpipe.model import installing
+    from roundpipe.model import nf4
     from roundpipe.model.quant import NF4Linear
 
     linear = nn.Linear(96, 40, bias=True).to(torch.bfloat16)
-    monkeypatch.setattr(installing, "QUANT_CHUNK", 640)  # six pieces
-    pieces = installing.nf4_linear(linear, 64)
     whole = NF4Linear.from_linear(linear, 64)
-    assert isinstance(pieces, NF4Linear)
+    monkeypatch.setattr(nf4, "QUANT_CHUNK", 640)  # six pieces
+    pieces = NF4Linear.from_linear(linear, 64)
     for name, tensor in whole.state_dict().items():
         assert torch.equal(pieces.state_dict()[name], tensor), name

@@ -137,32 +137,6 @@ def _quantizable(model: nn.Module, block_size: int) -> set[int]:
     }
 
 
-# Elements quantized per pass: the fp32 and int64 scratch of one pass (~20 bytes an element)
-# stays near 40 MB however large the matrix (a 70B model's MLP has 235M elements).
-QUANT_CHUNK = 1 << 21
-
-
-def nf4_linear(module: nn.Linear, block_size: int) -> nn.Module:
-    """``NF4Linear.from_linear(module)``, quantized a few million elements at a time: NF4 blocks
-    run along the flattened weight, so the pieces laid end to end are the same bytes."""
-    from roundpipe.model.quant import NF4Linear, NF4Weight, quantize_nf4
-
-    weight = module.weight.detach()
-    flat = weight.reshape(-1)
-    step = max(block_size, QUANT_CHUNK // block_size * block_size)
-    if flat.numel() <= step:
-        return NF4Linear.from_linear(module, block_size)
-    # The result is laid out first, so the pieces' scratch never lands between kept bytes.
-    packed = torch.empty(flat.numel() // 2, dtype=torch.uint8)
-    absmax = torch.empty(flat.numel() // block_size, dtype=torch.float32)
-    for start in range(0, flat.numel(), step):
-        part = quantize_nf4(flat[start : start + step], block_size)
-        packed[start // 2 : start // 2 + part.packed.numel()].copy_(part.packed)
-        absmax[start // block_size : start // block_size + part.absmax.numel()].copy_(part.absmax)
-        del part
-    return NF4Linear(NF4Weight(packed, absmax, weight.shape, weight.dtype, block_size), module.bias)
-
-
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc ``malloc_trim``). Quantizing leaves
     its freed scratch in the heap between kept tensors; without this the resident size keeps
@@ -266,13 +240,15 @@ class Installer:
         of its dense weight go (or drop its copy)."""
         if not self.waiting:
             return
+        from roundpipe.model.quant import NF4Linear
+
         for prefix, module in list(self.model.named_modules()):
             if id(module) not in self.to_quantize or id(module.weight) not in self.waiting:
                 continue
             if any(p.device.type == "meta" or p.requires_grad for p in module.parameters(recurse=False)):
                 continue
             shard, name, mapped = self.waiting.pop(id(module.weight))
-            replacement = nf4_linear(module, self.block_size)
+            replacement = NF4Linear.from_linear(module, self.block_size)
             parent_name, _, child = prefix.rpartition(".")
             setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, replacement)
             if mapped:

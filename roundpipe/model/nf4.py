@@ -90,20 +90,45 @@ def check_quantizable(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, b
         raise ModelError(f"only floating-point tensors can be quantized to NF4, got {dtype}")
 
 
+# Elements quantized per pass: the fp32 and int64 scratch of one pass (~20 bytes an element) stays
+# near 40 MB however large the weight (a 70B model's MLP matrix has 235M elements), so quantizing
+# while a checkpoint loads holds little more than the bytes it keeps.
+QUANT_CHUNK = 1 << 21
+
+
 @torch.no_grad()
 def quantize_nf4(weight: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> NF4Weight:
     """``weight`` in NF4, on its own device: each element scaled by the reciprocal of its block's
     absolute maximum and given the nearest code (a value exactly between two codes takes the
-    lower one, as bitsandbytes does). A block of zeros has scale 0 and dequantizes to zeros."""
+    lower one, as bitsandbytes does). A block of zeros has scale 0 and dequantizes to zeros.
+    Blocks run along the flattened weight, so it is quantized `QUANT_CHUNK` elements at a time
+    into outputs laid out first (the pieces' scratch never lands between kept bytes)."""
     check_quantizable(weight.shape, weight.dtype, block_size)
-    blocks = weight.detach().reshape(-1, block_size).to(torch.float32)
+    flat = weight.detach().reshape(-1)
+    step = max(block_size, QUANT_CHUNK // block_size * block_size)
+    if flat.numel() <= step:
+        packed, absmax = _quantize_flat(flat, block_size)
+    else:
+        packed = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=flat.device)
+        absmax = torch.empty(flat.numel() // block_size, dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.numel(), step):
+            part_packed, part_absmax = _quantize_flat(flat[start : start + step], block_size)
+            packed[start // 2 : start // 2 + part_packed.numel()].copy_(part_packed)
+            absmax[start // block_size : start // block_size + part_absmax.numel()].copy_(part_absmax)
+            del part_packed, part_absmax
+    return NF4Weight(packed, absmax, weight.shape, weight.dtype, block_size)
+
+
+def _quantize_flat(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The core of `quantize_nf4` on whole blocks: the packed codes and the block scales."""
+    blocks = flat.reshape(-1, block_size).to(torch.float32)
     absmax = blocks.abs().amax(dim=1)
     inverse = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    codes = _codes(weight.device)
+    codes = _codes(flat.device)
     midpoints = (codes[1:] + codes[:-1]) / 2
     index = torch.bucketize(blocks * inverse[:, None], midpoints).to(torch.uint8).view(-1, 2)
     packed = (index[:, 0] << 4) | index[:, 1]
-    return NF4Weight(packed.contiguous(), absmax.contiguous(), weight.shape, weight.dtype, block_size)
+    return packed.contiguous(), absmax.contiguous()
 
 
 _BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
