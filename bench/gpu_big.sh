@@ -7,7 +7,8 @@
 # the process ends), async mode only, with warm-up and measured steps sized to its expected step
 # time, each loss read one step late (so tokens/s is the measured steps' wall time, drain
 # included, not the host's time to issue them), and under a time limit cut from what is left of
-# the call's deadline, so a slow workload loses its own line, never the ones after it. Most important first within each group.
+# the call's deadline, so a slow workload loses its own line, never the ones after it. Most
+# important first within each group.
 #
 #   OUT=/path bash bench/gpu_big.sh 1       # F, E-nf4, E       (70B nf4; 32B nf4; 32B bf16)
 #   OUT=/path bash bench/gpu_big.sh 2       # G                 (8B, one 262,144-token sequence)
