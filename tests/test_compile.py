@@ -160,3 +160,21 @@ def test_compiling_leaves_no_tensors_in_garbage(
     finally:
         gc.enable()
     assert (in_garbage == 0) == collect, in_garbage
+
+
+def test_layers_with_experts_launch_from_the_python_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixture-of-experts layers run grouped matrix products, which inductor's C++ wrapper could
+    not build on CUDA (torch 2.11); a run holding them keeps the Python wrapper, others do not."""
+    from tests.helpers import tiny_causal_lm
+    from tests.test_transformers_parity import tiny_qwen3_moe
+
+    monkeypatch.setattr(compiling, "wants_cpp_wrapper", lambda device_type: True)
+    assert not LayerCompiler(True, "cuda", grouped_products=True).cpp_wrapper
+    wrapped = {}
+    for name, model in (("dense", tiny_causal_lm()), ("moe", tiny_qwen3_moe())):
+        config = roundpipe.RunConfig(devices="cpu:1", compile=True, num_microbatches=1)
+        with roundpipe.RoundPipe(
+            model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=config
+        ) as pipe:
+            wrapped[name] = pipe.runtime.compiler.cpp_wrapper
+    assert wrapped == {"dense": True, "moe": False}

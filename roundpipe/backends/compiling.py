@@ -21,6 +21,13 @@ from 19.7-24.2K to 29.5K tokens/s and 16% host-bound, for about a minute more of
 first run (the compiled code is cached on disk for the next). Setting ``TORCHINDUCTOR_CPP_WRAPPER``
 in the environment (to 0 or 1) leaves the choice to inductor's own setting.
 
+A run whose layers hold mixture-of-experts modules launches from the Python wrapper: the
+grouped matrix product they run (`roundpipe.model.experts`) has no declaration in torch 2.11's
+CUDA shim header, so the C++ wrapper of such a layer failed to build ("aoti_torch_cuda__grouped_mm
+was not declared"), and removing the operator from inductor's shim table did not change the code
+it generated. With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) ran 2.1%
+host-bound: its layers run few, long kernels.
+
 The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
 compiles is open (`CPP_WRAPPER`), not as a per-compile option: inductor compiles a graph's
 backward lazily, at its first backward call, and torch 2.11 (the lent H200s' version) applies a
@@ -136,12 +143,20 @@ class LayerCompiler:
     ``prepare(module)`` lets the layer adapt its copy (``roundpipe_replica()``, e.g. a decoder
     block slicing its MLP over long sequences), then compiles it (in place) or not."""
 
-    def __init__(self, setting: CompileSetting, device_type: str, compiler: Compiler | None = None) -> None:
+    def __init__(
+        self,
+        setting: CompileSetting,
+        device_type: str,
+        compiler: Compiler | None = None,
+        *,
+        grouped_products: bool = False,
+    ) -> None:
         self.enabled = compile_enabled(setting, device_type)
         self.explicit = setting is True
         self.compiler = compiler or Compiler(**default_options(device_type))
-        # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`).
-        self.cpp_wrapper = self.enabled and wants_cpp_wrapper(device_type)
+        # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`),
+        # unless the layers run grouped matrix products, which it cannot build (module docstring).
+        self.cpp_wrapper = self.enabled and not grouped_products and wants_cpp_wrapper(device_type)
         self._holding = False
 
     def open(self) -> None:

@@ -93,6 +93,12 @@ def layout_of(module: nn.Module) -> Layout | None:
     return None
 
 
+def holds_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds a known experts module (grouped, quantized or as transformers
+    made it): roundpipe runs its experts as grouped matrix products."""
+    return any(layout_of(m) is not None for m in module.modules())
+
+
 @dataclass(frozen=True)
 class Routing:
     """The routed (token, expert) pairs sorted by expert: ``order`` (pair index in sorted order),
