@@ -76,7 +76,11 @@ class RoundPipe(PipeMachinery):
         self._scaler = make_scaler(config)
         self.host = make_host(self._sequence, config, optimizer, lr_scheduler)
         self.runtime = make_runtime(self.host, self._sequence, config, self._scaler, device_spec.kind)
-        self._spec = ModelSpec(param_bytes=self.host.param_bytes(), owners=tuple(self.host.owners))
+        self._spec = ModelSpec(
+            param_bytes=self.host.param_bytes(),
+            owners=tuple(self.host.owners),
+            grad_bytes=self.host.param_bytes(trainable=True),
+        )
         self.costs = estimated_costs(self.host, self._sequence.names)
         self.plan: Plan = self._planner.first_plan(self.costs)
         self._step_waits_for_loss = self._planner.waits_for_loss(self.plan, self.costs)

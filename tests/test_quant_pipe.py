@@ -86,6 +86,24 @@ def test_a_frozen_block_uploads_a_quarter_of_its_bf16_bytes() -> None:
     assert quantized_dtypes[torch.uint8] / (uploads * frozen * 2) == pytest.approx(0.28125)
 
 
+def test_a_lora_run_copies_down_only_its_adapters_gradients() -> None:
+    """A backward slot's gradient download moves the trainable parameters' gradients: in a LoRA
+    run the adapters, not the frozen base the slot uploaded (the trace's bytes per transfer are
+    what the benchmarks report as bytes moved each way)."""
+    model = lora_qwen3()
+    config = roundpipe.RunConfig(devices="cpu:2", num_microbatches=2, async_optimizer=False, precision="bf16")
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        pipe.forward_backward(token_data(1)[0], None, None)
+        pipe.step()
+        pipe.synchronize()
+        tasks = list(pipe.trace())
+        adapters = sum(p.numel() * 2 for p in model.parameters() if p.requires_grad)
+        uploaded = sum(t.nbytes for t in tasks if t.kind == "param_up")
+    downloaded = sum(t.nbytes for t in tasks if t.kind == "grad_down")
+    assert downloaded == adapters  # each layer's adapter gradients once, in bf16
+    assert uploaded > 10 * downloaded
+
+
 def test_train_cli_nf4_lora_export_loads_onto_the_original_base(tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -203,9 +203,11 @@ class HostModel:
 
     # ------------------------------------------------------------------ sizes
 
-    def param_bytes(self) -> tuple[int, ...]:
+    def param_bytes(self, trainable: bool = False) -> tuple[int, ...]:
+        """Per layer, the bytes of its compute copies (``trainable``: of the trainable ones only,
+        which are also the bytes of its gradients)."""
         return tuple(
-            sum(self.compute[id(p)].numel() * self.compute[id(p)].element_size() for _, p in named)
+            sum(self.compute[id(p)].nbytes for _, p in named if p.requires_grad or not trainable)
             for named in self.layer_params
         )
 

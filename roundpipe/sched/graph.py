@@ -291,7 +291,7 @@ class GraphBuilder:
         else:
             for unit in units:
                 deps += rules.gradient_write_order(ledgers[unit])
-        trainable_bytes = sum(spec.param_bytes[layer] for layer in run.layers if spec.owners[layer])
+        trainable_bytes = sum(spec.layer_grad_bytes(layer) for layer in run.layers)
         built.tasks.append(run.task(key, GRAD_DOWN, deps, nbytes=trainable_bytes))
         built.last_grad_down[run.slot] = key
         for unit in units:

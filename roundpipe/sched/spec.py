@@ -21,16 +21,24 @@ class ModelSpec:
     trainable parameters, plus the owner of any parameter it shares with a shallower layer).
     Layers with frozen parameters only have no owners: they are uploaded but never copied back.
     ``act_bytes``: bytes of one stage-boundary activation of one microbatch (for cost models).
+    ``grad_bytes``: bytes of the layer's gradients a backward slot copies down (its trainable
+    parameters only: a LoRA layer's adapters, not its frozen base); empty means every parameter
+    of a layer with owners is trainable (``param_bytes`` for it, 0 for the others).
     """
 
     param_bytes: tuple[int, ...]
     owners: tuple[tuple[int, ...], ...]
     act_bytes: int = 0
+    grad_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.param_bytes) != len(self.owners):
             raise ValueError(
                 f"ModelSpec: {len(self.param_bytes)} param_bytes entries but {len(self.owners)} owners entries"
+            )
+        if self.grad_bytes and len(self.grad_bytes) != len(self.owners):
+            raise ValueError(
+                f"ModelSpec: {len(self.grad_bytes)} grad_bytes entries but {len(self.owners)} owners entries"
             )
         for layer, owners in enumerate(self.owners):
             for unit in owners:
@@ -40,6 +48,12 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return len(self.owners)
+
+    def layer_grad_bytes(self, layer: int) -> int:
+        """Bytes of ``layer``'s gradients copied down per backward slot (``grad_bytes``)."""
+        if self.grad_bytes:
+            return self.grad_bytes[layer]
+        return self.param_bytes[layer] if self.owners[layer] else 0
 
     @property
     def units(self) -> tuple[int, ...]:
