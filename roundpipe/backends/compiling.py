@@ -23,9 +23,9 @@ in the environment (to 0 or 1) leaves the choice to inductor's own setting.
 
 A run whose layers hold mixture-of-experts modules launches from the Python wrapper: the
 grouped matrix product they run (`roundpipe.model.experts`) has no declaration in torch 2.11's
-CUDA shim header, so the C++ wrapper of such a layer failed to build ("aoti_torch_cuda__grouped_mm
-was not declared"), and removing the operator from inductor's shim table did not change the code
-it generated. With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) ran 2.1%
+CUDA shim header, so the C++ wrapper of such a layer does not build ("aoti_torch_cuda__grouped_mm
+was not declared"; taking the operator out of inductor's shim table does not change the code
+generated there). With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) ran 2.1%
 host-bound: its layers run few, long kernels.
 
 The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
