@@ -28,12 +28,12 @@ START=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-530}
 
 # name -> "limit_s|least_s|gpu_throughput.py arguments": a workload runs for at most limit_s and
-# only when least_s are left. Expected wall times (H200): imports, build, profile, compile, steps;
-# step times from E bf16 ~3K tok/s and F ~1.4K tok/s at 16K tokens per step, D from
-# bench/moe_link.py (2.2 s/step at 4 x 4096, 4.5 s at 16 x 4096), G from flash attention's FLOPs
-# (about 1.4 s per layer forward at 262,144 tokens: ~3 min a step, and as much for the profile).
+# only when least_s are left. Expected wall times: imports, build, profile, compile, steps. On an
+# H100: F 213 s at 21 s a step, D 81 s at 2.6 s a step; estimated: E bf16 ~3K tok/s, D16 4.5 s a
+# step (bench/moe_link.py), G from flash attention's FLOPs (1.4-3 s per layer forward at 262,144
+# tokens: 3-5 min a step, and as much for the profile; over one call on an H100).
 declare -A JOB=(
-  [F]="300|180|--workload F --warmup 2 --steps 1"             # ~3 min: 12 s/step, build ~1 min
+  [F]="300|180|--workload F --warmup 2 --steps 1"             # ~3.5 min: 21 s/step, build ~25 s
   [E-nf4]="200|110|--workload E-nf4 --warmup 2 --steps 2"     # ~2.5 min
   [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; pins ~70 GiB of host
   [G]="520|420|--workload G --warmup 0 --steps 1"             # ~6-7 min at 262,144 tokens
