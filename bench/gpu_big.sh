@@ -31,15 +31,15 @@ DEADLINE_S=${DEADLINE_S:-530}
 # only when least_s are left. Expected wall times: imports, build, profile, compile, steps. On an
 # H100: F 213 s at 21 s a step, D 81 s at 2.6 s a step; estimated: E bf16 ~3K tok/s, D16 4.5 s a
 # step (bench/moe_link.py), G from flash attention's FLOPs (1.4-3 s per layer forward at 262,144
-# tokens: 3-5 min a step, and as much for the profile; over one call on an H100).
+# tokens: 3-5 min a step; the G runs profile one decoder layer, not 32, RunConfig.profile).
 declare -A JOB=(
   [F]="300|180|--workload F --warmup 2 --steps 1"             # ~3.5 min: 21 s/step, build ~25 s
   [E-nf4]="200|110|--workload E-nf4 --warmup 2 --steps 2"     # ~2.5 min
   [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; pins ~70 GiB of host
-  [G]="520|420|--workload G --warmup 0 --steps 1"             # ~6-7 min at 262,144 tokens
-  [G-nf4]="520|420|--workload G-nf4 --warmup 0 --steps 1"
-  [G131]="300|200|--workload G --seq 131072 --warmup 1 --steps 1"      # ~3 min
-  [G131-nf4]="300|200|--workload G-nf4 --seq 131072 --warmup 1 --steps 1"
+  [G]="520|300|--workload G --warmup 0 --steps 1 --profile one_per_kind"  # ~4-6 min at 262,144 tokens
+  [G-nf4]="520|300|--workload G-nf4 --warmup 0 --steps 1 --profile one_per_kind"
+  [G131]="300|200|--workload G --seq 131072 --warmup 1 --steps 1 --profile one_per_kind"  # ~3 min
+  [G131-nf4]="300|200|--workload G-nf4 --seq 131072 --warmup 1 --steps 1 --profile one_per_kind"
   [D]="170|90|--workload D --warmup 2 --steps 2"             # ~1.5-2 min
   [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
   [D2]="170|90|--workload D2 --warmup 2 --steps 2"           # ~1.5-2 min (eager attention)

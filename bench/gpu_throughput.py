@@ -155,6 +155,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int)
     p.add_argument("--budget", help='per-device memory budget, e.g. "24GiB" ("none" lifts a default)')
     p.add_argument("--recompute-grain", choices=("stage", "layer"))
+    p.add_argument(
+        "--profile", choices=("every_layer", "one_per_kind"), help="RunConfig.profile (default: its default)"
+    )
     p.add_argument("--devices", default="cuda", help='"cuda", "cuda:0,1" or "cpu:2"')
     p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
     p.add_argument("--async", action="store_true", dest="run_async", help="run async mode")
@@ -240,6 +243,8 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
     )
     if workload.base_format != "bf16" and "base_format" in roundpipe.RunConfig.model_fields:
         fields["base_format"] = workload.base_format
+    if getattr(args, "profile", None):
+        fields["profile"] = args.profile
     route = budget_route(workload)["budget_field"]
     if route is None:
         return roundpipe.RunConfig(**fields)
@@ -358,6 +363,7 @@ def run_roundpipe(
         "losses": [round(x, 4) for x in losses],  # every step's, warm-up included
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "loss_lag": args.loss_lag,
+        "profile": getattr(config, "profile", None),
     }
 
 

@@ -272,6 +272,12 @@ class RunConfig(BaseModel):
         "transformers models on CUDA (when triton is installed); True also every other layer and on any "
         "device; False runs everything eagerly",
     )
+    profile: Literal["every_layer", "one_per_kind"] = Field(
+        "every_layer",
+        description='what the device profile before planning runs: "every_layer" each layer once; '
+        '"one_per_kind" the first layer of each kind (class, parameter and input shapes, attention type), '
+        "the others taking its figures: at long sequences the profile of every layer lasts as long as a step",
+    )
 
     distributed: DistributedConfig = Field(
         default_factory=lambda: DistributedConfig.model_validate({}),

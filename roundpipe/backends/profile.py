@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from roundpipe.backends.meter import Meter as _Meter
+from roundpipe.backends.profile_kinds import OnePerKind, warm_up_kind
 from roundpipe.backends.replicas import Binder
 from roundpipe.backends.storages import (
     activation_bytes,
@@ -201,7 +202,7 @@ def _measure_layer(
     warmed: set[tuple[Any, ...]] | None = None,
 ) -> tuple[LayerMeasurement, Any]:
     """Measure one layer on input ``x``; returns the measurement and the layer's output (no grad).
-    ``warmed``: the kinds of layer already warmed up (`_layer_kind`); this one's is added."""
+    ``warmed``: the kinds of layer already warmed up (`profile_kinds.warm_up_kind`); this one's is added."""
     replica, params = _device_copy(layer, meter.device, dtype)
     replica = prepare(replica) if prepare is not None else replica
     own = {storage_key(t) for t in [*params.values(), *replica.buffers()]}
@@ -259,8 +260,8 @@ def _warm_up_once(
     loss: Callable[[Any], Any] | None,
     warmed: set[tuple[Any, ...]] | None,
 ) -> None:
-    """`_warm_up` unless a layer of this kind (`_layer_kind`) was warmed up already."""
-    kind = _layer_kind(layer, x, loss is not None)
+    """`_warm_up` unless a layer of this kind (`profile_kinds.warm_up_kind`) was warmed up already."""
+    kind = warm_up_kind(layer, x, loss is not None)
     if warmed is None or kind not in warmed:
         _warm_up(call, x, index, params, loss)
         if warmed is not None:
@@ -279,16 +280,6 @@ def _forward_no_grad(
     new_out = sum(b for k, b in outputs.items() if k not in inputs)
     work = max(0, int(fwd["peak"] - fwd["before"]) - new_out) if meter.cuda else 0
     return y, fwd, work
-
-
-def _layer_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
-    """What one warm-up serves: the layer's class, its parameters' names, shapes and dtypes, and
-    its input's tensor shapes. Decoder layers of one model share it, so only the first is warmed
-    up (at 262,144 tokens an 8B layer's warm-up is a full forward and backward, about 5 s)."""
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
-    inputs: dict[int, int] = {}
-    collect_storages(x, inputs)
-    return (type(layer), params, tuple(sorted(inputs.values())), last)
 
 
 # --------------------------------------------------------------------- all layers
@@ -314,12 +305,14 @@ def measure_layers(
     dtype: torch.dtype | None = None,
     names: Sequence[str] | None = None,
     prepare: Prepare | None = None,
+    one_per_kind: bool = False,
 ) -> list[LayerMeasurement]:
     """Run each layer once, in order, on ``sample`` (one microbatch: layer 0's input) and measure it.
 
     ``dtype`` is the compute precision (floating parameters and inputs are cast to it; None keeps
     theirs). The last layer's backward starts from its loss: its own (``computes_loss``) or
     ``loss_fn(output in fp32, target)``; without either, from ones for each floating output.
+    ``one_per_kind``: a layer of a kind already measured takes its figures (`profile_kinds`).
     """
     device = torch.device(device)
     meter = _Meter(device)
@@ -333,8 +326,12 @@ def measure_layers(
     torch.ones(1, device=device, requires_grad=True).sum().backward()
     out: list[LayerMeasurement] = []
     warmed: set[tuple[Any, ...]] = set()
+    kinds: OnePerKind[LayerMeasurement] = OnePerKind(one_per_kind)
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
+        if (reused := kinds.reuse(layer, x, last, i, labels[i])) is not None:
+            out.append(reused)
+            continue
         try:
             with _own_rng(device):  # dropout here must not shift the user's random stream
                 measurement, x = _measure_layer(
@@ -353,6 +350,7 @@ def measure_layers(
                 f"profile layer {i}",
             ) from exc
         out.append(measurement)
+        kinds.measured(measurement, x)
     return out
 
 
@@ -367,6 +365,7 @@ def profile_layers(
     dtype: torch.dtype | None = None,
     names: Sequence[str] | None = None,
     prepare: Prepare | None = None,
+    one_per_kind: bool = False,
 ) -> tuple[LayerMemory, tuple[float, ...], tuple[float, ...]]:
     """The planner's inputs from `measure_layers`: memory facts, forward ms, backward ms per layer."""
     ms = measure_layers(
@@ -379,6 +378,7 @@ def profile_layers(
         dtype=dtype,
         names=names,
         prepare=prepare,
+        one_per_kind=one_per_kind,
     )
     memory = LayerMemory(
         param_bytes=tuple(m.param_bytes for m in ms),

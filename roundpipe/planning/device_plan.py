@@ -132,8 +132,9 @@ def profile_and_plan(
     *,
     prepare: Any = None,
 ) -> DevicePlan:
-    """Measure every layer on ``device`` with one microbatch and plan within the budget
-    (``prepare`` readies each layer copy as the run's replicas are: compiled or not)."""
+    """Measure every layer (or one of each kind: ``config.profile``) on ``device`` with one
+    microbatch and plan within the budget (``prepare`` readies each layer copy as the run's
+    replicas are: compiled or not)."""
     from roundpipe.backends.profile import profile_layers
 
     memory, fwd_ms, bwd_ms = profile_layers(
@@ -146,6 +147,7 @@ def profile_and_plan(
         dtype=dtype,
         names=sequence.names,
         prepare=prepare,
+        one_per_kind=config.profile == "one_per_kind",
     )
     costs = LayerCosts(
         tuple(max(ms, 1e-3) for ms in fwd_ms),
