@@ -105,3 +105,13 @@ def test_a_run_profiles_one_layer_per_kind_when_asked(monkeypatch: pytest.Monkey
             pipe.synchronize()
         assert ran == ([0, 1, 2, 3] if choice == "every_layer" else [0, 1, 3])
     assert losses["one_per_kind"] == losses["every_layer"]  # the plan changes no number
+
+
+def test_train_takes_the_profile_choice() -> None:
+    from roundpipe.cli import build_parser
+    from roundpipe.cli.train_command import options
+    from roundpipe.train.config import make_config
+
+    parsed = build_parser().parse_args(["train", "--profile", "one_per_kind"])
+    assert make_config(options(parsed)).run_config().profile == "one_per_kind"
+    assert make_config({}).run_config().profile == "every_layer"

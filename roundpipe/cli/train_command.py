@@ -88,6 +88,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "frozen base weights: compute (default) or nf4 (4-bit; with --lora-r)",
     ),
     (
+        "--profile",
+        "profile",
+        str,
+        "layers the device profile runs before planning: every_layer (default) or one_per_kind "
+        "(one of each kind: much shorter at long sequences)",
+    ),
+    (
         "--async-warmup-steps",
         "async_warmup_steps",
         int,

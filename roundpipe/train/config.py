@@ -102,6 +102,9 @@ class TrainConfig(BaseModel):
         default="compute",
         description="frozen base weights in the compute precision, or nf4 (4-bit, with lora_r)",
     )
+    profile: Literal["every_layer", "one_per_kind"] = Field(
+        default="every_layer", description="RunConfig.profile: the device profile's layers before planning"
+    )
     async_optimizer: bool = Field(default=True, description="staleness-1 optimizer overlapping the next step")
     async_warmup_steps: int = Field(
         default=DEFAULT_ASYNC_WARMUP_STEPS,
@@ -249,6 +252,7 @@ class TrainConfig(BaseModel):
             loss_lag=self.loss_lag,
             precision=self.precision,
             base_format=self.base_format,
+            profile=self.profile,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
             distributed={"timeout_s": self.dist_timeout},
