@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Workloads A and long (bench/gpu_throughput.py) on this tree and on an older one, alternated on
+# one machine, for the check that a change made nothing slower: the GPU's speed moves between
+# machines, so only runs of one call compare.
+#
+#   OLD=.oldrp OUT=/path bash bench/gpu_regress.sh          # .oldrp: `git archive REV | tar -x -C .oldrp`
+#   WORKLOADS="B C" OLD=.oldrp bash bench/gpu_regress.sh     # other workloads (default: A long)
+#
+# Each workload runs old, new, old, new while the call's time lasts (A ~1 min a run, long ~2, B
+# ~1, C ~2), with the arguments docs/performance.md gives it; roundpipe side only, async. Writes
+# $OUT/regress.jsonl (one line per run, "tree" added) and prints tokens/s per run. DEADLINE_S
+# (default 540) bounds the whole call.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+OLD=$(cd "${OLD:?set OLD to the older tree}" && pwd)
+DEVICES=${DEVICES:-cuda:0}
+DEADLINE_S=${DEADLINE_S:-540}
+START=$(date +%s)
+mkdir -p "$OUT"
+(cd "$OLD" && python3 setup.py build_ext --inplace -q >/dev/null 2>&1)
+declare -A ARGS=(
+  [A]="--workload A --budget 4GiB --steps 3 --warmup 2"
+  [B]="--workload B --budget 12GiB --steps 3 --warmup 2"
+  [C]="--workload C --steps 3 --warmup 2"
+  [long]="--workload long --recompute-grain stage --steps 1 --warmup 1"
+  [tiny]="--workload tiny --steps 1 --warmup 1"  # WORKLOADS=tiny DEVICES=cpu:1 OLD=.: a smoke run
+)
+RUNS=()
+for name in ${WORKLOADS:-A long}; do
+  for tree in old new old new; do RUNS+=("$tree|${ARGS[$name]:?unknown workload $name}"); done
+done
+for run in "${RUNS[@]}"; do
+  IFS='|' read -r tree args <<<"$run"
+  left=$((DEADLINE_S - ($(date +%s) - START)))
+  ((left < 60)) && { echo "== $tree $args skipped: ${left}s left"; continue; }
+  dir=$PWD; [[ $tree == old ]] && dir=$OLD
+  # shellcheck disable=SC2086  # the arguments are words
+  line=$(cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" timeout "$left" python3 bench/gpu_throughput.py \
+    --devices "$DEVICES" --async --loss-lag 1 --no-plain $args 2>/dev/null | grep '^{' | tail -1)
+  [[ -z $line ]] && { echo "== $tree $args: no result"; continue; }
+  echo "$line" | python3 -c 'import json,sys; d=json.load(sys.stdin); d["tree"]=sys.argv[1]; print(json.dumps(d))' "$tree" \
+    >>"$OUT/regress.jsonl"
+  echo "== $tree $args: $(echo "$line" | python3 -c 'import json,sys; r=json.load(sys.stdin)["roundpipe"]; print(r.get("tokens_per_s"), "tok/s", r.get("error", ""))')"
+done
