@@ -21,9 +21,8 @@ CPU = torch.device("cpu")
 MEASURE_LAYER = profile._measure_layer
 
 
-def measured(model: Any, one_per_kind: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[int]]:
-    """The measurements of ``model``'s layers and the indices of the layers that ran."""
-    seq = to_layer_sequence(model)
+def count_measured(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the indices of the layers the profile measures, in order."""
     ran: list[int] = []
 
     def counting(index: int, *args: Any, **kwargs: Any) -> Any:
@@ -31,6 +30,13 @@ def measured(model: Any, one_per_kind: bool, monkeypatch: pytest.MonkeyPatch) ->
         return MEASURE_LAYER(index, *args, **kwargs)
 
     monkeypatch.setattr(profile, "_measure_layer", counting)
+    return ran
+
+
+def measured(model: Any, one_per_kind: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[int]]:
+    """The measurements of ``model``'s layers and the indices of the layers that ran."""
+    seq = to_layer_sequence(model)
+    ran = count_measured(monkeypatch)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     ms = measure_layers(
@@ -82,13 +88,7 @@ def test_run_config_profile_choices() -> None:
 def test_a_run_profiles_one_layer_per_kind_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a memory budget a CPU run profiles before it plans (as every CUDA run does): with
     ``profile="one_per_kind"`` only the embedding, one block and the head run in it."""
-    ran: list[int] = []
-
-    def counting(index: int, *args: Any, **kwargs: Any) -> Any:
-        ran.append(index)
-        return MEASURE_LAYER(index, *args, **kwargs)
-
-    monkeypatch.setattr(profile, "_measure_layer", counting)
+    ran = count_measured(monkeypatch)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     losses = {}
     for choice in ("every_layer", "one_per_kind"):
