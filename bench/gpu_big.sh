@@ -43,6 +43,7 @@ declare -A JOB=(
   [D]="170|90|--workload D --warmup 2 --steps 2"             # ~1.5-2 min
   [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
   [D2]="170|90|--workload D2 --warmup 2 --steps 2"           # ~1.5-2 min (eager attention)
+  [D-256MiB]="170|90|--workload D --warmup 2 --steps 2 --chunk-bytes 256MiB"  # 4x fewer upload pieces
 )
 case "${1:-1}" in
   1) NAMES=(F E-nf4 E) ;;

@@ -158,6 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile", choices=("every_layer", "one_per_kind"), help="RunConfig.profile (default: its default)"
     )
+    p.add_argument("--chunk-bytes", help='RunConfig.chunk_bytes, the largest upload piece, e.g. "256MiB"')
     p.add_argument("--devices", default="cuda", help='"cuda", "cuda:0,1" or "cpu:2"')
     p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
     p.add_argument("--async", action="store_true", dest="run_async", help="run async mode")
@@ -245,6 +246,8 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         fields["base_format"] = workload.base_format
     if getattr(args, "profile", None):
         fields["profile"] = args.profile
+    if getattr(args, "chunk_bytes", None):
+        fields["chunk_bytes"] = parse_size(args.chunk_bytes)
     route = budget_route(workload)["budget_field"]
     if route is None:
         return roundpipe.RunConfig(**fields)
@@ -364,6 +367,7 @@ def run_roundpipe(
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "loss_lag": args.loss_lag,
         "profile": getattr(config, "profile", None),
+        "chunk_bytes": config.chunk_bytes,
     }
 
 
