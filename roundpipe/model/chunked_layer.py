@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe.model.chunked_mlp import _slots
+from roundpipe.model.swap_class import subclass_of
 
 CHUNK_TOKENS = 16384
 MIN_TOKENS = 2 * CHUNK_TOKENS
@@ -76,10 +77,7 @@ def chunk_long_attention_layer(layer: nn.Module) -> bool:
         return True
     if not chunkable(layer):
         return False
-    subclass = _subclasses.get(base)
-    if subclass is None:
-        subclass = _subclasses[base] = type(f"SequenceChunked{base.__name__}", (base,), _methods(base))
-    layer.__class__ = subclass
+    layer.__class__ = subclass_of(_subclasses, base, "SequenceChunked", _methods)
     return True
 
 

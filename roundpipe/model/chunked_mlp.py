@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from roundpipe.model.swap_class import subclass_of
+
 CHUNK_TOKENS = 16384
 MIN_TOKENS = 2 * CHUNK_TOKENS
 _subclasses: dict[type, type] = {}
@@ -32,10 +34,7 @@ def chunk_long_sequences(mlp: nn.Module) -> nn.Module:
     base = type(mlp)
     if getattr(base, "_roundpipe_chunked", False):
         return mlp
-    subclass = _subclasses.get(base)
-    if subclass is None:
-        subclass = _subclasses[base] = type(f"SequenceChunked{base.__name__}", (base,), _methods(base))
-    mlp.__class__ = subclass
+    mlp.__class__ = subclass_of(_subclasses, base, "SequenceChunked", _methods)
     return mlp
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
+from roundpipe.model.swap_class import subclass_of
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
 REPLACEABLE = frozenset({None, "eager", "grouped_mm", "batched_mm"})
@@ -273,19 +275,15 @@ def fits(experts: nn.Module, layout: Layout) -> bool:
 _subclasses: dict[type, type] = {}
 
 
-def _grouped_class(base: type, layout: Layout) -> type:
-    subclass = _subclasses.get(base)
-    if subclass is None:
-        original: Any = getattr(base, "forward")  # noqa: B009 (a module class; mypy sees a plain type)
+def _grouped_methods(base: type, layout: Layout) -> dict[str, Any]:
+    original: Any = getattr(base, "forward")  # noqa: B009 (a module class; mypy sees a plain type)
 
-        def forward(self: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> Any:
-            if not fits(self, layout):
-                return original(self, hidden, index, weights)
-            return grouped_experts(self, layout, hidden, index, weights)
+    def forward(self: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> Any:
+        if not fits(self, layout):
+            return original(self, hidden, index, weights)
+        return grouped_experts(self, layout, hidden, index, weights)
 
-        methods = {"forward": forward, "_roundpipe_grouped": True, "__module__": base.__module__}
-        subclass = _subclasses[base] = type(f"Grouped{base.__name__}", (base,), methods)
-    return subclass
+    return {"forward": forward, "_roundpipe_grouped": True, "__module__": base.__module__}
 
 
 def use_grouped_experts(layer: nn.Module) -> int:
@@ -300,7 +298,9 @@ def use_grouped_experts(layer: nn.Module) -> int:
         chosen = getattr(getattr(module, "config", None), "_experts_implementation", None)
         if layout is None or chosen not in REPLACEABLE:
             continue
-        module.__class__ = _grouped_class(type(module), layout)
+        module.__class__ = subclass_of(
+            _subclasses, type(module), "Grouped", partial(_grouped_methods, layout=layout)
+        )
         count += 1
     return count
 
@@ -309,30 +309,26 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 _nf4_subclasses: dict[type, type] = {}
 
 
-def _nf4_class(base: type, layout: Layout) -> type:
-    """A subclass of ``base`` that runs `grouped_experts` on its NF4 weights (and tells the
-    profile the bytes of the dense weight one product holds transiently)."""
-    subclass = _nf4_subclasses.get(base)
-    if subclass is None:
+def _nf4_methods(base: type, layout: Layout) -> dict[str, Any]:
+    """Methods of a subclass of ``base`` that runs `grouped_experts` on its NF4 weights (and tells
+    the profile the bytes of the dense weight one product holds transiently)."""
 
-        def forward(self: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> Any:
-            return grouped_experts(self, layout, hidden, index, weights)
+    def forward(self: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> Any:
+        return grouped_experts(self, layout, hidden, index, weights)
 
-        def dequantized_bytes(self: nn.Module, dtype: torch.dtype) -> int:
-            meta: dict[str, NF4Meta] = getattr(self, "nf4_meta")  # noqa: B009
-            return max(m.numel for m in meta.values()) * torch.empty(0, dtype=dtype).element_size()
+    def dequantized_bytes(self: nn.Module, dtype: torch.dtype) -> int:
+        meta: dict[str, NF4Meta] = getattr(self, "nf4_meta")  # noqa: B009
+        return max(m.numel for m in meta.values()) * torch.empty(0, dtype=dtype).element_size()
 
-        methods = {
-            "forward": forward,
-            "dequantized_bytes": dequantized_bytes,
-            "_roundpipe_grouped": True,
-            "_roundpipe_nf4": True,
-            # As `NF4Linear.compiled`: dequantize with one torch.compile'd kernel on CUDA.
-            "compiled": False,
-            "__module__": base.__module__,
-        }
-        subclass = _nf4_subclasses[base] = type(f"NF4{base.__name__}", (base,), methods)
-    return subclass
+    return {
+        "forward": forward,
+        "dequantized_bytes": dequantized_bytes,
+        "_roundpipe_grouped": True,
+        "_roundpipe_nf4": True,
+        # As `NF4Linear.compiled`: dequantize with one torch.compile'd kernel on CUDA.
+        "compiled": False,
+        "__module__": base.__module__,
+    }
 
 
 def quantizable_experts(module: nn.Module, block_size: int) -> Layout | None:
@@ -378,7 +374,7 @@ def quantize_experts_(module: nn.Module, block_size: int) -> bool:
     # Plain attributes (no parameters): copies of the module (deepcopy) carry them.
     setattr(module, "nf4_meta", meta)  # noqa: B010
     setattr(module, "weight_dtype", meta["gate_up_proj"].dtype)  # noqa: B010
-    module.__class__ = _nf4_class(type(module), layout)
+    module.__class__ = subclass_of(_nf4_subclasses, type(module), "NF4", partial(_nf4_methods, layout=layout))
     return True
 
 
