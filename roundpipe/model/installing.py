@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from roundpipe.errors import ConfigError, ModelError
+from roundpipe.model.nf4 import DEFAULT_BLOCK_SIZE
+from roundpipe.model.quant import NF4Linear, kept_modules
 from roundpipe.model.shards import MappedShard
 
 FrozenRule = bool | Callable[[str], bool]
@@ -118,22 +120,14 @@ class Slots:
 
 
 def _quantizable(model: nn.Module, block_size: int) -> set[int]:
-    """The plain ``nn.Linear`` modules `quantize_frozen_` would quantize once frozen: not the LM
-    head (``get_output_embeddings``), not one sharing its weight, not a subclass, and of a size
-    that splits into blocks."""
-    head = getattr(model, "get_output_embeddings", None)
-    found = head() if callable(head) else None
-    holders: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            holders[id(param)] = holders.get(id(param), 0) + 1
+    """The plain ``nn.Linear`` modules `quantize_frozen_` would quantize once frozen: not one it
+    keeps (`roundpipe.model.quant.kept_modules`: the LM head, one sharing a weight), not a
+    subclass, and of a size that splits into blocks."""
+    kept = kept_modules(model, include_lm_head=False)
     return {
         id(module)
         for module in model.modules()
-        if type(module) is nn.Linear
-        and module is not found
-        and holders[id(module.weight)] == 1
-        and module.weight.numel() % block_size == 0
+        if type(module) is nn.Linear and id(module) not in kept and module.weight.numel() % block_size == 0
     }
 
 
@@ -169,11 +163,7 @@ class Installer:
         self.report = LoadReport()
         self.loaded: set[int] = set()  # identities (of the skeleton's placeholders) installed
         self.nf4 = base_format == "nf4"
-        self.block_size = 64
-        if self.nf4:
-            from roundpipe.model.quant import DEFAULT_BLOCK_SIZE
-
-            self.block_size = DEFAULT_BLOCK_SIZE
+        self.block_size = DEFAULT_BLOCK_SIZE
         self.to_quantize = _quantizable(model, self.block_size) if self.nf4 else set()
         # Frozen linear weights (by installed parameter) waiting for their layer to be complete.
         self.waiting: dict[int, tuple[MappedShard, str, bool]] = {}
@@ -240,8 +230,6 @@ class Installer:
         of its dense weight go (or drop its copy)."""
         if not self.waiting:
             return
-        from roundpipe.model.quant import NF4Linear
-
         for prefix, module in list(self.model.named_modules()):
             if id(module) not in self.to_quantize or id(module.weight) not in self.waiting:
                 continue

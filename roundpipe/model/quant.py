@@ -132,7 +132,7 @@ def _frozen_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and not any(p.requires_grad for p in module.parameters())
 
 
-def _kept(model: nn.Module, include_lm_head: bool) -> set[int]:
+def kept_modules(model: nn.Module, include_lm_head: bool) -> set[int]:
     """Modules left alone: the output embeddings (unless asked for), and every linear whose weight
     another module also holds (a tied LM head: quantizing it would untie it)."""
     kept: set[int] = set()
@@ -179,7 +179,7 @@ def quantize_frozen_(
         raise ConfigError(f"unknown quantized base format {fmt!r}; the supported one is 'nf4'")
     for sub in list(module.modules()):
         quantize_experts_(sub, block_size)
-    kept = _kept(module, include_lm_head)
+    kept = kept_modules(module, include_lm_head)
     done: dict[int, NF4Linear] = {}
     for parent in list(module.modules()):
         for name, child in list(parent._modules.items()):
