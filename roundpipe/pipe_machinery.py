@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from roundpipe.batch import microbatches
@@ -173,6 +174,11 @@ class PipeMachinery:
 
     def _use_device_plan(self, device_plan: DevicePlan) -> None:
         record_device_plan(device_plan, self.runtime, self._trace, self._builder.next_iteration)
+        ahead = device_plan.prediction.inputs_ahead  # the uploads the prediction counted
+        if ahead != self._options.inputs_ahead:
+            self._options = replace(self._options, inputs_ahead=ahead)
+            self._builder.options = self._options
+            self._trace.meta["inputs_ahead"] = ahead
         if self._switch_plan(device_plan.plan, device_plan.costs):
             self._trace.meta["plan"] = device_plan.plan.to_dict()
 

@@ -125,6 +125,8 @@ class MemoryPrediction:
 
     slots: tuple[SlotMemory, ...]
     grain: str
+    # Whether a backward stage's next input is uploaded while the stage computes (`predict_peak`).
+    inputs_ahead: bool = True
 
     @property
     def peak_bytes(self) -> int:
@@ -148,6 +150,7 @@ class MemoryPrediction:
 
     def to_dict(self) -> dict[str, Any]:
         head = {"peak_bytes": self.peak_bytes, "peak_slot": self.peak_slot.index, "grain": self.grain}
+        head |= {"inputs_ahead": self.inputs_ahead}
         return head | {"slots": [s.to_dict() for s in self.slots]}
 
 
@@ -159,12 +162,18 @@ def in_flight_microbatches(num_microbatches: int, act_in_flight: int = 2) -> int
     return max(1, min(act_in_flight, num_microbatches))
 
 
-def _in_flight(mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight: int) -> int:
+def _in_flight(
+    mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight: int, inputs_ahead: bool = True
+) -> int:
     """Boundary activations besides the computing microbatch's: ``act_in_flight`` microbatches'
     stage inputs and outputs (for a backward stage the output is the gradient from above, at most
     the activation's size); a forward stage also holds, per microbatch, the activations it saves
-    for backward stages starting inside it."""
+    for backward stages starting inside it. Without ``inputs_ahead`` a backward stage's next
+    input is uploaded only once its previous backward is done (`ScheduleOptions.inputs_ahead`):
+    beside the computing microbatch's own input (in the stage) only its gradient is there."""
     r = slot.layers
+    if slot.kind == "bwd" and not inputs_ahead:
+        return mem.boundary_bytes[r.stop] - mem.carried_bytes[r.stop] if r.stop < mem.num_layers else 0
     edge = mem.boundary_bytes[r.start] + (mem.boundary_bytes[r.stop] if r.stop < mem.num_layers else 0)
     if slot.kind == "fwd":
         inner = sum(mem.boundary_bytes[b] - mem.carried_bytes[b] for b in held if r.start < b < r.stop)
@@ -186,6 +195,7 @@ def predict_peak(
     prefetch: int = 1,
     act_in_flight: int = 2,
     num_devices: int = 1,
+    inputs_ahead: bool = True,
 ) -> MemoryPrediction:
     """The peak device bytes of ``plan`` (a `Plan` or its ``slots``) on the device running each slot.
 
@@ -229,11 +239,11 @@ def predict_peak(
                 slot.layers,
                 own,
                 sum(params[j] for j in ahead),
-                _in_flight(mem, slot, held, act_in_flight),
+                _in_flight(mem, slot, held, act_in_flight, inputs_ahead),
                 draining,
             )
         )
-    return MemoryPrediction(tuple(out), grain)
+    return MemoryPrediction(tuple(out), grain, inputs_ahead)
 
 
 # ---------------------------------------------------------------------- the partitioner's view
@@ -293,6 +303,7 @@ def plan_within_budget(
     num_devices: int = 1,
     act_in_flight: int = 2,
     attempts: int = 8,
+    inputs_ahead: bool = True,
 ) -> tuple[Any, MemoryPrediction]:
     """Plan with an optimistic limit, then let the exact model judge: while the predicted peak
     exceeds the budget, lower the limit by the overshoot and plan again.
@@ -318,7 +329,9 @@ def plan_within_budget(
             raise PlanError(
                 f"memory budget {budget} (at most {format_bytes(limit // 2)} per stage): {exc}"
             ) from exc
-        prediction = predict_peak(plan, mem, grain, act_in_flight=act_in_flight, num_devices=num_devices)
+        prediction = predict_peak(
+            plan, mem, grain, act_in_flight=act_in_flight, num_devices=num_devices, inputs_ahead=inputs_ahead
+        )
         if prediction.fits(budget_bytes):
             return plan, prediction
         over = prediction.peak_bytes - budget_bytes

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from roundpipe.config import RunConfig
+from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.link import LinkReport
 from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
@@ -189,11 +190,28 @@ def plan_from(
     if budget_bytes is None:
         plan = make_plan(None)
         prediction = predict_peak(plan, memory, grain, num_devices=num_devices, act_in_flight=in_flight)
-    else:
-        budget = planning_budget(budget_bytes, kind)
+        return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
+    budget = planning_budget(budget_bytes, kind)
+    try:
         plan, prediction = plan_within_budget(
             make_plan, memory, budget, grain, num_devices=num_devices, act_in_flight=in_flight
         )
+    except PlanError as uploading_ahead:
+        # A backward stage's next input uploaded while it computes is one more activation on the
+        # device; without it the upload waits, exposed (one activation over the link per stage
+        # run, small beside the compute of microbatches this large).
+        try:
+            plan, prediction = plan_within_budget(
+                make_plan,
+                memory,
+                budget,
+                grain,
+                num_devices=num_devices,
+                act_in_flight=in_flight,
+                inputs_ahead=False,
+            )
+        except PlanError:
+            raise uploading_ahead from None
     return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
 
 

@@ -18,6 +18,10 @@ recomputes while the gradient is still on its way. Per microbatch:
                                        act_down and the run's grad_down are as for any stage)
   act_down   the input gradient     <- backward
 
+Without `ScheduleOptions.inputs_ahead` the flow control is one microbatch, not two: a
+microbatch's act_up and grad_up wait for the previous microbatch's backward (the first one's for
+the device's previous run's last compute), so no next input reaches the device while one computes.
+
 The recompute waits for the run's previous backward, so at most one recomputed microbatch of a run
 waits for its gradient (its activations stay on the device until the backward runs). On one
 device a run's first recompute also waits for the previous run's last backward: without that, a
@@ -53,6 +57,8 @@ class BackwardRunContext:
     read_by: int | None  # the forward slot whose act_up reads it too (the act_up here takes it)
     two_runs_back: Key | None  # the device's run two before: its last compute (flow control)
     previous_run_done: Key | None = None  # one device: the previous run's last compute
+    inputs_ahead: bool = True  # `ScheduleOptions.inputs_ahead`
+    previous_run: Key | None = None  # the device's previous run: its last compute
 
 
 def backward_chains(
@@ -65,7 +71,10 @@ def backward_chains(
     t, slot = run.iteration, run.slot
     for position, mb in enumerate(run.microbatches):
         flow: list[Key] = []
-        ahead = backwards[position - 2] if position >= 2 else context.two_runs_back
+        if context.inputs_ahead:
+            ahead = backwards[position - 2] if position >= 2 else context.two_runs_back
+        else:
+            ahead = backwards[position - 1] if position >= 1 else context.previous_run
         if ahead is not None:
             flow.append(ahead)  # flow control, so it waits for completion
         up_key, grad_key = ActUpKey(t, slot, mb), GradUpKey(t, slot, mb)

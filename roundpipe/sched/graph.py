@@ -133,6 +133,7 @@ class GraphBuilder:
             "sync_steps": self.options.sync_steps,
             "fresh_units": sorted(self.options.fresh_units),
             "fresh_base_version": self.fresh_base_version,
+            "inputs_ahead": self.options.inputs_ahead,
         }
 
     @property
@@ -265,6 +266,8 @@ class GraphBuilder:
             read_by=read_by,
             two_runs_back=history[-2] if len(history) >= 2 else None,
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
+            inputs_ahead=self.options.inputs_ahead,
+            previous_run=history[-1] if history else None,
         )
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:

@@ -86,6 +86,11 @@ class ScheduleOptions:
     # (staleness 0, the sync rules) while the rest read the step before. Every layer's owners are
     # all fresh or all not (`fresh_units_of`), so one upload reads one version.
     fresh_units: frozenset[int] = frozenset()
+    # A backward run's activation and gradient uploads start while the device's previous
+    # microbatch or run still computes (one microbatch ahead), or, when False, once it is done:
+    # for microbatches so large that one more activation on the device does not fit (the planner
+    # chooses it, `planning.device_plan.plan_from`); each upload is then exposed.
+    inputs_ahead: bool = True
 
     def is_async(self, unit: int) -> bool:
         """Whether ``unit`` follows the asynchronous rules (staleness 1 after the warm-up)."""
