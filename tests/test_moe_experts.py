@@ -196,13 +196,16 @@ def test_pipe_with_grouped_experts_matches_eager_loop(
 def test_grouped_experts_bf16_on_cuda_match_eager_without_syncing(make: Any) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    # The reference is the eager block on the same device in the same dtype: routing in bf16
+    # differs from fp32 routing on near-ties (a few tokens pick another expert), and parity is
+    # about the experts' products, not the router's rounding.
     mlp, grouped = mlp_pair(make)
-    grouped = grouped.to("cuda", torch.bfloat16)
+    mlp, grouped = mlp.to("cuda", torch.bfloat16), grouped.to("cuda", torch.bfloat16)
     torch.manual_seed(2)
     x = torch.randn(4, 128, 32)
     weight = torch.randn(4, 128, 32)
-    want, want_dx = run_block(mlp, x, weight)
     xc, wc = x.to("cuda", torch.bfloat16), weight.to("cuda", torch.bfloat16)
+    want, want_dx = (t.float().cpu() for t in run_block(mlp, xc, wc))
     run_block(grouped, xc, wc)  # first call: kernels load, may synchronise once
     grouped.zero_grad()
     torch.cuda.synchronize()
@@ -216,9 +219,11 @@ def test_grouped_experts_bf16_on_cuda_match_eager_without_syncing(make: Any) -> 
     reference = dict(mlp.named_parameters())
     for name, param in grouped.named_parameters():
         assert param.grad is not None, name
-        scale = float(reference[name].grad.abs().max())
+        expected = reference[name].grad
+        assert expected is not None, name
+        scale = float(expected.abs().max())
         torch.testing.assert_close(
-            param.grad.float().cpu(), reference[name].grad, rtol=3e-2, atol=3e-2 * scale, msg=name
+            param.grad.float().cpu(), expected.float().cpu(), rtol=3e-2, atol=3e-2 * scale, msg=name
         )
 
 
