@@ -15,6 +15,7 @@
 #   OUT=/path bash bench/gpu_big.sh 3       # D, D2, D16        (30B-A3B; GPT-OSS-20B; 30B-A3B x 16)
 #   OUT=/path bash bench/gpu_big.sh 4       # G-nf4 at 131,072 tokens, then at 262,144
 #   OUT=/path bash bench/gpu_big.sh F D     # named workloads, default settings
+#   OUT=/path bash bench/gpu_big.sh F-profile D16-profile   # torch.profiler summaries, 4 layers each
 #
 # Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
 # per workload. DEADLINE_S (default 530) bounds the whole call.
@@ -44,6 +45,10 @@ declare -A JOB=(
   [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
   [D2]="170|90|--workload D2 --warmup 2 --steps 2"           # ~1.5-2 min (eager attention)
   [D-256MiB]="170|90|--workload D --warmup 2 --steps 2 --chunk-bytes 256MiB"  # 4x fewer upload pieces
+  # torch.profiler over one step of 4 layers (bench/torch_profile.py): what F's layer computes, and
+  # whether D16's MoE layers are short of launches; the tokens/s of these runs are not the workload's
+  [F-profile]="200|100|--workload F --layers 4 --warmup 1 --steps 1 --torch-profile"
+  [D16-profile]="200|100|--workload D16 --layers 4 --warmup 1 --steps 1 --torch-profile"
 )
 case "${1:-1}" in
   1) NAMES=(F E-nf4 E) ;;

@@ -65,6 +65,7 @@ from gpu_throughput_run import (
     run_plain,
     versions,
 )
+from torch_profile import profiled
 
 QWEN3_1_7B = Shape(28, 2048, 6144, 16, 8, 128, 151936, True)
 QWEN3_14B = Shape(40, 5120, 17408, 40, 8, 128, 151936, False)
@@ -171,6 +172,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="read each loss this many steps late (forward_backward(wait=False); roundpipe train's default is 1)",
     )
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the re-plan is in them)")
+    p.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="profile the measured steps with torch.profiler (bench/torch_profile.py); slows them",
+    )
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--collect-garbage",
@@ -275,6 +281,8 @@ def run_roundpipe(
     times: list[float] = []
     losses: list[float] = []
     waiting: list[Any] = []  # `PendingLoss`es not read yet
+    profiling = contextlib.ExitStack()  # --torch-profile: entered with the measured steps
+    torch_profile: dict[str, Any] | None = None
     with RssSampler() as rss, roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe:
         warm_peaks: dict[str, float] = {}
         retries_before = alloc_retries(indices)
@@ -288,6 +296,8 @@ def run_roundpipe(
                 reset_peaks(indices)
                 retries_before = alloc_retries(indices)
                 first, measured_start = pipe.iteration_count, time.perf_counter()
+                if getattr(args, "torch_profile", False):
+                    torch_profile = profiling.enter_context(profiled(args.steps))
             start = time.perf_counter()
             waiting.append(pipe.forward_backward(data, wait=False))
             # No synchronize per step, in either mode: it also writes the weights back into the
@@ -302,6 +312,7 @@ def run_roundpipe(
         losses += [pending.result() for pending in waiting]
         pipe.synchronize()
         wall = time.perf_counter() - measured_start
+        profiling.close()
         trace = pipe.trace()
         report = breakdown(trace, range(first, pipe.iteration_count))
         if args.save_trace is not None:
@@ -373,6 +384,7 @@ def run_roundpipe(
         "loss_lag": args.loss_lag,
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
+        **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
 
 

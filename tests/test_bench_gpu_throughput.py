@@ -100,6 +100,19 @@ def _plain_child_in_this_process(monkeypatch: pytest.MonkeyPatch) -> list[list[s
     return commands
 
 
+def test_torch_profile_sees_the_lane_threads_operators(capsys: pytest.CaptureFixture[str]) -> None:
+    """The layers run on roundpipe's lane threads, not the caller's: the profile must see them."""
+    argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "2", "--warmup", "1"]
+    bench.main([*argv, "--async", "--no-plain", "--torch-profile"])
+    (line,) = _json_lines(capsys.readouterr().out)
+    summary = line["roundpipe"]["torch_profile"]
+    assert summary["steps"] == 2 and summary["ranked_by"] == "self host time"
+    names = {row["name"] for row in summary["top"]}
+    assert "aten::mm" in names, names  # the layers' products, issued from the compute lane
+    mm = next(row for row in summary["top"] if row["name"] == "aten::mm")
+    assert mm["calls_per_step"] > 0 and summary["host_ms_per_step"] >= mm["self_host_ms_per_step"] > 0
+
+
 def test_lora_under_a_tiny_budget_reports_both_verdicts(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,79 @@
+"""What ran inside the measured steps, from torch.profiler: device time by kernel, host launches.
+
+Why: the trace's breakdown (`roundpipe.sched.breakdown`) says how long each compute task held the
+device and whether the host was still issuing it (host-bound), not what ran inside it. Two open
+questions need the inside: whether a compute-bound workload spends its time in matrix products,
+attention or glue (a 70B layer with a 4-bit base reached 41% of its matrix rate), and whether a
+host-bound one is short of launches (many small kernels issued from Python) or waiting on a full
+launch queue. The profiler sees every thread's operators and every kernel (CUPTI), so roundpipe's
+lane threads are covered. One summary per run, divided by the measured steps; profiling slows the
+steps, so their tokens/s are not the workload's.
+
+    python bench/gpu_throughput.py --workload F --layers 4 --async --warmup 1 --steps 1 --torch-profile
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+TOP = 25
+
+
+def _device_us(event: Any) -> float:
+    # torch >= 2.4 names it for any device; earlier versions only for CUDA.
+    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+
+
+def summarize(events: Any, steps: int, on_device: bool) -> dict[str, Any]:
+    """Per measured step: the operators and kernels that took the most self time (device time
+    when a GPU ran them, host time otherwise), the device total, and the host's kernel launches."""
+    rows = list(events)
+    per_step = max(steps, 1)
+    launches = [e for e in rows if e.key in LAUNCH_CALLS]
+    key = _device_us if on_device else (lambda e: float(e.self_cpu_time_total))
+    top = sorted(rows, key=key, reverse=True)[:TOP]
+    return {
+        "steps": steps,
+        "ranked_by": "self device time" if on_device else "self host time",
+        "device_ms_per_step": round(sum(_device_us(e) for e in rows) / 1000 / per_step, 3),
+        "host_ms_per_step": round(sum(float(e.self_cpu_time_total) for e in rows) / 1000 / per_step, 3),
+        "kernel_launches_per_step": sum(int(e.count) for e in launches) // per_step,
+        "launch_host_ms_per_step": round(
+            sum(float(e.self_cpu_time_total) for e in launches) / 1000 / per_step, 3
+        ),
+        "top": [
+            {
+                "name": e.key[:120],
+                "calls_per_step": round(int(e.count) / per_step, 2),
+                "self_device_ms_per_step": round(_device_us(e) / 1000 / per_step, 3),
+                "self_host_ms_per_step": round(float(e.self_cpu_time_total) / 1000 / per_step, 3),
+            }
+            for e in top
+        ],
+    }
+
+
+def _all_threads() -> Any:
+    """Record every thread's operators (roundpipe's lanes run in their own threads), where this
+    torch can; otherwise only the calling thread's (the kernels are all seen either way)."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
+@contextmanager
+def profiled(steps: int) -> Iterator[dict[str, Any]]:
+    """Profile the block (``steps`` measured steps); the summary fills the yielded dict on exit."""
+    on_device = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_device else [])]
+    summary: dict[str, Any] = {}
+    with profile(activities=activities, experimental_config=_all_threads()) as prof:
+        yield summary
+    summary.update(summarize(prof.key_averages(), steps, on_device))
