@@ -43,7 +43,7 @@ declare -A JOB=(
   [G131-nf4]="300|200|--workload G-nf4 --seq 131072 --warmup 1 --steps 1 --profile one_per_kind"
   [D]="170|90|--workload D --warmup 2 --steps 2"             # ~1.5-2 min
   [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
-  [D2]="170|90|--workload D2 --warmup 2 --steps 2"           # ~1.5-2 min (eager attention)
+  [D2]="170|90|--workload D2 --warmup 2 --steps 2"           # ~1.5-2 min
   [D-256MiB]="170|90|--workload D --warmup 2 --steps 2 --chunk-bytes 256MiB"  # 4x fewer upload pieces
   # torch.profiler over one step of 4 layers (bench/torch_profile.py): what F's layer computes, and
   # whether D16's MoE layers are short of launches; the tokens/s of these runs are not the workload's

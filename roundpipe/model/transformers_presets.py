@@ -61,6 +61,7 @@ from roundpipe.model.moe import (
     router_aux,
     router_aux_loss,
 )
+from roundpipe.model.sink_attention import use_sink_attention
 
 __all__ = ["causal_lm_layers", "packed_sequence_ids", "supported_class_name"]
 
@@ -199,11 +200,12 @@ class CausalLMBlock(nn.Module):
             compiler.module(self.layer)
 
     def roundpipe_replica(self) -> None:
-        """On roundpipe's copies only: experts run as grouped matrix products (`experts`), the
-        MLP runs long sequences a slice of tokens at a time (not an MLP that returns a tuple, nor
+        """On roundpipe's copies only: experts run as grouped matrix products (`experts`),
+        attention with sinks through sdpa (`sink_attention`), the MLP runs long sequences a slice of tokens at a time (not an MLP that returns a tuple, nor
         one whose router logits are caught), and so does everything per token in a standard
         attention layer (`chunked_layer`)."""
         use_grouped_experts(self.layer)
+        use_sink_attention(self.layer)
         mlp = getattr(self.layer, "mlp", None)
         if isinstance(mlp, nn.Module) and not self.router_names and type(mlp).__name__ not in TUPLE_MLPS:
             chunk_long_sequences(mlp)

@@ -1,0 +1,127 @@
+"""GPT-OSS attention (with sinks) through sdpa on roundpipe's copies: the eager numbers, every mask.
+
+The reference is transformers' own eager attention function of the model's module, in fp32 on
+CPU: outputs and every gradient (query, key, value, sinks) agree to float rounding, with the
+masks the eager path takes (none, causal, sliding window, padding; additive and boolean), and a
+pipe over a GPT-OSS model gives the plain loop's losses while its copies run this function.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roundpipe.model.sink_attention import ATTENTION_NAME, sdpa_with_sinks, use_sink_attention
+from tests.test_moe_parity import accumulation_loop, padded_data, tiny_gpt_oss
+from tests.test_transformers_parity import assert_same_weights, pipe_loop, tiny_qwen3
+
+HEADS, KV_HEADS, DIM, N = 4, 2, 8, 11
+
+
+def attention_module() -> Any:
+    module = tiny_gpt_oss(layers=2).model.layers[0].self_attn
+    with torch.no_grad():
+        module.sinks.normal_(0.0, 1.0)
+    return module
+
+
+def eager_function(module: Any) -> Any:
+    return __import__(type(module).__module__, fromlist=["x"]).eager_attention_forward
+
+
+def masks() -> dict[str, torch.Tensor | None]:
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    index = torch.arange(N)
+    sliding = causal & (index[:, None] - index[None, :] < 4)
+    padded = causal[None].repeat(2, 1, 1)
+    padded[1, :, :3] = False  # the second row's first three tokens are padding
+    additive = torch.zeros(2, 1, N, N).masked_fill(~padded[:, None], torch.finfo(torch.float32).min)
+    return {
+        "none": None,
+        "causal-bool": causal[None, None].expand(2, 1, N, N),
+        "sliding-bool": sliding[None, None].expand(2, 1, N, N),
+        "padded-additive": additive,
+    }
+
+
+def run(function: Any, module: Any, mask: torch.Tensor | None, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, module.config.num_attention_heads, N, module.head_dim, generator=g, requires_grad=True)
+    k = torch.randn(2, module.config.num_key_value_heads, N, module.head_dim, generator=g, requires_grad=True)
+    v = torch.randn(2, module.config.num_key_value_heads, N, module.head_dim, generator=g, requires_grad=True)
+    module.sinks.grad = None
+    out, _ = function(module, q, k, v, mask, module.scaling, 0.0, s_aux=module.sinks)
+    (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad, module.sinks.grad.clone()]
+
+
+@pytest.mark.parametrize("mask", list(masks()))
+def test_sdpa_with_sinks_is_the_eager_function(mask: str) -> None:
+    module = attention_module()
+    given = masks()[mask]
+    if given is None:  # eager without a mask attends everywhere; sdpa_with_sinks means causal
+        index = torch.arange(N)
+        reference_mask: torch.Tensor | None = torch.zeros(1, 1, N, N).masked_fill(
+            index[None, :] > index[:, None], torch.finfo(torch.float32).min
+        )
+    elif given.dtype == torch.bool:  # eager adds its mask: the additive form of the same mask
+        reference_mask = torch.zeros(given.shape).masked_fill(~given, torch.finfo(torch.float32).min)
+    else:
+        reference_mask = given
+    want = run(eager_function(module), module, reference_mask)
+    got = run(sdpa_with_sinks, module, given)
+    for name, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
+        if mask == "padded-additive" and name == "output":  # fully masked rows: the sink's share only
+            a, b = a[:, 3:], b[:, 3:]
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dropout_runs_the_eager_function() -> None:
+    module = attention_module()
+    q, k, v = (
+        torch.randn(1, HEADS, N, DIM),
+        torch.randn(1, KV_HEADS, N, DIM),
+        torch.randn(1, KV_HEADS, N, DIM),
+    )
+    torch.manual_seed(3)
+    want, _ = eager_function(module)(module, q, k, v, None, module.scaling, 0.5, s_aux=module.sinks)
+    torch.manual_seed(3)
+    got, _ = sdpa_with_sinks(module, q, k, v, None, module.scaling, 0.5, s_aux=module.sinks)
+    torch.testing.assert_close(got, want)
+
+
+def test_only_the_copies_sink_attention_changes() -> None:
+    model = tiny_gpt_oss(layers=2)
+    copied = copy.deepcopy(model.model.layers[0])
+    assert use_sink_attention(copied) == 1
+    assert copied.self_attn.config._attn_implementation == ATTENTION_NAME
+    assert model.model.layers[0].self_attn.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "eager"
+    assert use_sink_attention(copy.deepcopy(tiny_qwen3().model.layers[0])) == 0  # no sinks
+
+
+def test_a_pipe_over_gpt_oss_runs_sdpa_and_the_plain_loops_losses(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    model = tiny_gpt_oss(seed=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    reference = copy.deepcopy(model)
+    data = padded_data(2)
+    expected = accumulation_loop(reference, data)
+    assert not calls  # transformers' eager path never calls sdpa
+    assert pipe_loop(model, data) == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert calls, "the pipe's copies never ran sdpa_with_sinks"
+    assert_same_weights(model, reference)
+    assert all(layer.self_attn.config._attn_implementation == "eager" for layer in model.model.layers)
