@@ -50,12 +50,16 @@ def masks() -> dict[str, torch.Tensor | None]:
 
 def run(function: Any, module: Any, mask: torch.Tensor | None, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, module.config.num_attention_heads, N, module.head_dim, generator=g, requires_grad=True)
-    k = torch.randn(2, module.config.num_key_value_heads, N, module.head_dim, generator=g, requires_grad=True)
-    v = torch.randn(2, module.config.num_key_value_heads, N, module.head_dim, generator=g, requires_grad=True)
+    where = {"device": module.sinks.device, "dtype": module.sinks.dtype}  # the module's
+    heads = (
+        module.config.num_attention_heads,
+        module.config.num_key_value_heads,
+        module.config.num_key_value_heads,
+    )
+    q, k, v = (torch.randn(2, h, N, module.head_dim, generator=g).to(**where).requires_grad_() for h in heads)
     module.sinks.grad = None
     out, _ = function(module, q, k, v, mask, module.scaling, 0.0, s_aux=module.sinks)
-    (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    (out * torch.linspace(-1, 1, out.numel(), **where).view(out.shape)).sum().backward()
     return [out.detach(), q.grad, k.grad, v.grad, module.sinks.grad.clone()]
 
 
@@ -125,3 +129,28 @@ def test_a_pipe_over_gpt_oss_runs_sdpa_and_the_plain_loops_losses(monkeypatch: p
     assert calls, "the pipe's copies never ran sdpa_with_sinks"
     assert_same_weights(model, reference)
     assert all(layer.self_attn.config._attn_implementation == "eager" for layer in model.model.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 4])
+def test_on_cuda_a_fused_kernel_takes_it_and_agrees_with_eager_in_bf16(window: int | None) -> None:
+    """With the math backend excluded, sdpa must still run it (flash or memory-efficient); the
+    numbers stay those of the eager function within bf16 rounding (eager softmaxes in bf16)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    module = attention_module().to("cuda", torch.bfloat16)
+    index = torch.arange(N, device="cuda")
+    allowed = index[None, :] <= index[:, None]
+    if window is not None:
+        allowed &= index[:, None] - index[None, :] < window
+    mask = torch.zeros(1, 1, N, N, device="cuda", dtype=torch.bfloat16).masked_fill(
+        ~allowed, torch.finfo(torch.bfloat16).min
+    )
+    want = run(eager_function(module), module, mask)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = run(sdpa_with_sinks, module, mask)
+    for name, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
+        scale = float(b.float().abs().max())
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * scale, msg=name)
