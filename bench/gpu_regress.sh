@@ -6,8 +6,9 @@
 #   OLD=.oldrp OUT=/path bash bench/gpu_regress.sh          # .oldrp: `git archive REV | tar -x -C .oldrp`
 #   WORKLOADS="B C" OLD=.oldrp bash bench/gpu_regress.sh     # other workloads (default: A long)
 #
-# Each workload runs old, new, old, new while the call's time lasts (A ~1 min a run, long ~2, B
-# ~1, C ~2), with the arguments docs/performance.md gives it; roundpipe side only, async. Writes
+# Each workload runs old, new, old, new while the call's time lasts (on an H100 A took ~1.5 min a
+# run; long ~2, B ~1, C ~2 estimated), with the arguments docs/performance.md gives it; roundpipe
+# side only, async. Writes
 # $OUT/regress.jsonl (one line per run, "tree" added) and prints tokens/s per run. DEADLINE_S
 # (default 540) bounds the whole call.
 set -u
