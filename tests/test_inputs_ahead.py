@@ -19,6 +19,7 @@ from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts, Plan, partition
 from roundpipe.plan.memory import LayerMemory, layer_plan_bytes, predict_peak
 from roundpipe.planning.device_plan import plan_from, planning_budget
+from roundpipe.planning.simulate import simulate
 from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.keys import ActUpKey, ComputeKey, GradUpKey
 from roundpipe.sched.task import ACT_UP, COMPUTE, GRAD_UP, RECOMPUTE
@@ -149,3 +150,30 @@ def test_a_budget_only_serial_uploads_fit_trains_as_the_plain_loop() -> None:
         assert not busy, (upload.key, [c.key for c in busy])
     for got, want in zip(weights, ref_weights, strict=True):
         assert_weights_equal(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("devices", "microbatches"), [(1, 1), (1, 3), (2, 1), (2, 4), (3, 2)])
+def test_serial_uploads_finish_keep_the_rules_and_cost_the_exposed_uploads(
+    devices: int, microbatches: int
+) -> None:
+    """On the fake engine's virtual clock, every shape runs to the end under the five rules, its
+    uploads at the link's speed; on one device with one microbatch, with activations that take a
+    tenth of a stage to upload, waiting for them lengthens a run by at most an activation and a
+    gradient upload per backward run. (With several devices on one shared link it can even be
+    shorter: fewer uploads compete with the weights.)"""
+    costs = LayerCosts((1.0,) * 8, (2.0,) * 8, (0,) * 8)
+    plan = partition(costs, devices, microbatches)
+    if not plan.bwd_stages:  # one device: the partitioner fuses everything; take one layer a stage
+        one_layer = tuple(range(i, i + 1) for i in range(7))
+        plan = Plan.from_stages(
+            list(one_layer), range(7, 8), list(one_layer[::-1]), costs, devices, microbatches
+        )
+    options: dict = dict(iterations=2, link_gbps=1.0, param_bytes=(0,) * 8, act_bytes=100_000)
+    ahead = simulate(plan, costs, devices, microbatches, **options)
+    serial = simulate(plan, costs, devices, microbatches, inputs_ahead=False, **options)
+    serial.trace.check_rules()
+    uploads = [t for t in serial.trace.records if t.kind == ACT_UP]
+    assert uploads and all(t.end_t - t.start_t == pytest.approx(0.1) for t in uploads)
+    if (devices, microbatches) == (1, 1):
+        backward_runs = 2 * len(plan.bwd_stages)
+        assert ahead.makespan_ms < serial.makespan_ms <= ahead.makespan_ms + backward_runs * 2 * 0.1 + 1e-9

@@ -73,6 +73,7 @@ def simulate(
     fresh_at: Sequence[int] = (),
     after_loss: bool = False,
     loss_lag: int = 0,
+    inputs_ahead: bool = True,
 ) -> SimulationResult:
     """Run ``iterations`` iterations (each followed by an optimizer step) on the fake backend.
 
@@ -84,7 +85,8 @@ def simulate(
     losses are in, as a loop of `RoundPipe.forward_backward` and `step` does (what async plans
     are evaluated on), instead of all at once (the chained run); with ``loss_lag=1`` the loop
     reads each loss one iteration late (``forward_backward(..., wait=False)``): iteration t + 2
-    and its step go in once iteration t's losses are.
+    and its step go in once iteration t's losses are. ``inputs_ahead``: as
+    `ScheduleOptions.inputs_ahead` (False: backward uploads wait for the previous backward).
     """
     shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
     run = FakeRun(
@@ -99,6 +101,7 @@ def simulate(
         fresh_layers=fresh_layers,
         fresh_at=tuple(fresh_at),
         after_loss=after_loss,
+        inputs_ahead=inputs_ahead,
     )
     engine, trace, iteration_computes = run_shaped(plan, costs, shape, iterations, run)
     report = trace.bubble_ratio()
@@ -129,6 +132,7 @@ class FakeRun:
     fresh_layers: int = 0
     fresh_at: tuple[int, ...] = ()
     after_loss: bool = False
+    inputs_ahead: bool = True
 
 
 def run_fake(
@@ -186,6 +190,7 @@ def _builder(plan: Plan, costs: LayerCosts, shape: RunShape, run: FakeRun) -> Gr
             if shape.async_optimizer
             else frozenset()
         ),
+        inputs_ahead=run.inputs_ahead,
     )
     return GraphBuilder(plan, spec, shape.num_devices, options)
 
