@@ -85,9 +85,7 @@ def simulate(
     losses are in, as a loop of `RoundPipe.forward_backward` and `step` does (what async plans
     are evaluated on), instead of all at once (the chained run); with ``loss_lag=1`` the loop
     reads each loss one iteration late (``forward_backward(..., wait=False)``): iteration t + 2
-    and its step go in once iteration t's losses are. ``inputs_ahead``: as
-    `ScheduleOptions.inputs_ahead` (False: backward uploads wait for the previous backward).
-    """
+    and its step go in once iteration t's losses are. ``inputs_ahead``: as in `ScheduleOptions`."""
     shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
     run = FakeRun(
         link_gbps=link_gbps,
