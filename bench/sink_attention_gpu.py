@@ -17,12 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.append(str(Path(__file__).resolve().parent))
+from gpu_kernels import timed
 
 from roundpipe.model.sink_attention import sdpa_with_sinks
 
@@ -69,19 +74,14 @@ def call(
 
 
 def timed_ms(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median milliseconds: CUDA events on a GPU (`gpu_kernels.timed`), the wall clock on a CPU."""
+    if device.type == "cuda":
+        return timed(fn, repeat=repeats)
     samples = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - began) * 1000)
+        began = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - began) * 1000)
     return statistics.median(samples)
 
 

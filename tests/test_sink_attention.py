@@ -154,3 +154,25 @@ def test_on_cuda_a_fused_kernel_takes_it_and_agrees_with_eager_in_bf16(window: i
     for name, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), got, want, strict=True):
         scale = float(b.float().abs().max())
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * scale, msg=name)
+
+
+def test_the_bench_runs_on_a_cpu_and_reports_every_gradient(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/sink_attention_gpu.py's smoke run: its times are left to the bench; here, that both
+    functions run on both masks and the sdpa lines compare every gradient with eager's."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "sink_attention_gpu.py"
+    spec = importlib.util.spec_from_file_location("sink_attention_gpu", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--device", "cpu", "--tokens", "32", "--repeats", "1"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(x["mask"], x["function"]) for x in lines] == [
+        (mask, function) for mask in ("full", "sliding") for function in ("eager", "sdpa_with_sinks")
+    ]
+    for line in lines[1::2]:  # bf16 on both sides: rounding apart
+        assert set(line["max_diff"]) == {"output", "dq", "dk", "dv", "dsinks"}
+        assert line["max_diff"]["output"] <= 0.05 * line["largest_output"]
