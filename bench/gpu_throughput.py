@@ -286,6 +286,7 @@ def run_roundpipe(
     with RssSampler() as rss, roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe:
         warm_peaks: dict[str, float] = {}
         retries_before = alloc_retries(indices)
+        pinned_before = pinned_host_growth()
         first, measured_start = 0, time.perf_counter()
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
@@ -295,6 +296,7 @@ def run_roundpipe(
                 warm_peaks = device_memory(indices)
                 reset_peaks(indices)
                 retries_before = alloc_retries(indices)
+                pinned_before = pinned_host_growth()
                 first, measured_start = pipe.iteration_count, time.perf_counter()
                 if getattr(args, "torch_profile", False):
                     torch_profile = profiling.enter_context(profiled(args.steps))
@@ -360,6 +362,8 @@ def run_roundpipe(
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
         "alloc_retries": retries,  # whole process: profiling and warm-up included
         "alloc_retries_measured": {d: n - retries_before[d] for d, n in retries.items()},
+        # Pinned host blocks the measured steps had to create (activation downloads land in them).
+        "pinned_host_growth": {k: round(v - pinned_before[k], 3) for k, v in pinned_host_growth().items()},
         **predicted,
         "slots": plan.num_slots,
         "plan": str(plan).splitlines()[0],
@@ -385,6 +389,18 @@ def run_roundpipe(
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
+    }
+
+
+def pinned_host_growth() -> dict[str, float]:
+    """The pinned host allocator's totals so far: blocks it created (each a CUDA host allocation,
+    slow for gigabyte blocks, where no cached block could be reused) and milliseconds spent in
+    those allocations (all zero without CUDA)."""
+    stats = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
+    return {
+        "new_blocks": float(stats.get("num_host_alloc", 0)),
+        "alloc_ms": float(stats.get("host_alloc_time.total", 0)) / 1000,
+        "allocated_gib": float(stats.get("allocated_bytes.allocated", 0)) / (1 << 30),
     }
 
 

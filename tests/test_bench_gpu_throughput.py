@@ -64,6 +64,11 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
         assert ours["breakdown"]["iterations"] == [1]
         window_s = ours["breakdown"]["window_ms"] / 1000  # one measured iteration of 64 tokens
         assert ours["tokens_per_s_trace"] == pytest.approx(64 / window_s, rel=1e-3)
+        assert ours["pinned_host_growth"] == {
+            "new_blocks": 0.0,
+            "alloc_ms": 0.0,
+            "allocated_gib": 0.0,
+        }  # no CUDA
         assert ours["busy_ms_per_step"]["compute"] > 0
         assert ours["peak_gib"] == {} and ours["host_rss_gib"]["peak"] > 0
         assert ours["optimizer"] and ours["predicted_peak_gib"] is None
