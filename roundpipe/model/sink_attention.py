@@ -78,22 +78,13 @@ def sdpa_with_sinks(
     groups = heads // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     padded = -(-(dim + 1) // _TILE) * _TILE
-    extra = padded - dim - 1
-    ones = query.new_ones(batch, heads, n, 1)
-    q = torch.cat([query, ones, query.new_zeros(batch, heads, n, extra)], dim=-1)
-    k = torch.cat([key, key.new_zeros(batch, heads, key.shape[2], 1 + extra)], dim=-1)
+    widen = (0, padded - dim)  # zero head dimensions; the first of them carries the sink
+    q = F.pad(query, widen)
+    q[..., dim] = 1.0
     sink_key = key.new_zeros(batch, heads, 1, padded)
-    sink_key = torch.cat(
-        [
-            sink_key[..., :dim],
-            (sinks.to(key.dtype) / scaling).view(1, heads, 1, 1).expand(batch, heads, 1, 1),
-            sink_key[..., dim + 1 :],
-        ],
-        dim=-1,
-    )
-    k = torch.cat([k, sink_key], dim=2)
-    v = torch.cat([value, value.new_zeros(batch, heads, value.shape[2], padded - dim)], dim=-1)
-    v = torch.cat([v, v.new_zeros(batch, heads, 1, padded)], dim=2)
+    sink_key[..., dim] = (sinks.to(key.dtype) / scaling).view(1, heads, 1)
+    k = torch.cat([F.pad(key, widen), sink_key], dim=2)
+    v = F.pad(value, (*widen, 0, 1))  # and the sink's value: a row of zeros
     mask = _with_sink_column(attention_mask, n, key.shape[2], query.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)[..., :dim]
     return out.transpose(1, 2).contiguous(), None
