@@ -55,10 +55,9 @@ class BackwardRunContext:
     down_bytes: int  # the input gradient sent down (0 from the last slot)
     saved_by: int | None  # the forward slot whose act_down saved the entering activation
     read_by: int | None  # the forward slot whose act_up reads it too (the act_up here takes it)
-    two_runs_back: Key | None  # the device's run two before: its last compute (flow control)
+    flow_run: Key | None  # the device's run ``flow_depth`` runs back: its last compute (flow control)
     previous_run_done: Key | None = None  # one device: the previous run's last compute
-    inputs_ahead: bool = True  # `ScheduleOptions.inputs_ahead`
-    previous_run: Key | None = None  # the device's previous run: its last compute
+    flow_depth: int = 2  # microbatches of flow control: 1 without `ScheduleOptions.inputs_ahead`
 
 
 def backward_chains(
@@ -71,10 +70,8 @@ def backward_chains(
     t, slot = run.iteration, run.slot
     for position, mb in enumerate(run.microbatches):
         flow: list[Key] = []
-        if context.inputs_ahead:
-            ahead = backwards[position - 2] if position >= 2 else context.two_runs_back
-        else:
-            ahead = backwards[position - 1] if position >= 1 else context.previous_run
+        depth = context.flow_depth
+        ahead = backwards[position - depth] if position >= depth else context.flow_run
         if ahead is not None:
             flow.append(ahead)  # flow control, so it waits for completion
         up_key, grad_key = ActUpKey(t, slot, mb), GradUpKey(t, slot, mb)

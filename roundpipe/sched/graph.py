@@ -259,15 +259,15 @@ class GraphBuilder:
             saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
             read_by = saved_by + 1 if stages[saved_by].stop == start else None
         history = self._device_runs.get(run.device, ())
+        depth = 2 if self.options.inputs_ahead else 1
         return BackwardRunContext(
             act_bytes=self.spec.act_bytes,
             down_bytes=self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0,
             saved_by=saved_by,
             read_by=read_by,
-            two_runs_back=history[-2] if len(history) >= 2 else None,
+            flow_run=history[-depth] if len(history) >= depth else None,
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
-            inputs_ahead=self.options.inputs_ahead,
-            previous_run=history[-1] if history else None,
+            flow_depth=depth,
         )
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
