@@ -40,24 +40,26 @@ def structure(x: Any) -> tuple[Any, ...]:
     return (str(spec), shapes)
 
 
+def _parameters(layer: nn.Module) -> tuple[Any, ...]:
+    return tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+
+
 def cost_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
     """The kind of ``layer`` on input ``x`` (module docstring)."""
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
     modules = tuple(
         (name, type(m).__name__, *(str(getattr(m, a, None)) for a in _VARYING))
         for name, m in layer.named_modules()
     )
-    return (type(layer), params, modules, structure(x), last)
+    return (type(layer), _parameters(layer), modules, structure(x), last)
 
 
 def warm_up_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
     """What one warm-up serves: the layer's class, its parameters' names, shapes and dtypes, and
     its input's tensor shapes. Decoder layers of one model share it, so only the first is warmed
     up (at 262,144 tokens an 8B layer's warm-up is a full forward and backward, about 5 s)."""
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
     inputs: dict[int, int] = {}
     collect_storages(x, inputs)
-    return (type(layer), params, tuple(sorted(inputs.values())), last)
+    return (type(layer), _parameters(layer), tuple(sorted(inputs.values())), last)
 
 
 class OnePerKind(Generic[M]):
