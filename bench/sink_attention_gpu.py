@@ -5,8 +5,10 @@ GPT-OSS-20B's attention (64 query heads, 8 key/value heads, head_dim 64) on one 
 128), random bf16 inputs and sinks, the masks as roundpipe's presets carry them for eager attention
 (additive, in the model dtype). For each mask and function: forward and backward milliseconds
 (CUDA events, median of ``--repeats`` after warm-up), the peak memory above the inputs, and the
-largest difference of the output and of each gradient to the eager function's. The sdpa line also
-names the backend sdpa ran (the fused ones are tried alone first). One JSON line each.
+largest difference of the output and of each gradient to the eager function's. `sdpa_with_sinks`
+runs twice: given the mask (the extra sink key through sdpa; the line names the backend sdpa ran,
+the fused ones tried alone first) and without one (``flash_with_sinks``: the module's own mask,
+flash attention and ``sigmoid(lse - sink)``). One JSON line each.
 
     python bench/sink_attention_gpu.py                      # on the GPU machine, well under a minute
     python bench/sink_attention_gpu.py --device cpu --tokens 256 --repeats 1   # a smoke run
@@ -37,8 +39,9 @@ HEADS, KV_HEADS, HEAD_DIM, WINDOW = 64, 8, 64, 128
 class Attention(torch.nn.Module):
     """What the attention functions read of their module: the sinks and the grouping."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, window: int | None) -> None:
         super().__init__()
+        self.sliding_window = window  # the module's own mask, when none is given
         self.sinks = torch.nn.Parameter(torch.randn(HEADS, device=device, dtype=torch.bfloat16))
         self.num_key_value_groups = HEADS // KV_HEADS
         self.training = True
@@ -62,7 +65,7 @@ def additive_mask(tokens: int, window: int | None, device: torch.device) -> torc
 
 
 def call(
-    function: Callable[..., Any], module: Attention, inputs: list[torch.Tensor], mask: torch.Tensor
+    function: Callable[..., Any], module: Attention, inputs: list[torch.Tensor], mask: torch.Tensor | None
 ) -> Any:
     q, k, v, grad = inputs
     for t in (q, k, v):
@@ -103,7 +106,7 @@ def sdpa_backend(function: Callable[[], Any]) -> str:
 def measure(args: argparse.Namespace, window: int | None) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     torch.manual_seed(0)
-    module = Attention(device)
+    module = Attention(device, window)
     shape = (1, HEADS, args.tokens, HEAD_DIM)
     kv_shape = (1, KV_HEADS, args.tokens, HEAD_DIM)
     inputs = [
@@ -118,8 +121,13 @@ def measure(args: argparse.Namespace, window: int | None) -> list[dict[str, Any]
     mask = additive_mask(args.tokens, window, device)
     lines = []
     reference: list[torch.Tensor] | None = None
-    for name, function in (("eager", eager_function()), ("sdpa_with_sinks", sdpa_with_sinks)):
-        run = lambda f=function: call(f, module, inputs, mask)  # noqa: E731
+    functions = (
+        ("eager", eager_function(), mask),
+        ("sdpa_with_sinks", sdpa_with_sinks, mask),  # the extra sink key through sdpa, with the mask
+        ("flash_with_sinks", sdpa_with_sinks, None),  # no mask: flash attention and sigmoid(lse - sink)
+    )
+    for name, function, given in functions:
+        run = lambda f=function, m=given: call(f, module, inputs, m)  # noqa: E731
         results = [t.detach().clone() for t in run()]
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -143,7 +151,8 @@ def measure(args: argparse.Namespace, window: int | None) -> list[dict[str, Any]
                 for n, a, b in zip(names, results, reference, strict=True)
             }
             line["largest_output"] = round(float(reference[0].float().abs().max()), 4)
-            line["sdpa_backend"] = sdpa_backend(run) if device.type == "cuda" else "cpu"
+            if given is not None:
+                line["sdpa_backend"] = sdpa_backend(run) if device.type == "cuda" else "cpu"
         lines.append(line)
     return lines
 

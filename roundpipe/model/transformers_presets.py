@@ -61,7 +61,7 @@ from roundpipe.model.moe import (
     router_aux,
     router_aux_loss,
 )
-from roundpipe.model.sink_attention import use_sink_attention
+from roundpipe.model.sink_attention import masks_implicit, use_sink_attention
 
 __all__ = ["causal_lm_layers", "packed_sequence_ids", "supported_class_name"]
 
@@ -116,6 +116,13 @@ class CausalLMEmbed(nn.Module):
         self.config = config  # the model's own config object (read only)
         self.mask_types = sorted(set(mask_types))
         self.router_mask = router_mask  # carry the padding mask for the router aux loss
+        self.implicit_masks = False  # rows without padding or packing carry no mask (copies only)
+
+    def roundpipe_replica(self) -> None:
+        """On roundpipe's copies only: for a model whose copied attention layers take a missing
+        mask as their own causal or sliding one (`sink_attention.masks_implicit`), build none for
+        rows without padding or packing, so they run fused kernels that skip the masked blocks."""
+        self.implicit_masks = masks_implicit(self.config)
 
     def roundpipe_compile(self, compiler: Any) -> None:
         """Stays eager: input checks and mask building are Python logic, and it is cheap."""
@@ -156,7 +163,10 @@ class CausalLMEmbed(nn.Module):
         out.update(rotary_tables(self.rotary_emb, hidden, position_ids, self.mask_types))
         packed = packed_sequence_ids(position_ids) if "position_ids" in inputs else None
         if packed is None:
-            out.update(transformers_masks(self.config, self.mask_types, hidden, attention_mask, position_ids))
+            if not (self.implicit_masks and attention_mask is None):
+                out.update(
+                    transformers_masks(self.config, self.mask_types, hidden, attention_mask, position_ids)
+                )
         else:
             out.update(block_masks(self.config, self.mask_types, hidden, attention_mask, packed))
         if self.router_mask and attention_mask is not None:
