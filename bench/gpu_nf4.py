@@ -6,8 +6,10 @@ measures, on the weights of one 32B-shaped decoder layer (Qwen3-32B: hidden 5120
 64 query and 8 key/value heads of 128; ``--shapes`` for others), for a microbatch of ``--tokens``:
 - correctness: the bytes and the dequantized weight against bitsandbytes (when importable), the
   round-trip error against the bf16 weight;
-- dequantization alone: eager (`roundpipe.model.quant.dequantize_nf4`), ``torch.compile``d, and
-  bitsandbytes / torchao where importable, in GB/s of bf16 weight written;
+- dequantization alone, in GB/s of bf16 weight written: `roundpipe.model.quant.dequantize_nf4` as
+  it runs here, the Triton kernel of `roundpipe.model.nf4_triton` (its default launch shape and a
+  few others, to choose from), the torch path it replaced eager and ``torch.compile``d, and
+  bitsandbytes / torchao where importable; the kernel's bits against the torch path's;
 - the layer: `NF4Linear` forward and forward+backward (eager and compiled dequant) against bf16
   ``F.linear`` on the dense weight, with the bytes each holds.
 One JSON line per result.
@@ -19,6 +21,7 @@ One JSON line per result.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from roundpipe.model.quant import NF4Linear, dequantize_nf4, quantize_nf4
+from roundpipe.model import nf4, nf4_triton
+from roundpipe.model.quant import NF4Linear, NF4Weight, dequantize_nf4, quantize_nf4
 
 SHAPES_32B = {
     "q_proj": (8192, 5120),
@@ -69,6 +73,70 @@ def optional(name: str) -> Any:
         return None
 
 
+# (bytes per program, warps, paired) of the kernel's launches timed beside its default.
+LAUNCH_SHAPES = ((512, 4, True), (2048, 8, True), (2048, 4, True), (1024, 8, False), (2048, 4, False))
+_torch_compiled: Any = None
+
+
+def torch_path(q: NF4Weight, compiled: bool = False) -> torch.Tensor:
+    """``q`` in bf16 by `roundpipe.model.nf4`'s torch ops, eager or ``torch.compile``d."""
+    global _torch_compiled
+    fn: Any = nf4._dequantize_torch
+    if compiled:
+        if _torch_compiled is None:
+            _torch_compiled = torch.compile(nf4._dequantize_torch, dynamic=False)
+        fn = _torch_compiled
+    out: torch.Tensor = fn(q.packed, q.absmax, q.block_size, torch.bfloat16)
+    return out.view(q.shape)
+
+
+def dequantizers() -> dict[str, Callable[[NF4Weight], torch.Tensor]]:
+    """Every way to dequantize here, by name: roundpipe's own choice, the torch path eager and
+    compiled, and the Triton kernel where it can run."""
+    found: dict[str, Callable[[NF4Weight], torch.Tensor]] = {
+        "roundpipe": lambda q: dequantize_nf4(q, torch.bfloat16),
+        "torch_eager": torch_path,
+        "torch_compiled": lambda q: torch_path(q, compiled=True),
+    }
+    if nf4_triton.available():
+        found["triton"] = lambda q: nf4_triton.dequantize_nf4_cuda(
+            q.packed, q.absmax, q.block_size, torch.bfloat16
+        ).view(q.shape)
+    return found
+
+
+def triton_launches(q: NF4Weight) -> dict[str, Callable[[], Any]]:
+    """The kernel at each of `LAUNCH_SHAPES`, into one output, by name."""
+    if not nf4_triton.available():
+        return {}
+    out = torch.empty(q.numel, dtype=torch.bfloat16, device=q.packed.device)
+    return {
+        f"triton_{size}b_{warps}w{'' if paired else '_per_element'}": functools.partial(
+            nf4_triton._launch,
+            q.packed,
+            q.absmax,
+            q.block_size,
+            out,
+            bytes_per_program=size,
+            num_warps=warps,
+            paired=paired,
+        )
+        for size, warps, paired in LAUNCH_SHAPES
+    }
+
+
+def bits_against_torch(q: NF4Weight) -> dict[str, bool]:
+    """Whether each way to dequantize (and each timed launch of the kernel) writes the torch
+    path's bits, by name."""
+    reference = torch_path(q).view(torch.int16)
+    same = {
+        path: bool(torch.equal(fn(q).view(torch.int16), reference)) for path, fn in dequantizers().items()
+    }
+    for path, launch in triton_launches(q).items():
+        same[path] = bool(torch.equal(launch().view(q.shape).view(torch.int16), reference))
+    return same
+
+
 def check_bitsandbytes(name: str, weight: torch.Tensor) -> Callable[[], Any] | None:
     bnb = optional("bitsandbytes")
     if bnb is None:
@@ -79,7 +147,8 @@ def check_bitsandbytes(name: str, weight: torch.Tensor) -> Callable[[], Any] | N
     packed, state = bf.quantize_4bit(weight, blocksize=64, quant_type="nf4")
     q = quantize_nf4(weight)
     same_bytes = bool(torch.equal(packed.view(-1), q.packed)) and bool(torch.equal(state.absmax, q.absmax))
-    same_weight = bool(torch.equal(bf.dequantize_4bit(packed, state), dequantize_nf4(q)))
+    theirs = bf.dequantize_4bit(packed, state)
+    same_weight = {path: bool(torch.equal(theirs, fn(q))) for path, fn in dequantizers().items()}
     emit(name=name, check="bitsandbytes", available=True, same_bytes=same_bytes, same_weight=same_weight)
     return lambda: bf.dequantize_4bit(packed, state)
 
@@ -113,11 +182,13 @@ def one_shape(name: str, shape: tuple[int, int], tokens: int, repeats: int) -> N
         max_abs_error=float(error.max()),
         mean_abs_error=float(error.mean()),
         compiled_equals_eager=compiled_equal,
+        bits_equal_to_the_torch_path=bits_against_torch(q),
+        triton=nf4_triton.available(),
     )
     written = weight.numel() * 2 / 1e9
     candidates: dict[str, Callable[[], Any] | None] = {
-        "roundpipe_eager": lambda: dequantize_nf4(q),
-        "roundpipe_compiled": lambda: dequantize_nf4(q, compiled=True),
+        **{path: functools.partial(fn, q) for path, fn in dequantizers().items()},
+        **triton_launches(q),
         "bitsandbytes": check_bitsandbytes(name, weight),
         "torchao": torchao_dequant(weight),
     }

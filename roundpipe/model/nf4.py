@@ -6,6 +6,8 @@ grouped products in `roundpipe.model.experts`; the pass in turn quantizes expert
 must sit below both. The layout is the one bitsandbytes uses for ``quant_type="nf4"``: the weight
 flattened row-major, two codes per byte with the first element in the high nibble, and the
 absolute maximum of each block of 64 as its fp32 scale, so the same bytes mean the same weights.
+On CUDA the bytes are dequantized by the Triton kernel of `roundpipe.model.nf4_triton`, which
+writes the bits of this module's torch path (the reference, and the path everywhere else).
 
 This module must never hold a model, a module, or a dequantized tensor beyond the call that made it.
 """
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from roundpipe.errors import ModelError
+from roundpipe.model import nf4_triton
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -149,10 +152,26 @@ def _byte_table(device: torch.device) -> torch.Tensor:
     return table
 
 
+def _triton_serves(packed: torch.Tensor) -> bool:
+    """Whether `roundpipe.model.nf4_triton`'s kernel dequantizes ``packed``: CUDA bytes, where
+    Triton is present. It writes the torch path's exact bits at memory speed."""
+    return packed.is_cuda and nf4_triton.available()
+
+
 def _dequantize_flat(
     packed: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The core: codes times their block's scale, in fp32, rounded once to ``dtype``.
+    """The core: codes times their block's scale, in fp32, rounded once to ``dtype``; by the
+    Triton kernel on CUDA (eager or traced: a custom op, one node of the graph), else in torch."""
+    if _triton_serves(packed):
+        return nf4_triton.dequantize_nf4_cuda(packed, absmax, block_size, dtype)
+    return _dequantize_torch(packed, absmax, block_size, dtype)
+
+
+def _dequantize_torch(
+    packed: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`_dequantize_flat` in torch ops, on any device: the reference the kernel is held to.
 
     Inside a compiled graph the code book is a constant of the graph and each nibble is looked up
     in it: the per-device table cache is a side effect that dynamo cannot carry out of the
@@ -171,15 +190,19 @@ _compiled_core: Any = None
 def _compiled_dequantize() -> Any:
     global _compiled_core
     if _compiled_core is None:
-        _compiled_core = torch.compile(_dequantize_flat, dynamic=False)
+        _compiled_core = torch.compile(_dequantize_torch, dynamic=False)
     return _compiled_core
 
 
 def dequantize_nf4(q: NF4Weight, dtype: torch.dtype | None = None, *, compiled: bool = False) -> torch.Tensor:
     """``q`` as a dense tensor of ``dtype`` (default: the quantized tensor's own) on the device of
-    its bytes. Eager mode works through chunks of blocks so its fp32 scratch stays small;
-    ``compiled`` runs one fused ``torch.compile`` kernel (CUDA; compiled once per shape)."""
+    its bytes. Where the Triton kernel serves (CUDA), it writes the whole tensor in one launch,
+    with no scratch, ``compiled`` or not. Otherwise eager mode works through chunks of blocks so
+    its fp32 scratch stays small, and ``compiled`` runs one fused ``torch.compile`` kernel
+    (compiled once per shape)."""
     target = dtype or q.dtype
+    if _triton_serves(q.packed):
+        return nf4_triton.dequantize_nf4_cuda(q.packed, q.absmax, q.block_size, target).view(q.shape)
     if compiled:
         return _compiled_dequantize()(q.packed, q.absmax, q.block_size, target).view(q.shape)
     out = torch.empty(q.numel, dtype=target, device=q.packed.device)
