@@ -74,7 +74,7 @@ def optional(name: str) -> Any:
 
 
 # (bytes per program, warps, paired) of the kernel's launches timed beside its default.
-LAUNCH_SHAPES = ((512, 4, True), (2048, 8, True), (2048, 4, True), (1024, 8, False), (2048, 4, False))
+LAUNCH_SHAPES = ((512, 4, True), (1024, 8, True), (2048, 4, True), (1024, 8, False), (2048, 8, False))
 _torch_compiled: Any = None
 
 

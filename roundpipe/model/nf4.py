@@ -21,29 +21,10 @@ import torch
 
 from roundpipe.errors import ModelError
 from roundpipe.model import nf4_triton
+from roundpipe.model.nf4_codes import NF4_CODES as NF4_CODES
 
 DEFAULT_BLOCK_SIZE = 64
 
-# QLoRA's NormalFloat4 code book (arXiv 2305.14314, appendix E): quantiles of N(0, 1) scaled to
-# [-1, 1], with an exact zero; 7 negative and 8 positive values.
-NF4_CODES: tuple[float, ...] = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
 
 # Elements dequantized per pass in eager mode: bounds the fp32 scratch beside the output.
 _EAGER_CHUNK = 1 << 24
