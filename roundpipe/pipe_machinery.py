@@ -18,8 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 from roundpipe.batch import microbatches
 from roundpipe.config import RunConfig
-from roundpipe.errors import InputError, PipeClosedError, ScheduleError, TaskFailedError, UsageError
+from roundpipe.errors import (
+    DeviceOutOfMemoryError,
+    InputError,
+    PipeClosedError,
+    PlanError,
+    ScheduleError,
+    TaskFailedError,
+    UsageError,
+)
 from roundpipe.loop_thread import LoopRunner
+from roundpipe.model.chunked_mlp import long_rows
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.host import HostModel, LossScaler
 from roundpipe.pending import LossLedger, PendingLoss
@@ -164,13 +173,33 @@ class PipeMachinery:
             await asyncio.get_running_loop().run_in_executor(None, self._maybe_replan)
 
     def _plan_on_device(self, sample: Any, target: Any, loss_fn: Any) -> None:
-        """Measure the layers on the first device with one microbatch; plan within the budget."""
+        """Measure the layers on the first device with one microbatch; plan within the budget.
+
+        Under a budget, long rows are first measured and planned whole: slicing them
+        (`chunked_mlp.LongRowSlicing`) computes most of each layer again in the backward, eagerly,
+        and is worth it only when nothing fits otherwise. Then the copies slice and are measured
+        again; a failure to fit then is the run's."""
+        slicing = self.runtime.compiler.slicing
+        slicing.enabled = self._planner.budget is None or not long_rows(sample)
+        plan: DevicePlan | None = None
+        try:
+            plan = self._profile(sample, target, loss_fn)
+        except (PlanError, DeviceOutOfMemoryError):
+            if slicing.enabled:
+                raise
+        if plan is None:  # measured again outside the handler: its traceback holds the first tensors
+            slicing.enabled = True
+            plan = self._profile(sample, target, loss_fn)
+        if long_rows(sample):
+            self._trace.meta["long_rows_sliced"] = slicing.enabled
+        self._use_device_plan(plan)
+
+    def _profile(self, sample: Any, target: Any, loss_fn: Any) -> DevicePlan:
         prepare = self.runtime.compiler.prepare
         device = self.runtime.device(0)
-        plan = self._planner.profile(
+        return self._planner.profile(
             self._sequence, self.host.dtype, device, sample, target, loss_fn, prepare=prepare
         )
-        self._use_device_plan(plan)
 
     def _use_device_plan(self, device_plan: DevicePlan) -> None:
         record_device_plan(device_plan, self.runtime, self._trace, self._builder.next_iteration)

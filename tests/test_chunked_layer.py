@@ -177,3 +177,96 @@ def test_layer_memory_is_linear_in_tokens_with_a_bounded_workspace(monkeypatch: 
     assert workspace < 32 * 224 * 4 * 8  # a few of one slice's MLP intermediates
     plain_slope = (plain[-1] - plain[-2]) / ((tokens[-1] - tokens[-2]) * hidden * 4)
     assert plain_slope > 2.5 * per_element[1]
+
+
+def budget_run(model: Any, data: list[dict[str, torch.Tensor]]) -> tuple[list[float], dict[str, Any]]:
+    """The pipe's losses over ``data`` under a 4 GiB budget (sync, fp32, cpu:2), and its trace's meta."""
+    import roundpipe
+    from tests.test_transformers_parity import sgd
+
+    config = roundpipe.RunConfig(
+        devices="cpu:2", num_microbatches=2, async_optimizer=False, precision="fp32", memory_budget="4GiB"
+    )
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        losses = []
+        for batch in data:
+            losses.append(pipe.forward_backward(batch, None, None))
+            pipe.step()
+        pipe.synchronize()
+        return losses, dict(pipe.trace().meta)
+
+
+def test_under_a_budget_long_rows_run_whole_when_a_plan_fits(small_slices: list[int]) -> None:
+    """Slicing computes most of a layer again, eagerly: with a budget that whole rows fit, the
+    copies never slice, and the losses and weights are the plain loop's."""
+    from tests.test_transformers_parity import assert_same_weights, reference_loop, tiny_llama
+
+    data = token_data(2, batch=4, seq=24)
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    expected = reference_loop(reference, data)
+    losses, meta = budget_run(model, data)
+    assert not small_slices, "rows that fit whole were sliced"
+    assert meta["long_rows_sliced"] is False
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert_same_weights(model, reference)
+
+
+def test_under_a_budget_long_rows_slice_when_no_plan_fits_them_whole(
+    small_slices: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When no plan fits whole rows, the copies slice, are measured again, and train to the plain
+    loop's numbers; a budget too small for either is the sliced measurement's error."""
+    from roundpipe.errors import PlanError
+    from roundpipe.planning.replan import RunPlanner
+    from tests.test_transformers_parity import assert_same_weights, reference_loop, tiny_llama
+
+    real = RunPlanner.profile
+    measured: list[bool] = []
+
+    def profile(self: Any, *args: Any, prepare: Any = None) -> Any:
+        sliced = prepare.__self__.slicing.enabled  # the run's LayerCompiler.prepare
+        measured.append(sliced)
+        if not sliced:
+            raise PlanError("no plan fits the memory budget (rows whole)")
+        return real(self, *args, prepare=prepare)
+
+    monkeypatch.setattr(RunPlanner, "profile", profile)
+    data = token_data(2, batch=4, seq=24)
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    expected = reference_loop(reference, data)
+    losses, meta = budget_run(model, data)
+    assert measured == [False, True]
+    assert small_slices, "the copies did not slice once whole rows could not be planned"
+    assert meta["long_rows_sliced"] is True
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert_same_weights(model, reference)
+
+    def never_fits(self: Any, *args: Any, prepare: Any = None) -> Any:
+        raise PlanError(f"no plan fits (sliced={prepare.__self__.slicing.enabled})")
+
+    monkeypatch.setattr(RunPlanner, "profile", never_fits)
+    with pytest.raises(PlanError, match="sliced=True"):
+        budget_run(tiny_llama(), data)
+
+
+def test_the_switch_reaches_every_sliced_module_and_short_rows_never_ask() -> None:
+    """`attach_slicing` hands one switch to the sliced MLPs and layers of a copy; off, they run the
+    original forward; `long_rows` looks at the rows' length only."""
+    from roundpipe.model.chunked_mlp import LongRowSlicing, attach_slicing, long_rows, slicing_on
+    from tests.test_transformers_parity import tiny_llama
+
+    block = copy.deepcopy(tiny_llama().model.layers[0])
+    chunk_long_attention_layer(block)
+    chunked_mlp.chunk_long_sequences(block.mlp)
+    switch = LongRowSlicing(enabled=False)
+    assert attach_slicing(block, switch) == 2
+    assert not slicing_on(block) and not slicing_on(block.mlp)
+    switch.enabled = True
+    assert slicing_on(block) and slicing_on(block.mlp)
+    assert slicing_on(torch.nn.Linear(2, 2))  # no switch: slices, as before
+    long = chunked_mlp.MIN_TOKENS
+    assert long_rows({"input_ids": torch.zeros(1, long, dtype=torch.long)})
+    assert not long_rows({"input_ids": torch.zeros(4, long - 1, dtype=torch.long)})
+    assert long_rows([torch.zeros(1, long, 8)]) and not long_rows(torch.zeros(long))

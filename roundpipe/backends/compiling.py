@@ -57,6 +57,7 @@ from torch import nn
 
 from roundpipe.backends.held_setting import HeldSetting
 from roundpipe.errors import ConfigError
+from roundpipe.model.chunked_mlp import LongRowSlicing, attach_slicing
 
 CompileSetting = bool | Literal["auto"]
 # torch.compile's options for every Compiler made without its own (tests set backend="eager").
@@ -141,7 +142,8 @@ def compile_enabled(setting: CompileSetting, device_type: str) -> bool:
 class LayerCompiler:
     """Prepares roundpipe's own copies of a layer (replicas, profile copies) for one run:
     ``prepare(module)`` lets the layer adapt its copy (``roundpipe_replica()``, e.g. a decoder
-    block slicing its MLP over long sequences), then compiles it (in place) or not."""
+    block slicing its MLP over long sequences), hands its sliced modules the run's `slicing`
+    switch, then compiles it (in place) or not."""
 
     def __init__(
         self,
@@ -158,6 +160,8 @@ class LayerCompiler:
         # unless the layers run grouped matrix products, which it cannot build (module docstring).
         self.cpp_wrapper = self.enabled and not grouped_products and wants_cpp_wrapper(device_type)
         self._holding = False
+        # Whether the copies slice long rows; one object for all, so that switching reaches them all.
+        self.slicing = LongRowSlicing()
 
     def open(self) -> None:
         """Turn on what compiling this run needs beyond its options (the C++ wrapper); once."""
@@ -175,6 +179,7 @@ class LayerCompiler:
         adapt: Any = getattr(module, "roundpipe_replica", None)
         if callable(adapt):
             adapt()
+        attach_slicing(module, self.slicing)
         if not self.enabled:
             return module
         hook: Any = getattr(module, "roundpipe_compile", None)

@@ -39,13 +39,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from roundpipe.model.chunked_mlp import _slots
+from roundpipe.model.chunked_mlp import _slots, slicing_on
 from roundpipe.model.swap_class import subclass_of
 
 CHUNK_TOKENS = 16384
 MIN_TOKENS = 2 * CHUNK_TOKENS
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _subclasses: dict[type, type] = {}
+# The subclass's marks: already swapped; sliced (`chunked_mlp.attach_slicing` gives it the run's switch).
+_MARKS = {"_roundpipe_chunked_layer": True, "_roundpipe_sliced": True}
 
 
 def chunkable(layer: nn.Module) -> bool:
@@ -96,6 +98,7 @@ def _methods(base: type) -> dict[str, Any]:
             or rotary is None
             or hidden_states.dim() != 3
             or hidden_states.shape[1] < MIN_TOKENS
+            or not slicing_on(self)
             or (self.training and float(getattr(attn, "attention_dropout", 0.0) or 0.0) > 0)
         )
         if plain or rotary is None:
@@ -138,7 +141,7 @@ def _methods(base: type) -> dict[str, Any]:
         ys = [run(part_c, xc, *(p[i] for p in pieces)) for i, xc in enumerate(xs)]
         return torch.cat(ys, dim=1)
 
-    return {"forward": forward, "_roundpipe_chunked_layer": True, "__module__": base.__module__}
+    return {"forward": forward, **_MARKS, "__module__": base.__module__}
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> list[torch.Tensor]:

@@ -8,6 +8,13 @@ only its input and output for the backward, and its backward holds one slice's i
 time; the price is the MLP's forward once more in the backward, paid only above
 `MIN_TOKENS` tokens per call (short sequences run the original forward, unchanged).
 
+Whether a run slices at all is its `LongRowSlicing` switch, which `attach_slicing` hands to every
+sliced module of a copy (the same object to all copies of a run, so one assignment reaches them
+all): slicing trades memory for time (the sliced parts are computed again in the backward, and run
+eagerly: a compiled layer breaks its graph there), so a run with a memory budget first plans with
+long rows whole and slices only when no plan fits (`roundpipe.pipe_machinery`). A module without a
+switch slices, as does one whose switch is on.
+
 How: `chunk_long_sequences(mlp)` swaps the module's class for a subclass whose ``forward`` slices
 (same parameters, same names, same state dict), so it is applied to roundpipe's own copies of a
 layer (replicas, profile copies), never to the user's model. Each slice's result is that of the
@@ -16,6 +23,8 @@ original forward on those rows: the numbers are the same up to the matrix produc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +36,41 @@ from roundpipe.model.swap_class import subclass_of
 CHUNK_TOKENS = 16384
 MIN_TOKENS = 2 * CHUNK_TOKENS
 _subclasses: dict[type, type] = {}
+_SWITCH = "_roundpipe_slicing"
+
+
+@dataclass
+class LongRowSlicing:
+    """Whether the sliced modules of a run's copies slice rows of `MIN_TOKENS` tokens or more."""
+
+    enabled: bool = True
+
+
+def attach_slicing(module: nn.Module, switch: LongRowSlicing) -> int:
+    """Give every sliced module inside ``module`` (`chunk_long_sequences`, and the whole layers of
+    `roundpipe.model.chunked_layer`) ``switch``; how many got it."""
+    sliced = [m for m in module.modules() if getattr(type(m), "_roundpipe_sliced", False)]
+    for sub in sliced:
+        object.__setattr__(sub, _SWITCH, switch)
+    return len(sliced)
+
+
+def slicing_on(module: nn.Module) -> bool:
+    """Whether ``module`` slices long rows: no switch, or its switch on."""
+    switch = getattr(module, _SWITCH, None)
+    return switch is None or bool(switch.enabled)
+
+
+def long_rows(sample: Any) -> bool:
+    """Whether ``sample`` (a tensor, or a mapping or sequence of them) has rows of `MIN_TOKENS`
+    tokens or more (the second dimension of a tensor of two or more)."""
+    if isinstance(sample, torch.Tensor):
+        return sample.dim() >= 2 and sample.shape[1] >= MIN_TOKENS
+    if isinstance(sample, Mapping):
+        return any(long_rows(v) for v in sample.values())
+    if isinstance(sample, (list, tuple)):
+        return any(long_rows(v) for v in sample)
+    return False
 
 
 def chunk_long_sequences(mlp: nn.Module) -> nn.Module:
@@ -51,7 +95,7 @@ def _methods(base: type) -> dict[str, Any]:
 
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         tokens = x.numel() // max(1, x.shape[-1])
-        if args or kwargs or x.dim() < 2 or tokens < MIN_TOKENS:
+        if args or kwargs or x.dim() < 2 or tokens < MIN_TOKENS or not slicing_on(self):
             return original(self, x, *args, **kwargs)
         return sliced(self, x, tokens)
 
@@ -85,4 +129,9 @@ def _methods(base: type) -> dict[str, Any]:
         out = torch.cat(outs)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    return {"forward": forward, "_roundpipe_chunked": True, "__module__": base.__module__}
+    return {
+        "forward": forward,
+        "_roundpipe_chunked": True,
+        "_roundpipe_sliced": True,
+        "__module__": base.__module__,
+    }
