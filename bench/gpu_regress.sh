@@ -5,8 +5,9 @@
 #
 #   OLD=.oldrp OUT=/path bash bench/gpu_regress.sh          # .oldrp: `git archive REV | tar -x -C .oldrp`
 #   WORKLOADS="B C" OLD=.oldrp bash bench/gpu_regress.sh     # other workloads (default: A long)
+#   PAIRS=1 WORKLOADS="long B C" OLD=.oldrp bash bench/gpu_regress.sh   # one old/new pair each
 #
-# Each workload runs old, new, old, new while the call's time lasts (on an H100 A took ~1.5 min a
+# Each workload runs old, new, old, new (PAIRS pairs, default 2) while the call's time lasts (on an H100 A took ~1.5 min a
 # run; long ~2, B ~1, C ~2 estimated), with the arguments docs/performance.md gives it; roundpipe
 # side only, async. Writes
 # $OUT/regress.jsonl (one line per run, "tree" added) and prints tokens/s per run. DEADLINE_S
@@ -29,7 +30,9 @@ declare -A ARGS=(
 )
 RUNS=()
 for name in ${WORKLOADS:-A long}; do
-  for tree in old new old new; do RUNS+=("$tree|${ARGS[$name]:?unknown workload $name}"); done
+  for ((pair = 0; pair < ${PAIRS:-2}; pair++)); do
+    for tree in old new; do RUNS+=("$tree|${ARGS[$name]:?unknown workload $name}"); done
+  done
 done
 for run in "${RUNS[@]}"; do
   IFS='|' read -r tree args <<<"$run"
