@@ -56,6 +56,19 @@ def timed(fn: Callable[[], Any], repeat: int = 10, warmup: int = 3) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def timed_ms(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn``: CUDA events on a GPU (`timed`), the wall clock elsewhere
+    (the benches' CPU smoke runs)."""
+    if device.type == "cuda":
+        return timed(fn, repeat=repeats)
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - began) * 1000)
+    return sorted(samples)[len(samples) // 2]
+
+
 def kernel_categories(fn: Callable[[], Any]) -> dict[str, float]:
     """CUDA milliseconds of one call of ``fn`` by kernel family, from the profiler."""
     from torch.profiler import ProfilerActivity, profile

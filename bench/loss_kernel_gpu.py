@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,23 +26,12 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_kernels import timed
+from gpu_kernels import timed_ms
 
 from roundpipe.model.loss import softmax_cross_entropy_grad
 from roundpipe.model.transformers_presets import auto_chunk_tokens
 
 VOCABS = {"qwen3": 151936, "gpt_oss": 201088, "llama3": 128256}
-
-
-def timed_ms(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    if device.type == "cuda":
-        return timed(fn, repeat=repeats)
-    samples = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - began) * 1000)
-    return statistics.median(samples)
 
 
 def measure(rows: int, vocab: int, device: torch.device, repeats: int) -> list[dict[str, Any]]:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from gpu_kernels import timed
+from gpu_kernels import timed_ms
 
 from roundpipe.model.sink_attention import sdpa_with_sinks
 
@@ -74,18 +72,6 @@ def call(
     out, _ = function(module, q, k, v, mask, HEAD_DIM**-0.5, 0.0, s_aux=module.sinks)
     out.backward(grad)
     return [out.detach(), q.grad, k.grad, v.grad, module.sinks.grad]
-
-
-def timed_ms(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median milliseconds: CUDA events on a GPU (`gpu_kernels.timed`), the wall clock on a CPU."""
-    if device.type == "cuda":
-        return timed(fn, repeat=repeats)
-    samples = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - began) * 1000)
-    return statistics.median(samples)
 
 
 def sdpa_backend(function: Callable[[], Any]) -> str:

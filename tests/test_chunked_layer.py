@@ -181,19 +181,10 @@ def test_layer_memory_is_linear_in_tokens_with_a_bounded_workspace(monkeypatch: 
 
 def budget_run(model: Any, data: list[dict[str, torch.Tensor]]) -> tuple[list[float], dict[str, Any]]:
     """The pipe's losses over ``data`` under a 4 GiB budget (sync, fp32, cpu:2), and its trace's meta."""
-    import roundpipe
-    from tests.test_transformers_parity import sgd
+    from tests.test_transformers_parity import pipe_loop
 
-    config = roundpipe.RunConfig(
-        devices="cpu:2", num_microbatches=2, async_optimizer=False, precision="fp32", memory_budget="4GiB"
-    )
-    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
-        losses = []
-        for batch in data:
-            losses.append(pipe.forward_backward(batch, None, None))
-            pipe.step()
-        pipe.synchronize()
-        return losses, dict(pipe.trace().meta)
+    meta: dict[str, Any] = {}
+    return pipe_loop(model, data, meta=meta, memory_budget="4GiB"), meta
 
 
 def test_under_a_budget_long_rows_run_whole_when_a_plan_fits(small_slices: list[int]) -> None:

@@ -95,6 +95,15 @@ def own_mask(module: Any, dtype: torch.dtype = torch.float32, device: str = "cpu
     return torch.zeros(1, 1, N, N, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def gpt_oss_with_sinks(seed: int) -> Any:
+    """A tiny GPT-OSS whose sinks matter (random, not the zeros it starts with)."""
+    model = tiny_gpt_oss(seed=seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model
+
+
 def counting(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
     """Replace ``owner.name`` by a wrapper that counts its calls."""
     calls: list[int] = []
@@ -152,18 +161,8 @@ def test_only_the_copies_sink_attention_changes() -> None:
 
 
 def test_a_pipe_over_gpt_oss_runs_sdpa_and_the_plain_loops_losses(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = F.scaled_dot_product_attention
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
-    model = tiny_gpt_oss(seed=1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
+    calls = counting(monkeypatch, F, "scaled_dot_product_attention")
+    model = gpt_oss_with_sinks(seed=1)
     reference = copy.deepcopy(model)
     data = padded_data(2)
     expected = accumulation_loop(reference, data)
@@ -181,10 +180,7 @@ def test_a_pipe_over_unpadded_gpt_oss_rows_carries_no_mask_and_runs_flash(
     flash way (sliding and full layers), and the losses and weights are the plain loop's."""
     flash = counting(monkeypatch, sink_attention, "_flash_forward")
     masks = counting(monkeypatch, transformers_presets, "transformers_masks")
-    model = tiny_gpt_oss(seed=2)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
+    model = gpt_oss_with_sinks(seed=2)
     reference = copy.deepcopy(model)
     data = token_data(2)
     expected = accumulation_loop(reference, data)

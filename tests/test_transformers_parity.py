@@ -81,9 +81,11 @@ def reference_loop(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> lis
     return losses
 
 
-def pipe_loop(model: nn.Module, data: list[dict[str, torch.Tensor]], **options: Any) -> list[float]:
+def pipe_loop(
+    model: nn.Module, data: list[dict[str, torch.Tensor]], meta: dict[str, Any] | None = None, **options: Any
+) -> list[float]:
     """The pipe's losses over ``data``, one step a batch (sync, fp32, cpu:2; ``options`` change the
-    `RunConfig`)."""
+    `RunConfig`); ``meta``, when given, receives the trace's meta."""
     fields: dict[str, Any] = dict(
         devices="cpu:2", num_microbatches=2, async_optimizer=False, precision="fp32"
     )
@@ -94,6 +96,8 @@ def pipe_loop(model: nn.Module, data: list[dict[str, torch.Tensor]], **options: 
             losses.append(pipe.forward_backward(batch, None, None))
             pipe.step()
         pipe.synchronize()
+        if meta is not None:
+            meta.update(pipe.trace().meta)
     return losses
 
 
