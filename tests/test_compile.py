@@ -83,8 +83,37 @@ def test_the_cpp_wrapper_is_on_while_a_compiling_cuda_run_is_open(monkeypatch: p
     assert inductor_config.cpp_wrapper  # the second run is still open
     second.close()
     assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
-    LayerCompiler(True, "cpu").open()  # nothing to turn on for a CPU run
+    on_cpu = LayerCompiler(True, "cpu")
+    on_cpu.open()  # no C++ wrapper for a CPU run
     assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
+    on_cpu.close()
+
+
+def test_dynamo_keeps_room_for_the_layers_graph_variants_while_a_run_compiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """All layers of a class share one graph cache whose variants multiply (grad mode, the input's
+    requires_grad, sliding or full attention): dynamo's default of 8 ran GPT-OSS-20B's layers
+    eagerly past it on an H100. While a compiling run is open the limit is at least 64; then the
+    user's again, and a run that does not compile changes nothing."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    LayerCompiler(False, "cuda").open()
+    assert dynamo_config.recompile_limit == 8
+    first, second = LayerCompiler(True, "cpu"), LayerCompiler(True, "cpu")
+    first.open()
+    second.open()
+    assert dynamo_config.recompile_limit == compiling.LAYER_GRAPH_VARIANTS == 64
+    first.close()
+    assert dynamo_config.recompile_limit == 64  # the second run is still open
+    second.close()
+    assert dynamo_config.recompile_limit == 8 and compiling.RECOMPILE_LIMIT.holders == 0
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 100)  # a user's larger limit stays
+    first.open()
+    assert dynamo_config.recompile_limit == 100
+    first.close()
+    assert dynamo_config.recompile_limit == 100
 
 
 def test_layers_say_how_they_compile() -> None:

@@ -119,6 +119,30 @@ def _write_cpp_wrapper(on: bool) -> None:
 CPP_WRAPPER: HeldSetting[bool] = HeldSetting(_read_cpp_wrapper, _write_cpp_wrapper, lambda found: True)
 
 
+def _read_recompile_limit() -> int:
+    import torch._dynamo.config as dynamo_config
+
+    return int(dynamo_config.recompile_limit)
+
+
+def _write_recompile_limit(limit: int) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = limit
+
+
+# Graphs a compiled layer's code may hold before dynamo runs further variants eagerly: while a
+# compiling pipe is open, at least `LAYER_GRAPH_VARIANTS`. All layers of a class share one code
+# object and so one cache, and its variants multiply: grad mode, whether the input needs a
+# gradient, and per attention type (GPT-OSS's sliding and full layers, whose window the fused
+# kernel takes as an argument). On an H100 GPT-OSS-20B's decoder layer reached dynamo's default
+# of 8 and ran eagerly from there on; a CPU run of a LoRA'd GPT-OSS made 5.
+LAYER_GRAPH_VARIANTS = 64
+RECOMPILE_LIMIT: HeldSetting[int] = HeldSetting(
+    _read_recompile_limit, _write_recompile_limit, lambda found: max(found, LAYER_GRAPH_VARIANTS)
+)
+
+
 def _cpp_compiler() -> bool:
     """Whether a C++ compiler is there to build the wrapper (without one, the Python wrapper)."""
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
@@ -159,21 +183,24 @@ class LayerCompiler:
         # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`),
         # unless the layers run grouped matrix products, which it cannot build (module docstring).
         self.cpp_wrapper = self.enabled and not grouped_products and wants_cpp_wrapper(device_type)
-        self._holding = False
+        self._held: list[HeldSetting[Any]] = []
         # Whether the copies slice long rows; one object for all, so that switching reaches them all.
         self.slicing = LongRowSlicing()
 
     def open(self) -> None:
-        """Turn on what compiling this run needs beyond its options (the C++ wrapper); once."""
-        if self.cpp_wrapper and not self._holding:
-            CPP_WRAPPER.acquire()
-            self._holding = True
+        """Turn on what compiling this run needs beyond its options (the C++ wrapper, room for
+        the layers' graph variants); once."""
+        if self._held or not self.enabled:
+            return
+        self._held = [RECOMPILE_LIMIT, *([CPP_WRAPPER] if self.cpp_wrapper else [])]
+        for setting in self._held:
+            setting.acquire()
 
     def close(self) -> None:
         """Give back what `open` turned on. Idempotent."""
-        if self._holding:
-            self._holding = False
-            CPP_WRAPPER.release()
+        held, self._held = self._held, []
+        for setting in reversed(held):
+            setting.release()
 
     def prepare(self, module: nn.Module) -> nn.Module:
         adapt: Any = getattr(module, "roundpipe_replica", None)
