@@ -259,5 +259,6 @@ def test_the_switch_reaches_every_sliced_module_and_short_rows_never_ask() -> No
     assert slicing_on(torch.nn.Linear(2, 2))  # no switch: slices, as before
     long = chunked_mlp.MIN_TOKENS
     assert long_rows({"input_ids": torch.zeros(1, long, dtype=torch.long)})
-    assert not long_rows({"input_ids": torch.zeros(4, long - 1, dtype=torch.long)})
+    assert long_rows({"input_ids": torch.zeros(2, long // 2, dtype=torch.long)})  # the MLP's count
+    assert not long_rows({"input_ids": torch.zeros(1, long - 1, dtype=torch.long)})
     assert long_rows([torch.zeros(1, long, 8)]) and not long_rows(torch.zeros(long))

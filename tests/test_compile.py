@@ -72,48 +72,48 @@ def test_the_cpp_wrapper_is_on_while_a_compiling_cuda_run_is_open(monkeypatch: p
 
     monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
     monkeypatch.setenv("CXX", sys.executable)
-    monkeypatch.setattr(inductor_config, "cpp_wrapper", False)
-    first, second = LayerCompiler(True, "cuda"), LayerCompiler(True, "cuda")
-    first.open()
-    first.open()  # once per run, however often asked
-    second.open()
-    assert inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 2
-    first.close()
-    first.close()
-    assert inductor_config.cpp_wrapper  # the second run is still open
-    second.close()
-    assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
-    on_cpu = LayerCompiler(True, "cpu")
-    on_cpu.open()  # no C++ wrapper for a CPU run
-    assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
-    on_cpu.close()
+    # Patched through the config's own `patch`: a monkeypatch of a config module undoes by deleting
+    # the name (pytest >= 9.2 restores the instance's __dict__), which hides the setting for good.
+    with inductor_config.patch(cpp_wrapper=False):
+        first, second = LayerCompiler(True, "cuda"), LayerCompiler(True, "cuda")
+        first.open()
+        first.open()  # once per run, however often asked
+        second.open()
+        assert inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 2
+        first.close()
+        first.close()
+        assert inductor_config.cpp_wrapper  # the second run is still open
+        second.close()
+        assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
+        on_cpu = LayerCompiler(True, "cpu")
+        on_cpu.open()  # no C++ wrapper for a CPU run
+        assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
+        on_cpu.close()
 
 
-def test_dynamo_keeps_room_for_the_layers_graph_variants_while_a_run_compiles(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_dynamo_keeps_room_for_the_layers_graph_variants_while_a_run_compiles() -> None:
     """All layers of a class share one graph cache whose variants multiply (grad mode, the input's
     requires_grad, sliding or full attention): dynamo's default of 8 ran GPT-OSS-20B's layers
     eagerly past it on an H100. While a compiling run is open the limit is at least 64; then the
     user's again, and a run that does not compile changes nothing."""
     import torch._dynamo.config as dynamo_config
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    LayerCompiler(False, "cuda").open()
-    assert dynamo_config.recompile_limit == 8
-    first, second = LayerCompiler(True, "cpu"), LayerCompiler(True, "cpu")
-    first.open()
-    second.open()
-    assert dynamo_config.recompile_limit == compiling.LAYER_GRAPH_VARIANTS == 64
-    first.close()
-    assert dynamo_config.recompile_limit == 64  # the second run is still open
-    second.close()
-    assert dynamo_config.recompile_limit == 8 and compiling.RECOMPILE_LIMIT.holders == 0
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 100)  # a user's larger limit stays
-    first.open()
-    assert dynamo_config.recompile_limit == 100
-    first.close()
-    assert dynamo_config.recompile_limit == 100
+    with dynamo_config.patch(recompile_limit=8):
+        LayerCompiler(False, "cuda").open()
+        assert dynamo_config.recompile_limit == 8
+        first, second = LayerCompiler(True, "cpu"), LayerCompiler(True, "cpu")
+        first.open()
+        second.open()
+        assert dynamo_config.recompile_limit == compiling.LAYER_GRAPH_VARIANTS == 64
+        first.close()
+        assert dynamo_config.recompile_limit == 64  # the second run is still open
+        second.close()
+        assert dynamo_config.recompile_limit == 8 and compiling.RECOMPILE_LIMIT.holders == 0
+        with dynamo_config.patch(recompile_limit=100):  # a user's larger limit stays
+            first.open()
+            assert dynamo_config.recompile_limit == 100
+            first.close()
+            assert dynamo_config.recompile_limit == 100
 
 
 def test_layers_say_how_they_compile() -> None:

@@ -62,10 +62,11 @@ def slicing_on(module: nn.Module) -> bool:
 
 
 def long_rows(sample: Any) -> bool:
-    """Whether ``sample`` (a tensor, or a mapping or sequence of them) has rows of `MIN_TOKENS`
-    tokens or more (the second dimension of a tensor of two or more)."""
+    """Whether ``sample`` (a tensor, or a mapping or sequence of them) holds `MIN_TOKENS` tokens or
+    more (rows times their length, the first two dimensions of a tensor of two or more): what the
+    sliced MLP counts; a sliced layer asks for that many in one row, which implies it."""
     if isinstance(sample, torch.Tensor):
-        return sample.dim() >= 2 and sample.shape[1] >= MIN_TOKENS
+        return sample.dim() >= 2 and sample.shape[0] * sample.shape[1] >= MIN_TOKENS
     if isinstance(sample, Mapping):
         return any(long_rows(v) for v in sample.values())
     if isinstance(sample, (list, tuple)):
