@@ -28,7 +28,7 @@ from roundpipe.errors import (
     UsageError,
 )
 from roundpipe.loop_thread import LoopRunner
-from roundpipe.model.chunked_mlp import long_rows
+from roundpipe.model.chunked_mlp import SLICING_LEVELS, long_rows
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.host import HostModel, LossScaler
 from roundpipe.pending import LossLedger, PendingLoss
@@ -175,23 +175,25 @@ class PipeMachinery:
     def _plan_on_device(self, sample: Any, target: Any, loss_fn: Any) -> None:
         """Measure the layers on the first device with one microbatch; plan within the budget.
 
-        Under a budget, long rows are first measured and planned whole: slicing them
-        (`chunked_mlp.LongRowSlicing`) computes most of each layer again in the backward, eagerly,
-        and is worth it only when nothing fits otherwise. Then the copies slice and are measured
-        again; a failure to fit then is the run's."""
+        Under a budget, long rows are measured and planned with the least slicing that fits
+        (`chunked_mlp.SLICING_LEVELS`: whole, then per-token modules, then whole layers): slicing
+        computes parts of a layer again in the backward, eagerly. A level fails by `PlanError` or
+        by running out of memory while measured; a failure at the last level is the run's."""
         slicing = self.runtime.compiler.slicing
-        slicing.enabled = self._planner.budget is None or not long_rows(sample)
+        long = self._planner.budget is not None and long_rows(sample)
+        levels = SLICING_LEVELS if long else SLICING_LEVELS[-1:]
         plan: DevicePlan | None = None
-        try:
-            plan = self._profile(sample, target, loss_fn)
-        except (PlanError, DeviceOutOfMemoryError):
-            if slicing.enabled:
-                raise
-        if plan is None:  # measured again outside the handler: its traceback holds the first tensors
-            slicing.enabled = True
-            plan = self._profile(sample, target, loss_fn)
-        if long_rows(sample):
-            self._trace.meta["long_rows_sliced"] = slicing.enabled
+        for level in levels:  # each measured outside the last one's handler (its traceback holds tensors)
+            slicing.level = level
+            try:
+                plan = self._profile(sample, target, loss_fn)
+                break
+            except (PlanError, DeviceOutOfMemoryError):
+                if level == levels[-1]:
+                    raise
+        assert plan is not None
+        if long:
+            self._trace.meta["long_row_slicing"] = slicing.level
         self._use_device_plan(plan)
 
     def _profile(self, sample: Any, target: Any, loss_fn: Any) -> DevicePlan:

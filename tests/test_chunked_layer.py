@@ -188,7 +188,7 @@ def budget_run(model: Any, data: list[dict[str, torch.Tensor]]) -> tuple[list[fl
 
 
 def test_under_a_budget_long_rows_run_whole_when_a_plan_fits(small_slices: list[int]) -> None:
-    """Slicing computes most of a layer again, eagerly: with a budget that whole rows fit, the
+    """Slicing computes parts of a layer again, eagerly: with a budget that whole rows fit, the
     copies never slice, and the losses and weights are the plain loop's."""
     from tests.test_transformers_parity import assert_same_weights, reference_loop, tiny_llama
 
@@ -198,63 +198,76 @@ def test_under_a_budget_long_rows_run_whole_when_a_plan_fits(small_slices: list[
     expected = reference_loop(reference, data)
     losses, meta = budget_run(model, data)
     assert not small_slices, "rows that fit whole were sliced"
-    assert meta["long_rows_sliced"] is False
+    assert meta["long_row_slicing"] == "whole"
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert_same_weights(model, reference)
 
 
-def test_under_a_budget_long_rows_slice_when_no_plan_fits_them_whole(
-    small_slices: list[int], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("fitting", ["modules", "layers"])
+def test_under_a_budget_long_rows_take_the_least_slicing_a_plan_fits(
+    fitting: str, small_slices: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """When no plan fits whole rows, the copies slice, are measured again, and train to the plain
-    loop's numbers; a budget too small for either is the sliced measurement's error."""
+    """Levels that no plan fits (the planner raising) are measured and left in order, whole rows,
+    then the per-token modules sliced, then whole layers; the run trains at the first that fits,
+    to the plain loop's numbers. A budget too small for every level is the last level's error."""
     from roundpipe.errors import PlanError
     from roundpipe.planning.replan import RunPlanner
     from tests.test_transformers_parity import assert_same_weights, reference_loop, tiny_llama
 
-    real = RunPlanner.profile
-    measured: list[bool] = []
+    real, mlp_checkpoint = RunPlanner.profile, chunked_mlp.checkpoint
+    measured: list[str] = []
+    mlp_slices: list[int] = []
 
     def profile(self: Any, *args: Any, prepare: Any = None) -> Any:
-        sliced = prepare.__self__.slicing.enabled  # the run's LayerCompiler.prepare
-        measured.append(sliced)
-        if not sliced:
-            raise PlanError("no plan fits the memory budget (rows whole)")
+        level = prepare.__self__.slicing.level  # the run's LayerCompiler.prepare
+        measured.append(level)
+        if level != fitting:
+            raise PlanError(f"no plan fits the memory budget ({level})")
         return real(self, *args, prepare=prepare)
 
+    def mlp_spy(fn: Any, first: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+        mlp_slices.append(first.shape[0])
+        return mlp_checkpoint(fn, first, *rest, **kwargs)
+
     monkeypatch.setattr(RunPlanner, "profile", profile)
+    monkeypatch.setattr(chunked_mlp, "checkpoint", mlp_spy)
     data = token_data(2, batch=4, seq=24)
     model = tiny_llama()
     reference = copy.deepcopy(model)
     expected = reference_loop(reference, data)
     losses, meta = budget_run(model, data)
-    assert measured == [False, True]
-    assert small_slices, "the copies did not slice once whole rows could not be planned"
-    assert meta["long_rows_sliced"] is True
+    assert measured == list(chunked_mlp.SLICING_LEVELS[: chunked_mlp.SLICING_LEVELS.index(fitting) + 1])
+    assert meta["long_row_slicing"] == fitting
+    if fitting == "modules":  # the MLPs slice (48 tokens a call), the layers do not
+        assert mlp_slices and not small_slices
+    else:  # the layers slice (8-token slices: their MLPs no longer need to)
+        assert small_slices
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert_same_weights(model, reference)
 
     def never_fits(self: Any, *args: Any, prepare: Any = None) -> Any:
-        raise PlanError(f"no plan fits (sliced={prepare.__self__.slicing.enabled})")
+        raise PlanError(f"no plan fits ({prepare.__self__.slicing.level})")
 
     monkeypatch.setattr(RunPlanner, "profile", never_fits)
-    with pytest.raises(PlanError, match="sliced=True"):
+    with pytest.raises(PlanError, match="layers"):
         budget_run(tiny_llama(), data)
 
 
 def test_the_switch_reaches_every_sliced_module_and_short_rows_never_ask() -> None:
-    """`attach_slicing` hands one switch to the sliced MLPs and layers of a copy; off, they run the
-    original forward; `long_rows` looks at the rows' length only."""
+    """`attach_slicing` hands one switch to the sliced MLPs and layers of a copy; each slices at
+    the levels that take in its kind; `long_rows` counts a microbatch's tokens."""
     from roundpipe.model.chunked_mlp import LongRowSlicing, attach_slicing, long_rows, slicing_on
     from tests.test_transformers_parity import tiny_llama
 
     block = copy.deepcopy(tiny_llama().model.layers[0])
     chunk_long_attention_layer(block)
     chunked_mlp.chunk_long_sequences(block.mlp)
-    switch = LongRowSlicing(enabled=False)
+    switch = LongRowSlicing(level="whole")
     assert attach_slicing(block, switch) == 2
     assert not slicing_on(block) and not slicing_on(block.mlp)
-    switch.enabled = True
+    switch.level = "modules"
+    assert not slicing_on(block) and slicing_on(block.mlp)
+    switch.level = "layers"
     assert slicing_on(block) and slicing_on(block.mlp)
     assert slicing_on(torch.nn.Linear(2, 2))  # no switch: slices, as before
     long = chunked_mlp.MIN_TOKENS

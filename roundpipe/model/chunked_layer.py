@@ -46,8 +46,8 @@ CHUNK_TOKENS = 16384
 MIN_TOKENS = 2 * CHUNK_TOKENS
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _subclasses: dict[type, type] = {}
-# The subclass's marks: already swapped; sliced (`chunked_mlp.attach_slicing` gives it the run's switch).
-_MARKS = {"_roundpipe_chunked_layer": True, "_roundpipe_sliced": True}
+# The subclass's marks: already swapped; sliced, of kind "layers" (`chunked_mlp.LongRowSlicing`).
+_MARKS = {"_roundpipe_chunked_layer": True, "_roundpipe_sliced": "layers"}
 
 
 def chunkable(layer: nn.Module) -> bool:

@@ -8,12 +8,13 @@ only its input and output for the backward, and its backward holds one slice's i
 time; the price is the MLP's forward once more in the backward, paid only above
 `MIN_TOKENS` tokens per call (short sequences run the original forward, unchanged).
 
-Whether a run slices at all is its `LongRowSlicing` switch, which `attach_slicing` hands to every
-sliced module of a copy (the same object to all copies of a run, so one assignment reaches them
-all): slicing trades memory for time (the sliced parts are computed again in the backward, and run
-eagerly: a compiled layer breaks its graph there), so a run with a memory budget first plans with
-long rows whole and slices only when no plan fits (`roundpipe.pipe_machinery`). A module without a
-switch slices, as does one whose switch is on.
+How much a run slices is its `LongRowSlicing` switch, which `attach_slicing` hands to every sliced
+module of a copy (the same object to all copies of a run, so one assignment reaches them all):
+nothing, the per-token modules (this module's), or those and whole decoder layers
+(`roundpipe.model.chunked_layer`). Slicing trades memory for time (the sliced parts are computed
+again in the backward, and run eagerly: a compiled layer breaks its graph there), so a run with a
+memory budget plans with the least slicing that fits (`roundpipe.pipe_machinery`). A module
+without a switch slices.
 
 How: `chunk_long_sequences(mlp)` swaps the module's class for a subclass whose ``forward`` slices
 (same parameters, same names, same state dict), so it is applied to roundpipe's own copies of a
@@ -39,26 +40,35 @@ _subclasses: dict[type, type] = {}
 _SWITCH = "_roundpipe_slicing"
 
 
+SLICING_LEVELS = ("whole", "modules", "layers")
+"""What a run's copies slice over long rows, least first: nothing; the per-token modules
+(`chunk_long_sequences`: an MLP, the head's final norm); those and whole decoder layers."""
+
+
 @dataclass
 class LongRowSlicing:
-    """Whether the sliced modules of a run's copies slice rows of `MIN_TOKENS` tokens or more."""
+    """How much the sliced modules of a run's copies slice rows of `MIN_TOKENS` tokens or more."""
 
-    enabled: bool = True
+    level: str = "layers"
+
+    def slices(self, kind: str) -> bool:
+        """Whether sliced modules of ``kind`` (``"modules"`` or ``"layers"``) slice at this level."""
+        return SLICING_LEVELS.index(self.level) >= SLICING_LEVELS.index(kind)
 
 
 def attach_slicing(module: nn.Module, switch: LongRowSlicing) -> int:
     """Give every sliced module inside ``module`` (`chunk_long_sequences`, and the whole layers of
     `roundpipe.model.chunked_layer`) ``switch``; how many got it."""
-    sliced = [m for m in module.modules() if getattr(type(m), "_roundpipe_sliced", False)]
+    sliced = [m for m in module.modules() if getattr(type(m), "_roundpipe_sliced", None)]
     for sub in sliced:
         object.__setattr__(sub, _SWITCH, switch)
     return len(sliced)
 
 
 def slicing_on(module: nn.Module) -> bool:
-    """Whether ``module`` slices long rows: no switch, or its switch on."""
+    """Whether ``module`` slices long rows: no switch, or its switch's level takes in its kind."""
     switch = getattr(module, _SWITCH, None)
-    return switch is None or bool(switch.enabled)
+    return switch is None or bool(switch.slices(getattr(type(module), "_roundpipe_sliced")))  # noqa: B009
 
 
 def long_rows(sample: Any) -> bool:
@@ -133,6 +143,6 @@ def _methods(base: type) -> dict[str, Any]:
     return {
         "forward": forward,
         "_roundpipe_chunked": True,
-        "_roundpipe_sliced": True,
+        "_roundpipe_sliced": "modules",  # its kind, for `LongRowSlicing`
         "__module__": base.__module__,
     }
