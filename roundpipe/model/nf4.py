@@ -22,6 +22,7 @@ import torch
 from roundpipe.errors import ModelError
 from roundpipe.model import nf4_triton
 from roundpipe.model.nf4_codes import NF4_CODES as NF4_CODES
+from roundpipe.model.nf4_codes import device_table
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -115,22 +116,14 @@ def _quantize_flat(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, t
     return packed.contiguous(), absmax.contiguous()
 
 
-_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
+def _byte_pairs(codes: torch.Tensor) -> torch.Tensor:
+    every = torch.arange(256)
+    return torch.stack((codes[every >> 4], codes[every & 15]), dim=1)
 
 
 def _byte_table(device: torch.device) -> torch.Tensor:
-    """[256, 2] fp32: the two code values each byte holds (high nibble first), made once per
-    device: a fresh table per call would be a host-to-device copy in every layer call, which
-    stalls a host that runs ahead of the GPU."""
-    table = _BYTE_TABLES.get(device)
-    if table is None:
-        codes = _codes(torch.device("cpu"))
-        every = torch.arange(256)
-        table = torch.stack((codes[every >> 4], codes[every & 15]), dim=1).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # complete before another stream reads it
-        _BYTE_TABLES[device] = table
-    return table
+    """[256, 2] fp32: the two code values each byte holds (high nibble first), on ``device``."""
+    return device_table("byte_pairs", device, _byte_pairs)
 
 
 def _triton_serves(packed: torch.Tensor) -> bool:
@@ -139,20 +132,11 @@ def _triton_serves(packed: torch.Tensor) -> bool:
     return packed.is_cuda and nf4_triton.available()
 
 
-def _dequantize_flat(
-    packed: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The core: codes times their block's scale, in fp32, rounded once to ``dtype``; by the
-    Triton kernel on CUDA (eager or traced: a custom op, one node of the graph), else in torch."""
-    if _triton_serves(packed):
-        return nf4_triton.dequantize_nf4_cuda(packed, absmax, block_size, dtype)
-    return _dequantize_torch(packed, absmax, block_size, dtype)
-
-
 def _dequantize_torch(
     packed: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """`_dequantize_flat` in torch ops, on any device: the reference the kernel is held to.
+    """The core in torch ops, on any device, and the reference the CUDA kernel is held to: codes
+    times their block's scale, in fp32, rounded once to ``dtype``.
 
     Inside a compiled graph the code book is a constant of the graph and each nibble is looked up
     in it: the per-device table cache is a side effect that dynamo cannot carry out of the
@@ -190,7 +174,7 @@ def dequantize_nf4(q: NF4Weight, dtype: torch.dtype | None = None, *, compiled: 
     step = max(q.block_size, _EAGER_CHUNK // q.block_size * q.block_size)
     for first in range(0, q.numel, step):
         last = min(q.numel, first + step)
-        out[first:last] = _dequantize_flat(
+        out[first:last] = _dequantize_torch(
             q.packed[first // 2 : last // 2],
             q.absmax[first // q.block_size : last // q.block_size],
             q.block_size,

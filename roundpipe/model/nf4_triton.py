@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from roundpipe.model.nf4_codes import NF4_CODES
+from roundpipe.model.nf4_codes import device_table
 
 # The kernel's names resolve in this module's globals when Triton compiles it; `_jit` binds
 # ``tl`` on the first launch, so that importing this module costs nothing where Triton is absent.
@@ -41,7 +41,6 @@ NUM_WARPS = 8
 
 _available: bool | None = None
 _jitted: Any = None
-_CODE_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 @torch.compiler.assume_constant_result
@@ -107,15 +106,8 @@ def _jit() -> Any:
 
 
 def _code_table(device: torch.device) -> torch.Tensor:
-    """The 16 NF4 codes, fp32, on ``device``: made once per device, since a host-to-device copy
-    in every call would stall a host that runs ahead of the GPU."""
-    table = _CODE_TABLES.get(device)
-    if table is None:
-        table = torch.tensor(NF4_CODES, dtype=torch.float32).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # complete before another stream reads it
-        _CODE_TABLES[device] = table
-    return table
+    """The 16 NF4 codes, fp32, on ``device``."""
+    return device_table("codes", device, lambda codes: codes)
 
 
 def _launch(
