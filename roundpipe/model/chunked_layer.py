@@ -46,8 +46,6 @@ CHUNK_TOKENS = 16384
 MIN_TOKENS = 2 * CHUNK_TOKENS
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _subclasses: dict[type, type] = {}
-# The subclass's marks: already swapped; sliced, of kind "layers" (`chunked_mlp.LongRowSlicing`).
-_MARKS = {"_roundpipe_chunked_layer": True, "_roundpipe_sliced": "layers"}
 
 
 def chunkable(layer: nn.Module) -> bool:
@@ -75,7 +73,7 @@ def chunkable(layer: nn.Module) -> bool:
 def chunk_long_attention_layer(layer: nn.Module) -> bool:
     """Make ``layer`` run long causal sequences a slice at a time; False when it cannot."""
     base = type(layer)
-    if getattr(base, "_roundpipe_chunked_layer", False):
+    if getattr(base, "_roundpipe_sliced", None) == "layers":
         return True
     if not chunkable(layer):
         return False
@@ -141,7 +139,8 @@ def _methods(base: type) -> dict[str, Any]:
         ys = [run(part_c, xc, *(p[i] for p in pieces)) for i, xc in enumerate(xs)]
         return torch.cat(ys, dim=1)
 
-    return {"forward": forward, **_MARKS, "__module__": base.__module__}
+    # Its kind of slicing (`chunked_mlp.LongRowSlicing`), which also marks it swapped already.
+    return {"forward": forward, "_roundpipe_sliced": "layers", "__module__": base.__module__}
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> list[torch.Tensor]:

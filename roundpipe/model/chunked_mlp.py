@@ -87,7 +87,7 @@ def long_rows(sample: Any) -> bool:
 def chunk_long_sequences(mlp: nn.Module) -> nn.Module:
     """Make ``mlp`` (a per-token module, ``[..., hidden] -> [..., hidden]``) slice long inputs."""
     base = type(mlp)
-    if getattr(base, "_roundpipe_chunked", False):
+    if getattr(base, "_roundpipe_sliced", None) == "modules":
         return mlp
     mlp.__class__ = subclass_of(_subclasses, base, "SequenceChunked", _methods)
     return mlp
@@ -140,9 +140,5 @@ def _methods(base: type) -> dict[str, Any]:
         out = torch.cat(outs)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    return {
-        "forward": forward,
-        "_roundpipe_chunked": True,
-        "_roundpipe_sliced": "modules",  # its kind, for `LongRowSlicing`
-        "__module__": base.__module__,
-    }
+    # Its kind of slicing (`LongRowSlicing`), which also marks it swapped already.
+    return {"forward": forward, "_roundpipe_sliced": "modules", "__module__": base.__module__}
