@@ -106,6 +106,24 @@ def _flash_fits(query: torch.Tensor) -> bool:
     )
 
 
+def _cuda_window(window: int | None) -> dict[str, int | None]:
+    """Flash attention's window arguments: the query and ``window - 1`` keys before it."""
+    if window is None:
+        return {"window_size_left": None, "window_size_right": None}
+    return {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def _cpu_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+) -> tuple[list[torch.Tensor], bool, torch.Tensor | None]:
+    """``q``, ``k``, ``v`` head-major ([batch, heads, n, d], each key/value head repeated for its
+    group) for torch's CPU flash kernel, and its causal flag or, on a sliding layer, its mask."""
+    groups = q.shape[2] // k.shape[2]
+    heads = [q.transpose(1, 2), *(t.transpose(1, 2).repeat_interleave(groups, dim=1) for t in (k, v))]
+    mask = None if window is None else _window_mask(q.shape[1], window, q.dtype, q.device)
+    return heads, window is None, mask
+
+
 def _flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -114,22 +132,13 @@ def _flash_forward(
     ``k``/``v`` [batch, n, kv_heads, d]."""
     n = q.shape[1]
     if q.is_cuda:
-        left, right = (None, None) if window is None else (window - 1, 0)
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, n, n, 0.0, True, False,
-            scale=scale, window_size_left=left, window_size_right=right,
-        )  # fmt: skip
+            q, k, v, None, None, n, n, 0.0, True, False, scale=scale, **_cuda_window(window)
+        )
         return out, lse, (rng, unused)
-    groups = q.shape[2] // k.shape[2]
-    mask = None if window is None else _window_mask(n, window, q.dtype, q.device)
+    heads, causal, mask = _cpu_inputs(q, k, v, window)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2),
-        k.transpose(1, 2).repeat_interleave(groups, dim=1),
-        v.transpose(1, 2).repeat_interleave(groups, dim=1),
-        0.0,
-        window is None,
-        attn_mask=mask,
-        scale=scale,
+        *heads, 0.0, causal, attn_mask=mask, scale=scale
     )
     return out.transpose(1, 2), lse, ()
 
@@ -145,30 +154,26 @@ def _flash_backward(
     q, k, v, out, lse, *state = saved
     n = q.shape[1]
     if q.is_cuda:
-        left, right = (None, None) if window is None else (window - 1, 0)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad.contiguous(), q, k, v, out, lse, None, None, n, n, 0.0, True, *state,
-            scale=scale, window_size_left=left, window_size_right=right,
+            scale=scale, **_cuda_window(window),
         )  # fmt: skip
         return dq, dk, dv
     batch, _, kv_heads, dim = k.shape
-    groups = q.shape[2] // kv_heads
-    mask = None if window is None else _window_mask(n, window, q.dtype, q.device)
+    heads, causal, mask = _cpu_inputs(q, k, v, window)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad.transpose(1, 2).contiguous(),
-        q.transpose(1, 2),
-        k.transpose(1, 2).repeat_interleave(groups, dim=1),
-        v.transpose(1, 2).repeat_interleave(groups, dim=1),
+        *heads,
         out.transpose(1, 2).contiguous(),
         lse,
         0.0,
-        window is None,
+        causal,
         attn_mask=mask,
         scale=scale,
     )
 
     def summed(d: torch.Tensor) -> torch.Tensor:  # a key/value head's share, summed over its group
-        return d.view(batch, kv_heads, groups, n, dim).sum(2).transpose(1, 2)
+        return d.view(batch, kv_heads, -1, n, dim).sum(2).transpose(1, 2)
 
     return dq.transpose(1, 2), summed(dk), summed(dv)
 
