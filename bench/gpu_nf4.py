@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))
+from gpu_kernels import timed
 
 from roundpipe.model import nf4, nf4_triton
 from roundpipe.model.quant import NF4Linear, NF4Weight, dequantize_nf4, quantize_nf4
@@ -47,23 +49,6 @@ SHAPES_32B = {
 
 def emit(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    """Median milliseconds of ``fn`` on the GPU (CUDA events), after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def optional(name: str) -> Any:
@@ -194,7 +179,7 @@ def one_shape(name: str, shape: tuple[int, int], tokens: int, repeats: int) -> N
     }
     for impl, fn in candidates.items():
         if fn is not None:
-            ms = timed(fn, repeats)
+            ms = timed(fn, repeat=repeats)
             emit(name=name, part="dequant", impl=impl, ms=ms, gb_per_s=written / (ms / 1e3))
     x = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer = NF4Linear(q).cuda()
@@ -218,7 +203,7 @@ def one_shape(name: str, shape: tuple[int, int], tokens: int, repeats: int) -> N
         runs.append((label, "forward_backward", _switched(layer, compiled, nf4_fwd_bwd), 2))
     for impl, part, fn, matmuls in runs:
         with torch.no_grad() if part == "forward" else torch.enable_grad():
-            ms = timed(fn, repeats)
+            ms = timed(fn, repeat=repeats)
         emit(
             name=name, part=part, impl=impl, tokens=tokens, ms=ms, tflops=matmuls * flops / (ms / 1e3) / 1e12
         )
