@@ -37,8 +37,8 @@ declare -A JOB=(
   [F]="300|180|--workload F --warmup 2 --steps 1"             # ~3.5 min: 21 s/step, build ~25 s
   [E-nf4]="200|110|--workload E-nf4 --warmup 2 --steps 2"     # ~2.5 min
   [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; pins ~70 GiB of host
-  [G]="520|300|--workload G --warmup 0 --steps 1 --profile one_per_kind"  # ~4-6 min at 262,144 tokens
-  [G-nf4]="520|300|--workload G-nf4 --warmup 0 --steps 1 --profile one_per_kind"
+  [G]="570|300|--workload G --warmup 0 --steps 1 --profile one_per_kind"  # ~4-6 min at 262,144 tokens
+  [G-nf4]="570|300|--workload G-nf4 --warmup 0 --steps 1 --profile one_per_kind"
   [G131]="300|200|--workload G --seq 131072 --warmup 1 --steps 1 --profile one_per_kind"  # ~3 min
   [G131-nf4]="300|200|--workload G-nf4 --seq 131072 --warmup 1 --steps 1 --profile one_per_kind"
   [D]="170|90|--workload D --warmup 2 --steps 2"             # ~1.5-2 min
@@ -69,7 +69,7 @@ if "error" in r:
     print("   ERROR", r["error"][:300]); sys.exit()
 keys = ["tokens_per_s", "peak_gib", "predicted_peak_gib", "host_rss_gib", "h2d_bytes_per_iteration",
         "h2d_gbps_achieved", "h2d_gbps_probe", "link_busy", "compute_fraction", "bubble",
-        "exposed_transfer", "host_bound", "link_bound_tokens_per_s", "of_link_bound", "slots", "build_s"]
+        "exposed_transfer", "host_bound", "link_bound_tokens_per_s", "of_link_bound", "slots", "build_s", "long_row_slicing"]
 print("  ", json.dumps({k: r.get(k) for k in keys}))
 PY
 }

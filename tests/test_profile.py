@@ -136,6 +136,33 @@ def test_a_failing_layer_is_named() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 MiB"),
+        # inductor's autotuning, compiling a layer, re-raises the allocator's error as its message
+        RuntimeError("Failed to run autotuning code block: CUDA out of memory. Tried to allocate 7.00 GiB"),
+    ],
+    ids=["allocator", "autotuning"],
+)
+def test_a_layer_out_of_memory_while_profiled_is_an_out_of_memory_error(error: Exception) -> None:
+    """The long-row slicing levels move on only on this error: a layer that does not fit whole,
+    however the failure reaches the profiler, must not read as a broken layer."""
+    from roundpipe.errors import DeviceOutOfMemoryError
+
+    class TooBig(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                raise error
+            except Exception as inner:  # one layer further from the allocator: chained
+                raise RuntimeError("compiling the layer failed") from inner
+
+    with pytest.raises(DeviceOutOfMemoryError, match=r"out of memory profiling layer 1 \('big'\)"):
+        measure_layers(
+            [nn.Identity(), TooBig()], torch.randn(2, 2), CPU, computes_loss=False, names=["ok", "big"]
+        )
+
+
 def test_transformer_saved_bytes_grow_linearly_with_tokens(one_torch_thread: None) -> None:
     model = tiny_causal_lm("qwen3", attn="sdpa")
     seq = to_layer_sequence(model)

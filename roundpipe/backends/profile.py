@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.backends.holdings import is_out_of_memory
 from roundpipe.backends.meter import Meter as _Meter
 from roundpipe.backends.profile_kinds import OnePerKind, warm_up_kind
 from roundpipe.backends.replicas import Binder
@@ -337,16 +338,16 @@ def measure_layers(
                 measurement, x = _measure_layer(
                     i, labels[i], layer, x, meter, dtype, tail if last else None, prepare, warmed
                 )
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise StageError(
+                    f"layer {i} ({labels[i]!r}) raised {type(exc).__name__} while being profiled on {device}: {exc}",
+                    f"profile layer {i}",
+                ) from exc
             raise DeviceOutOfMemoryError(
                 f"out of memory profiling layer {i} ({labels[i]!r}) on {device} for one microbatch "
                 f"({format_bytes(activation_bytes(x)[0])} of input): the layer alone does not fit; use "
                 "more microbatches (fewer tokens each) or a shorter sequence",
-                f"profile layer {i}",
-            ) from exc
-        except Exception as exc:
-            raise StageError(
-                f"layer {i} ({labels[i]!r}) raised {type(exc).__name__} while being profiled on {device}: {exc}",
                 f"profile layer {i}",
             ) from exc
         out.append(measurement)
