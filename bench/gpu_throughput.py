@@ -377,8 +377,8 @@ def run_roundpipe(
         "exposed_transfer": round(report.exposed_transfer, 5),
         "host_bound": round(report.host_bound, 5),
         **link,
-        "planner_link": trace.meta.get("link"),
-        "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long  # the re-plan's own view of the link, where it made one
+        "planner_link": trace.meta.get("link"),  # the re-plan's own view of the link, where it made one
+        "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long
         "busy_ms_per_step": {k: round(v, 2) for k, v in sorted(report.busy_ms_per_iteration.items())},
         "breakdown": report.to_dict(),
         "host_rss_gib": rss.report(),
