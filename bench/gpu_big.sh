@@ -69,7 +69,8 @@ if "error" in r:
     print("   ERROR", r["error"][:300]); sys.exit()
 keys = ["tokens_per_s", "peak_gib", "predicted_peak_gib", "host_rss_gib", "h2d_bytes_per_iteration",
         "h2d_gbps_achieved", "h2d_gbps_probe", "link_busy", "compute_fraction", "bubble",
-        "exposed_transfer", "host_bound", "link_bound_tokens_per_s", "of_link_bound", "slots", "build_s", "long_row_slicing"]
+        "exposed_transfer", "host_bound", "link_bound_tokens_per_s", "of_link_bound", "slots", "build_s", "long_row_slicing",
+        "prefetch_stages"]
 print("  ", json.dumps({k: r.get(k) for k in keys}))
 PY
 }

@@ -205,11 +205,13 @@ class PipeMachinery:
 
     def _use_device_plan(self, device_plan: DevicePlan) -> None:
         record_device_plan(device_plan, self.runtime, self._trace, self._builder.next_iteration)
-        ahead = device_plan.prediction.inputs_ahead  # the uploads the prediction counted
-        if ahead != self._options.inputs_ahead:
-            self._options = replace(self._options, inputs_ahead=ahead)
+        prediction = device_plan.prediction  # the uploads it counted are the ones to run
+        counted = {"inputs_ahead": prediction.inputs_ahead, "prefetch_stages": prediction.prefetch}
+        changed = {k: v for k, v in counted.items() if getattr(self._options, k) != v}
+        if changed:
+            self._options = replace(self._options, **changed)  # type: ignore[arg-type]
             self._builder.options = self._options
-            self._trace.meta["inputs_ahead"] = ahead
+            self._trace.meta.update(changed)
         if self._switch_plan(device_plan.plan, device_plan.costs):
             self._trace.meta["plan"] = device_plan.plan.to_dict()
 

@@ -127,6 +127,7 @@ class MemoryPrediction:
     grain: str
     # Whether a backward stage's next input is uploaded while the stage computes (`predict_peak`).
     inputs_ahead: bool = True
+    prefetch: int = 1  # stages whose parameters are uploaded ahead (`ScheduleOptions.prefetch_stages`)
 
     @property
     def peak_bytes(self) -> int:
@@ -150,7 +151,7 @@ class MemoryPrediction:
 
     def to_dict(self) -> dict[str, Any]:
         head = {"peak_bytes": self.peak_bytes, "peak_slot": self.peak_slot.index, "grain": self.grain}
-        head |= {"inputs_ahead": self.inputs_ahead}
+        head |= {"inputs_ahead": self.inputs_ahead, "prefetch": self.prefetch}
         return head | {"slots": [s.to_dict() for s in self.slots]}
 
 
@@ -243,7 +244,7 @@ def predict_peak(
                 draining,
             )
         )
-    return MemoryPrediction(tuple(out), grain, inputs_ahead)
+    return MemoryPrediction(tuple(out), grain, inputs_ahead, prefetch)
 
 
 # ---------------------------------------------------------------------- the partitioner's view

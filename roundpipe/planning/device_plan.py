@@ -304,4 +304,64 @@ def with_link(
     chosen = device_plan
     if choice.plan != device_plan.plan:
         chosen = replace(made["aware"], costs=device_plan.costs)
+    chosen = with_prefetch(chosen, config, gbps, param_bytes, choice.iteration_ms)
     return replace(chosen, link=choice.report)
+
+
+MAX_PREFETCH_STAGES = 3
+"""The most stages a device uploads ahead (`ScheduleOptions.prefetch_stages`)."""
+PREFETCH_GAIN = 0.005
+"""The share of the iteration one more stage ahead must save, on the fake engine with the link
+on, to be taken: it holds one more stage's parameters on the device."""
+
+
+def with_prefetch(
+    device_plan: DevicePlan,
+    config: RunConfig,
+    link_gbps: float,
+    param_bytes: tuple[int, ...],
+    iteration_ms: float,
+) -> DevicePlan:
+    """``device_plan`` with its parameters uploaded more stages ahead where that is faster.
+
+    Why: with one stage ahead, an upload overlaps only the stage before it. In a run whose
+    forward stages are link-bound and whose backward stages are compute-bound (GPT-OSS-20B at
+    4 x 4096 tokens) the link idles while a backward stage finishes; uploading further ahead lets
+    it go on with the next stages, the next iteration's forward ones included. Each further
+    stage is taken while the predicted peak with it fits the budget and the fake engine, on this
+    plan's costs, bytes and link (``iteration_ms``: its time one stage ahead), runs at least
+    `PREFETCH_GAIN` faster; the prediction that counts it says how many (``prefetch``). Without
+    a budget the run keeps one: more would take memory the user did not offer."""
+    from roundpipe.plan.memory import in_flight_microbatches, predict_peak
+    from roundpipe.planning.link_plan import link_iteration_ms
+
+    if device_plan.budget_bytes is None:
+        return device_plan
+    plan, budget = device_plan.plan, planning_budget(device_plan.budget_bytes, device_plan.kind)
+    best, best_ms = device_plan, iteration_ms
+    for depth in range(device_plan.prediction.prefetch + 1, MAX_PREFETCH_STAGES + 1):
+        prediction = predict_peak(
+            plan,
+            device_plan.memory,
+            config.recompute_grain,
+            prefetch=depth,
+            act_in_flight=in_flight_microbatches(config.num_microbatches),
+            num_devices=plan.num_devices,
+            inputs_ahead=device_plan.prediction.inputs_ahead,
+        )
+        if not prediction.fits(budget):
+            break
+        ms = link_iteration_ms(
+            plan,
+            device_plan.costs,
+            param_bytes,
+            link_gbps,
+            config.num_microbatches,
+            async_optimizer=config.async_optimizer,
+            round_size=config.round_size,
+            prefetch_stages=depth,
+        )
+        if ms > best_ms * (1 - PREFETCH_GAIN):
+            break
+        best, best_ms = replace(device_plan, prediction=prediction), ms
+    return best

@@ -49,9 +49,11 @@ def link_iteration_ms(
     *,
     async_optimizer: bool,
     round_size: int | None = None,
+    prefetch_stages: int = 1,
 ) -> float:
     """Milliseconds per iteration of ``plan`` on the fake engine with the link on (every
-    layer's ``param_bytes`` uploaded per slot and round at ``link_gbps``)."""
+    layer's ``param_bytes`` uploaded per slot and round at ``link_gbps``, ``prefetch_stages``
+    stages ahead)."""
     iterations = ASYNC_ITERATIONS if async_optimizer else 1
     result = simulate(
         plan,
@@ -63,6 +65,7 @@ def link_iteration_ms(
         link_gbps=link_gbps,
         param_bytes=list(param_bytes),
         round_size=round_size,
+        prefetch_stages=prefetch_stages,
     )
     return result.makespan_ms / iterations
 

@@ -74,18 +74,17 @@ def simulate(
     after_loss: bool = False,
     loss_lag: int = 0,
     inputs_ahead: bool = True,
+    prefetch_stages: int = 1,
 ) -> SimulationResult:
     """Run ``iterations`` iterations (each followed by an optimizer step) on the fake backend.
 
     ``param_bytes`` defaults to the layers' ``mem_bytes`` (used only when ``link_gbps`` is set).
     ``fresh_layers``: the deepest layers read fresh weights (`RunConfig.fresh_layers`); with
     ``optimizer_ms`` set, the makespan shows what their steps cost the next forward. ``fresh_at``:
-    so do the layers at these indices (`RunConfig.fresh_at`).
-    ``after_loss``: submit each iteration (and the step after it) only once the previous one's
-    losses are in, as a loop of `RoundPipe.forward_backward` and `step` does (what async plans
-    are evaluated on), instead of all at once (the chained run); with ``loss_lag=1`` the loop
-    reads each loss one iteration late (``forward_backward(..., wait=False)``): iteration t + 2
-    and its step go in once iteration t's losses are. ``inputs_ahead``: as in `ScheduleOptions`."""
+    so do the layers at these indices. ``after_loss``: submit each iteration (and its step) only
+    once the previous one's losses are in, as a training loop does (what async plans are evaluated
+    on), not all at once; with ``loss_lag=1`` each loss is read an iteration late: t + 2 and its
+    step go in once t's are. ``inputs_ahead``, ``prefetch_stages``: as in `ScheduleOptions`."""
     shape = RunShape(num_devices, num_microbatches, async_optimizer, round_size, loss_lag)
     run = FakeRun(
         link_gbps=link_gbps,
@@ -100,6 +99,7 @@ def simulate(
         fresh_at=tuple(fresh_at),
         after_loss=after_loss,
         inputs_ahead=inputs_ahead,
+        prefetch_stages=prefetch_stages,
     )
     engine, trace, iteration_computes = run_shaped(plan, costs, shape, iterations, run)
     report = trace.bubble_ratio()
@@ -131,6 +131,7 @@ class FakeRun:
     fresh_at: tuple[int, ...] = ()
     after_loss: bool = False
     inputs_ahead: bool = True
+    prefetch_stages: int = 1
 
 
 def run_fake(
@@ -189,6 +190,7 @@ def _builder(plan: Plan, costs: LayerCosts, shape: RunShape, run: FakeRun) -> Gr
             else frozenset()
         ),
         inputs_ahead=run.inputs_ahead,
+        prefetch_stages=run.prefetch_stages,
     )
     return GraphBuilder(plan, spec, shape.num_devices, options)
 

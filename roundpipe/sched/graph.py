@@ -134,6 +134,7 @@ class GraphBuilder:
             "fresh_units": sorted(self.options.fresh_units),
             "fresh_base_version": self.fresh_base_version,
             "inputs_ahead": self.options.inputs_ahead,
+            "prefetch_stages": self.options.prefetch_stages,
         }
 
     @property
@@ -212,10 +213,12 @@ class GraphBuilder:
 
     def _param_uploads(self, run: StageRun, built: IterationInProgress) -> list[Key]:
         """One upload per layer (per chunk of a large layer), each after the run two before on the
-        device (one stage of prefetch) and the P-copy that wrote the version it reads (rule 2)."""
+        device (one stage of prefetch; ``prefetch_stages`` + 1 before) and the P-copy that wrote
+        the version it reads (rule 2)."""
         spec, ledgers, fresh = self.spec, self.ledgers, self.options.fresh_units
         history = self._device_runs.get(run.device, ())
-        prefetch_dep = [history[-2]] if len(history) >= 2 else []
+        back = self.options.prefetch_stages + 1
+        prefetch_dep = [history[-back]] if len(history) >= back else []
         chunk = self.options.chunk_bytes
         param_keys: list[Key] = []
         for layer in run.layers:
@@ -271,10 +274,11 @@ class GraphBuilder:
         )
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
-        """Keep a device's two latest runs: a run's uploads wait for the one two before."""
+        """Keep a device's latest runs: a run's uploads wait for the one ``prefetch_stages`` + 1
+        before, its first activation for the one two before."""
         history = self._device_runs.setdefault(device, [])
         history.append(last_compute)
-        if len(history) > 2:
+        if len(history) > max(2, self.options.prefetch_stages + 1):
             del history[0]
 
     def _grad_download(self, run: StageRun, last_compute: Key, built: IterationInProgress) -> None:

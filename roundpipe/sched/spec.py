@@ -91,6 +91,18 @@ class ScheduleOptions:
     # for microbatches so large that one more activation on the device does not fit (the planner
     # chooses it, `planning.device_plan.plan_from`); each upload is then exposed.
     inputs_ahead: bool = True
+    # Stages whose parameters a device uploads ahead of the one it computes: the uploads of its
+    # run k wait for its run k - 1 - prefetch_stages to end. One hides an upload behind the stage
+    # before; a run whose forward stages are link-bound and backward ones compute-bound leaves the
+    # link idle in the backward, which a second stage ahead fills (`planning.link_plan`), at one
+    # more stage of parameters on the device (`plan.memory.predict_peak`'s ``prefetch``).
+    prefetch_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.prefetch_stages < 1:
+            raise ValueError(
+                f"prefetch_stages must be >= 1 (stages uploaded ahead), not {self.prefetch_stages}"
+            )
 
     def is_async(self, unit: int) -> bool:
         """Whether ``unit`` follows the asynchronous rules (staleness 1 after the warm-up)."""
