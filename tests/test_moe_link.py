@@ -161,3 +161,5 @@ def test_the_replan_takes_the_link_aware_plan_where_the_measured_link_makes_it_f
     assert timed(chosen.plan) < timed(first.plan)
     light = with_link(first, config, run(1000), (1000,) * layers)
     assert light.plan == first.plan and light.link is not None and not light.link.link_bound
+    # Uploads that hide behind compute keep one stage ahead (`with_prefetch` is not consulted).
+    assert not light.link.link_bound_layers and light.prediction.prefetch == 1

@@ -304,7 +304,9 @@ def with_link(
     chosen = device_plan
     if choice.plan != device_plan.plan:
         chosen = replace(made["aware"], costs=device_plan.costs)
-    chosen = with_prefetch(chosen, config, gbps, param_bytes, choice.iteration_ms)
+    # Only where uploads outlast compute: the fake engine there moves weights, not activations.
+    if choice.report.link_bound_layers:
+        chosen = with_prefetch(chosen, config, gbps, param_bytes, choice.iteration_ms)
     return replace(chosen, link=choice.report)
 
 
