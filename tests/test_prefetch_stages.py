@@ -80,6 +80,26 @@ def test_a_run_uploads_once_the_run_prefetch_plus_one_before_has_ended(prefetch:
             assert isinstance(upload.key, ParamUpKey)
 
 
+def test_deeper_prefetch_from_the_next_iteration_on_waits_for_the_runs_before_the_switch() -> None:
+    """The planner switches the options between iterations (the CUDA re-plan): the first runs
+    after a switch to three stages ahead already wait for the run four before."""
+    plan = one_layer_stages(microbatches=1)
+    spec = ModelSpec.uniform(plan.num_layers, param_bytes=1000, act_bytes=100)
+    from roundpipe.sched.graph import RUNS_KEPT
+
+    assert device_plans.MAX_PREFETCH_STAGES + 1 <= RUNS_KEPT  # the deepest choice finds its run
+    builder = GraphBuilder(plan, spec, 1, ScheduleOptions())
+    builder.forward_backward(0, 0, 1)
+    builder.options = ScheduleOptions(prefetch_stages=3)
+    tasks = builder.forward_backward(1, 0, 1).tasks
+    slots = plan.num_slots
+    for slot in range(3):  # each waits for a run of iteration 0: 4 runs before on the one device
+        uploads = [x for x in tasks if x.kind == PARAM_UP and x.key.slot == slot]
+        assert uploads
+        for upload in uploads:
+            assert set(upload.sync_deps) == {ComputeKey(0, slots - 4 + slot, 0)}, upload.key
+
+
 def test_on_the_fake_engine_stages_ahead_fill_the_links_idle_backward_and_keep_the_rules() -> None:
     plan, costs = one_layer_stages(), link_bound_forward_costs()
     times = {}

@@ -65,6 +65,8 @@ from roundpipe.sched.task import (
 FRESH_CHAIN_PRIORITY = 13
 """A fresh unit's G-copy, step and P-copy: above every other task of the optimizer lane (P-copies
 12, the rest 10; `sched.task.PRIORITY`)."""
+RUNS_KEPT = 4
+"""Stage runs remembered per device: enough for `planning.device_plan.MAX_PREFETCH_STAGES`."""
 
 
 @dataclass
@@ -275,10 +277,11 @@ class GraphBuilder:
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
         """Keep a device's latest runs: a run's uploads wait for the one ``prefetch_stages`` + 1
-        before, its first activation for the one two before."""
+        before, its first activation for the one two before. At least `RUNS_KEPT`, so that
+        options switched to deeper prefetch between iterations find the run to wait for."""
         history = self._device_runs.setdefault(device, [])
         history.append(last_compute)
-        if len(history) > max(2, self.options.prefetch_stages + 1):
+        if len(history) > max(RUNS_KEPT, self.options.prefetch_stages + 1):
             del history[0]
 
     def _grad_download(self, run: StageRun, last_compute: Key, built: IterationInProgress) -> None:
