@@ -80,6 +80,11 @@ def test_a_run_uploads_once_the_run_prefetch_plus_one_before_has_ended(prefetch:
             assert isinstance(upload.key, ParamUpKey)
 
 
+def test_fewer_than_one_stage_ahead_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefetch_stages must be >= 1"):
+        ScheduleOptions(prefetch_stages=0)
+
+
 def test_deeper_prefetch_from_the_next_iteration_on_waits_for_the_runs_before_the_switch() -> None:
     """The planner switches the options between iterations (the CUDA re-plan): the first runs
     after a switch to three stages ahead already wait for the run four before."""

@@ -211,7 +211,7 @@ class CausalLMBlock(nn.Module):
 
     def roundpipe_replica(self) -> None:
         """On roundpipe's copies only: experts run as grouped matrix products (`experts`),
-        attention with sinks through sdpa (`sink_attention`), the MLP runs long sequences a slice
+        attention with sinks through torch's fused kernels (`sink_attention`), the MLP runs long sequences a slice
         of tokens at a time (not an MLP that returns a tuple, nor one whose router logits are
         caught), and so does everything per token in a standard attention layer
         (`chunked_layer`)."""
