@@ -18,7 +18,8 @@
 #   OUT=/path bash bench/gpu_big.sh F-profile D16-profile   # torch.profiler summaries, 4 layers each
 #
 # Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
-# per workload. DEADLINE_S (default 530) bounds the whole call.
+# per workload. DEADLINE_S (default 530) bounds the whole call; EXTRA adds arguments to every
+# workload (EXTRA="--save-trace $OUT/traces": each run's trace, for `roundpipe trace`).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -87,7 +88,7 @@ for name in "${NAMES[@]}"; do
   echo "== $name: $args (limit ${limit}s, $(date +%T))"
   # shellcheck disable=SC2086  # the arguments are words
   timeout --kill-after=15 "$limit" python bench/gpu_throughput.py --devices "$DEVICES" --async --loss-lag 1 \
-    --out "$OUT/big.jsonl" $args >"$OUT/$name.log" 2>&1
+    --out "$OUT/big.jsonl" $args ${EXTRA:-} >"$OUT/$name.log" 2>&1
   echo "   exit $? after $(($(date +%s) - START))s of the call"
   summary "$OUT/$name.log"
 done

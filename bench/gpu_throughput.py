@@ -288,8 +288,13 @@ def run_roundpipe(
         retries_before = alloc_retries(indices)
         pinned_before = pinned_host_growth()
         first, measured_start = 0, time.perf_counter()
-        for i in range(args.warmup + args.steps):
-            if i == args.warmup:
+        warmup = args.warmup
+        i = 0
+        plans_run: list[Any] = []  # the plan each step's iteration was built with
+        while i < warmup + args.steps:
+            if i == warmup and 0 < warmup < args.warmup + MAX_SETTLING_STEPS and not settled(pipe, plans_run):
+                warmup += 1  # the measured steps start after the iteration that compiles the re-plan
+            if i == warmup:
                 losses += [pending.result() for pending in waiting]
                 waiting.clear()
                 pipe.synchronize()
@@ -301,6 +306,7 @@ def run_roundpipe(
                 if getattr(args, "torch_profile", False):
                     torch_profile = profiling.enter_context(profiled(args.steps))
             start = time.perf_counter()
+            plans_run.append(pipe.plan)  # re-plans happen between iterations, never inside one
             waiting.append(pipe.forward_backward(data, wait=False))
             # No synchronize per step, in either mode: it also writes the weights back into the
             # module (seconds for a large model in bf16). In sync mode the next iteration's
@@ -311,6 +317,7 @@ def run_roundpipe(
             if args.collect_garbage:
                 gc.collect()
             times.append(time.perf_counter() - start)
+            i += 1
         losses += [pending.result() for pending in waiting]
         pipe.synchronize()
         wall = time.perf_counter() - measured_start
@@ -329,7 +336,7 @@ def run_roundpipe(
         }
     peaks = device_memory(indices)
     retries = alloc_retries(indices)
-    step_s = sorted(times[args.warmup :])[len(times[args.warmup :]) // 2]
+    step_s = sorted(times[warmup:])[len(times[warmup:]) // 2]
     if args.loss_lag:
         # A loop iteration that reads the previous step's loss returns when that loss is in, which
         # is not when a step ends (and the first measured one reads none): the period is the
@@ -388,10 +395,32 @@ def run_roundpipe(
         "losses": [round(x, 4) for x in losses],  # every step's, warm-up included
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "loss_lag": args.loss_lag,
+        "warmup_steps": warmup,  # --warmup, plus the steps until the re-plan had run
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
+
+
+MAX_SETTLING_STEPS = 3
+"""The most warm-up steps added to --warmup until the plan has settled (`settled`)."""
+
+
+def settled(pipe: Any, plans_run: list[Any]) -> bool:
+    """Whether the next step runs a plan that has run before: no re-plan to come, and the plan in
+    force built the last step's iteration. A re-plan takes effect with the next iteration, and
+    that iteration compiles the graph variants its new stages need (on an H100, D's new first
+    stage [0, 2] compiled for 6.5 s there): a step measured then times that compiling, not the
+    plan."""
+    return not replan_pending(pipe) and bool(plans_run) and plans_run[-1] == pipe.plan
+
+
+def replan_pending(pipe: Any) -> bool:
+    """Whether ``pipe`` is still to re-plan from measured times on the device."""
+    planner = getattr(pipe, "_planner", None)
+    if planner is None or planner.device_plan is None:  # no plan from device measurements to refine
+        return False
+    return bool(planner.replan_enabled and not planner.replanned)
 
 
 def pinned_host_growth() -> dict[str, float]:

@@ -468,3 +468,44 @@ def test_link_figures_from_a_trace() -> None:
     assert out["param_passes_per_iteration"] == 1.0
     assert out["link_bound_step_s"] == 0.02 and out["link_bound_tokens_per_s"] == 50000.0
     assert out["of_link_bound"] == 0.1
+
+
+def test_measured_steps_start_after_the_replan_from_device_measurements() -> None:
+    """Under a budget the layers are measured on the device and the one re-plan runs after
+    `REPLAN_AFTER_ITERATIONS`; the iteration after it runs the new plan first (compiling its new
+    stages on a GPU), so --warmup 1 grows until the plan in force has run once."""
+    from roundpipe.planning.device_plan import REPLAN_AFTER_ITERATIONS
+
+    args = bench.parse_args(["--devices", "cpu:1", "--workload", "tiny", "--budget", "1GiB"])
+    args.steps, args.warmup = 1, 1
+    model = pieces.build_model(args.workloads[0], torch.float32)
+    result = bench.run_roundpipe(args.workloads[0], "async", args, model)
+    assert result["warmup_steps"] > REPLAN_AFTER_ITERATIONS - 1  # the re-plan ran in the warm-up
+    assert result["breakdown"]["iterations"] == [result["warmup_steps"]]
+    no_budget = bench.parse_args(["--devices", "cpu:1", "--workload", "tiny"])
+    no_budget.steps, no_budget.warmup = 1, 1
+    plain_model = pieces.build_model(no_budget.workloads[0], torch.float32)
+    plain = bench.run_roundpipe(no_budget.workloads[0], "async", no_budget, plain_model)
+    assert plain["warmup_steps"] == 1  # no plan from device measurements: nothing to wait for
+
+
+def test_settled_waits_for_the_replan_and_for_one_iteration_of_its_plan() -> None:
+    class Planner:
+        def __init__(self, device_plan: object, enabled: bool, replanned: bool) -> None:
+            self.device_plan, self.replan_enabled, self.replanned = device_plan, enabled, replanned
+
+    class Pipe:
+        def __init__(self, planner: Planner | None, plan: str = "new") -> None:
+            self._planner, self.plan = planner, plan
+
+    assert bench.replan_pending(Pipe(Planner(object(), True, False)))
+    assert not bench.replan_pending(Pipe(Planner(object(), True, True)))
+    assert not bench.replan_pending(Pipe(Planner(object(), False, False)))
+    assert not bench.replan_pending(Pipe(Planner(None, True, False)))
+    assert not bench.replan_pending(Pipe(None))
+    done = Planner(object(), True, True)
+    assert not bench.settled(Pipe(Planner(object(), True, False)), ["new"])  # re-plan to come
+    assert not bench.settled(Pipe(done), ["old", "old"])  # re-planned after the last step
+    assert bench.settled(Pipe(done), ["old", "new"])
+    assert not bench.settled(Pipe(None), [])
+    assert bench.settled(Pipe(None), ["new"])
