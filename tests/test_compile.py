@@ -191,14 +191,14 @@ def test_compiling_leaves_no_tensors_in_garbage(
     assert (in_garbage == 0) == collect, in_garbage
 
 
-def test_layers_with_experts_launch_from_the_cpp_wrapper_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mixture-of-experts layers run their grouped products through roundpipe's own operator,
-    which inductor's C++ wrapper calls through the dispatcher: a run holding them launches from
-    the C++ wrapper like any other."""
+def test_layers_with_experts_launch_from_the_python_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixture-of-experts layers run grouped matrix products, which inductor's C++ wrapper could
+    not build on CUDA (torch 2.11); a run holding them keeps the Python wrapper, others do not."""
     from tests.helpers import tiny_causal_lm
     from tests.test_transformers_parity import tiny_qwen3_moe
 
     monkeypatch.setattr(compiling, "wants_cpp_wrapper", lambda device_type: True)
+    assert not LayerCompiler(True, "cuda", grouped_products=True).cpp_wrapper
     wrapped = {}
     for name, model in (("dense", tiny_causal_lm()), ("moe", tiny_qwen3_moe())):
         config = roundpipe.RunConfig(devices="cpu:1", compile=True, num_microbatches=1)
@@ -206,4 +206,4 @@ def test_layers_with_experts_launch_from_the_cpp_wrapper_too(monkeypatch: pytest
             model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=config
         ) as pipe:
             wrapped[name] = pipe.runtime.compiler.cpp_wrapper
-    assert wrapped == {"dense": True, "moe": True}
+    assert wrapped == {"dense": True, "moe": False}

@@ -21,11 +21,12 @@ from 19.7-24.2K to 29.5K tokens/s and 16% host-bound, for about a minute more of
 first run (the compiled code is cached on disk for the next). Setting ``TORCHINDUCTOR_CPP_WRAPPER``
 in the environment (to 0 or 1) leaves the choice to inductor's own setting.
 
-Mixture-of-experts layers launch from the C++ wrapper too: their grouped matrix product is
-roundpipe's own operator (`roundpipe.model.grouped_mm`), which the wrapper calls through the
-dispatcher. torch 2.11's wrapper could not call ``aten::_grouped_mm`` itself (its CUDA shim header
-lacks ``aoti_torch_cuda__grouped_mm``), and with the Python wrapper a Qwen3-30B-A3B layer at 4,096
-tokens took the host 3.3-5.5 ms to issue its forward against 1.9-3.7 ms on the GPU.
+A run whose layers hold mixture-of-experts modules launches from the Python wrapper: the
+grouped matrix product they run (`roundpipe.model.experts`) has no declaration in torch 2.11's
+CUDA shim header, so the C++ wrapper of such a layer does not build ("aoti_torch_cuda__grouped_mm
+was not declared"; taking the operator out of inductor's shim table does not change the code
+generated there). With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) ran 2.1%
+host-bound: its layers run few, long kernels.
 
 The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
 compiles is open (`CPP_WRAPPER`), not as a per-compile option: inductor compiles a graph's
@@ -173,12 +174,15 @@ class LayerCompiler:
         setting: CompileSetting,
         device_type: str,
         compiler: Compiler | None = None,
+        *,
+        grouped_products: bool = False,
     ) -> None:
         self.enabled = compile_enabled(setting, device_type)
         self.explicit = setting is True
         self.compiler = compiler or Compiler(**default_options(device_type))
-        # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`).
-        self.cpp_wrapper = self.enabled and wants_cpp_wrapper(device_type)
+        # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`),
+        # unless the layers run grouped matrix products, which it cannot build (module docstring).
+        self.cpp_wrapper = self.enabled and not grouped_products and wants_cpp_wrapper(device_type)
         self._held: list[HeldSetting[Any]] = []
         # Whether the copies slice long rows; one object for all, so that switching reaches them all.
         self.slicing = LongRowSlicing()

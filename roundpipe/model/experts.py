@@ -6,8 +6,7 @@ Each ``nonzero``/``where`` waits for the device, so a 128-expert layer stops the
 per call, and the small products leave the GPU idle. Here the routed (token, expert) pairs are
 sorted by expert once, the offsets of each expert's rows are computed on the device
 (``searchsorted`` on the sorted ids), and each projection is one ``torch.nn.functional.grouped_mm``
-over all experts (`roundpipe.model.grouped_mm`, an operator of roundpipe's own so that compiled
-layers launch it from inductor's C++ wrapper). Nothing in this path reads a tensor's value on the host: no ``.item()``,
+over all experts. Nothing in this path reads a tensor's value on the host: no ``.item()``,
 ``.tolist()``, ``nonzero()`` or branch on data, so the host issues a whole layer without waiting
 (tests/test_moe_experts.py checks it).
 
@@ -19,7 +18,9 @@ router auxiliary loss are the model's own (`roundpipe.model.moe`); only the expe
 
 Kernels: ``grouped_mm`` runs on CPU (torch >= 2.9, any float dtype) and on CUDA in bf16 on sm90+
 without any host round trip. On CUDA in other dtypes torch falls back to a loop that copies the
-offsets to the host once per product (two per layer forward, not one per expert).
+offsets to the host once per product (two per layer forward, not one per expert). The kernel wants
+16-byte strides and base pointers: a dimension that is not a multiple of 16 bytes is padded with
+zeros (exact; real models never need it), a misaligned base pointer is copied to a fresh tensor.
 
 Frozen experts in 4 bits: `quantize_experts_` (what `roundpipe.model.quant.quantize_frozen_`
 calls for ``base_format="nf4"``) replaces the 3-D ``gate_up_proj`` / ``down_proj`` of frozen
@@ -42,14 +43,17 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from roundpipe.model.grouped_mm import grouped_mm
 from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from roundpipe.model.swap_class import subclass_of
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
 REPLACEABLE = frozenset({None, "eager", "grouped_mm", "batched_mm"})
+ALIGN_BYTES = 16
+# torch >= 2.10 names it in torch.nn.functional; 2.9 has only the private op, the same kernel.
+_GROUPED_MM: Any = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")  # noqa: B009
 
 
 def _swiglu_halves(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
@@ -116,6 +120,39 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     bounds = torch.arange(1, num_experts + 1, device=expert.device, dtype=expert.dtype)
     offsets = torch.searchsorted(expert, bounds, out_int32=True)
     return Routing(order, torch.div(order, k, rounding_mode="floor"), expert, offsets)
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    missing = size - t.shape[dim]
+    if missing == 0:
+        return t
+    pads = [0, 0] * (t.dim() - 1 - (dim % t.dim())) + [0, missing]
+    return F.pad(t, pads)
+
+
+def _aligned_size(size: int, element_size: int) -> int:
+    step = max(1, ALIGN_BYTES // element_size)
+    return -(-size // step) * step
+
+
+def _aligned_base(t: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling() or t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e] @ weight[e]`` for every expert e: ``x`` [S, in] sorted by expert,
+    ``weight`` [E, in, out] (any strides), ``offsets`` [E] int32 row ends."""
+    x = x.to(weight.dtype)
+    size = weight.element_size()
+    d_in, d_out = weight.shape[1], weight.shape[2]
+    p_in, p_out = _aligned_size(d_in, size), _aligned_size(d_out, size)
+    if (p_in, p_out) != (d_in, d_out):
+        x = _pad_to(x, 1, p_in)
+        weight = _pad_to(_pad_to(weight, 1, p_in), 2, p_out)
+    out = _GROUPED_MM(_aligned_base(x.contiguous()), _aligned_base(weight), offs=offsets)
+    return out[:, :d_out] if p_out != d_out else out
 
 
 @dataclass(frozen=True)
