@@ -171,7 +171,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="read each loss this many steps late (forward_backward(wait=False); roundpipe train's default is 1)",
     )
-    p.add_argument("--warmup", type=int, default=2, help="steps before measuring (the re-plan is in them)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="steps before measuring at least (more until the re-plan has run an iteration: `settled`)",
+    )
     p.add_argument(
         "--torch-profile",
         action="store_true",

@@ -25,8 +25,9 @@ A run whose layers hold mixture-of-experts modules launches from the Python wrap
 grouped matrix product they run (`roundpipe.model.experts`) has no declaration in torch 2.11's
 CUDA shim header, so the C++ wrapper of such a layer does not build ("aoti_torch_cuda__grouped_mm
 was not declared"; taking the operator out of inductor's shim table does not change the code
-generated there). With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) ran 2.1%
-host-bound: its layers run few, long kernels.
+generated there). With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) runs 52.7%
+host-bound at 88% of its link bound; calling the product as an operator of roundpipe's own, which
+the C++ wrapper can call, made D less host-bound but GPT-OSS-20B 10% slower (docs/design.md).
 
 The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
 compiles is open (`CPP_WRAPPER`), not as a per-compile option: inductor compiles a graph's
