@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -247,17 +248,64 @@ def test_step_without_new_gradients_is_refused_and_changes_nothing() -> None:
         assert pipe.step_count == 2
 
 
-class RunsOutOfMemory(nn.Module):
-    """Raises the allocator's out-of-memory error once armed (as a CUDA kernel would), else the identity."""
+def allocator_error() -> Exception:
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 MiB")
 
-    def __init__(self) -> None:
+
+def autotuning_error() -> Exception:
+    """How inductor's autotuning, compiling a new graph variant, re-raises the allocator's error."""
+    try:
+        raise allocator_error()
+    except torch.OutOfMemoryError as exc:
+        try:
+            raise RuntimeError(f"Failed to run autotuning code block: {exc}") from exc
+        except RuntimeError as wrapped:
+            return wrapped
+
+
+class _FailsBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, make: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.make = make
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+        raise ctx.make()
+
+
+class RunsOutOfMemory(nn.Module):
+    """Once armed, raises ``make()`` in its forward or in its backward (as a CUDA kernel or
+    inductor would), else the identity."""
+
+    def __init__(self, make: Any = allocator_error, in_backward: bool = False) -> None:
         super().__init__()
         self.switch = Switch()
+        self.make, self.in_backward = make, in_backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.switch.on:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 MiB")
-        return x
+        if not self.switch.on:
+            return x
+        if self.in_backward:
+            return _FailsBackward.apply(x, self.make)
+        raise self.make()
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("make", [allocator_error, autotuning_error], ids=["allocator", "autotuning"])
+def test_out_of_memory_in_any_form_is_named_as_one(make: Any, in_backward: bool) -> None:
+    """The allocator's error, or inductor's re-raise of it, in a layer's forward or backward: the
+    user sees `DeviceOutOfMemoryError` (with the prediction and what was held), not a broken layer."""
+    model = nn.Sequential(nn.Linear(8, 16), RunsOutOfMemory(make, in_backward), nn.Linear(16, 4))
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=2, replan=False)
+    data = batches(1)
+    model[1].switch.on = True
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        with pytest.raises(roundpipe.DeviceOutOfMemoryError) as info:
+            pipe.forward_backward(*data[0], mse)
+        assert "out of memory" in str(info.value) and "of stage " in str(info.value)
+        model[1].switch.on = False
+    assert roundpipe_threads() == []
 
 
 def test_out_of_memory_names_the_stage_and_what_the_runtime_held() -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from roundpipe.backends.holdings import is_out_of_memory
 from roundpipe.backends.host_data import ReplicaKey
 from roundpipe.errors import StageError
 from roundpipe.sched.task import Task
@@ -89,11 +90,11 @@ class Replicas:
                 finally:
                     binder.unbind()  # the replica must not keep a finished run's weights alive
                     binder.forget_cached()
-        except torch.OutOfMemoryError as exc:
-            raise self.out_of_memory(task, f"layer {layer} ({self.names[layer]}), ") from exc
         except StageError:
             raise
         except Exception as exc:
+            if is_out_of_memory(exc):  # the allocator's, or one inductor re-raised while compiling
+                raise self.out_of_memory(task, f"layer {layer} ({self.names[layer]}), ") from exc
             raise StageError(
                 f"layer {layer} ({self.names[layer]}) raised {type(exc).__name__}: {exc} "
                 f"(stage {task.stage} on device {task.device}, microbatch {task.microbatch}, "

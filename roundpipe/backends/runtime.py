@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from roundpipe.backends.compiling import NO_COMPILE, CompileGarbage, LayerCompiler
-from roundpipe.backends.holdings import out_of_memory_error
+from roundpipe.backends.holdings import is_out_of_memory, out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.optimizer_lane import OptimizerLane
 from roundpipe.backends.replicas import Replicas
@@ -49,7 +49,7 @@ from roundpipe.backends.tensors import (
     part_range,
     to_device,
 )
-from roundpipe.errors import DeviceOutOfMemoryError
+from roundpipe.errors import DeviceOutOfMemoryError, StageError
 from roundpipe.optim.distributed import LOCAL, Collectives
 from roundpipe.optim.host import HostModel
 from roundpipe.plan.kinds import SlotKind
@@ -171,8 +171,14 @@ class Runtime(OptimizerLane):
         handler = _HANDLERS[task.kind]
         try:
             handler(self, task)
-        except torch.OutOfMemoryError as exc:
-            raise self._out_of_memory(task, "") from exc
+        except StageError:
+            raise
+        except Exception as exc:
+            # Also an out-of-memory that inductor re-raised as a plain error while compiling a new
+            # graph variant mid-run: the user should see the prediction, not a broken layer.
+            if is_out_of_memory(exc):
+                raise self._out_of_memory(task, "") from exc
+            raise
         if self.compile_garbage is not None and task.kind in (COMPUTE, RECOMPUTE):
             self.compile_garbage.collect_if_compiled()
 

@@ -174,9 +174,13 @@ def _backward(task: Task, run: Callable[[], None]) -> None:
     stage (out-of-memory is left to the runtime, which names the prediction)."""
     try:
         run()
-    except (StageError, torch.OutOfMemoryError):
+    except StageError:
         raise
     except Exception as exc:
+        from roundpipe.backends.holdings import is_out_of_memory  # holdings imports this module
+
+        if is_out_of_memory(exc):
+            raise
         first, last = task.layers.start, task.layers.stop - 1
         raise StageError(
             f"the backward of stage {task.stage} (layers {first}-{last}) raised {type(exc).__name__}: "
