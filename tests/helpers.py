@@ -18,6 +18,16 @@ from torch import nn
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The tests' plain optimizer: SGD at lr 0.1."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def sgd_momentum(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """SGD at lr 0.1 with momentum 0.9: optimizer state that a wrong step order would show."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
 def mlp(seed: int = 0, width: int = 16, depth: int = 4, dropout: float = 0.0) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(8, width), nn.Tanh()]

@@ -18,13 +18,10 @@ from torch import nn
 import roundpipe
 from roundpipe.backends.cuda import GIL_SWITCH_INTERVAL_S
 from tests.helpers import assert_weights_equal, async_reference, batches, mlp, sync_reference, tiny_causal_lm
+from tests.helpers import sgd_momentum as sgd
 
 pytestmark = pytest.mark.gpu
 mse = nn.functional.mse_loss
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 @pytest.fixture(autouse=True)

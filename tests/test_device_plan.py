@@ -8,7 +8,6 @@ loop whatever plan that is.
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 import roundpipe
@@ -18,12 +17,9 @@ from roundpipe.planning.device_plan import planning_budget, planning_config, ref
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import Trace
 from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
+from tests.helpers import sgd_momentum as sgd
 
 mse = nn.functional.mse_loss
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def _wide_mlp(seed: int = 0) -> nn.Sequential:

@@ -23,7 +23,7 @@ from roundpipe.planning.simulate import simulate
 from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.keys import ActUpKey, ComputeKey, GradUpKey
 from roundpipe.sched.task import ACT_UP, COMPUTE, GRAD_UP, RECOMPUTE
-from tests.helpers import assert_weights_equal, batches, sync_reference, train_steps
+from tests.helpers import assert_weights_equal, batches, sgd, sync_reference, train_steps
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -113,10 +113,6 @@ def blocks_model() -> nn.Sequential:
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 32)) for _ in range(4)]
     return nn.Sequential(nn.Linear(8, 32), *blocks, nn.Linear(32, 4))
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
 
 
 # On CPU workers the saved bytes are counted exactly (autograd's saved tensors): with 512-row

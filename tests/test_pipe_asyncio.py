@@ -11,13 +11,9 @@ import torch
 from torch import nn
 
 import roundpipe
-from tests.helpers import batches, mlp
+from tests.helpers import batches, mlp, sgd
 
 mse = nn.functional.mse_loss
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
 
 
 async def test_heartbeat_keeps_ticking_while_training() -> None:

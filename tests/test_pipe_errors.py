@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import roundpipe
-from tests.helpers import assert_weights_equal, batches, mlp
+from tests.helpers import assert_weights_equal, batches, mlp, sgd
 
 mse = nn.functional.mse_loss
 
@@ -46,10 +46,6 @@ class Flaky(nn.Module):
         if self.armed:
             raise ValueError("bad activation")
         return x
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
 
 
 def roundpipe_threads() -> list[str]:

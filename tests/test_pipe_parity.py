@@ -10,12 +10,9 @@ from torch import nn
 
 import roundpipe
 from tests.helpers import assert_weights_equal, async_reference, batches, mlp, sync_reference
+from tests.helpers import sgd_momentum as sgd
 
 mse = nn.functional.mse_loss
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:

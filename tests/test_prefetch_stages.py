@@ -27,7 +27,7 @@ from roundpipe.planning.simulate import simulate
 from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.keys import ComputeKey, ParamUpKey
 from roundpipe.sched.task import PARAM_UP
-from tests.helpers import assert_weights_equal, batches, sync_reference, train_steps
+from tests.helpers import assert_weights_equal, batches, sgd, sync_reference, train_steps
 
 GB, GIB = 10**9, 1 << 30
 LAYERS = 14
@@ -169,10 +169,6 @@ def test_the_planner_keeps_one_stage_ahead_where_more_does_not_pay() -> None:
     roomy = device_plan(64 * GIB, GB // 100)
     ms = link_iteration_ms(roomy.plan, roomy.costs, small, 50.0, 4, async_optimizer=True, round_size=4)
     assert with_prefetch(roomy, cuda_config(), 50.0, small, ms).prediction.prefetch == 1
-
-
-def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
