@@ -91,6 +91,24 @@ def test_host_bound_is_device_time_before_the_host_finished_issuing() -> None:
     assert breakdown(_hand_made(), iterations=[1]).host_bound == 0.0  # no issue times: none counted
 
 
+def test_issue_time_runs_from_when_the_lane_could_take_a_task_to_its_issue() -> None:
+    trace = _hand_made()
+    by_key = {t.key: t for t in trace}
+    for key, ready, issued in (
+        (("c0",), -9.0, -8.0),
+        (("c1",), 0.0, 3.5),
+        (("c2",), 3.0, 5.0),
+        (("c3",), 7.0, 7.5),
+    ):
+        by_key[key].ready_t, by_key[key].issue_t = ready, issued
+    # c1 from its ready time (0.0); c2 ready at 3.0 while the lane issued c1 until 3.5; c3 ready
+    # after c2 was issued. c0 is iteration 0's; d (device 1) has no issue time: not counted.
+    report = breakdown(trace, iterations=[1])
+    assert report.issue_ms_per_iteration == {"compute": pytest.approx(3.5 + 1.5 + 0.5)}
+    assert report.to_dict()["issue_ms_per_iteration"] == {"compute": 5.5}
+    assert breakdown(_hand_made(), iterations=[1]).issue_ms_per_iteration == {}
+
+
 def test_busy_per_kind_counts_the_steps_the_iterations_feed() -> None:
     busy = breakdown(_hand_made(), iterations=[1]).busy_ms_per_iteration
     assert busy["compute"] == pytest.approx(3.0 + 2.0 + 1.0 + 2.0)

@@ -75,6 +75,7 @@ class TraceBreakdown:
     exposed_transfer: float
     busy_ms_per_iteration: dict[str, float]
     host_bound: float = 0.0
+    issue_ms_per_iteration: dict[str, float] = field(default_factory=dict)
 
     @property
     def span_ms(self) -> float:
@@ -89,6 +90,9 @@ class TraceBreakdown:
             "host_bound": round(self.host_bound, 5),
             "devices": {str(d): b.to_dict() for d, b in sorted(self.devices.items())},
             "busy_ms_per_iteration": {k: round(v, 3) for k, v in sorted(self.busy_ms_per_iteration.items())},
+            "issue_ms_per_iteration": {
+                k: round(v, 3) for k, v in sorted(self.issue_ms_per_iteration.items())
+            },
         }
 
 
@@ -120,6 +124,13 @@ def breakdown(trace: Iterable[Task], iterations: Iterable[int] | None = None) ->
     busy_ms_per_iteration, per task kind: the summed durations of the tasks of those iterations,
     plus the optimizer-lane tasks without an iteration (step, p_copy, grad_norm) of the optimizer
     steps the iterations' G-copies feed, divided by the number of iterations.
+
+    issue_ms_per_iteration, per compute kind: the host's time issuing those iterations' compute
+    tasks, divided by the number of iterations. A lane issues one task at a time, so a task's
+    issuing runs from when its lane could take it (its ready time, or the lane's previous task
+    issued, whichever is later) to its issue time. Next to the same kind's busy time it says which
+    of the two paces the compute lane: the host issuing or the device running (only backends that
+    issue ahead, CUDA, have issue times apart from their end).
     """
     tasks = list(trace)
     wanted = _iterations(tasks, iterations)
@@ -141,6 +152,7 @@ def breakdown(trace: Iterable[Task], iterations: Iterable[int] | None = None) ->
         exposed_transfer=sum(b.exposed_transfer for b in per_device.values()) / len(per_device),
         busy_ms_per_iteration=_busy_per_kind(tasks, wanted),
         host_bound=sum(b.host_bound for b in per_device.values()) / len(per_device),
+        issue_ms_per_iteration=_issue_per_kind(tasks, wanted),
     )
 
 
@@ -204,6 +216,23 @@ def _busy_per_kind(tasks: list[Task], wanted: set[int]) -> dict[str, float]:
         belongs = task.iteration in wanted if task.iteration >= 0 else task.step in steps
         if belongs and task.end_t >= task.start_t >= 0:
             totals[task.kind] = totals.get(task.kind, 0.0) + task.duration
+    return {k: v / max(len(wanted), 1) for k, v in totals.items()}
+
+
+def _issue_per_kind(tasks: list[Task], wanted: set[int]) -> dict[str, float]:
+    by_lane: dict[str, list[Task]] = {}
+    for task in tasks:
+        if task.kind in COMPUTE_KINDS and task.issue_t >= 0 and task.ready_t >= 0:
+            by_lane.setdefault(task.lane, []).append(task)
+    totals: dict[str, float] = {}
+    for lane_tasks in by_lane.values():
+        lane_tasks.sort(key=lambda t: t.issue_t)
+        previous = float("-inf")
+        for task in lane_tasks:
+            if task.iteration in wanted:
+                spent = max(0.0, task.issue_t - max(task.ready_t, previous))
+                totals[task.kind] = totals.get(task.kind, 0.0) + spent
+            previous = task.issue_t
     return {k: v / max(len(wanted), 1) for k, v in totals.items()}
 
 
