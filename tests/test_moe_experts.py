@@ -280,3 +280,32 @@ def test_the_profile_measures_the_grouped_layer_and_its_sorted_buffers(
     sorted_bytes = rows * (config.hidden_size + 2 * config.moe_intermediate_size) * 4
     assert all(m.saved_bytes >= sorted_bytes for m in measured[1:-1])
     assert not any(getattr(type(m), "_roundpipe_grouped", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("make", MODELS, ids=IDS)
+def test_with_the_cpp_wrapper_on_the_copies_call_roundpipes_operator_and_train_the_same(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where inductor's C++ wrapper is on (chosen in the environment), the compiler routes the
+    copies' grouped products through roundpipe::grouped_mm, which that wrapper can call; the run
+    trains exactly as with the direct product (the same kernel; a full fine-tune, so the experts'
+    weight gradients go through the operator too)."""
+    from roundpipe.backends import compiling
+    from roundpipe.model import grouped_mm as grouped_module
+
+    routed: list[bool] = []
+    direct = grouped_module.grouped_mm
+
+    def watched(*args: Any, dispatched: bool = False) -> torch.Tensor:
+        routed.append(dispatched)
+        return direct(*args, dispatched=dispatched)
+
+    monkeypatch.setattr(experts_module, "grouped_mm", watched)
+    data = padded_data(2)
+    losses = {}
+    for wrapper in (False, True):
+        monkeypatch.setattr(compiling, "_read_cpp_wrapper", lambda on=wrapper: on)
+        routed.clear()
+        losses[wrapper] = pipe_loop(eager(make(router_logits=True)), data, compile=True)
+        assert routed and set(routed) == {wrapper}
+    assert losses[True] == losses[False]

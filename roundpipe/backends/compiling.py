@@ -26,8 +26,10 @@ grouped matrix product they run (`roundpipe.model.experts`) has no declaration i
 CUDA shim header, so the C++ wrapper of such a layer does not build ("aoti_torch_cuda__grouped_mm
 was not declared"; taking the operator out of inductor's shim table does not change the code
 generated there). With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) runs 52.7%
-host-bound at 88% of its link bound; calling the product as an operator of roundpipe's own, which
-the C++ wrapper can call, made D less host-bound but GPT-OSS-20B 10% slower (docs/design.md).
+host-bound at 88% of its link bound. Where the C++ wrapper is on anyway (``TORCHINDUCTOR_CPP_WRAPPER=1``
+in the environment, or another pipe holding it), `prepare` routes a copy's grouped products
+through roundpipe's own operator, which the C++ wrapper can call (`experts.dispatch_products`):
+that way D ran 37.0% host-bound at 6,422 tok/s, and GPT-OSS-20B 10% slower (docs/design.md).
 
 The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
 compiles is open (`CPP_WRAPPER`), not as a per-compile option: inductor compiles a graph's
@@ -59,6 +61,7 @@ from torch import nn
 from roundpipe.backends.held_setting import HeldSetting
 from roundpipe.errors import ConfigError
 from roundpipe.model.chunked_mlp import LongRowSlicing, attach_slicing
+from roundpipe.model.experts import dispatch_products
 
 CompileSetting = bool | Literal["auto"]
 # torch.compile's options for every Compiler made without its own (tests set backend="eager").
@@ -210,6 +213,8 @@ class LayerCompiler:
         attach_slicing(module, self.slicing)
         if not self.enabled:
             return module
+        if self.cpp_wrapper or _read_cpp_wrapper():  # ours, or chosen in the environment
+            dispatch_products(module)  # the grouped products it can call (module docstring)
         hook: Any = getattr(module, "roundpipe_compile", None)
         if callable(hook):
             hook(self.compiler)

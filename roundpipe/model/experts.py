@@ -18,9 +18,10 @@ router auxiliary loss are the model's own (`roundpipe.model.moe`); only the expe
 
 Kernels: ``grouped_mm`` runs on CPU (torch >= 2.9, any float dtype) and on CUDA in bf16 on sm90+
 without any host round trip. On CUDA in other dtypes torch falls back to a loop that copies the
-offsets to the host once per product (two per layer forward, not one per expert). The kernel wants
-16-byte strides and base pointers: a dimension that is not a multiple of 16 bytes is padded with
-zeros (exact; real models never need it), a misaligned base pointer is copied to a fresh tensor.
+offsets to the host once per product (two per layer forward, not one per expert). Widths and base
+pointers the kernel refuses are made fit in `roundpipe.model.grouped_mm`, which also offers the
+product as an operator of roundpipe's own for layers compiled with inductor's C++ wrapper
+(`dispatch_products`).
 
 Frozen experts in 4 bits: `quantize_experts_` (what `roundpipe.model.quant.quantize_frozen_`
 calls for ``base_format="nf4"``) replaces the 3-D ``gate_up_proj`` / ``down_proj`` of frozen
@@ -43,17 +44,14 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from roundpipe.model.grouped_mm import grouped_mm
 from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
 from roundpipe.model.swap_class import subclass_of
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
 REPLACEABLE = frozenset({None, "eager", "grouped_mm", "batched_mm"})
-ALIGN_BYTES = 16
-# torch >= 2.10 names it in torch.nn.functional; 2.9 has only the private op, the same kernel.
-_GROUPED_MM: Any = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")  # noqa: B009
 
 
 def _swiglu_halves(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
@@ -122,39 +120,6 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     return Routing(order, torch.div(order, k, rounding_mode="floor"), expert, offsets)
 
 
-def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    missing = size - t.shape[dim]
-    if missing == 0:
-        return t
-    pads = [0, 0] * (t.dim() - 1 - (dim % t.dim())) + [0, missing]
-    return F.pad(t, pads)
-
-
-def _aligned_size(size: int, element_size: int) -> int:
-    step = max(1, ALIGN_BYTES // element_size)
-    return -(-size // step) * step
-
-
-def _aligned_base(t: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling() or t.data_ptr() % ALIGN_BYTES == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``x[rows of e] @ weight[e]`` for every expert e: ``x`` [S, in] sorted by expert,
-    ``weight`` [E, in, out] (any strides), ``offsets`` [E] int32 row ends."""
-    x = x.to(weight.dtype)
-    size = weight.element_size()
-    d_in, d_out = weight.shape[1], weight.shape[2]
-    p_in, p_out = _aligned_size(d_in, size), _aligned_size(d_out, size)
-    if (p_in, p_out) != (d_in, d_out):
-        x = _pad_to(x, 1, p_in)
-        weight = _pad_to(_pad_to(weight, 1, p_in), 2, p_out)
-    out = _GROUPED_MM(_aligned_base(x.contiguous()), _aligned_base(weight), offs=offsets)
-    return out[:, :d_out] if p_out != d_out else out
-
-
 @dataclass(frozen=True)
 class NF4Meta:
     """What the NF4 bytes of one expert weight dequantize to: its 3-D ``shape``, ``dtype`` and
@@ -194,39 +159,45 @@ class _NF4GroupedMM(torch.autograd.Function):
         meta: NF4Meta,
         transposed: bool,
         compiled: bool,
+        dispatched: bool,
     ) -> torch.Tensor:
         weight = _dense_weight(packed, absmax, meta, x.dtype, compiled)
         ctx.save_for_backward(packed, absmax, offsets)
-        ctx.meta, ctx.transposed, ctx.compiled = meta, transposed, compiled
-        return grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offsets)
+        ctx.meta, ctx.transposed, ctx.compiled, ctx.dispatched = meta, transposed, compiled, dispatched
+        return grouped_mm(
+            x, weight if transposed else weight.transpose(-2, -1), offsets, dispatched=dispatched
+        )
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         packed, absmax, offsets = ctx.saved_tensors
         weight = _dense_weight(packed, absmax, ctx.meta, grad.dtype, ctx.compiled)
         # out[rows of e] = x[rows of e] @ W_e, so dx[rows of e] = grad[rows of e] @ W_e^T.
-        grad_x = grouped_mm(grad, weight.transpose(-2, -1) if ctx.transposed else weight, offsets)
-        return grad_x, None, None, None, None, None, None
+        mat_b = weight.transpose(-2, -1) if ctx.transposed else weight
+        grad_x = grouped_mm(grad, mat_b, offsets, dispatched=ctx.dispatched)
+        return grad_x, None, None, None, None, None, None, None
 
 
 def _projection(
     experts: nn.Module, name: str, layout: Layout, x: torch.Tensor, routing: Routing
 ) -> torch.Tensor:
     quantized: dict[str, NF4Meta] | None = getattr(experts, "nf4_meta", None)
+    dispatched = bool(getattr(experts, "dispatch_products", False))  # see `dispatch_products`
     if quantized is not None and name in quantized:
         packed: torch.Tensor = getattr(experts, f"{name}_packed")
         absmax: torch.Tensor = getattr(experts, f"{name}_absmax")
         compiled = bool(getattr(experts, "compiled", False))
-        args = (x, packed, absmax, routing.offsets, quantized[name], layout.transposed, compiled)
+        meta = quantized[name]
+        args = (x, packed, absmax, routing.offsets, meta, layout.transposed, compiled, dispatched)
         out: torch.Tensor = _NF4GroupedMM.apply(*args)
     else:
         weight: torch.Tensor = getattr(experts, name)
         mat_b = weight if layout.transposed else weight.transpose(-2, -1)
-        out = grouped_mm(x, mat_b, routing.offsets)
+        out = grouped_mm(x, mat_b, routing.offsets, dispatched=dispatched)
     if layout.bias:
         bias: torch.Tensor = getattr(experts, f"{name}_bias")
         out = out + bias[routing.expert].to(out.dtype)
@@ -302,6 +273,18 @@ def use_grouped_experts(layer: nn.Module) -> int:
             _subclasses, type(module), "Grouped", partial(_grouped_methods, layout=layout)
         )
         count += 1
+    return count
+
+
+def dispatch_products(layer: nn.Module) -> int:
+    """Make the grouped experts inside ``layer`` (roundpipe's copy) call their products as the
+    operator ``roundpipe::grouped_mm``, which inductor's C++ wrapper can call
+    (`roundpipe.model.grouped_mm`); the number of experts modules that do."""
+    count = 0
+    for module in layer.modules():
+        if getattr(type(module), "_roundpipe_grouped", False):
+            setattr(module, "dispatch_products", True)  # noqa: B010 (a plain attribute)
+            count += 1
     return count
 
 
