@@ -183,19 +183,6 @@ def _collected(device: torch.device, allocated: int | None) -> str:
     return format_bytes(max(0, freed))
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is the allocator running out, or an error raised on its account: inductor's
-    autotuning re-raises a CUDA out-of-memory as a plain error that carries only its message."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, torch.OutOfMemoryError) or "CUDA out of memory" in str(current):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
-
-
 def out_of_memory_error(runtime: Any, task: Any, where: str) -> DeviceOutOfMemoryError:
     """Running out of memory on a plan that was predicted to fit is a bug in the prediction: the
     error says what was predicted (for the failing slot and the plan's peak), what the device

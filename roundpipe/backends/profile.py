@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe.backends.holdings import is_out_of_memory
 from roundpipe.backends.meter import Meter as _Meter
+from roundpipe.backends.out_of_memory import is_out_of_memory
 from roundpipe.backends.profile_kinds import OnePerKind, warm_up_kind
 from roundpipe.backends.replicas import Binder
 from roundpipe.backends.storages import (

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from roundpipe.backends.holdings import is_out_of_memory
 from roundpipe.backends.host_data import ReplicaKey
+from roundpipe.backends.out_of_memory import is_out_of_memory
 from roundpipe.errors import StageError
 from roundpipe.sched.task import Task
 

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 
 from roundpipe.backends.compiling import NO_COMPILE, CompileGarbage, LayerCompiler
-from roundpipe.backends.holdings import is_out_of_memory, out_of_memory_error
+from roundpipe.backends.holdings import out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.optimizer_lane import OptimizerLane
+from roundpipe.backends.out_of_memory import is_out_of_memory
 from roundpipe.backends.replicas import Replicas
 from roundpipe.backends.stage_math import (
     Recomputed,

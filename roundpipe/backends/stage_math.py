@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from roundpipe.backends.host_data import IterationData
+from roundpipe.backends.out_of_memory import is_out_of_memory
 from roundpipe.backends.tensors import cast_floating, differentiable_leaves, to_device, with_leaves
 from roundpipe.errors import StageError
 from roundpipe.sched.task import Task
@@ -177,8 +178,6 @@ def _backward(task: Task, run: Callable[[], None]) -> None:
     except StageError:
         raise
     except Exception as exc:
-        from roundpipe.backends.holdings import is_out_of_memory  # holdings imports this module
-
         if is_out_of_memory(exc):
             raise
         first, last = task.layers.start, task.layers.stop - 1
