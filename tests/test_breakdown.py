@@ -109,6 +109,30 @@ def test_issue_time_runs_from_when_the_lane_could_take_a_task_to_its_issue() -> 
     assert breakdown(_hand_made(), iterations=[1]).issue_ms_per_iteration == {}
 
 
+def test_pacing_says_whether_the_host_or_the_device_paces_the_compute_lane() -> None:
+    from roundpipe.sched.breakdown import pacing
+
+    assert pacing(_hand_made()) is None  # no issue times: a backend that completes as it issues
+    trace = _hand_made()
+    by_key = {t.key: t for t in trace}
+    for key, ready, issued in (
+        (("c0",), -9.0, -8.0),
+        (("c1",), 0.0, 3.5),
+        (("c2",), 3.0, 5.0),
+        (("c3",), 7.0, 7.5),
+        (("d",), 6.5, 7.2),
+    ):
+        by_key[key].ready_t, by_key[key].issue_t = ready, issued
+    # Iteration 0 is left out (it compiles): c1-c3 and d issued in 3.5 + 1.5 + 0.5 + 0.7 ms and
+    # ran 3 + 2 + 1 + 2; host-bound 1.5 of 8 ms on device 0, 0.2 on device 1.
+    assert pacing(trace) == (
+        "iterations 1, per iteration: compute issued in 6.2 ms, run in 8.0 "
+        "(the devices pace the compute lanes; host-bound 10.6%)"
+    )
+    by_key[("c3",)].issue_t = 9.5  # the host still issuing c3 well into its run
+    assert "the host paces the compute lanes" in (pacing(trace) or "")
+
+
 def test_busy_per_kind_counts_the_steps_the_iterations_feed() -> None:
     busy = breakdown(_hand_made(), iterations=[1]).busy_ms_per_iteration
     assert busy["compute"] == pytest.approx(3.0 + 2.0 + 1.0 + 2.0)

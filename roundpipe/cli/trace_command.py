@@ -30,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
     actions = t.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
     helps = {
         "check": "verify dependencies, lanes and the five ordering rules (exit 1 if broken)",
-        "summary": "print tasks, makespan and bubble ratio",
+        "summary": "print tasks, makespan, bubble ratio and, for a GPU run, what paces the compute lanes",
         "replay": "re-run on the fake backend and compare the per-lane order (exit 1 if it differs)",
         "grid": "print an ASCII timeline of the compute lanes",
         "perfetto": "convert to Perfetto/Chrome trace-event JSON",
@@ -113,7 +113,12 @@ def run_trace(args: argparse.Namespace) -> int:
         print(f"ok: {len(trace)} tasks respect their dependencies, the lanes and the five ordering rules")
         return 0
     if action == "summary":
+        from roundpipe.sched.breakdown import pacing
+
         print(trace.summary())
+        paced = pacing(trace)  # traces of a backend that issues ahead (CUDA)
+        if paced is not None:
+            print(paced)
         return 0
     if action == "replay":
         return _replay(trace)

@@ -219,6 +219,29 @@ def _busy_per_kind(tasks: list[Task], wanted: set[int]) -> dict[str, float]:
     return {k: v / max(len(wanted), 1) for k, v in totals.items()}
 
 
+def pacing(trace: Iterable[Task]) -> str | None:
+    """One line on what paces the compute lanes: per compute kind and iteration, the host's time
+    issuing against the devices' time running, over every iteration but the first (it compiles);
+    None for a trace from a backend that completes tasks as it issues them (no task issued
+    before it ended), where the question does not arise."""
+    tasks = list(trace)
+    computes = [t for t in tasks if t.kind in COMPUTE_KINDS and t.issue_t >= 0 and t.iteration >= 0]
+    if not any(t.issue_t < t.end_t for t in computes):
+        return None
+    iterations = sorted({t.iteration for t in computes})
+    measured = iterations[1:] or iterations
+    report = breakdown(tasks, measured)
+    issued = report.issue_ms_per_iteration
+    ran = {kind: report.busy_ms_per_iteration.get(kind, 0.0) for kind in issued}
+    parts = [f"{kind} issued in {issued[kind]:.1f} ms, run in {ran[kind]:.1f}" for kind in sorted(issued)]
+    who = "the host paces" if sum(issued.values()) > sum(ran.values()) else "the devices pace"
+    span = f"{measured[0]}" if len(measured) == 1 else f"{measured[0]}-{measured[-1]}"
+    return (
+        f"iterations {span}, per iteration: {'; '.join(parts)} ({who} the compute lanes; "
+        f"host-bound {report.host_bound:.1%})"
+    )
+
+
 def _issue_per_kind(tasks: list[Task], wanted: set[int]) -> dict[str, float]:
     by_lane: dict[str, list[Task]] = {}
     for task in tasks:
