@@ -69,6 +69,35 @@ def test_nf4_experts_equal_the_grouped_block_on_the_dequantized_weights(make: An
 
 
 @pytest.mark.parametrize("make", MODELS, ids=IDS)
+def test_nf4_experts_through_roundpipes_operator_give_the_same_numbers(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the products dispatched as roundpipe::grouped_mm (layers compiled with the C++
+    wrapper), the 4-bit block's outputs and gradients are those of the direct products, bit for
+    bit, and the operator runs for the forward's two products and the input gradient's two."""
+    from roundpipe.model import grouped_mm as grouped_module
+    from roundpipe.model.experts import dispatch_products
+
+    _, quantized = frozen_pair(make)
+    dispatched = copy.deepcopy(quantized)
+    assert dispatch_products(dispatched) == 1
+    torch.manual_seed(2)
+    x, weight = torch.randn(3, 11, 32), torch.randn(3, 11, 32)
+    want, want_dx = run_block(quantized, x, weight)
+    calls: list[int] = []
+    operator = grouped_module._grouped_mm_op
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return operator(*args)
+
+    monkeypatch.setattr(grouped_module, "_grouped_mm_op", counted)
+    got, got_dx = run_block(dispatched, x, weight)
+    assert torch.equal(got, want) and torch.equal(got_dx, want_dx)
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("make", MODELS, ids=IDS)
 def test_autograd_keeps_no_dense_expert_weight(make: Any) -> None:
     """What the block saves for its backward: the 4-bit bytes, never a dense expert matrix."""
     dense, quantized = frozen_pair(make)
