@@ -110,3 +110,43 @@ def test_running_ahead_hides_the_issue_cost() -> None:
     ideal = blocking(0.0)
     assert ahead(0.0) == pytest.approx(ideal)
     assert ahead(0.4) - ideal < 0.65 * (blocking(0.4) - ideal)
+
+
+def test_waiting_on_the_last_dependency_of_each_lane_is_waiting_on_all() -> None:
+    """A stream runs its work in issue order, so the device tasks the CUDA backend waits on (the
+    last dependency issued on each other lane, none on its own: `stream_waits`) start every task
+    exactly when waiting on every dependency would."""
+    from roundpipe.backends import fake_streams
+    from roundpipe.backends.stream_waits import Issued
+
+    def every(deps: object, issued: dict[object, Issued], lane: str) -> list[float]:
+        return [issued[key].handle for key in deps if key in issued]  # type: ignore[attr-defined]
+
+    def times() -> dict[object, tuple[float, float]]:
+        _, trace = _run(
+            _stream_backend(issue_ms=0.05), devices=2, microbatches=4, iterations=3, async_optimizer=True
+        )
+        return {t.key: (t.start_t, t.end_t) for t in trace}
+
+    chosen = times()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fake_streams, "stream_waits", every)
+        assert times() == chosen
+
+
+def test_stream_waits_keeps_the_last_issued_dependency_of_each_other_lane() -> None:
+    from roundpipe.backends.stream_waits import Issued, stream_waits
+
+    issued = {
+        ("p", 0): Issued("d0.param_up", 1, "p0"),
+        ("p", 1): Issued("d0.param_up", 4, "p1"),
+        ("a", 0): Issued("d0.act_up", 3, "a0"),
+        ("c", 0): Issued("d0.compute", 2, "c0"),
+        ("x", 0): Issued("d1.act_down", 5, "x0"),
+    }
+    deps = [("p", 0), ("p", 1), ("a", 0), ("c", 0), ("x", 0), ("done", 0)]
+    # p1 covers p0 (issued later on the same stream); c0 is on the task's own stream; a completed
+    # dependency ("done") needs no wait.
+    assert sorted(stream_waits(deps, issued, "d0.compute")) == ["a0", "p1", "x0"]
+    assert sorted(stream_waits(deps, issued, "d0.param_up")) == ["a0", "c0", "x0"]
+    assert stream_waits([], issued, "d0.compute") == []

@@ -5,8 +5,9 @@ allow it and its lane is free, so each lane needs exactly one thing from CUDA, a
 own. A lane thread *issues* its task's work on its stream and returns at once: it never waits
 for the GPU. Ordering against the task's dependencies is expressed on the device: before the
 work, the stream waits on the CUDA events its device dependencies recorded when they were
-issued (`stream.wait_event`), so the engine may issue a task as soon as what it depends on is
-issued (the engine's ``issues_ahead`` protocol). After the work the lane records a blocking
+issued (`stream.wait_event`; on each other lane only the one issued last, `stream_waits`), so the
+engine may issue a task as soon as what it depends on is issued (the engine's ``issues_ahead``
+protocol). After the work the lane records a blocking
 event and hands it to the lane's waiter thread, which sleeps until the event completes (no
 spinning core), and only then reports the task done. Host consumers (the optimizer lane's
 G-copy and P-copy, the one-stage prefetch and one-microbatch-ahead limits, buffer reuse) wait
@@ -48,6 +49,7 @@ from roundpipe.backends.budget import require_devices
 from roundpipe.backends.device_clock import DeviceClock, DeviceClockStatistics
 from roundpipe.backends.held_setting import HeldSetting
 from roundpipe.backends.runtime import Runtime
+from roundpipe.backends.stream_waits import Issued, stream_waits
 from roundpipe.backends.threads import LaneThreadBackend, Waiter
 from roundpipe.sched.task import Task
 
@@ -73,8 +75,10 @@ class CudaBackend(LaneThreadBackend):
         runtime.devices = {d: torch.device("cuda", index) for d, index in enumerate(device_indices)}
         runtime.defer_release = True
         self._streams: dict[str, Any] = {}
-        self._events: dict[Any, Any] = {}  # key of an issued, not yet completed device task -> end event
+        # key of an issued, not yet completed device task -> its lane, issue order and end event
+        self._events: dict[Any, Issued] = {}
         self._events_lock = threading.Lock()
+        self._issued_count = 0
         # One clock for host and devices: a base event per device, recorded now, and each
         # device's times mapped onto the host clock by one monotone map (`DeviceClock`).
         self._base: dict[int, tuple[Any, DeviceClock]] = {}
@@ -113,8 +117,8 @@ class CudaBackend(LaneThreadBackend):
         device = self.runtime.device(task.device)
         stream = self._stream(task)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            with self._events_lock:
-                waits = [self._events[k] for k in task.deps if k in self._events]
+            with self._events_lock:  # the last dependency issued on each other lane (stream_waits)
+                waits = stream_waits(task.deps, self._events, task.lane)
             for event in waits:
                 stream.wait_event(event)
             issued = self.now()  # the GPU cannot start the task before this (`DeviceClock`)
@@ -124,7 +128,8 @@ class CudaBackend(LaneThreadBackend):
             end = torch.cuda.Event(enable_timing=True, blocking=True)
             end.record(stream)
         with self._events_lock:
-            self._events[task.key] = end
+            self._issued_count += 1
+            self._events[task.key] = Issued(task.lane, self._issued_count, end)
         return lambda: self._wait(task, start, end, issued)
 
     def _wait(self, task: Task, start: Any, end: Any, issued: float) -> None:

@@ -5,7 +5,8 @@ lane's stream behind device-side waits on its dependencies, and *done* when that
 is where ordering bugs would hide, and CI has no GPU. This backend follows the same protocol on
 the virtual clock, exactly: each lane is a stream that runs its issued work in issue order; a
 device task's work starts when it has been issued, the previous work of its stream (or of the
-link its stream shares) has ended, and every device dependency has ended; host work (the
+link its stream shares) has ended, and every device dependency has ended (waiting, as the CUDA
+backend does, on the last one issued on each other lane: `stream_waits`); host work (the
 optimizer lane) runs when started and completes after its duration, as on `FakeBackend`. The
 engine therefore sees what it sees on a GPU: issue reports at once, completions later, and the
 trace holds device start and end times (`Task.issue_t` is when the host queued the work).
@@ -22,6 +23,7 @@ import heapq
 from typing import Any
 
 from roundpipe.backends.fake import FakeBackend
+from roundpipe.backends.stream_waits import Issued, stream_waits
 from roundpipe.sched.backend import DoneCallback, IssuedCallback
 from roundpipe.sched.task import Task
 
@@ -38,7 +40,7 @@ class FakeStreamBackend(FakeBackend):
         self.issue_ms = issue_ms
         self._issued_cb: IssuedCallback | None = None
         self._stream_end: dict[str, float] = {}  # stream (or shared link) -> end of its issued work
-        self._ends: dict[Any, float] = {}  # issued, not yet done device task -> its end
+        self._ends: dict[Any, Issued] = {}  # issued, not yet done device task -> its end
         self._events: list[tuple[float, int, int, Task]] = []
 
     def bind(self, done: DoneCallback, loop: Any, issued: IssuedCallback | None = None) -> None:
@@ -55,13 +57,11 @@ class FakeStreamBackend(FakeBackend):
         issued_at = now + self.issue_ms
         stream = self.resource(task.lane)
         begin = max(issued_at, self._stream_end.get(stream, 0.0))
-        for dep in task.deps:
-            end = self._ends.get(dep)
-            if end is not None and end > begin:
-                begin = end
+        for end in stream_waits(task.deps, self._ends, task.lane):  # as the CUDA backend waits
+            begin = max(begin, end)
         end = begin + ms
         self._stream_end[stream] = end
-        self._ends[task.key] = end
+        self._ends[task.key] = Issued(task.lane, self._counter, end)
         task.start_t = begin
         task.end_t = end
         heapq.heappush(self._events, (issued_at, _ISSUE, self._counter, task))
