@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe.backends.tensors import download_fp32, element_span, part_range
+from roundpipe.backends.tensors import chunk_spans, download_fp32, element_span, part_range
 from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
 
 mse = nn.functional.mse_loss
@@ -31,6 +31,18 @@ def test_every_element_belongs_to_exactly_one_chunk(parts: int) -> None:
             offset += n * size
     assert all(count == 1 for row in covered for count in row)
     assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
+    # The spans the runtime keeps per layer are the same, with the tensors no chunk touches left out.
+    spans = chunk_spans([(n * size, size) for n, size in tensors], parts)
+    assert len(spans) == parts
+    for part, overlapping in enumerate(spans):
+        low, high = part_range(total, part, parts)
+        offset, expected = 0, []
+        for index, (n, size) in enumerate(tensors):
+            first, last = element_span(offset, n * size, size, low, high)
+            offset += n * size
+            if first < last:
+                expected.append((index, first, last))
+        assert overlapping == expected
 
 
 def test_gradients_download_in_chunks() -> None:

@@ -44,10 +44,9 @@ from roundpipe.backends.stage_math import (
 from roundpipe.backends.tensors import (
     TransientPool,
     cast_floating,
+    chunk_spans,
     download,
     download_fp32,
-    element_span,
-    part_range,
     to_device,
 )
 from roundpipe.errors import DeviceOutOfMemoryError, StageError
@@ -124,6 +123,7 @@ class Runtime(OptimizerLane):
         self._call = self.replicas.call
         self.times = LayerTimes([None] * len(self.layers))
         self.pool = TransientPool()
+        self._spans: dict[tuple[int, int], list[list[tuple[int, int, int]]]] = {}  # (layer, chunks)
         self.devices: dict[int, torch.device] = {}
         # Backends that issue device work ahead of its completion set this: what a task's work
         # reads on another stream is then kept alive until the task has run (`hold`, `finish`).
@@ -219,17 +219,16 @@ class Runtime(OptimizerLane):
                 params[name] = self.pool.copy_of(source, device, needs_grad and param.requires_grad)
             return
         # A chunk is a byte range of the layer's parameters laid end to end: large tensors are
-        # cut, so no single copy holds a link longer than one chunk.
-        sources = [(name, param, self.host.compute[id(param)]) for name, param in named]
-        total = sum(src.numel() * src.element_size() for _, _, src in sources)
-        low, high = part_range(total, task.part, task.num_parts)
-        offset = 0
-        for name, param, src in sources:
-            size = src.numel() * src.element_size()
-            first, last = element_span(offset, size, src.element_size(), low, high)
-            offset += size
-            if first >= last:
-                continue
+        # cut, so no single copy holds a link longer than one chunk. Which tensors each chunk
+        # overlaps is found once per layer (`chunk_spans`): a chunk overlaps one or two of them.
+        spans = self._spans.get((layer, task.num_parts))
+        if spans is None:
+            sources = [self.host.compute[id(param)] for _, param in named]
+            sizes = [(src.numel() * src.element_size(), src.element_size()) for src in sources]
+            spans = self._spans[(layer, task.num_parts)] = chunk_spans(sizes, task.num_parts)
+        for index, first, last in spans[task.part]:
+            name, param = named[index]
+            src = self.host.compute[id(param)]
             dst = params.get(name)
             if dst is None:
                 dst = params[name] = self.pool.empty_like(src, device, needs_grad and param.requires_grad)

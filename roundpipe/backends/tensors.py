@@ -11,7 +11,7 @@ Nothing here knows about tasks, stages or scheduling.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -120,6 +120,24 @@ def element_span(offset: int, size: int, element_size: int, low: int, high: int)
     first = min(count, max(0, -(-(low - offset) // element_size)))
     last = min(count, max(0, -(-(high - offset) // element_size)))
     return first, last
+
+
+def chunk_spans(sizes: Sequence[tuple[int, int]], num_parts: int) -> list[list[tuple[int, int, int]]]:
+    """Tensors laid end to end (``sizes``: each one's bytes and element size) cut into
+    ``num_parts`` chunks (`part_range`): per chunk, the (index, first, last) elements
+    (`element_span`) of each tensor it overlaps."""
+    total = sum(size for size, _ in sizes)
+    spans: list[list[tuple[int, int, int]]] = []
+    for part in range(num_parts):
+        low, high = part_range(total, part, num_parts)
+        offset, overlapping = 0, []
+        for index, (size, element_size) in enumerate(sizes):
+            first, last = element_span(offset, size, element_size, low, high)
+            offset += size
+            if first < last:
+                overlapping.append((index, first, last))
+        spans.append(overlapping)
+    return spans
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
