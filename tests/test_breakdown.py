@@ -91,16 +91,18 @@ def test_host_bound_is_device_time_before_the_host_finished_issuing() -> None:
     assert breakdown(_hand_made(), iterations=[1]).host_bound == 0.0  # no issue times: none counted
 
 
-def test_issue_time_runs_from_when_the_lane_could_take_a_task_to_its_issue() -> None:
+def _issued(*more: tuple[Key, float, float]) -> tuple[Trace, dict[Key, Task]]:
+    """The hand-made trace with ready and issue times on device 0's computes (and ``more``)."""
     trace = _hand_made()
     by_key = {t.key: t for t in trace}
-    for key, ready, issued in (
-        (("c0",), -9.0, -8.0),
-        (("c1",), 0.0, 3.5),
-        (("c2",), 3.0, 5.0),
-        (("c3",), 7.0, 7.5),
-    ):
+    times = [(("c0",), -9.0, -8.0), (("c1",), 0.0, 3.5), (("c2",), 3.0, 5.0), (("c3",), 7.0, 7.5), *more]
+    for key, ready, issued in times:
         by_key[key].ready_t, by_key[key].issue_t = ready, issued
+    return trace, by_key
+
+
+def test_issue_time_runs_from_when_the_lane_could_take_a_task_to_its_issue() -> None:
+    trace, _ = _issued()
     # c1 from its ready time (0.0); c2 ready at 3.0 while the lane issued c1 until 3.5; c3 ready
     # after c2 was issued. c0 is iteration 0's; d (device 1) has no issue time: not counted.
     report = breakdown(trace, iterations=[1])
@@ -113,16 +115,7 @@ def test_pacing_says_whether_the_host_or_the_device_paces_the_compute_lane() -> 
     from roundpipe.sched.breakdown import pacing
 
     assert pacing(_hand_made()) is None  # no issue times: a backend that completes as it issues
-    trace = _hand_made()
-    by_key = {t.key: t for t in trace}
-    for key, ready, issued in (
-        (("c0",), -9.0, -8.0),
-        (("c1",), 0.0, 3.5),
-        (("c2",), 3.0, 5.0),
-        (("c3",), 7.0, 7.5),
-        (("d",), 6.5, 7.2),
-    ):
-        by_key[key].ready_t, by_key[key].issue_t = ready, issued
+    trace, by_key = _issued((("d",), 6.5, 7.2))
     # Iteration 0 is left out (it compiles): c1-c3 and d issued in 3.5 + 1.5 + 0.5 + 0.7 ms and
     # ran 3 + 2 + 1 + 2; host-bound 1.5 of 8 ms on device 0, 0.2 on device 1.
     assert pacing(trace) == (

@@ -161,16 +161,21 @@ def test_an_explicit_experts_kernel_is_left_alone() -> None:
     assert use_grouped_experts(model.model.layers[0]) == 0
 
 
-def counted_grouped_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def counted_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """A list that grows by one at each call of ``module.name`` (patched for the test)."""
     calls: list[int] = []
-    original = experts_module.grouped_experts
+    original = getattr(module, name)
 
     def counting(*args: Any) -> torch.Tensor:
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(experts_module, "grouped_experts", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
+
+
+def counted_grouped_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return counted_calls(monkeypatch, experts_module, "grouped_experts")
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora-qkvo", "full"])

@@ -23,6 +23,7 @@ from tests.test_moe_experts import (
     IDS,
     MODELS,
     HostReads,
+    counted_calls,
     eager,
     mlp_pair,
     profiled_on_cpu,
@@ -84,14 +85,7 @@ def test_nf4_experts_through_roundpipes_operator_give_the_same_numbers(
     torch.manual_seed(2)
     x, weight = torch.randn(3, 11, 32), torch.randn(3, 11, 32)
     want, want_dx = run_block(quantized, x, weight)
-    calls: list[int] = []
-    operator = grouped_module._grouped_mm_op
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls.append(1)
-        return operator(*args)
-
-    monkeypatch.setattr(grouped_module, "_grouped_mm_op", counted)
+    calls = counted_calls(monkeypatch, grouped_module, "_grouped_mm_op")
     got, got_dx = run_block(dispatched, x, weight)
     assert torch.equal(got, want) and torch.equal(got_dx, want_dx)
     assert len(calls) == 4
