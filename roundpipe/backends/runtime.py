@@ -94,12 +94,8 @@ class Runtime(OptimizerLane):
         # Weight prediction: P-copies of steps >= predict_from extrapolate (None: never), and those
         # steps keep the weights they start from; lr_scale(step): the async lr ramp (optim/lr_ramp.py).
         self.predict_from, self.lr_scale = predict_from, lr_scale
-        self.layers = host.layers
-        self.names = names
-        self.computes_loss = computes_loss
-        self.recompute_grain = recompute_grain
-        self.seed = seed
-        self.max_grad_norm = max_grad_norm
+        self.layers, self.names, self.computes_loss = host.layers, names, computes_loss
+        self.recompute_grain, self.seed, self.max_grad_norm = recompute_grain, seed, max_grad_norm
         # (1-based step, norm) of the first step whose global gradient norm was NaN/inf, when a
         # norm is computed (max_grad_norm) and no loss scaler skips such steps.
         self.non_finite_grad_norm: tuple[int, float] | None = None
