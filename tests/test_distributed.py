@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -35,21 +36,37 @@ TIMEOUT_S = 10  # the worker's RunConfig.distributed.timeout_s
 
 _PORTS_GIVEN: set[int] = set()
 _PORTS_LOCK = threading.Lock()
+_PICKER = random.Random(os.getpid())
 
 
 def free_port() -> int:
-    """A port free now and never handed out before in this test run. Why remembered: the port
-    is free again once this socket closes, and until the job's rank 0 binds it (seconds later,
-    after its imports) another caller, such as the train runs started from another thread at the
-    same moment, would be handed the same one."""
+    """A port free now, below the kernel's range for outgoing connections, and never handed out
+    before in this test run. Why remembered: the port is free again once this socket closes, and
+    until the job's rank 0 binds it (seconds later, after its imports) another caller, such as the
+    train runs started from another thread at the same moment, would be handed the same one. Why
+    below that range: meanwhile any process's outgoing connection (a rank's store client) may be
+    given a port from it, and rank 0's bind then fails with "address already in use"."""
+    low = _ephemeral_low()
     with _PORTS_LOCK:
         while True:
+            port = _PICKER.randrange(max(1024, low - 10_000), low)
+            if port in _PORTS_GIVEN:
+                continue
             with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = int(sock.getsockname()[1])
-            if port not in _PORTS_GIVEN:
-                _PORTS_GIVEN.add(port)
-                return port
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _PORTS_GIVEN.add(port)
+            return port
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def clipped_reference() -> dict[str, torch.Tensor]:
