@@ -7,9 +7,9 @@
 #   WORKLOADS="B C" OLD=.oldrp bash bench/gpu_regress.sh     # other workloads (default: A long)
 #   PAIRS=1 WORKLOADS="long B C" OLD=.oldrp bash bench/gpu_regress.sh   # one old/new pair each
 #
-# Each workload runs old, new, old, new (PAIRS pairs, default 2) while the call's time lasts (on an H100 A took ~1.5 min a
-# run; long ~2, B ~1, C ~2 estimated), with the arguments docs/performance.md gives it; roundpipe
-# side only, async. Writes
+# Each workload runs old, new, old, new (PAIRS pairs, default 2) while the call's time lasts (on
+# an H100 A took ~1.5 min a run; long ~2, B ~1, C ~2 estimated), with the arguments
+# docs/performance.md gives it; roundpipe side only, async. Writes
 # $OUT/regress.jsonl (one line per run, "tree" added) and prints tokens/s per run. DEADLINE_S
 # (default 540) bounds the whole call.
 set -u

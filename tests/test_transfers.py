@@ -20,29 +20,23 @@ def test_every_element_belongs_to_exactly_one_chunk(parts: int) -> None:
     total = sum(n * size for n, size in tensors)
     covered = [[0] * n for n, _ in tensors]
     sizes = []
+    expected: list[list[tuple[int, int, int]]] = []  # per chunk, the tensors it touches
     for part in range(parts):
         low, high = part_range(total, part, parts)
         sizes.append(high - low)
-        offset = 0
+        offset, touched = 0, []
         for index, (n, size) in enumerate(tensors):
             first, last = element_span(offset, n * size, size, low, high)
             for element in range(first, last):
                 covered[index][element] += 1
+            if first < last:
+                touched.append((index, first, last))
             offset += n * size
+        expected.append(touched)
     assert all(count == 1 for row in covered for count in row)
     assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
     # The spans the runtime keeps per layer are the same, with the tensors no chunk touches left out.
-    spans = chunk_spans([(n * size, size) for n, size in tensors], parts)
-    assert len(spans) == parts
-    for part, overlapping in enumerate(spans):
-        low, high = part_range(total, part, parts)
-        offset, expected = 0, []
-        for index, (n, size) in enumerate(tensors):
-            first, last = element_span(offset, n * size, size, low, high)
-            offset += n * size
-            if first < last:
-                expected.append((index, first, last))
-        assert overlapping == expected
+    assert chunk_spans([(n * size, size) for n, size in tensors], parts) == expected
 
 
 def test_gradients_download_in_chunks() -> None:

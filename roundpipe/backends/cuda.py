@@ -7,9 +7,9 @@ for the GPU. Ordering against the task's dependencies is expressed on the device
 work, the stream waits on the CUDA events its device dependencies recorded when they were
 issued (`stream.wait_event`; on each other lane only the one issued last, `stream_waits`), so the
 engine may issue a task as soon as what it depends on is issued (the engine's ``issues_ahead``
-protocol). After the work the lane records a blocking
-event and hands it to the lane's waiter thread, which sleeps until the event completes (no
-spinning core), and only then reports the task done. Host consumers (the optimizer lane's
+protocol). After the work the lane records a blocking event and hands it to the lane's waiter
+thread, which sleeps until the event completes (no spinning core), and only then reports the
+task done. Host consumers (the optimizer lane's
 G-copy and P-copy, the one-stage prefetch and one-microbatch-ahead limits, buffer reuse) wait
 for that completion; device consumers do not.
 

@@ -99,7 +99,7 @@ def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Non
     grad_x = _grouped_mm_op(grad, weight.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
     grad_w = None
     if ctx.needs_input_grad[1]:
-        grad_w = _weight_grad_op(grad, x.to(grad.dtype), offsets).transpose(-2, -1)
+        grad_w = _weight_grad_op(grad, x, offsets).transpose(-2, -1)  # x: already the weight's dtype
     return grad_x, grad_w, None
 
 

@@ -211,10 +211,10 @@ class CausalLMBlock(nn.Module):
 
     def roundpipe_replica(self) -> None:
         """On roundpipe's copies only: experts run as grouped matrix products (`experts`),
-        attention with sinks through torch's fused kernels (`sink_attention`), the MLP runs long sequences a slice
-        of tokens at a time (not an MLP that returns a tuple, nor one whose router logits are
-        caught), and so does everything per token in a standard attention layer
-        (`chunked_layer`)."""
+        attention with sinks through torch's fused kernels (`sink_attention`), the MLP runs long
+        sequences a slice of tokens at a time (not an MLP that returns a tuple, nor one whose
+        router logits are caught), and so does everything per token in a standard attention
+        layer (`chunked_layer`)."""
         use_grouped_experts(self.layer)
         use_sink_attention(self.layer)
         mlp = getattr(self.layer, "mlp", None)

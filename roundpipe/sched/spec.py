@@ -94,8 +94,9 @@ class ScheduleOptions:
     # Stages whose parameters a device uploads ahead of the one it computes: the uploads of its
     # run k wait for its run k - 1 - prefetch_stages to end. One hides an upload behind the stage
     # before; a run whose forward stages are link-bound and backward ones compute-bound leaves the
-    # link idle in the backward, which a second stage ahead fills (`planning.link_plan`), at one
-    # more stage of parameters on the device (`plan.memory.predict_peak`'s ``prefetch``).
+    # link idle in the backward, which further stages ahead fill (up to three, chosen by
+    # `planning.device_plan.with_prefetch`), each one more stage of parameters on the device
+    # (`plan.memory.predict_peak`'s ``prefetch``).
     prefetch_stages: int = 1
 
     def __post_init__(self) -> None:
