@@ -52,6 +52,7 @@ declare -A JOB=(
   # whether D16's MoE layers are short of launches; the tokens/s of these runs are not the workload's
   [F-profile]="200|100|--workload F --layers 4 --warmup 1 --steps 1 --torch-profile"
   [D16-profile]="200|100|--workload D16 --layers 4 --warmup 1 --steps 1 --torch-profile"
+  [D-profile]="200|100|--workload D --layers 4 --warmup 1 --steps 1 --torch-profile"  # top_host: D's issuing
 )
 case "${1:-1}" in
   1) NAMES=(F E-nf4 E) ;;

@@ -70,6 +70,19 @@ def test_sliding_and_full_attention_layers_are_two_kinds(monkeypatch: pytest.Mon
     assert cost_kind(seq.layers[1], x, False) == cost_kind(seq.layers[3], x, False)
 
 
+def test_sliding_and_full_attention_layers_are_each_warmed_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled layer traces one graph per attention variant, so the first full-attention block
+    after a sliding one must not be timed while it compiles: each variant gets its own warm-up,
+    and repeats of a variant get none."""
+    warmed: list[int] = []
+    real = profile._warm_up
+    monkeypatch.setattr(
+        profile, "_warm_up", lambda call, x, i, *rest: (warmed.append(i), real(call, x, i, *rest))
+    )
+    measured(tiny_gpt_oss(layers=4), False, monkeypatch)
+    assert warmed == [0, 1, 2, 5]  # embed, a sliding and a full block, head
+
+
 def test_structure_sees_shapes_dtypes_and_nesting() -> None:
     a = {"hidden": torch.zeros(2, 3), "n": 1}
     assert structure(a) == structure({"hidden": torch.ones(2, 3), "n": 5})

@@ -19,9 +19,9 @@ What is measured and how:
   backward (less the parameter gradients). On CPU there is no allocator to ask: the working sets are reported as 0;
 - times: wall clock around each phase (CUDA synchronised), the forward without grad and the
   backward without recompute, as `roundpipe.plan.LayerCosts` expects. One untimed forward and
-  backward runs first for each kind of layer (class, parameter shapes, input sizes: a model's
-  decoder layers are one kind), so one-time initialisation (cuBLAS handles, workspaces, compiled
-  graphs, autograd's threads) is neither timed nor counted.
+  backward runs first for each kind of layer (class, parameter shapes, attention variant, input
+  sizes: a model's decoder layers are one or two kinds), so one-time initialisation (cuBLAS
+  handles, workspaces, compiled graphs, autograd's threads) is neither timed nor counted.
 
 It must never keep a device copy after it returns, change the user's parameters, or schedule work.
 """

@@ -44,22 +44,30 @@ def _parameters(layer: nn.Module) -> tuple[Any, ...]:
     return tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
 
 
-def cost_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
-    """The kind of ``layer`` on input ``x`` (module docstring)."""
-    modules = tuple(
+def _modules(layer: nn.Module) -> tuple[Any, ...]:
+    return tuple(
         (name, type(m).__name__, *(str(getattr(m, a, None)) for a in _VARYING))
         for name, m in layer.named_modules()
     )
-    return (type(layer), _parameters(layer), modules, structure(x), last)
+
+
+def cost_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
+    """The kind of ``layer`` on input ``x`` (module docstring)."""
+    return (type(layer), _parameters(layer), _modules(layer), structure(x), last)
 
 
 def warm_up_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
-    """What one warm-up serves: the layer's class, its parameters' names, shapes and dtypes, and
-    its input's tensor shapes. Decoder layers of one model share it, so only the first is warmed
-    up (at 262,144 tokens an 8B layer's warm-up is a full forward and backward, about 5 s)."""
+    """What one warm-up serves: the layer's class, its parameters' names, shapes and dtypes, its
+    submodules' classes and attention variant (as in `cost_kind`), and its input's tensor shapes.
+    Decoder layers of one model share it, so only the first is warmed up (at 262,144 tokens an 8B
+    layer's warm-up is a full forward and backward, about 5 s). The attention variant counts
+    because a compiled layer traces a graph per variant: without its own warm-up, GPT-OSS-20B's
+    first sliding-window layer was timed compiling (1,033 ms forward against 3.3 ms for its
+    neighbours), and the re-plan, which scales the profile to the device's timing, took every
+    other forward layer for 0.2 ms."""
     inputs: dict[int, int] = {}
     collect_storages(x, inputs)
-    return (type(layer), _parameters(layer), tuple(sorted(inputs.values())), last)
+    return (type(layer), _parameters(layer), _modules(layer), tuple(sorted(inputs.values())), last)
 
 
 class OnePerKind(Generic[M]):
