@@ -62,7 +62,7 @@ def warm_up_kind(layer: nn.Module, x: Any, last: bool) -> tuple[Any, ...]:
     Decoder layers of one model share it, so only the first is warmed up (at 262,144 tokens an 8B
     layer's warm-up is a full forward and backward, about 5 s). The attention variant counts
     because a compiled layer traces a graph per variant: without its own warm-up, GPT-OSS-20B's
-    first sliding-window layer was timed compiling (1,033 ms forward against 3.3 ms for its
+    first full-attention layer was timed compiling (1,033 ms forward against 3.3 ms for its
     neighbours), and the re-plan, which scales the profile to the device's timing, took every
     other forward layer for 0.2 ms."""
     inputs: dict[int, int] = {}
