@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from roundpipe.sched.keys import ITERATION_KEYS, STEP_KEYS
+from roundpipe.sched.keys import key_age
 from roundpipe.sched.task import Key
 from roundpipe.sched.trace import Trace
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
     from roundpipe.sched.engine import Engine
 
-# Task kinds whose key names a step (the optimizer's count), not an iteration.
 # How far behind the trace's window the engine still indexes finished tasks. A margin, not a
 # bound anything depends on exactly: forgetting only saves memory, so erring long costs little.
 ITERATION_MARGIN = 2
@@ -38,14 +37,17 @@ STEP_MARGIN = 3
 def forget_horizon(oldest_iteration: int, next_step: int) -> Callable[[Key], bool]:
     """Which finished task keys the engine may forget, given the oldest iteration the trace
     keeps and the number of steps requested so far. A key belongs to an iteration (device
-    tasks, G-copies) or to a step (optimizer tasks)."""
+    tasks, G-copies) or to a step (optimizer tasks), and is old by its age alone (`key_age`),
+    as `Engine.forget` requires."""
     iteration_horizon = oldest_iteration - ITERATION_MARGIN
     step_horizon = next_step - STEP_MARGIN
 
     def is_old(key: Key) -> bool:
-        if isinstance(key, STEP_KEYS):
-            return key.step < step_horizon
-        return isinstance(key, ITERATION_KEYS) and key.iteration < iteration_horizon
+        age = key_age(key)
+        if age is None:
+            return False
+        of_step, number = age
+        return number < (step_horizon if of_step else iteration_horizon)
 
     return is_old
 

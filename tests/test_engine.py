@@ -167,3 +167,29 @@ async def test_engine_runs_on_the_callers_loop_and_yields() -> None:
     beat.cancel()
     assert ticks >= 3
     assert engine.backend.now() == 20_000.0
+
+
+def test_forget_drops_exactly_the_finished_tasks_the_horizon_calls_old() -> None:
+    """Keys are forgotten by age (iteration or step) in one question per age; hand-written keys
+    are asked one by one. What is dropped must be what asking about every key would drop, and a
+    forgotten key still counts as done for a later dependency."""
+    from roundpipe.retention import forget_horizon
+    from roundpipe.sched.keys import ComputeKey, StepKey
+
+    engine = Engine(FakeBackend(durations=lambda t: 1.0))
+    tasks = [
+        Task(ComputeKey(i, s, 0), "compute", "d0.compute", iteration=i) for i in range(6) for s in range(3)
+    ]
+    tasks += [Task(StepKey(step, 0), "step", "optimizer", step=step) for step in range(6)]
+    tasks += [Task(("mine", n), "compute", "d0.compute") for n in range(2)]
+    _run(engine, tasks)
+    older = forget_horizon(oldest_iteration=4, next_step=5)  # iterations < 2 and steps < 2 are old
+    expected_kept = {t.key for t in tasks if not older(t.key)}
+    engine.forget(older)
+    assert {t.key for t in tasks if engine.is_done(t.key)} == expected_kept
+    assert len(expected_kept) == 4 * 3 + 4 + 2
+    later = Task(("later",), "compute", "d0.compute", deps=[ComputeKey(0, 1, 0), ("mine", 1)])
+    _run(engine, [later])  # one dependency forgotten, one kept: both done
+    assert engine.is_done(("later",))
+    engine.forget(forget_horizon(oldest_iteration=9, next_step=9))
+    assert [t.key for t in tasks if engine.is_done(t.key)] == [("mine", 0), ("mine", 1)]  # never old

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable
 from roundpipe.errors import ScheduleError
 from roundpipe.sched.backend import Backend
 from roundpipe.sched.diagnostics import released_by
+from roundpipe.sched.keys import Age, key_age
 from roundpipe.sched.kinds import TaskState
 from roundpipe.sched.task import Key, Task
 from roundpipe.sched.trace import Trace
@@ -102,6 +103,8 @@ class Engine(EngineUpkeep):
         self._ahead = bool(getattr(backend, "issues_ahead", False))
         self._held: list[_Resource] = []  # resources freed at an instant that is not over yet
         self._forgotten: Callable[[Key], bool] | None = None  # see forget()
+        self._finished_by_age: dict[Age, list[Key]] = {}  # finished keys by `key_age`, for forget()
+        self._finished_ageless: dict[Key, None] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bound = False
 
@@ -282,6 +285,11 @@ class Engine(EngineUpkeep):
             self._pending -= 1
             self._done += 1
             self.trace.records.append(task)
+            age = key_age(task.key)
+            if age is None:
+                self._finished_ageless[task.key] = None
+            else:
+                self._finished_by_age.setdefault(age, []).append(task.key)
             others = self._release_dependents(task, res, now) if task.dependents else None
             if self._virtual and self.backend.next_time() == now:
                 # Another task finishes at this same instant: start nothing until its dependents

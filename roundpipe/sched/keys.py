@@ -196,6 +196,20 @@ ITERATION_KEYS = (
 )
 STEP_KEYS = (StepKey, PCopyKey, GradNormKey)
 
+Age = tuple[bool, int]
+"""What a key's age is read from: (False, its iteration) or (True, its optimizer step)."""
+
+
+def key_age(key: Key) -> Age | None:
+    """The age of ``key`` (`Age`), which retention policies read; None for a key of no iteration
+    or step (a hand-written tuple)."""
+    if isinstance(key, ITERATION_KEYS):
+        return (False, key.iteration)
+    if isinstance(key, STEP_KEYS):
+        return (True, key.step)
+    return None
+
+
 _KEY_TYPES: dict[str, type[tuple[Any, ...]]] = {
     TaskKind.PARAM_UP: ParamUpKey,
     TaskKind.ACT_UP: ActUpKey,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from roundpipe.errors import ScheduleError
 from roundpipe.sched.diagnostics import cycle_message, find_cycle
+from roundpipe.sched.keys import Age
 from roundpipe.sched.kinds import TaskState
 from roundpipe.sched.task import Key, Task
 
@@ -46,6 +47,8 @@ class EngineUpkeep:
     _resources: dict[str, Any]
     _failed: list[Task]
     _forgotten: Callable[[Key], bool] | None
+    _finished_by_age: dict[Age, list[Key]]
+    _finished_ageless: dict[Key, None]
     _seq: int
     _pending: int
     _ready: int
@@ -106,11 +109,31 @@ class EngineUpkeep:
         """Drop finished tasks whose key ``older(key)`` calls old from the key index, to bound
         memory in long runs. From then on a dependency on a key that is not known and that
         ``older`` calls old counts as done: it was, and was forgotten. ``older`` must only grow
-        (each call's predicate accepts every key the previous one did)."""
+        (each call's predicate accepts every key the previous one did) and must judge a key by
+        its age alone (`roundpipe.sched.keys.key_age`: its iteration or its step).
+
+        Why by age: the engine keeps ten iterations of finished tasks (tens of thousands on a
+        48-layer model), and asking about each of them at every iteration held the loop thread,
+        and the interpreter lock the lanes issue with, for 60 ms an iteration on a 2-core host.
+        Finished keys are filed by age as they finish, so one question per age suffices; keys
+        without an age (hand-written tuples) are asked one by one."""
         self._forgotten = older
-        for key, task in list(self._tasks.items()):
-            if task.state == _DONE and older(key):
-                del self._tasks[key]
+        tasks = self._tasks
+        for age in [age for age, keys in self._finished_by_age.items() if older(keys[0])]:
+            for key in self._finished_by_age.pop(age):
+                task = tasks.get(key)
+                if task is not None and task.state == _DONE:
+                    del tasks[key]
+        kept: dict[Key, None] = {}
+        for key in self._finished_ageless:
+            task = tasks.get(key)
+            if task is None or task.state != _DONE:
+                continue  # dropped, or submitted again: filed again when it finishes
+            if older(key):
+                del tasks[key]
+            else:
+                kept[key] = None
+        self._finished_ageless = kept
 
     def is_done(self, key: Key) -> bool:
         task = self._tasks.get(key)
