@@ -48,6 +48,10 @@ declare -A JOB=(
   [D16]="200|120|--workload D16 --warmup 2 --steps 2"         # ~2 min
   [D2]="170|90|--workload D2 --warmup 2 --steps 2"           # ~1.5-2 min
   [D-256MiB]="170|90|--workload D --warmup 2 --steps 2 --chunk-bytes 256MiB"  # 4x fewer upload pieces
+  # The layers eager (RunConfig.compile=False): does a mixture-of-experts layer issue faster from
+  # eager dispatch than from inductor's Python wrapper? (D's issuing paces its compute lane.)
+  [D-eager]="170|90|--workload D --warmup 2 --steps 2 --compile false"
+  [D16-eager]="200|120|--workload D16 --warmup 2 --steps 2 --compile false"
   # torch.profiler over one step of 4 layers (bench/torch_profile.py): what F's layer computes, and
   # whether D16's MoE layers are short of launches; the tokens/s of these runs are not the workload's
   [F-profile]="200|100|--workload F --layers 4 --warmup 1 --steps 1 --torch-profile"

@@ -160,6 +160,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--profile", choices=("every_layer", "one_per_kind"), help="RunConfig.profile (default: its default)"
     )
     p.add_argument("--chunk-bytes", help='RunConfig.chunk_bytes, the largest upload piece, e.g. "256MiB"')
+    p.add_argument(
+        "--compile",
+        choices=("auto", "true", "false"),
+        help="RunConfig.compile (default: its default, auto); false runs the layers eagerly",
+    )
     p.add_argument("--devices", default="cuda", help='"cuda", "cuda:0,1" or "cpu:2"')
     p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
     p.add_argument("--async", action="store_true", dest="run_async", help="run async mode")
@@ -259,6 +264,8 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         fields["profile"] = args.profile
     if getattr(args, "chunk_bytes", None):
         fields["chunk_bytes"] = parse_size(args.chunk_bytes)
+    if getattr(args, "compile", None):
+        fields["compile"] = {"auto": "auto", "true": True, "false": False}[args.compile]
     route = budget_route(workload)["budget_field"]
     if route is None:
         return roundpipe.RunConfig(**fields)
@@ -403,6 +410,7 @@ def run_roundpipe(
         "warmup_steps": warmup,  # --warmup, plus the steps until the re-plan had run
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
+        "compile": config.compile,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
 

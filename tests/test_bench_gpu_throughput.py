@@ -293,6 +293,14 @@ def test_budget_reaches_memory_budget_where_run_config_has_it(
     assert config.mem_limit_bytes is None and config.recompute_grain == "stage"
 
 
+@pytest.mark.parametrize("flag,setting", [(None, "auto"), ("false", False), ("true", True), ("auto", "auto")])
+def test_compile_flag_reaches_run_config(flag: str | None, setting: object) -> None:
+    argv = ["--devices", "cpu:2", "--workload", "D", *(["--compile", flag] if flag else [])]
+    args = bench.parse_args(argv)
+    (workload,) = args.workloads
+    assert bench.make_config(workload, "async", args).compile == setting
+
+
 def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Data parallel (`torchrun ... bench/gpu_throughput.py`): the rank and the process count come
     from torchrun's variables, and the plain loop, one process, is not run beside the processes
