@@ -52,6 +52,11 @@ declare -A JOB=(
   # eager dispatch than from inductor's Python wrapper? (D's issuing paces its compute lane.)
   [D-eager]="170|90|--workload D --warmup 2 --steps 2 --compile false"
   [D16-eager]="200|120|--workload D16 --warmup 2 --steps 2 --compile false"
+  # The fewest stages that fit (roundpipe.plan.coarse): fewer compute tasks to issue, fewer
+  # activations over the link; against the evaluated choice's finer stages (the default).
+  [D-coarse]="170|90|--workload D --warmup 2 --steps 2 --one-device-stages coarse"
+  [D16-coarse]="200|120|--workload D16 --warmup 2 --steps 2 --one-device-stages coarse"
+  [D2-coarse]="170|90|--workload D2 --warmup 2 --steps 2 --one-device-stages coarse"
   # torch.profiler over one step of 4 layers (bench/torch_profile.py): what F's layer computes, and
   # whether D16's MoE layers are short of launches; the tokens/s of these runs are not the workload's
   [F-profile]="200|100|--workload F --layers 4 --warmup 1 --steps 1 --torch-profile"

@@ -161,6 +161,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--chunk-bytes", help='RunConfig.chunk_bytes, the largest upload piece, e.g. "256MiB"')
     p.add_argument(
+        "--one-device-stages",
+        choices=("balanced", "coarse"),
+        help="how a one-GPU plan cuts its stages (roundpipe.planning.device_plan.STAGES_ON_ONE_DEVICE)",
+    )
+    p.add_argument(
         "--compile",
         choices=("auto", "true", "false"),
         help="RunConfig.compile (default: its default, auto); false runs the layers eagerly",
@@ -295,7 +300,12 @@ def run_roundpipe(
     waiting: list[Any] = []  # `PendingLoss`es not read yet
     profiling = contextlib.ExitStack()  # --torch-profile: entered with the measured steps
     torch_profile: dict[str, Any] | None = None
-    with RssSampler() as rss, roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe:
+    stages = _OneDeviceStages(getattr(args, "one_device_stages", None))
+    with (
+        stages,
+        RssSampler() as rss,
+        roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
+    ):
         warm_peaks: dict[str, float] = {}
         retries_before = alloc_retries(indices)
         pinned_before = pinned_host_growth()
@@ -411,8 +421,27 @@ def run_roundpipe(
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
         "compile": config.compile,
+        "one_device_stages": stages.chosen,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
+
+
+class _OneDeviceStages(contextlib.AbstractContextManager[None]):
+    """The planner's `STAGES_ON_ONE_DEVICE` set to ``chosen`` (None: left as it is) for one run,
+    and set back after it: a setting of the process, not of the run's config."""
+
+    def __init__(self, chosen: str | None) -> None:
+        from roundpipe.planning import device_plan
+
+        self.module = device_plan
+        self.before = device_plan.STAGES_ON_ONE_DEVICE
+        self.chosen = self.before if chosen is None else ("coarse" if chosen == "coarse" else "balanced")
+
+    def __enter__(self) -> None:
+        self.module.STAGES_ON_ONE_DEVICE = self.chosen
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.STAGES_ON_ONE_DEVICE = self.before
 
 
 MAX_SETTLING_STEPS = 3

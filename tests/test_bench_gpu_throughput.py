@@ -301,6 +301,18 @@ def test_compile_flag_reaches_run_config(flag: str | None, setting: object) -> N
     assert bench.make_config(workload, "async", args).compile == setting
 
 
+def test_one_device_stages_hold_for_the_run_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--one-device-stages coarse plans the run with the fewest stages that fit and sets the
+    planner's process-wide choice back afterwards."""
+    from roundpipe.planning import device_plan
+
+    argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    bench.main([*argv, "--async", "--no-plain", "--budget", "4MiB", "--one-device-stages", "coarse"])
+    (line,) = _json_lines(capsys.readouterr().out)
+    assert line["roundpipe"]["one_device_stages"] == "coarse" and line["roundpipe"]["tokens_per_s"] > 0
+    assert device_plan.STAGES_ON_ONE_DEVICE == "balanced"
+
+
 def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Data parallel (`torchrun ... bench/gpu_throughput.py`): the rank and the process count come
     from torchrun's variables, and the plain loop, one process, is not run beside the processes
@@ -482,7 +494,7 @@ def test_measured_steps_start_after_the_replan_from_device_measurements() -> Non
     """Under a budget the layers are measured on the device and the one re-plan runs after
     `REPLAN_AFTER_ITERATIONS`; the iteration after it runs the new plan first (compiling its new
     stages on a GPU), so --warmup 1 grows until the plan in force has run once."""
-    from roundpipe.planning.device_plan import REPLAN_AFTER_ITERATIONS
+    from roundpipe.planning.measured import REPLAN_AFTER_ITERATIONS
 
     args = bench.parse_args(["--devices", "cpu:1", "--workload", "tiny", "--budget", "1GiB"])
     args.steps, args.warmup = 1, 1

@@ -13,7 +13,8 @@ from torch import nn
 import roundpipe
 from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts
-from roundpipe.planning.device_plan import planning_budget, planning_config, refined_costs
+from roundpipe.planning.device_plan import planning_budget, planning_config
+from roundpipe.planning.measured import refined_costs
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import Trace
 from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps

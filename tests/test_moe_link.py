@@ -118,7 +118,8 @@ def test_the_replan_takes_the_link_aware_plan_where_the_measured_link_makes_it_f
     plan made on link-aware costs within the same memory budget, kept where it runs faster."""
     import roundpipe
     from roundpipe.plan.memory import LayerMemory, layer_plan_bytes
-    from roundpipe.planning.device_plan import measured_link_gbps, plan_from, with_link
+    from roundpipe.planning.device_plan import plan_from, with_link
+    from roundpipe.planning.measured import measured_link_gbps
 
     mb, layers = 10**6, 12
     mem = LayerMemory(

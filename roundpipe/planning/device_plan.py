@@ -23,16 +23,18 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts, Plan
+from roundpipe.plan.coarse import coarsest_plan
 from roundpipe.plan.link import LinkReport
 from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
 from roundpipe.plan.shape import RunShape
+from roundpipe.planning.measured import measured_link_gbps
 from roundpipe.planning.ranking import choose_for_shape
 from roundpipe.sched.trace import Trace
 
@@ -159,6 +161,15 @@ def profile_and_plan(
     return plan_from(config, costs, memory, num_devices, budget_bytes, device.type)
 
 
+STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse"] = "balanced"
+"""How a plan under a memory budget on one device cuts its stages: "balanced", the evaluated
+choice (`choose_for_shape`), which on one device falls to the finest stages the budget allows
+(every plan computes the same there); "coarse", the fewest stages that fit
+(`roundpipe.plan.coarse`: fewer compute tasks for the host to issue, fewer activations over the
+link). Coarse is not measured on a GPU yet, so balanced stays the default (`bench/gpu_throughput.py
+--one-device-stages`)."""
+
+
 def plan_from(
     config: RunConfig,
     costs: LayerCosts,
@@ -175,15 +186,7 @@ def plan_from(
     )
 
     def make_plan(limit: int | None) -> Plan:
-        # A layer whose bound alone exceeds a stage's share (an LM head with its logits and
-        # gradients) is still a stage of its own: the exact prediction judges it, and capping it
-        # lets the search keep cutting the other stages smaller.
-        capped = (
-            costs
-            if limit is None
-            else replace(costs, mem_bytes=tuple(min(b, limit // 2) for b in costs.mem_bytes))
-        )
-        return choose_for_shape(capped, shape, limit)
+        return choose_for_shape(_capped(costs, limit), shape, limit)
 
     grain = config.recompute_grain
     in_flight = in_flight_microbatches(config.num_microbatches)
@@ -192,8 +195,63 @@ def plan_from(
         prediction = predict_peak(plan, memory, grain, num_devices=num_devices, act_in_flight=in_flight)
         return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
     budget = planning_budget(budget_bytes, kind)
+    plan, prediction = _within_budget(
+        make_plan, memory=memory, budget=budget, grain=grain, num_devices=num_devices, in_flight=in_flight
+    )
+    if num_devices == 1 and STAGES_ON_ONE_DEVICE == "coarse":
+        coarse = _coarse_within_budget(costs, memory, budget, grain, in_flight, config.num_microbatches)
+        if coarse is not None and coarse[0].num_slots < plan.num_slots:
+            plan, prediction = coarse
+    return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
+
+
+def _coarse_within_budget(
+    costs: LayerCosts, memory: LayerMemory, budget: int, grain: Any, in_flight: int, num_microbatches: int
+) -> tuple[Plan, MemoryPrediction] | None:
+    """The coarsest plan (`coarsest_plan`) whose predicted peak fits ``budget``, None when none
+    does: the largest stage limit that fits, by bisection (a larger limit cuts no finer)."""
+    from roundpipe.plan.memory import predict_peak
+
+    def attempt(limit: int) -> tuple[Plan, MemoryPrediction] | None:
+        try:
+            plan = coarsest_plan(_capped(costs, limit), num_microbatches, limit)
+        except PlanError:
+            return None
+        prediction = predict_peak(plan, memory, grain, act_in_flight=in_flight, num_devices=1)
+        return (plan, prediction) if prediction.fits(budget) else None
+
+    best, low, high = None, 2, 2 * budget + 2  # no stage needs a limit past twice the budget
+    while high - low > max(1, high >> 10):  # to a thousandth
+        middle = (low + high) // 2
+        found = attempt(middle)
+        if found is None:
+            high = middle
+        else:
+            best, low = found, middle
+    return best
+
+
+def _capped(costs: LayerCosts, limit: int | None) -> LayerCosts:
+    """``costs`` for a plan under ``limit``: a layer whose bound alone exceeds a stage's share (an
+    LM head with its logits and gradients) is still a stage of its own: the exact prediction
+    judges it, and capping it lets the search keep cutting the other stages smaller."""
+    if limit is None:
+        return costs
+    return replace(costs, mem_bytes=tuple(min(b, limit // 2) for b in costs.mem_bytes))
+
+
+def _within_budget(
+    make_plan: Callable[[int], Plan],
+    *,
+    memory: LayerMemory,
+    budget: int,
+    grain: Any,
+    num_devices: int,
+    in_flight: int,
+) -> tuple[Plan, MemoryPrediction]:
+    """`plan_within_budget`, uploading each backward stage's next input ahead where a plan fits so."""
     try:
-        plan, prediction = plan_within_budget(
+        return plan_within_budget(
             make_plan, memory, budget, grain, num_devices=num_devices, act_in_flight=in_flight
         )
     except PlanError as uploading_ahead:
@@ -201,7 +259,7 @@ def plan_from(
         # device; without it the upload waits, exposed (one activation over the link per stage
         # run, small beside the compute of microbatches this large).
         try:
-            plan, prediction = plan_within_budget(
+            return plan_within_budget(
                 make_plan,
                 memory,
                 budget,
@@ -212,63 +270,6 @@ def plan_from(
             )
         except PlanError:
             raise uploading_ahead from None
-    return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
-
-
-REPLAN_AFTER_ITERATIONS = 2
-"""A plan made from measured layers is re-planned once this many iterations have run: the first
-compiles and warms up, so the timings come from the second (`refined_costs`)."""
-
-
-def refined_costs(trace: Trace, costs: LayerCosts, since_iteration: int = 1) -> LayerCosts | None:
-    """Costs scaled so that each stage kind's compute tasks of iterations >= ``since_iteration``,
-    as the device timed them in ``trace``, match what the costs predict for them; None when
-    nothing was timed. The first iteration never counts: it compiles each layer kind's graphs and
-    warms the allocator (on an H200, A's first-iteration forward tasks took 9x their steady time
-    and its backward tasks 2x, and a re-plan from them took forward stages for ten times dearer
-    than they are)."""
-    measured: dict[str, float] = {}
-    predicted: dict[str, float] = {}
-    for task in trace:
-        if task.kind not in ("compute", "recompute") or task.end_t < task.start_t or not len(task.layers):
-            continue
-        if task.iteration < since_iteration:
-            continue
-        kind = str(task.stage_kind)
-        if kind == "fwd":
-            model = costs.fwd_stage_ms(task.layers)
-        elif kind == "fused":
-            model = costs.fused_stage_ms(task.layers)
-        elif task.kind == "recompute":  # a backward stage's two tasks share its forward + backward
-            model = costs.fwd_stage_ms(task.layers)
-        else:
-            model = costs.bwd_stage_ms(task.layers) - costs.fwd_stage_ms(task.layers)
-        measured[kind] = measured.get(kind, 0.0) + task.end_t - task.start_t
-        predicted[kind] = predicted.get(kind, 0.0) + model
-    if not measured:
-        return None
-    total = sum(measured.values()) / max(sum(predicted.values()), 1e-9)
-    fwd_scale = measured["fwd"] / predicted["fwd"] if predicted.get("fwd") else total
-    rest_measured = sum(v for k, v in measured.items() if k != "fwd")
-    rest_predicted = sum(v for k, v in predicted.items() if k != "fwd")
-    bwd_scale = rest_measured / rest_predicted if rest_predicted else total
-    return LayerCosts(
-        tuple(ms * fwd_scale for ms in costs.fwd_ms),
-        tuple(ms * bwd_scale for ms in costs.bwd_ms),
-        costs.mem_bytes,
-        costs.names,
-    )
-
-
-def measured_link_gbps(trace: Trace, since_iteration: int = 1) -> float | None:
-    """The host link's bandwidth in GB/s as the weight uploads of iterations >= ``since_iteration``
-    ran in ``trace`` (their bytes over their time on the upload lane); None when none ran."""
-    moved, ms = 0, 0.0
-    for task in trace:
-        if task.kind == "param_up" and task.iteration >= since_iteration and task.end_t > task.start_t:
-            moved += task.nbytes
-            ms += task.end_t - task.start_t
-    return moved / (ms * 1e6) if moved and ms > 0 else None
 
 
 def with_link(

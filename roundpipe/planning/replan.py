@@ -21,15 +21,14 @@ from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.planning.device_plan import (
-    REPLAN_AFTER_ITERATIONS,
     DevicePlan,
     plan_from,
     planning_config,
     profile_and_plan,
-    refined_costs,
     resolve_budget,
     with_link,
 )
+from roundpipe.planning.measured import REPLAN_AFTER_ITERATIONS, refined_costs
 from roundpipe.planning.ranking import choose_evaluated_plan, submission_lag
 
 if TYPE_CHECKING:

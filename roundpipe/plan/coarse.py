@@ -1,0 +1,58 @@
+"""The coarsest plan a memory limit allows on one device: each stage as many layers as fit.
+
+Why: on one device every plan computes the same layers, so the engine's evaluation (compute only,
+transfers free) gives every candidate the same iteration time, and `partition`'s objective, the
+slowest slot, then cuts the finest stages the memory limit allows. What that evaluation cannot see
+is what each stage costs beyond its layers on a real device: the host issues every compute task
+(on an H100 host 2-3.5 ms a task above its layers, for Qwen3-30B-A3B's; a plan of 71 slots over 16
+microbatches is 1,904 compute tasks an iteration, one of 25 slots 592), and every stage boundary
+moves each microbatch's activation down to the host and up again over the same link as the
+weights (D at 16 x 4,096 tokens: 1.3 s of activation uploads an iteration against 3.0 s of
+weights). Fewer, larger stages cut both. The cost: larger stages hold more weights on the device,
+so less room is left for uploading further ahead (`roundpipe.planning.device_plan.with_prefetch`).
+
+The plan: a fused stage of the longest tail of layers that fits, then forward stages cut greedily
+from the first layer and backward stages from the fused stage down, each as long as fits. "Fits"
+is `partition`'s memory rule: a stage may use at most half the limit, so it fits beside the stage
+prefetched behind it (`Plan.from_stages` checks it and names a layer too large on its own).
+
+It must stay pure: numbers in, a `Plan` out.
+"""
+
+from __future__ import annotations
+
+from roundpipe.plan.costs import LayerCosts
+from roundpipe.plan.partition import Plan
+
+
+def _longest(costs: LayerCosts, cap: int, first: int, last: int, step: int) -> int:
+    """From layer ``first`` walking by ``step`` (1 or -1) towards ``last`` (exclusive): the far
+    end of the longest run of layers whose memory fits ``cap`` (at least one layer)."""
+    used = costs.mem_bytes[first]
+    end = first + step
+    while end != last and used + costs.mem_bytes[end] <= cap:
+        used += costs.mem_bytes[end]
+        end += step
+    return end
+
+
+def coarsest_plan(costs: LayerCosts, num_microbatches: int, mem_limit_bytes: int) -> Plan:
+    """One device's plan of the fewest stages under ``mem_limit_bytes`` (module docstring)."""
+    cap = mem_limit_bytes // 2
+    n = costs.num_layers
+    fused_start = _longest(costs, cap, n - 1, -1, -1) + 1
+    fwd: list[range] = []
+    start = 0
+    while start < fused_start:
+        stop = _longest(costs, cap, start, fused_start, 1)
+        fwd.append(range(start, stop))
+        start = stop
+    bwd: list[range] = []
+    stop = fused_start
+    while stop > 0:
+        start = _longest(costs, cap, stop - 1, -1, -1) + 1
+        bwd.append(range(start, stop))
+        stop = start
+    return Plan.from_stages(
+        fwd, range(fused_start, n), bwd, costs, 1, num_microbatches, mem_limit_bytes=mem_limit_bytes
+    )

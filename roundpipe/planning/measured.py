@@ -1,0 +1,67 @@
+"""What the device's own timing of a run says to the planner: refined layer costs, the link's rate.
+
+Why apart from `roundpipe.planning.device_plan`: a plan is first made from a profile, one layer at
+a time on one microbatch; after a few iterations the trace holds the device's timing of every
+task of the plan as it runs, and the re-plan (`roundpipe.planning.replan`) reads it here. These
+functions only read a trace's public fields; they never plan and never touch a device.
+"""
+
+from __future__ import annotations
+
+from roundpipe.plan import LayerCosts
+from roundpipe.sched.trace import Trace
+
+REPLAN_AFTER_ITERATIONS = 2
+"""A plan made from measured layers is re-planned once this many iterations have run: the first
+compiles and warms up, so the timings come from the second (`refined_costs`)."""
+
+
+def refined_costs(trace: Trace, costs: LayerCosts, since_iteration: int = 1) -> LayerCosts | None:
+    """Costs scaled so that each stage kind's compute tasks of iterations >= ``since_iteration``,
+    as the device timed them in ``trace``, match what the costs predict for them; None when
+    nothing was timed. The first iteration never counts: it compiles each layer kind's graphs and
+    warms the allocator (on an H200, A's first-iteration forward tasks took 9x their steady time
+    and its backward tasks 2x, and a re-plan from them took forward stages for ten times dearer
+    than they are)."""
+    measured: dict[str, float] = {}
+    predicted: dict[str, float] = {}
+    for task in trace:
+        if task.kind not in ("compute", "recompute") or task.end_t < task.start_t or not len(task.layers):
+            continue
+        if task.iteration < since_iteration:
+            continue
+        kind = str(task.stage_kind)
+        if kind == "fwd":
+            model = costs.fwd_stage_ms(task.layers)
+        elif kind == "fused":
+            model = costs.fused_stage_ms(task.layers)
+        elif task.kind == "recompute":  # a backward stage's two tasks share its forward + backward
+            model = costs.fwd_stage_ms(task.layers)
+        else:
+            model = costs.bwd_stage_ms(task.layers) - costs.fwd_stage_ms(task.layers)
+        measured[kind] = measured.get(kind, 0.0) + task.end_t - task.start_t
+        predicted[kind] = predicted.get(kind, 0.0) + model
+    if not measured:
+        return None
+    total = sum(measured.values()) / max(sum(predicted.values()), 1e-9)
+    fwd_scale = measured["fwd"] / predicted["fwd"] if predicted.get("fwd") else total
+    rest_measured = sum(v for k, v in measured.items() if k != "fwd")
+    rest_predicted = sum(v for k, v in predicted.items() if k != "fwd")
+    bwd_scale = rest_measured / rest_predicted if rest_predicted else total
+    return LayerCosts(
+        tuple(ms * fwd_scale for ms in costs.fwd_ms),
+        tuple(ms * bwd_scale for ms in costs.bwd_ms),
+        costs.mem_bytes,
+        costs.names,
+    )
+
+
+def measured_link_gbps(trace: Trace, since_iteration: int = 1) -> float | None:
+    """The host link's bandwidth in GB/s as the weight uploads of iterations >= ``since_iteration``
+    ran in ``trace`` (their bytes over their time on the upload lane); None when none ran."""
+    moved, ms = 0, 0.0
+    for task in trace:
+        if task.kind == "param_up" and task.iteration >= since_iteration and task.end_t > task.start_t:
+            moved += task.nbytes
+            ms += task.end_t - task.start_t
+    return moved / (ms * 1e6) if moved and ms > 0 else None
