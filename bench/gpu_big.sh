@@ -57,6 +57,11 @@ declare -A JOB=(
   [D-coarse]="170|90|--workload D --warmup 2 --steps 2 --one-device-stages coarse"
   [D16-coarse]="200|120|--workload D16 --warmup 2 --steps 2 --one-device-stages coarse"
   [D2-coarse]="170|90|--workload D2 --warmup 2 --steps 2 --one-device-stages coarse"
+  # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
+  # more of a stage's computes before its weights land (the default is two).
+  [D-flow4]="170|90|--workload D --warmup 2 --steps 2 --flow-depth 4"
+  [D16-flow4]="200|120|--workload D16 --warmup 2 --steps 2 --flow-depth 4"
+  [D2-flow4]="170|90|--workload D2 --warmup 2 --steps 2 --flow-depth 4"
   # torch.profiler over one step of 4 layers (bench/torch_profile.py): what F's layer computes, and
   # whether D16's MoE layers are short of launches; the tokens/s of these runs are not the workload's
   [F-profile]="200|100|--workload F --layers 4 --warmup 1 --steps 1 --torch-profile"

@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -164,6 +164,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--one-device-stages",
         choices=("balanced", "coarse"),
         help="how a one-GPU plan cuts its stages (roundpipe.planning.device_plan.STAGES_ON_ONE_DEVICE)",
+    )
+    p.add_argument(
+        "--flow-depth",
+        type=int,
+        help="microbatches a stage's inputs go ahead of its computes where the plan fits "
+        "(roundpipe.planning.device_plan.FLOW_DEPTH, default 2)",
     )
     p.add_argument(
         "--compile",
@@ -300,9 +306,9 @@ def run_roundpipe(
     waiting: list[Any] = []  # `PendingLoss`es not read yet
     profiling = contextlib.ExitStack()  # --torch-profile: entered with the measured steps
     torch_profile: dict[str, Any] | None = None
-    stages = _OneDeviceStages(getattr(args, "one_device_stages", None))
+    planner = _PlannerSettings(getattr(args, "one_device_stages", None), getattr(args, "flow_depth", None))
     with (
-        stages,
+        planner,
         RssSampler() as rss,
         roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
     ):
@@ -345,6 +351,7 @@ def run_roundpipe(
         wall = time.perf_counter() - measured_start
         profiling.close()
         trace = pipe.trace()
+        flow_depth = trace.meta.get("flow_depth")  # the depth the run's graph used
         report = breakdown(trace, range(first, pipe.iteration_count))
         if args.save_trace is not None:
             trace.save(args.save_trace / f"{workload.name}-{mode}.trace.json.gz")
@@ -421,27 +428,32 @@ def run_roundpipe(
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
         "compile": config.compile,
-        "one_device_stages": stages.chosen,
+        "one_device_stages": planner.stages,
+        "flow_depth": flow_depth,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
 
 
-class _OneDeviceStages(contextlib.AbstractContextManager[None]):
-    """The planner's `STAGES_ON_ONE_DEVICE` set to ``chosen`` (None: left as it is) for one run,
-    and set back after it: a setting of the process, not of the run's config."""
+class _PlannerSettings(contextlib.AbstractContextManager[None]):
+    """The planner's process-wide choices for one run (`device_plan.STAGES_ON_ONE_DEVICE`,
+    `device_plan.FLOW_DEPTH`; None leaves one as it is), set back after it: settings of the
+    process, not of the run's config."""
 
-    def __init__(self, chosen: str | None) -> None:
+    def __init__(self, stages: str | None, flow_depth: int | None) -> None:
         from roundpipe.planning import device_plan
 
         self.module = device_plan
-        self.before = device_plan.STAGES_ON_ONE_DEVICE
-        self.chosen = self.before if chosen is None else ("coarse" if chosen == "coarse" else "balanced")
+        self.before = (device_plan.STAGES_ON_ONE_DEVICE, device_plan.FLOW_DEPTH)
+        self.stages: Literal["balanced", "coarse"] = (
+            self.before[0] if stages is None else ("coarse" if stages == "coarse" else "balanced")
+        )
+        self.flow_depth = self.before[1] if flow_depth is None else flow_depth
 
     def __enter__(self) -> None:
-        self.module.STAGES_ON_ONE_DEVICE = self.chosen
+        self.module.STAGES_ON_ONE_DEVICE, self.module.FLOW_DEPTH = self.stages, self.flow_depth
 
     def __exit__(self, *exc: object) -> None:
-        self.module.STAGES_ON_ONE_DEVICE = self.before
+        self.module.STAGES_ON_ONE_DEVICE, self.module.FLOW_DEPTH = self.before
 
 
 MAX_SETTLING_STEPS = 3

@@ -206,7 +206,11 @@ class PipeMachinery:
     def _use_device_plan(self, device_plan: DevicePlan) -> None:
         record_device_plan(device_plan, self.runtime, self._trace, self._builder.next_iteration)
         prediction = device_plan.prediction  # the uploads it counted are the ones to run
-        counted = {"inputs_ahead": prediction.inputs_ahead, "prefetch_stages": prediction.prefetch}
+        counted = {
+            "inputs_ahead": prediction.inputs_ahead,
+            "prefetch_stages": prediction.prefetch,
+            "flow_depth": prediction.act_in_flight,
+        }
         changed = {k: v for k, v in counted.items() if getattr(self._options, k) != v}
         if changed:
             self._options = replace(self._options, **changed)  # type: ignore[arg-type]

@@ -301,16 +301,18 @@ def test_compile_flag_reaches_run_config(flag: str | None, setting: object) -> N
     assert bench.make_config(workload, "async", args).compile == setting
 
 
-def test_one_device_stages_hold_for_the_run_only(capsys: pytest.CaptureFixture[str]) -> None:
-    """--one-device-stages coarse plans the run with the fewest stages that fit and sets the
-    planner's process-wide choice back afterwards."""
+def test_planner_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--one-device-stages and --flow-depth plan the run so (the graph runs the depth the plan
+    counted) and set the planner's process-wide choices back afterwards."""
     from roundpipe.planning import device_plan
 
     argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
-    bench.main([*argv, "--async", "--no-plain", "--budget", "4MiB", "--one-device-stages", "coarse"])
+    planner = ["--one-device-stages", "coarse", "--flow-depth", "4", "--microbatches", "4"]
+    bench.main([*argv, "--async", "--no-plain", "--budget", "4MiB", *planner])
     (line,) = _json_lines(capsys.readouterr().out)
     assert line["roundpipe"]["one_device_stages"] == "coarse" and line["roundpipe"]["tokens_per_s"] > 0
-    assert device_plan.STAGES_ON_ONE_DEVICE == "balanced"
+    assert line["roundpipe"]["flow_depth"] == 4
+    assert (device_plan.STAGES_ON_ONE_DEVICE, device_plan.FLOW_DEPTH) == ("balanced", 2)
 
 
 def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch: pytest.MonkeyPatch) -> None:

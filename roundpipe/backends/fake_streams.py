@@ -12,7 +12,9 @@ engine therefore sees what it sees on a GPU: issue reports at once, completions 
 trace holds device start and end times (`Task.issue_t` is when the host queued the work).
 
 ``issue_ms`` charges the host for issuing (the Python and launch cost of a task): the lane is
-busy for that long before its work is queued, which is what running ahead hides.
+busy for that long before its work is queued, which is what running ahead hides. A number is
+every device task's cost; a function of the task gives each its own (on a GPU, a compute task's
+issuing grows with its layers while an upload piece's is a call).
 
 It must never import torch.
 """
@@ -20,6 +22,7 @@ It must never import torch.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import Any
 
 from roundpipe.backends.fake import FakeBackend
@@ -35,7 +38,7 @@ class FakeStreamBackend(FakeBackend):
 
     issues_ahead = True
 
-    def __init__(self, *args: Any, issue_ms: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, issue_ms: float | Callable[[Task], float] = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.issue_ms = issue_ms
         self._issued_cb: IssuedCallback | None = None
@@ -54,7 +57,7 @@ class FakeStreamBackend(FakeBackend):
         if task.device < 0:  # host work: runs now, on the host
             heapq.heappush(self._events, (now + ms, _DONE, self._counter, task))
             return
-        issued_at = now + self.issue_ms
+        issued_at = now + (self.issue_ms(task) if callable(self.issue_ms) else self.issue_ms)
         stream = self.resource(task.lane)
         begin = max(issued_at, self._stream_end.get(stream, 0.0))
         for end in stream_waits(task.deps, self._ends, task.lane):  # as the CUDA backend waits

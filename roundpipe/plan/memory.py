@@ -128,6 +128,7 @@ class MemoryPrediction:
     # Whether a backward stage's next input is uploaded while the stage computes (`predict_peak`).
     inputs_ahead: bool = True
     prefetch: int = 1  # stages whose parameters are uploaded ahead (`ScheduleOptions.prefetch_stages`)
+    act_in_flight: int = 2  # microbatches' boundary activations counted (`ScheduleOptions.flow_depth`)
 
     @property
     def peak_bytes(self) -> int:
@@ -151,7 +152,11 @@ class MemoryPrediction:
 
     def to_dict(self) -> dict[str, Any]:
         head = {"peak_bytes": self.peak_bytes, "peak_slot": self.peak_slot.index, "grain": self.grain}
-        head |= {"inputs_ahead": self.inputs_ahead, "prefetch": self.prefetch}
+        head |= {
+            "inputs_ahead": self.inputs_ahead,
+            "prefetch": self.prefetch,
+            "act_in_flight": self.act_in_flight,
+        }
         return head | {"slots": [s.to_dict() for s in self.slots]}
 
 
@@ -244,7 +249,7 @@ def predict_peak(
                 draining,
             )
         )
-    return MemoryPrediction(tuple(out), grain, inputs_ahead, prefetch)
+    return MemoryPrediction(tuple(out), grain, inputs_ahead, prefetch, act_in_flight)
 
 
 # ---------------------------------------------------------------------- the partitioner's view

@@ -161,6 +161,15 @@ def profile_and_plan(
     return plan_from(config, costs, memory, num_devices, budget_bytes, device.type)
 
 
+FLOW_DEPTH = 2
+"""Microbatches a stage run's inputs are uploaded ahead of its computes (`ScheduleOptions.flow_depth`),
+counted in the memory prediction (``act_in_flight``); where no plan fits with them, two. Deeper
+lets the host issue more of a stage's computes before the stage's weights have landed, for one
+more activation on the device per microbatch. Not measured on a GPU, and the fake stream backend
+does not settle it (`bench/flow_depth.py`: on D's shape, from 15% faster to no faster by stage
+size, and without issue costs deeper is slower, its activations taking the link from the
+weights), so two stays the default (`bench/gpu_throughput.py --flow-depth`)."""
+
 STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse"] = "balanced"
 """How a plan under a memory budget on one device cuts its stages: "balanced", the evaluated
 choice (`choose_for_shape`), which on one device falls to the finest stages the budget allows
@@ -189,15 +198,22 @@ def plan_from(
         return choose_for_shape(_capped(costs, limit), shape, limit)
 
     grain = config.recompute_grain
-    in_flight = in_flight_microbatches(config.num_microbatches)
+    in_flight = in_flight_microbatches(config.num_microbatches, FLOW_DEPTH)
     if budget_bytes is None:
         plan = make_plan(None)
         prediction = predict_peak(plan, memory, grain, num_devices=num_devices, act_in_flight=in_flight)
         return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
     budget = planning_budget(budget_bytes, kind)
-    plan, prediction = _within_budget(
-        make_plan, memory=memory, budget=budget, grain=grain, num_devices=num_devices, in_flight=in_flight
+    fit = functools.partial(
+        _within_budget, memory=memory, budget=budget, grain=grain, num_devices=num_devices
     )
+    try:
+        plan, prediction = fit(make_plan, in_flight=in_flight)
+    except PlanError:
+        if in_flight <= in_flight_microbatches(config.num_microbatches):
+            raise
+        in_flight = in_flight_microbatches(config.num_microbatches)  # the default depth, which fits more
+        plan, prediction = fit(make_plan, in_flight=in_flight)
     if num_devices == 1 and STAGES_ON_ONE_DEVICE == "coarse":
         coarse = _coarse_within_budget(costs, memory, budget, grain, in_flight, config.num_microbatches)
         if coarse is not None and coarse[0].num_slots < plan.num_slots:
@@ -335,7 +351,7 @@ def with_prefetch(
     plan's costs, bytes and link (``iteration_ms``: its time one stage ahead), runs at least
     `PREFETCH_GAIN` faster; the prediction that counts it says how many (``prefetch``). Without
     a budget the run keeps one: more would take memory the user did not offer."""
-    from roundpipe.plan.memory import in_flight_microbatches, predict_peak
+    from roundpipe.plan.memory import predict_peak
     from roundpipe.planning.link_plan import link_iteration_ms
 
     if device_plan.budget_bytes is None:
@@ -348,7 +364,7 @@ def with_prefetch(
             device_plan.memory,
             config.recompute_grain,
             prefetch=depth,
-            act_in_flight=in_flight_microbatches(config.num_microbatches),
+            act_in_flight=device_plan.prediction.act_in_flight,
             num_devices=plan.num_devices,
             inputs_ahead=device_plan.prediction.inputs_ahead,
         )

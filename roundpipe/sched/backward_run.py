@@ -7,8 +7,8 @@ recomputes while the gradient is still on its way. Per microbatch:
 
   act_up     the saved activation   <- the forward slot's act_down that saved it (and, when it
                                        is that slot's output, the next slot's act_up: this one
-                                       takes it off the host); the backward two microbatches
-                                       back (completed: flow control)
+                                       takes it off the host); the backward ``flow_depth``
+                                       microbatches back (completed: flow control)
   recompute  compute lane           <- act_up, every param_up of the run, the run's previous
                                        backward; on one device the first one also the device's
                                        previous run's last compute
@@ -18,7 +18,7 @@ recomputes while the gradient is still on its way. Per microbatch:
                                        act_down and the run's grad_down are as for any stage)
   act_down   the input gradient     <- backward
 
-Without `ScheduleOptions.inputs_ahead` the flow control is one microbatch, not two: a
+Without `ScheduleOptions.inputs_ahead` the flow control is one microbatch, not ``flow_depth``: a
 microbatch's act_up and grad_up wait for the previous microbatch's backward (the first one's for
 the device's previous run's last compute), so no next input reaches the device while one computes.
 
@@ -55,9 +55,9 @@ class BackwardRunContext:
     down_bytes: int  # the input gradient sent down (0 from the last slot)
     saved_by: int | None  # the forward slot whose act_down saved the entering activation
     read_by: int | None  # the forward slot whose act_up reads it too (the act_up here takes it)
-    flow_run: Key | None  # the device's run ``flow_depth`` runs back: its last compute (flow control)
+    flow_run: Key | None  # the device's run two back (one without inputs ahead): its last compute
     previous_run_done: Key | None = None  # one device: the previous run's last compute
-    flow_depth: int = 2  # microbatches of flow control: 1 without `ScheduleOptions.inputs_ahead`
+    flow_depth: int = 2  # microbatches of flow control (`ScheduleOptions.flow_depth`; 1 without inputs ahead)
 
 
 def backward_chains(

@@ -4,11 +4,12 @@ Why apart from the builder: with `backward_run` beside it, the builder keeps onl
 runs to each other (weights, versions, the device's history) and the per-microbatch shape of each
 run kind lives in one small module each. Per microbatch of a forward or fused run:
 
-  act_up   the input            <- the previous slot's act_down; the compute two microbatches
-                                   back (completed: at most one microbatch ahead); a run's first
-                                   inputs only once the device's run two before has completed,
-                                   as its weights (without that, every run whose input was ready
-                                   would upload it, and a device would hold many runs' activations)
+  act_up   the input            <- the previous slot's act_down; the compute ``flow_depth``
+                                   (`ScheduleOptions`, two by default) microbatches back
+                                   (completed); a run's first inputs only once the device's run
+                                   two before has completed, as its weights (without that, every
+                                   run whose input was ready would upload it, and a device would
+                                   hold many runs' activations)
   compute  compute lane         <- act_up, every parameter upload, the previous microbatch
   act_down the output           <- compute
 
@@ -30,6 +31,7 @@ def forward_chains(
     act_bytes: int,
     down_bytes: int,
     two_runs_back: Key | None,
+    flow_depth: int = 2,
 ) -> Key:
     """Append the run's per-microbatch tasks to ``built``; return the run's last compute."""
     fused = run.kind == SlotKind.FUSED
@@ -42,7 +44,7 @@ def forward_chains(
         if run.slot > 0:
             up_deps.append(previous_act_down(last_down, run, mb))
         # Flow control, so it waits for completion.
-        ahead = computes[position - 2] if position >= 2 else two_runs_back
+        ahead = computes[position - flow_depth] if position >= flow_depth else two_runs_back
         if ahead is not None:
             up_sync.append(ahead)
             up_deps.append(ahead)

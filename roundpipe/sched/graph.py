@@ -137,6 +137,7 @@ class GraphBuilder:
             "fresh_base_version": self.fresh_base_version,
             "inputs_ahead": self.options.inputs_ahead,
             "prefetch_stages": self.options.prefetch_stages,
+            "flow_depth": self.options.flow_depth,
         }
 
     @property
@@ -176,9 +177,8 @@ class GraphBuilder:
                 history = self._device_runs.get(run.device, ())
                 two_back = history[-2] if len(history) >= 2 else None
                 down_bytes = self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0
-                last_compute = forward_chains(
-                    run, param_keys, built, self.spec.act_bytes, down_bytes, two_back
-                )
+                chains = (self.spec.act_bytes, down_bytes, two_back, self.options.flow_depth)
+                last_compute = forward_chains(run, param_keys, built, *chains)
             self._remember_on_device(run.device, last_compute)
             self._grad_download(run, last_compute, built)
         done_keys: list[Key] = list(built.last_grad_down.values())
@@ -264,15 +264,15 @@ class GraphBuilder:
             saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
             read_by = saved_by + 1 if stages[saved_by].stop == start else None
         history = self._device_runs.get(run.device, ())
-        depth = 2 if self.options.inputs_ahead else 1
+        runs_back = 2 if self.options.inputs_ahead else 1
         return BackwardRunContext(
             act_bytes=self.spec.act_bytes,
             down_bytes=self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0,
             saved_by=saved_by,
             read_by=read_by,
-            flow_run=history[-depth] if len(history) >= depth else None,
+            flow_run=history[-runs_back] if len(history) >= runs_back else None,
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
-            flow_depth=depth,
+            flow_depth=self.options.flow_depth if self.options.inputs_ahead else 1,
         )
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:

@@ -98,12 +98,19 @@ class ScheduleOptions:
     # `planning.device_plan.with_prefetch`), each one more stage of parameters on the device
     # (`plan.memory.predict_peak`'s ``prefetch``).
     prefetch_stages: int = 1
+    # Microbatches a stage run's inputs are uploaded ahead of its computes: the input of its
+    # microbatch m waits for the compute of microbatch m - flow_depth to end (its first ones for
+    # the device's run two before). Each is one more activation on the device (`predict_peak`'s
+    # ``act_in_flight``); deeper lets the host issue more computes before a stage's weights land.
+    flow_depth: int = 2
 
     def __post_init__(self) -> None:
         if self.prefetch_stages < 1:
             raise ValueError(
                 f"prefetch_stages must be >= 1 (stages uploaded ahead), not {self.prefetch_stages}"
             )
+        if self.flow_depth < 1:
+            raise ValueError(f"flow_depth must be >= 1 (microbatches uploaded ahead), not {self.flow_depth}")
 
     def is_async(self, unit: int) -> bool:
         """Whether ``unit`` follows the asynchronous rules (staleness 1 after the warm-up)."""
