@@ -23,11 +23,9 @@ import json
 from roundpipe.backends.fake import FakeCostModel
 from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, Plan
-from roundpipe.sched.engine import Engine
-from roundpipe.sched.event_loop import run_sync
+from roundpipe.planning.simulate import run_graphs
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import Task
-from roundpipe.sched.trace import Trace
 
 DECODER_LAYERS, MICROBATCHES, ITERATIONS = 48, 4, 6
 ISSUE_PER_LAYER_MS = {"fwd": 4.0, "fused": 4.0, "recompute": 3.0, "bwd": 1.2}
@@ -48,16 +46,7 @@ def iteration_ms(
     builder = GraphBuilder(plan, spec, 1, options)
     model = FakeCostModel(costs, link_gbps=link_gbps)
     backend = FakeStreamBackend(model, shared_link=True, issue_ms=issue_ms if issue else 0.0)
-    trace = Trace(meta=builder.meta())
-    engine = Engine(backend, trace=trace)
-
-    async def main() -> None:
-        for iteration in range(ITERATIONS):
-            engine.submit(builder.forward_backward(iteration, iteration, MICROBATCHES).tasks)
-            engine.submit(builder.optimizer_step(iteration))
-        await engine.wait()
-
-    run_sync(main())
+    _, trace = run_graphs(backend, builder, ITERATIONS, MICROBATCHES)
     ends: dict[int, float] = {}
     for task in trace:
         if task.kind in ("compute", "recompute") and task.iteration >= 0:

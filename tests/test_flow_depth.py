@@ -20,11 +20,9 @@ from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, partition
 from roundpipe.planning import device_plan
 from roundpipe.planning.device_plan import plan_from
+from roundpipe.planning.simulate import run_graphs
 from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions
-from roundpipe.sched.engine import Engine
-from roundpipe.sched.event_loop import run_sync
 from roundpipe.sched.keys import ActUpKey, ComputeKey
-from roundpipe.sched.trace import Trace
 from tests.helpers import assert_weights_equal, batches, mlp, sgd, sync_reference, train_steps
 from tests.test_prefetch_stages import memory
 
@@ -61,16 +59,8 @@ def _makespan(flow_depth: int) -> float:
         return 1.0 + 2.0 * len(layers) if kind in ("compute", "recompute") else 0.02
 
     model = FakeCostModel(costs, link_gbps=8.0, optimizer_ms=0.3)
-    trace = Trace(meta=builder.meta())
-    engine = Engine(FakeStreamBackend(model, shared_link=True, issue_ms=issue_ms), trace=trace)
-
-    async def main() -> None:
-        for it in range(4):
-            engine.submit(builder.forward_backward(it, it, 8).tasks)
-            engine.submit(builder.optimizer_step(it))
-        await engine.wait()
-
-    run_sync(main())
+    backend = FakeStreamBackend(model, shared_link=True, issue_ms=issue_ms)
+    _, trace = run_graphs(backend, builder, 4, 8)
     trace.check_rules()
     return trace.makespan_ms()
 

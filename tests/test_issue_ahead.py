@@ -15,10 +15,8 @@ import pytest
 from roundpipe.backends.fake import FakeBackend, FakeCostModel
 from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, partition
-from roundpipe.sched.engine import Engine
-from roundpipe.sched.event_loop import run_sync
+from roundpipe.planning.simulate import run_graphs
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
-from roundpipe.sched.trace import Trace
 
 LAYERS = 10
 
@@ -30,17 +28,7 @@ def _run(backend: FakeBackend, *, devices: int, microbatches: int, iterations: i
     builder = GraphBuilder(
         plan, spec, devices, ScheduleOptions(async_optimizer=async_optimizer, chunk_bytes=1 << 20)
     )
-    trace = Trace(meta=builder.meta())
-    engine = Engine(backend, trace=trace)
-
-    async def main() -> None:
-        for it in range(iterations):
-            engine.submit(builder.forward_backward(it, it, microbatches).tasks)
-            engine.submit(builder.optimizer_step(it))
-        await engine.wait()
-
-    run_sync(main())
-    return engine, trace
+    return run_graphs(backend, builder, iterations, microbatches)
 
 
 def _stream_backend(issue_ms: float = 0.0, link_gbps: float | None = 8.0) -> FakeStreamBackend:

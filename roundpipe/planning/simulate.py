@@ -173,6 +173,24 @@ def run_shaped(
     return engine, trace, iteration_computes
 
 
+def run_graphs(
+    backend: FakeBackend, builder: GraphBuilder, iterations: int, num_microbatches: int
+) -> tuple[Engine, Trace]:
+    """``iterations`` of ``builder``'s graphs, each with its optimizer step, submitted at once on
+    ``backend`` (any fake backend: one with streams, one perturbed): the engine and the trace."""
+    trace = Trace(meta=builder.meta())
+    engine = Engine(backend, trace=trace)
+
+    async def main() -> None:
+        for iteration in range(iterations):
+            engine.submit(builder.forward_backward(iteration, iteration, num_microbatches).tasks)
+            engine.submit(builder.optimizer_step(iteration))
+        await engine.wait()
+
+    run_sync(main())
+    return engine, trace
+
+
 def _builder(plan: Plan, costs: LayerCosts, shape: RunShape, run: FakeRun) -> GraphBuilder:
     """The graphs the training path would build for ``plan`` on a run of ``shape``."""
     spec = ModelSpec(
