@@ -5,7 +5,7 @@ transfers free) gives every candidate the same iteration time, and `partition`'s
 slowest slot, then cuts the finest stages the memory limit allows. What that evaluation cannot see
 is what each stage costs beyond its layers on a real device: the host issues every compute task
 (on an H100 host 2-3.5 ms a task above its layers, for Qwen3-30B-A3B's; a plan of 71 slots over 16
-microbatches is 1,904 compute tasks an iteration, one of 25 slots 592), and every stage boundary
+microbatches is 1,888 compute tasks an iteration, one of 25 slots 592), and every stage boundary
 moves each microbatch's activation down to the host and up again over the same link as the
 weights (D at 16 x 4,096 tokens: 1.3 s of activation uploads an iteration against 3.0 s of
 weights). Fewer, larger stages cut both. The cost: larger stages hold more weights on the device,
