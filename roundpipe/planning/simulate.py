@@ -178,16 +178,11 @@ def run_graphs(
 ) -> tuple[Engine, Trace]:
     """``iterations`` of ``builder``'s graphs, each with its optimizer step, submitted at once on
     ``backend`` (any fake backend: one with streams, one perturbed): the engine and the trace."""
+    options = builder.options
+    shape = RunShape(builder.num_devices, num_microbatches, options.async_optimizer, options.round_size)
     trace = Trace(meta=builder.meta())
     engine = Engine(backend, trace=trace)
-
-    async def main() -> None:
-        for iteration in range(iterations):
-            engine.submit(builder.forward_backward(iteration, iteration, num_microbatches).tasks)
-            engine.submit(builder.optimizer_step(iteration))
-        await engine.wait()
-
-    run_sync(main())
+    run_sync(_submit_iterations(engine, builder, shape, iterations, False, []))
     return engine, trace
 
 
