@@ -30,6 +30,10 @@ def _device_us(event: Any) -> float:
     return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
 
 
+def _host_us(event: Any) -> float:
+    return float(event.self_cpu_time_total)
+
+
 def summarize(events: Any, steps: int, on_device: bool) -> dict[str, Any]:
     """Per measured step: the operators and kernels that took the most self time (device time
     when a GPU ran them, host time otherwise; on a GPU also by host time, ``top_host``), the
@@ -37,20 +41,17 @@ def summarize(events: Any, steps: int, on_device: bool) -> dict[str, Any]:
     rows = list(events)
     per_step = max(steps, 1)
     launches = [e for e in rows if e.key in LAUNCH_CALLS]
-    host_us = lambda e: float(e.self_cpu_time_total)  # noqa: E731
-    top = sorted(rows, key=_device_us if on_device else host_us, reverse=True)[:TOP]
+    top = sorted(rows, key=_device_us if on_device else _host_us, reverse=True)[:TOP]
     # On a GPU the host's own ranking says what a host-bound run's lanes spend their time on
     # (every thread's: the waiters' event synchronisations show here too, under their own names).
-    top_host = sorted(rows, key=host_us, reverse=True)[:TOP] if on_device else []
+    top_host = sorted(rows, key=_host_us, reverse=True)[:TOP] if on_device else []
     return {
         "steps": steps,
         "ranked_by": "self device time" if on_device else "self host time",
         "device_ms_per_step": round(sum(_device_us(e) for e in rows) / 1000 / per_step, 3),
-        "host_ms_per_step": round(sum(float(e.self_cpu_time_total) for e in rows) / 1000 / per_step, 3),
+        "host_ms_per_step": round(sum(_host_us(e) for e in rows) / 1000 / per_step, 3),
         "kernel_launches_per_step": sum(int(e.count) for e in launches) // per_step,
-        "launch_host_ms_per_step": round(
-            sum(float(e.self_cpu_time_total) for e in launches) / 1000 / per_step, 3
-        ),
+        "launch_host_ms_per_step": round(sum(_host_us(e) for e in launches) / 1000 / per_step, 3),
         "top": [_row(e, per_step) for e in top],
         **({"top_host": [_row(e, per_step) for e in top_host]} if on_device else {}),
     }
@@ -61,7 +62,7 @@ def _row(event: Any, per_step: int) -> dict[str, Any]:
         "name": event.key[:120],
         "calls_per_step": round(int(event.count) / per_step, 2),
         "self_device_ms_per_step": round(_device_us(event) / 1000 / per_step, 3),
-        "self_host_ms_per_step": round(float(event.self_cpu_time_total) / 1000 / per_step, 3),
+        "self_host_ms_per_step": round(_host_us(event) / 1000 / per_step, 3),
     }
 
 
