@@ -9,9 +9,8 @@ issued (`stream.wait_event`; on each other lane only the one issued last, `strea
 engine may issue a task as soon as what it depends on is issued (the engine's ``issues_ahead``
 protocol). After the work the lane records a blocking event and hands it to the lane's waiter
 thread, which sleeps until the event completes (no spinning core), and only then reports the
-task done. Host consumers (the optimizer lane's
-G-copy and P-copy, the one-stage prefetch and one-microbatch-ahead limits, buffer reuse) wait
-for that completion; device consumers do not.
+task done. Host consumers (the optimizer lane's G-copy and P-copy, the one-stage prefetch and
+one-microbatch-ahead limits, buffer reuse) wait for that completion; device consumers do not.
 
 Each task is timed on the device itself: a timing event before and after its work gives the
 task's real start and end on the GPU, on the same millisecond clock as the host, so the trace,

@@ -3,8 +3,9 @@
 Why: a few settings that make a CUDA pipe fast belong to the process, not to a pipe: inductor's
 C++ launch wrapper (`compiling.CPP_WRAPPER`), dynamo's recompile limit
 (`compiling.RECOMPILE_LIMIT`) and the interpreter's GIL switch interval (`cuda.GIL_SWITCH`). Each
-open pipe holds such a setting once; the first holder sets it, and the last one to let go gives back what the first found, so the user's process is as they left it
-before the first pipe opened and after the last one closed. A value the user set while a pipe
+open pipe holds such a setting once; the first holder sets it, and the last one to let go gives
+back what the first found, so the user's process is as they left it before the first pipe
+opened and after the last one closed. A value the user set while a pipe
 was open is theirs and is left as it is (one equal to roundpipe's cannot be told apart from it).
 Where the setting already had the value roundpipe wants, nothing is written or given back.
 """
