@@ -109,8 +109,12 @@ _grouped_mm_op.register_autograd(_backward, setup_context=_save)
 def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor, *, dispatched: bool = False) -> Tensor:
     """``x[rows of e] @ weight[e]`` for every expert e: ``x`` [S, in] sorted by expert (cast to the
     weight's dtype), ``weight`` [E, in, out] (any strides), ``offsets`` [E] int32 row ends;
-    ``dispatched``: as the operator ``roundpipe::grouped_mm`` (module docstring)."""
+    ``dispatched``: as the operator ``roundpipe::grouped_mm`` (module docstring).
+
+    A compiled product in another dtype than bf16 goes through the operator too: torch's fake
+    (meta) ``aten::_grouped_mm`` accepts only bf16, so tracing an fp32 experts layer failed, while
+    the eager kernel runs any float dtype on CPU and loops over the experts on CUDA."""
     x = x.to(weight.dtype)
-    if dispatched:
+    if dispatched or (weight.dtype != torch.bfloat16 and torch.compiler.is_compiling()):
         return _grouped_mm_op(x, weight, offsets)
     return _padded_product(x, weight, offsets)
