@@ -52,11 +52,13 @@ declare -A JOB=(
   # eager dispatch than from inductor's Python wrapper? (D's issuing paces its compute lane.)
   [D-eager]="170|90|--workload D --warmup 2 --steps 2 --compile false"
   [D16-eager]="200|120|--workload D16 --warmup 2 --steps 2 --compile false"
-  # The fewest stages that fit (roundpipe.plan.coarse): fewer compute tasks to issue, fewer
-  # activations over the link; against the evaluated choice's finer stages (the default).
-  [D-coarse]="170|90|--workload D --warmup 2 --steps 2 --one-device-stages coarse"
-  [D16-coarse]="200|120|--workload D16 --warmup 2 --steps 2 --one-device-stages coarse"
-  [D2-coarse]="170|90|--workload D2 --warmup 2 --steps 2 --one-device-stages coarse"
+  # The evaluated choice's finest stages (RunConfig's one-device default is the fewest stages that
+  # fit, roundpipe.plan.coarse): the A/B behind that default, for the workloads not yet run both ways.
+  [D-balanced]="170|90|--workload D --warmup 2 --steps 2 --one-device-stages balanced"
+  [D16-balanced]="200|120|--workload D16 --warmup 2 --steps 2 --one-device-stages balanced"
+  [D2-balanced]="170|90|--workload D2 --warmup 2 --steps 2 --one-device-stages balanced"
+  [E-balanced]="200|150|--workload E --warmup 2 --steps 3 --one-device-stages balanced"
+  [F-balanced]="300|180|--workload F --warmup 2 --steps 1 --one-device-stages balanced"
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
   [D-flow4]="170|90|--workload D --warmup 2 --steps 2 --flow-depth 4"

@@ -1,6 +1,7 @@
-"""One device's coarsest plan (roundpipe.plan.coarse) and the planner's switch to it
+"""One device's coarsest plan (roundpipe.plan.coarse), the planner's default there
 (`device_plan.STAGES_ON_ONE_DEVICE`): every stage as long as the memory rule allows, a plan that
-the exact prediction accepts, fewer slots than the evaluated choice, and the same numbers."""
+the exact prediction accepts, fewer slots than the evaluated choice ("balanced"), and the same
+numbers."""
 
 from __future__ import annotations
 
@@ -59,9 +60,9 @@ def test_the_switch_takes_the_fewest_slots_that_fit_on_one_device(
     costs, mem = _memory(24)
     config = roundpipe.RunConfig(devices=f"cpu:{devices}", num_microbatches=8, async_optimizer=True)
     budget = 1 << 30
+    coarse = plan_from(config, costs, mem, devices, budget, kind="cuda")  # the default
+    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "balanced")
     balanced = plan_from(config, costs, mem, devices, budget, kind="cuda")
-    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "coarse")
-    coarse = plan_from(config, costs, mem, devices, budget, kind="cuda")
     assert coarse.prediction.fits(planning_budget(budget, "cuda"))
     if devices == 1:
         assert coarse.plan.num_slots < balanced.plan.num_slots
@@ -72,6 +73,7 @@ def test_the_switch_takes_the_fewest_slots_that_fit_on_one_device(
 def test_where_no_coarse_plan_fits_the_evaluated_choice_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
     costs, mem = _memory(12)
     config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, async_optimizer=True)
+    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "balanced")
     balanced = plan_from(config, costs, mem, 1, 1 << 30, kind="cuda")
 
     def refuse(*args: object) -> None:
@@ -83,11 +85,10 @@ def test_where_no_coarse_plan_fits_the_evaluated_choice_is_made(monkeypatch: pyt
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_a_coarse_run_keeps_the_numerics_of_the_plain_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_coarse_run_keeps_the_numerics_of_the_plain_loop() -> None:
     data = batches(3, batch=16)
     _, reference = sync_reference(mlp(0, width=256, depth=8), sgd, data, nn.functional.mse_loss)
-    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "coarse")
-    config = roundpipe.RunConfig(
+    config = roundpipe.RunConfig(  # one device under a budget: the coarse plan, the default
         devices="cpu:1", num_microbatches=4, async_optimizer=False, memory_budget="3MiB", replan=False
     )
     with roundpipe.RoundPipe(mlp(0, width=256, depth=8), optimizer=sgd, config=config) as pipe:

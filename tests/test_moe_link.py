@@ -113,12 +113,19 @@ def test_link_report_says_how_many_microbatches_hide_the_uploads() -> None:
     assert fewer.link_bound
 
 
-def test_the_replan_takes_the_link_aware_plan_where_the_measured_link_makes_it_faster() -> None:
+def test_the_replan_takes_the_link_aware_plan_where_the_measured_link_makes_it_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`with_link` (the CUDA re-plan): the link measured from the trace's weight uploads, the
-    plan made on link-aware costs within the same memory budget, kept where it runs faster."""
+    plan made on link-aware costs within the same memory budget, kept where it runs faster. On
+    one device the evaluated choice ("balanced"): the default coarse plan there is the memory's
+    own, the same on any costs."""
     import roundpipe
     from roundpipe.plan.memory import LayerMemory, layer_plan_bytes
+    from roundpipe.planning import device_plan
     from roundpipe.planning.device_plan import plan_from, with_link
+
+    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "balanced")
     from roundpipe.planning.measured import measured_link_gbps
 
     mb, layers = 10**6, 12

@@ -165,18 +165,19 @@ FLOW_DEPTH = 2
 """Microbatches a stage run's inputs are uploaded ahead of its computes (`ScheduleOptions.flow_depth`),
 counted in the memory prediction (``act_in_flight``); where no plan fits with them, two. Deeper
 lets the host issue more of a stage's computes before the stage's weights have landed, for one
-more activation on the device per microbatch. Not measured on a GPU, and the fake stream backend
-does not settle it (`bench/flow_depth.py`: on D's shape, from 15% faster to no faster by stage
-size, and without issue costs deeper is slower, its activations taking the link from the
-weights), so two stays the default (`bench/gpu_throughput.py --flow-depth`)."""
+more activation on the device per microbatch. On an H100, Qwen3-30B-A3B at 16 x 4,096 tokens ran
+1.1% faster at four (one run each; the host still the bound), and the fake stream backend ranks
+it from 15% faster to slower by stage size (`bench/flow_depth.py`), so two stays the default
+(`bench/gpu_throughput.py --flow-depth`)."""
 
-STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse"] = "balanced"
-"""How a plan under a memory budget on one device cuts its stages: "balanced", the evaluated
-choice (`choose_for_shape`), which on one device falls to the finest stages the budget allows
-(every plan computes the same there); "coarse", the fewest stages that fit
-(`roundpipe.plan.coarse`: fewer compute tasks for the host to issue, fewer activations over the
-link). Coarse is not measured on a GPU yet, so balanced stays the default (`bench/gpu_throughput.py
---one-device-stages`)."""
+STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse"] = "coarse"
+"""How a plan under a memory budget on one device cuts its stages: "coarse", the fewest stages
+that fit (`roundpipe.plan.coarse`), where that has fewer slots than the evaluated choice;
+"balanced", the evaluated choice (`choose_for_shape`), which on one device falls to the finest
+stages the budget allows (every plan computes the same there). Coarse issues fewer compute tasks
+and sends fewer activations over the link: on an H100, Qwen3-30B-A3B at 16 x 4,096 tokens ran
+11,500 tok/s in 17 slots against 7,009 in 70, at 4 x 4,096 6,524 against 5,378, GPT-OSS-20B
+10,075 against 9,743 (docs/performance.md; `bench/gpu_throughput.py --one-device-stages`)."""
 
 
 def plan_from(
