@@ -59,6 +59,10 @@ declare -A JOB=(
   [D2-balanced]="170|90|--workload D2 --warmup 2 --steps 2 --one-device-stages balanced"
   [E-balanced]="200|150|--workload E --warmup 2 --steps 3 --one-device-stages balanced"
   [F-balanced]="300|180|--workload F --warmup 2 --steps 1 --one-device-stages balanced"
+  # Fewer kernel launches per compiled layer (D16's compute lane is bound by the host issuing
+  # them): inductor's horizontal fusion of independent kernels, or its more aggressive fusion.
+  [D16-combo]="200|120|--workload D16 --warmup 2 --steps 2 --inductor combo_kernels=True"
+  [D16-aggressive]="200|120|--workload D16 --warmup 2 --steps 2 --inductor aggressive_fusion=True"
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
   [D-flow4]="170|90|--workload D --warmup 2 --steps 2 --flow-depth 4"

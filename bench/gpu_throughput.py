@@ -176,6 +176,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "true", "false"),
         help="RunConfig.compile (default: its default, auto); false runs the layers eagerly",
     )
+    p.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a torch._inductor.config setting for this run (repeatable; set back after it), "
+        "e.g. combo_kernels=True: fewer kernel launches for a host-bound layer",
+    )
     p.add_argument("--devices", default="cuda", help='"cuda", "cuda:0,1" or "cpu:2"')
     p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
     p.add_argument("--async", action="store_true", dest="run_async", help="run async mode")
@@ -307,8 +315,10 @@ def run_roundpipe(
     profiling = contextlib.ExitStack()  # --torch-profile: entered with the measured steps
     torch_profile: dict[str, Any] | None = None
     planner = _PlannerSettings(getattr(args, "one_device_stages", None), getattr(args, "flow_depth", None))
+    inductor_options = parse_inductor_options(getattr(args, "inductor", []))
     with (
         planner,
+        _inductor_patch(inductor_options),
         RssSampler() as rss,
         roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
     ):
@@ -429,9 +439,40 @@ def run_roundpipe(
         "chunk_bytes": config.chunk_bytes,
         "compile": config.compile,
         "one_device_stages": planner.stages,
+        "inductor": inductor_options,
         "flow_depth": flow_depth,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
+
+
+def parse_inductor_options(pairs: list[str]) -> dict[str, Any]:
+    """``--inductor KEY=VALUE`` pairs as torch._inductor.config settings: the value as a Python
+    literal (True, 3, 0.5, "x"), else the string; a key inductor does not have is an error."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--inductor takes KEY=VALUE (e.g. combo_kernels=True), not {pair!r}")
+        if not hasattr(inductor_config, key):
+            raise SystemExit(f"--inductor {key}: torch._inductor.config has no setting {key!r}")
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[key] = text
+    return options
+
+
+def _inductor_patch(options: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """``options`` applied to torch._inductor.config for the run, the settings before given back."""
+    if not options:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(options)
 
 
 class _PlannerSettings(contextlib.AbstractContextManager[None]):

@@ -531,3 +531,28 @@ def test_settled_waits_for_the_replan_and_for_one_iteration_of_its_plan() -> Non
     assert bench.settled(Pipe(done), ["old", "new"])
     assert not bench.settled(Pipe(None), [])
     assert bench.settled(Pipe(None), ["new"])
+
+
+def test_inductor_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """--inductor KEY=VALUE sets torch._inductor.config for the run (the JSON line says which) and
+    sets it back afterwards; a setting inductor does not have stops the bench with its name."""
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.combo_kernels
+    argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    seen: list[bool] = []
+    original = bench.adamw
+
+    def watching(used: list[str]) -> Any:  # the optimizer factory, made as the pipe is built
+        seen.append(inductor_config.combo_kernels)
+        return original(used)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "adamw", watching)
+        bench.main([*argv, "--async", "--no-plain", "--inductor", f"combo_kernels={not before}"])
+    (line,) = _json_lines(capsys.readouterr().out)
+    assert line["roundpipe"]["inductor"] == {"combo_kernels": not before}
+    assert seen == [not before]
+    assert inductor_config.combo_kernels == before
+    with pytest.raises(SystemExit, match="no setting 'not_a_setting'"):
+        bench.main([*argv, "--async", "--no-plain", "--inductor", "not_a_setting=1"])
