@@ -63,6 +63,10 @@ declare -A JOB=(
   # them): inductor's horizontal fusion of independent kernels, or its more aggressive fusion.
   [D16-combo]="200|120|--workload D16 --warmup 2 --steps 2 --inductor combo_kernels=True"
   [D16-aggressive]="200|120|--workload D16 --warmup 2 --steps 2 --inductor aggressive_fusion=True"
+  # Launches from inductor's C++ wrapper (the experts through roundpipe::grouped_mm); building the
+  # wrappers of the mixture-of-experts layers takes minutes on a cold machine.
+  [D16-cpp]="330|240|--workload D16 --warmup 2 --steps 2 --inductor cpp_wrapper=True"
+  [D2-cpp]="300|200|--workload D2 --warmup 2 --steps 2 --inductor cpp_wrapper=True"
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
   [D-flow4]="170|90|--workload D --warmup 2 --steps 2 --flow-depth 4"
