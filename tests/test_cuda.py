@@ -280,13 +280,18 @@ def _budget_run(budget: str | None, batch: dict, steps: int) -> tuple[list[float
         return losses, pipe.plan.num_slots
 
 
-def test_cuda_tight_budget_split_plan_follows_the_unbudgeted_run() -> None:
+def test_cuda_tight_budget_split_plan_follows_the_unbudgeted_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tight budget splits the model into one-layer stages whose backward recomputes from an
     activation uploaded on another stream. The backward must keep that upload alive until its
     kernels have run: when only the recompute held it, autograd let go of what the graph saved of
     it (the rotary tables, the mask) once the kernels were launched, the next upload landed in the
     block while the compute stream still read it, and workload A turned NaN at a 4 GiB budget.
-    The same steps with and without the budget must give the same finite losses."""
+    The same steps with and without the budget must give the same finite losses. One-layer stages
+    are what the evaluated choice cuts under this budget ("balanced"); the coarse default of one
+    device would cut longer ones."""
+    from roundpipe.planning import device_plan
+
+    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "balanced")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 32768, (8, 4096), generator=g)
     batch = {"input_ids": ids, "labels": ids}
