@@ -318,7 +318,7 @@ def run_roundpipe(
     inductor_options = parse_inductor_options(getattr(args, "inductor", []))
     with (
         planner,
-        _inductor_patch(inductor_options),
+        _InductorSettings(inductor_options),
         RssSampler() as rss,
         roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
     ):
@@ -466,13 +466,29 @@ def parse_inductor_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def _inductor_patch(options: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-    """``options`` applied to torch._inductor.config for the run, the settings before given back."""
-    if not options:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
+class _InductorSettings(contextlib.AbstractContextManager[None]):
+    """``options`` set in torch._inductor.config for every thread while the run is open (the lanes
+    compile on threads of their own: `roundpipe.backends.compiling.write_everywhere`), then what
+    this thread saw before."""
 
-    return inductor_config.patch(options)
+    def __init__(self, options: dict[str, Any]) -> None:
+        import torch._inductor.config as inductor_config
+
+        self.module = inductor_config
+        self.options = options
+        self.before = {key: getattr(inductor_config, key) for key in options}
+
+    def __enter__(self) -> None:
+        from roundpipe.backends.compiling import write_everywhere
+
+        for key, value in self.options.items():
+            write_everywhere(self.module, key, value)
+
+    def __exit__(self, *exc: object) -> None:
+        from roundpipe.backends.compiling import write_everywhere
+
+        for key, value in self.before.items():
+            write_everywhere(self.module, key, value)
 
 
 class _PlannerSettings(contextlib.AbstractContextManager[None]):

@@ -534,9 +534,12 @@ def test_settled_waits_for_the_replan_and_for_one_iteration_of_its_plan() -> Non
 
 
 def test_inductor_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[str]) -> None:
-    """--inductor KEY=VALUE sets torch._inductor.config for the run (the JSON line says which) and
-    sets it back afterwards; a setting inductor does not have stops the bench with its name."""
+    """--inductor KEY=VALUE sets torch._inductor.config for the run, in every thread (the JSON line
+    says which), and sets it back afterwards; a setting inductor does not have stops the bench with
+    its name."""
     import torch._inductor.config as inductor_config
+
+    from tests.test_compile import in_another_thread
 
     before = inductor_config.combo_kernels
     argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
@@ -544,7 +547,7 @@ def test_inductor_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[s
     original = bench.adamw
 
     def watching(used: list[str]) -> Any:  # the optimizer factory, made as the pipe is built
-        seen.append(inductor_config.combo_kernels)
+        seen.append(in_another_thread(lambda: inductor_config.combo_kernels))  # as a lane sees it
         return original(used)
 
     with pytest.MonkeyPatch.context() as patch:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import copy
 import gc
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +67,28 @@ def test_cuda_layers_launch_from_the_cpp_wrapper(monkeypatch: pytest.MonkeyPatch
     assert not compiling.wants_cpp_wrapper("cuda")
 
 
+def in_another_thread(read: Callable[[], Any]) -> Any:
+    """What ``read`` returns in a new thread: torch >= 2.12 keeps a config value per thread, and
+    the layers compile on lane threads (and a backward on autograd's)."""
+    seen: list[Any] = []
+    thread = threading.Thread(target=lambda: seen.append(read()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_a_setting_written_everywhere_reaches_every_thread() -> None:
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.combo_kernels
+    try:
+        compiling.write_everywhere(inductor_config, "combo_kernels", not before)
+        assert in_another_thread(lambda: inductor_config.combo_kernels) is (not before)
+    finally:
+        compiling.write_everywhere(inductor_config, "combo_kernels", before)
+    assert in_another_thread(lambda: inductor_config.combo_kernels) is before
+
+
 def test_the_cpp_wrapper_is_on_while_a_compiling_cuda_run_is_open(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lazily compiled backward reads inductor's global setting (torch 2.11 failed with a
     per-compile option), so the setting is on from the first open run to the last close, and
@@ -80,11 +105,13 @@ def test_the_cpp_wrapper_is_on_while_a_compiling_cuda_run_is_open(monkeypatch: p
         first.open()  # once per run, however often asked
         second.open()
         assert inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 2
+        assert in_another_thread(lambda: inductor_config.cpp_wrapper)  # where the lanes compile
         first.close()
         first.close()
         assert inductor_config.cpp_wrapper  # the second run is still open
         second.close()
         assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
+        assert not in_another_thread(lambda: inductor_config.cpp_wrapper)
         on_cpu = LayerCompiler(True, "cpu")
         on_cpu.open()  # no C++ wrapper for a CPU run
         assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
@@ -105,10 +132,12 @@ def test_dynamo_keeps_room_for_the_layers_graph_variants_while_a_run_compiles() 
         first.open()
         second.open()
         assert dynamo_config.recompile_limit == compiling.LAYER_GRAPH_VARIANTS == 64
+        assert in_another_thread(lambda: dynamo_config.recompile_limit) == 64
         first.close()
         assert dynamo_config.recompile_limit == 64  # the second run is still open
         second.close()
         assert dynamo_config.recompile_limit == 8 and compiling.RECOMPILE_LIMIT.holders == 0
+        assert in_another_thread(lambda: dynamo_config.recompile_limit) == 8
         with dynamo_config.patch(recompile_limit=100):  # a user's larger limit stays
             first.open()
             assert dynamo_config.recompile_limit == 100

@@ -37,7 +37,9 @@ backward lazily, at its first backward call, and torch 2.11 (the lent H200s' ver
 per-compile ``cpp_wrapper`` to the forward only, so every compiled decoder layer's first
 backward failed there with "CudaKernelParamCache not populated" (also with
 ``triton.store_cubin`` set). The process-wide setting is what ``TORCHINDUCTOR_CPP_WRAPPER=1``
-sets, and the figures above were measured with it.
+sets, and the figures above were measured with it. torch >= 2.12 keeps a written setting per
+thread, while the lanes compile on threads of their own and autograd compiles a backward on its
+device threads: `write_everywhere` makes this one and the recompile limit reach every thread.
 
 Compiled code is shared: replicas are structural copies whose parameter slots are rebound for
 every call, and `torch.compile` treats module parameters as graph inputs, so every layer of one
@@ -53,6 +55,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, Literal
 
 import torch
@@ -105,6 +108,23 @@ def wants_cpp_wrapper(device_type: str) -> bool:
     )
 
 
+def write_everywhere(config_module: Any, name: str, value: Any) -> None:
+    """Set a dynamo or inductor setting for every thread of the process, not only this one.
+
+    torch >= 2.12 keeps a value written to its config modules per thread (a ``ContextVar`` per
+    setting), so a setting written where a pipe opens would reach neither the lane threads that
+    compile the layers nor autograd's device threads that compile a backward lazily. The value
+    also becomes the setting's default, which every thread without a value of its own reads. On
+    older torch the write alone is process-wide, and the default is left alone. Limit: a thread
+    that computed the config's hash before the change (an autograd thread that compiled for an
+    earlier pipe) keeps its cached hash, inductor's cache key, until it writes a setting itself."""
+    setattr(config_module, name, value)
+    entries: dict[str, Any] = config_module.__dict__.get("_config", {})
+    entry: Any = entries.get(name)
+    if isinstance(getattr(entry, "user_override", None), ContextVar):
+        entry.default = value
+
+
 def _read_cpp_wrapper() -> bool:
     import torch._inductor.config as inductor_config
 
@@ -114,7 +134,7 @@ def _read_cpp_wrapper() -> bool:
 def _write_cpp_wrapper(on: bool) -> None:
     import torch._inductor.config as inductor_config
 
-    inductor_config.cpp_wrapper = on
+    write_everywhere(inductor_config, "cpp_wrapper", on)
 
 
 # Inductor's process-wide ``cpp_wrapper``, on while at least one compiling CUDA pipe is open.
@@ -132,7 +152,7 @@ def _read_recompile_limit() -> int:
 def _write_recompile_limit(limit: int) -> None:
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = limit
+    write_everywhere(dynamo_config, "recompile_limit", limit)
 
 
 # Graphs a compiled layer's code may hold before dynamo runs further variants eagerly: while a
