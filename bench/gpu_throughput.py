@@ -469,14 +469,16 @@ def parse_inductor_options(pairs: list[str]) -> dict[str, Any]:
 class _InductorSettings(contextlib.AbstractContextManager[None]):
     """``options`` set in torch._inductor.config for every thread while the run is open (the lanes
     compile on threads of their own: `roundpipe.backends.compiling.write_everywhere`), then what
-    this thread saw before."""
+    they were."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         import torch._inductor.config as inductor_config
 
+        from roundpipe.backends.compiling import read_everywhere
+
         self.module = inductor_config
         self.options = options
-        self.before = {key: getattr(inductor_config, key) for key in options}
+        self.before = {key: read_everywhere(inductor_config, key) for key in options}
 
     def __enter__(self) -> None:
         from roundpipe.backends.compiling import write_everywhere

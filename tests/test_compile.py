@@ -7,11 +7,12 @@ every call are what can go wrong, and they are the same whatever backend runs th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -77,72 +78,85 @@ def in_another_thread(read: Callable[[], Any]) -> Any:
     return seen[0]
 
 
-def test_a_setting_written_everywhere_reaches_every_thread() -> None:
+@contextlib.contextmanager
+def everywhere(config_module: Any, name: str, value: Any) -> Iterator[None]:
+    """``name`` set to ``value`` for every thread, then back to what it was."""
+    before = compiling.read_everywhere(config_module, name)
+    compiling.write_everywhere(config_module, name, value)
+    try:
+        yield
+    finally:
+        compiling.write_everywhere(config_module, name, before)
+
+
+def test_a_setting_written_everywhere_reaches_every_thread_but_not_a_threads_own() -> None:
     import torch._inductor.config as inductor_config
 
-    before = inductor_config.combo_kernels
-    try:
-        compiling.write_everywhere(inductor_config, "combo_kernels", not before)
+    before = compiling.read_everywhere(inductor_config, "combo_kernels")
+    with everywhere(inductor_config, "combo_kernels", not before):
         assert in_another_thread(lambda: inductor_config.combo_kernels) is (not before)
-    finally:
-        compiling.write_everywhere(inductor_config, "combo_kernels", before)
+        assert compiling.read_everywhere(inductor_config, "combo_kernels") is (not before)
+        with inductor_config.patch(combo_kernels=before):  # this thread's own value stays its own
+            assert inductor_config.combo_kernels is before
+            assert in_another_thread(lambda: inductor_config.combo_kernels) is (not before)
     assert in_another_thread(lambda: inductor_config.combo_kernels) is before
 
 
 def test_the_cpp_wrapper_is_on_while_a_compiling_cuda_run_is_open(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lazily compiled backward reads inductor's global setting (torch 2.11 failed with a
-    per-compile option), so the setting is on from the first open run to the last close, and
-    then what the user had."""
+    per-compile option), so the setting is on, for every thread (the lanes compile on their own,
+    a backward on autograd's), from the first open run to the last close, and then what it was."""
     import torch._inductor.config as inductor_config
 
     monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
     monkeypatch.setenv("CXX", sys.executable)
-    # Patched through the config's own `patch`: a monkeypatch of a config module undoes by deleting
-    # the name (pytest >= 9.2 restores the instance's __dict__), which hides the setting for good.
-    with inductor_config.patch(cpp_wrapper=False):
+
+    def wrapper_on() -> bool:
+        return bool(in_another_thread(lambda: inductor_config.cpp_wrapper))
+
+    with everywhere(inductor_config, "cpp_wrapper", False):
         first, second = LayerCompiler(True, "cuda"), LayerCompiler(True, "cuda")
         first.open()
         first.open()  # once per run, however often asked
         second.open()
-        assert inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 2
-        assert in_another_thread(lambda: inductor_config.cpp_wrapper)  # where the lanes compile
+        assert wrapper_on() and compiling.CPP_WRAPPER.holders == 2
         first.close()
         first.close()
-        assert inductor_config.cpp_wrapper  # the second run is still open
+        assert wrapper_on()  # the second run is still open
         second.close()
-        assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
-        assert not in_another_thread(lambda: inductor_config.cpp_wrapper)
+        assert not wrapper_on() and compiling.CPP_WRAPPER.holders == 0
         on_cpu = LayerCompiler(True, "cpu")
         on_cpu.open()  # no C++ wrapper for a CPU run
-        assert not inductor_config.cpp_wrapper and compiling.CPP_WRAPPER.holders == 0
+        assert not wrapper_on() and compiling.CPP_WRAPPER.holders == 0
         on_cpu.close()
 
 
 def test_dynamo_keeps_room_for_the_layers_graph_variants_while_a_run_compiles() -> None:
     """All layers of a class share one graph cache whose variants multiply (grad mode, the input's
     requires_grad, sliding or full attention): dynamo's default of 8 ran GPT-OSS-20B's layers
-    eagerly past it on an H100. While a compiling run is open the limit is at least 64; then the
-    user's again, and a run that does not compile changes nothing."""
+    eagerly past it on an H100. While a compiling run is open the limit is at least 64 in every
+    thread; then what it was, and a run that does not compile changes nothing."""
     import torch._dynamo.config as dynamo_config
 
-    with dynamo_config.patch(recompile_limit=8):
+    def limit() -> int:
+        return int(in_another_thread(lambda: dynamo_config.recompile_limit))
+
+    with everywhere(dynamo_config, "recompile_limit", 8):
         LayerCompiler(False, "cuda").open()
-        assert dynamo_config.recompile_limit == 8
+        assert limit() == 8
         first, second = LayerCompiler(True, "cpu"), LayerCompiler(True, "cpu")
         first.open()
         second.open()
-        assert dynamo_config.recompile_limit == compiling.LAYER_GRAPH_VARIANTS == 64
-        assert in_another_thread(lambda: dynamo_config.recompile_limit) == 64
+        assert limit() == compiling.LAYER_GRAPH_VARIANTS == 64
         first.close()
-        assert dynamo_config.recompile_limit == 64  # the second run is still open
+        assert limit() == 64  # the second run is still open
         second.close()
-        assert dynamo_config.recompile_limit == 8 and compiling.RECOMPILE_LIMIT.holders == 0
-        assert in_another_thread(lambda: dynamo_config.recompile_limit) == 8
-        with dynamo_config.patch(recompile_limit=100):  # a user's larger limit stays
+        assert limit() == 8 and compiling.RECOMPILE_LIMIT.holders == 0
+        with everywhere(dynamo_config, "recompile_limit", 100):  # a larger limit stays
             first.open()
-            assert dynamo_config.recompile_limit == 100
+            assert limit() == 100
             first.close()
-            assert dynamo_config.recompile_limit == 100
+            assert limit() == 100
 
 
 def test_layers_say_how_they_compile() -> None:

@@ -55,7 +55,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from contextvars import ContextVar
+from contextvars import Context, ContextVar
 from typing import Any, Literal
 
 import torch
@@ -108,27 +108,35 @@ def wants_cpp_wrapper(device_type: str) -> bool:
     )
 
 
+def read_everywhere(config_module: Any, name: str) -> Any:
+    """A dynamo or inductor setting as a thread without a value of its own reads it: the value
+    the lanes and autograd's threads compile with (see `write_everywhere`)."""
+    return Context().run(getattr, config_module, name)
+
+
 def write_everywhere(config_module: Any, name: str, value: Any) -> None:
-    """Set a dynamo or inductor setting for every thread of the process, not only this one.
+    """Set a dynamo or inductor setting for every thread that has no value of its own.
 
     torch >= 2.12 keeps a value written to its config modules per thread (a ``ContextVar`` per
     setting), so a setting written where a pipe opens would reach neither the lane threads that
-    compile the layers nor autograd's device threads that compile a backward lazily. The value
-    also becomes the setting's default, which every thread without a value of its own reads. On
-    older torch the write alone is process-wide, and the default is left alone. Limit: a thread
-    that computed the config's hash before the change (an autograd thread that compiled for an
-    earlier pipe) keeps its cached hash, inductor's cache key, until it writes a setting itself."""
-    setattr(config_module, name, value)
+    compile the layers nor autograd's device threads that compile a backward lazily. There the
+    value becomes the setting's default, which every thread without a value of its own reads (a
+    thread's own value, such as a user's ``config.patch``, stays theirs); on older torch the
+    write is process-wide already. Limit: a thread that computed the config's hash before the
+    change (an autograd thread that compiled for an earlier pipe) keeps that cached hash, part of
+    inductor's cache key, until it writes a setting itself."""
     entries: dict[str, Any] = config_module.__dict__.get("_config", {})
     entry: Any = entries.get(name)
     if isinstance(getattr(entry, "user_override", None), ContextVar):
         entry.default = value
+    else:
+        setattr(config_module, name, value)
 
 
 def _read_cpp_wrapper() -> bool:
     import torch._inductor.config as inductor_config
 
-    return bool(inductor_config.cpp_wrapper)
+    return bool(read_everywhere(inductor_config, "cpp_wrapper"))
 
 
 def _write_cpp_wrapper(on: bool) -> None:
@@ -146,7 +154,7 @@ CPP_WRAPPER: HeldSetting[bool] = HeldSetting(_read_cpp_wrapper, _write_cpp_wrapp
 def _read_recompile_limit() -> int:
     import torch._dynamo.config as dynamo_config
 
-    return int(dynamo_config.recompile_limit)
+    return int(read_everywhere(dynamo_config, "recompile_limit"))
 
 
 def _write_recompile_limit(limit: int) -> None:
