@@ -300,7 +300,10 @@ def run_roundpipe(
     workload: Workload, mode: str, args: argparse.Namespace, model: torch.nn.Module
 ) -> dict[str, Any]:
     """Warm-up steps, then measured steps of ``model`` (which the run trains: pass a copy)."""
+    import torch._inductor.config as inductor_config
+
     import roundpipe
+    from roundpipe.backends.compiling import settings_everywhere
     from roundpipe.sched.breakdown import breakdown
 
     indices = cuda_indices(args.devices)
@@ -318,7 +321,7 @@ def run_roundpipe(
     inductor_options = parse_inductor_options(getattr(args, "inductor", []))
     with (
         planner,
-        _InductorSettings(inductor_options),
+        settings_everywhere(inductor_config, inductor_options),  # the lanes compile on their own threads
         RssSampler() as rss,
         roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
     ):
@@ -464,33 +467,6 @@ def parse_inductor_options(pairs: list[str]) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             options[key] = text
     return options
-
-
-class _InductorSettings(contextlib.AbstractContextManager[None]):
-    """``options`` set in torch._inductor.config for every thread while the run is open (the lanes
-    compile on threads of their own: `roundpipe.backends.compiling.write_everywhere`), then what
-    they were."""
-
-    def __init__(self, options: dict[str, Any]) -> None:
-        import torch._inductor.config as inductor_config
-
-        from roundpipe.backends.compiling import read_everywhere
-
-        self.module = inductor_config
-        self.options = options
-        self.before = {key: read_everywhere(inductor_config, key) for key in options}
-
-    def __enter__(self) -> None:
-        from roundpipe.backends.compiling import write_everywhere
-
-        for key, value in self.options.items():
-            write_everywhere(self.module, key, value)
-
-    def __exit__(self, *exc: object) -> None:
-        from roundpipe.backends.compiling import write_everywhere
-
-        for key, value in self.before.items():
-            write_everywhere(self.module, key, value)
 
 
 class _PlannerSettings(contextlib.AbstractContextManager[None]):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -179,3 +180,13 @@ def metrics_logged(run: Path) -> list[dict[str, Any]]:
 def checkpoint_data_step(checkpoint: Path) -> int:
     """The data position a checkpoint resumes from."""
     return int(json.loads((checkpoint / "meta.json").read_text())["data_step"])
+
+
+def in_another_thread(read: Callable[[], Any]) -> Any:
+    """What ``read`` returns in a new thread: torch >= 2.12 keeps a config value per thread, and
+    the layers compile on lane threads (and a backward on autograd's)."""
+    seen: list[Any] = []
+    thread = threading.Thread(target=lambda: seen.append(read()))
+    thread.start()
+    thread.join()
+    return seen[0]

@@ -539,7 +539,7 @@ def test_inductor_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[s
     its name."""
     import torch._inductor.config as inductor_config
 
-    from tests.test_compile import in_another_thread
+    from tests.helpers import in_another_thread
 
     before = in_another_thread(lambda: inductor_config.combo_kernels)
     argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]

@@ -7,13 +7,9 @@ every call are what can go wrong, and they are the same whatever backend runs th
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -23,6 +19,7 @@ import roundpipe
 from roundpipe.backends import compiling
 from roundpipe.backends.compiling import LayerCompiler, compile_enabled
 from roundpipe.model import to_layer_sequence
+from tests.helpers import in_another_thread
 from tests.test_transformers_parity import (
     assert_same_weights,
     pipe_loop,
@@ -68,32 +65,11 @@ def test_cuda_layers_launch_from_the_cpp_wrapper(monkeypatch: pytest.MonkeyPatch
     assert not compiling.wants_cpp_wrapper("cuda")
 
 
-def in_another_thread(read: Callable[[], Any]) -> Any:
-    """What ``read`` returns in a new thread: torch >= 2.12 keeps a config value per thread, and
-    the layers compile on lane threads (and a backward on autograd's)."""
-    seen: list[Any] = []
-    thread = threading.Thread(target=lambda: seen.append(read()))
-    thread.start()
-    thread.join()
-    return seen[0]
-
-
-@contextlib.contextmanager
-def everywhere(config_module: Any, name: str, value: Any) -> Iterator[None]:
-    """``name`` set to ``value`` for every thread, then back to what it was."""
-    before = compiling.read_everywhere(config_module, name)
-    compiling.write_everywhere(config_module, name, value)
-    try:
-        yield
-    finally:
-        compiling.write_everywhere(config_module, name, before)
-
-
 def test_a_setting_written_everywhere_reaches_every_thread_but_not_a_threads_own() -> None:
     import torch._inductor.config as inductor_config
 
     before = compiling.read_everywhere(inductor_config, "combo_kernels")
-    with everywhere(inductor_config, "combo_kernels", not before):
+    with compiling.settings_everywhere(inductor_config, {"combo_kernels": not before}):
         assert in_another_thread(lambda: inductor_config.combo_kernels) is (not before)
         assert compiling.read_everywhere(inductor_config, "combo_kernels") is (not before)
         with inductor_config.patch(combo_kernels=before):  # this thread's own value stays its own
@@ -114,7 +90,7 @@ def test_the_cpp_wrapper_is_on_while_a_compiling_cuda_run_is_open(monkeypatch: p
     def wrapper_on() -> bool:
         return bool(in_another_thread(lambda: inductor_config.cpp_wrapper))
 
-    with everywhere(inductor_config, "cpp_wrapper", False):
+    with compiling.settings_everywhere(inductor_config, {"cpp_wrapper": False}):
         first, second = LayerCompiler(True, "cuda"), LayerCompiler(True, "cuda")
         first.open()
         first.open()  # once per run, however often asked
@@ -141,7 +117,7 @@ def test_dynamo_keeps_room_for_the_layers_graph_variants_while_a_run_compiles() 
     def limit() -> int:
         return int(in_another_thread(lambda: dynamo_config.recompile_limit))
 
-    with everywhere(dynamo_config, "recompile_limit", 8):
+    with compiling.settings_everywhere(dynamo_config, {"recompile_limit": 8}):
         LayerCompiler(False, "cuda").open()
         assert limit() == 8
         first, second = LayerCompiler(True, "cpu"), LayerCompiler(True, "cpu")
@@ -152,7 +128,7 @@ def test_dynamo_keeps_room_for_the_layers_graph_variants_while_a_run_compiles() 
         assert limit() == 64  # the second run is still open
         second.close()
         assert limit() == 8 and compiling.RECOMPILE_LIMIT.holders == 0
-        with everywhere(dynamo_config, "recompile_limit", 100):  # a larger limit stays
+        with compiling.settings_everywhere(dynamo_config, {"recompile_limit": 100}):  # a larger limit stays
             first.open()
             assert limit() == 100
             first.close()

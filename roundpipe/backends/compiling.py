@@ -49,12 +49,13 @@ without grad and one with). This module only prepares modules; it never runs the
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import Context, ContextVar
 from typing import Any, Literal
 
@@ -131,6 +132,20 @@ def write_everywhere(config_module: Any, name: str, value: Any) -> None:
         entry.default = value
     else:
         setattr(config_module, name, value)
+
+
+@contextlib.contextmanager
+def settings_everywhere(config_module: Any, options: dict[str, Any]) -> Iterator[None]:
+    """``options`` set for every thread (`write_everywhere`) inside the block, then what they were
+    (`read_everywhere`)."""
+    before = {name: read_everywhere(config_module, name) for name in options}
+    for name, value in options.items():
+        write_everywhere(config_module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            write_everywhere(config_module, name, value)
 
 
 def _read_cpp_wrapper() -> bool:
