@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
+from unittest import mock
 
 import torch
 
@@ -322,6 +323,9 @@ def run_roundpipe(
     with (
         planner,
         settings_everywhere(inductor_config, inductor_options),  # the lanes compile on their own threads
+        # roundpipe holds the C++ wrapper on CUDA unless the environment chose: --inductor
+        # cpp_wrapper=False is the Python wrapper's A/B
+        mock.patch.dict(os.environ, cpp_wrapper_environ(inductor_options)),
         RssSampler() as rss,
         roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
     ):
@@ -446,6 +450,14 @@ def run_roundpipe(
         "flow_depth": flow_depth,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
+
+
+def cpp_wrapper_environ(inductor_options: dict[str, Any]) -> dict[str, str]:
+    """The environment that leaves inductor's C++ wrapper to ``--inductor cpp_wrapper=...``
+    (`roundpipe.backends.compiling.wants_cpp_wrapper` defers to ``TORCHINDUCTOR_CPP_WRAPPER``)."""
+    if "cpp_wrapper" not in inductor_options:
+        return {}
+    return {"TORCHINDUCTOR_CPP_WRAPPER": "1" if inductor_options["cpp_wrapper"] else "0"}
 
 
 def parse_inductor_options(pairs: list[str]) -> dict[str, Any]:

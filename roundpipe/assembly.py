@@ -62,7 +62,6 @@ def make_runtime(
 ) -> Runtime:
     from roundpipe.backends.compiling import LayerCompiler
     from roundpipe.backends.runtime import Runtime
-    from roundpipe.model.experts import holds_experts
 
     runtime = Runtime(
         host,
@@ -73,9 +72,7 @@ def make_runtime(
         max_grad_norm=config.max_grad_norm,
         scaler=scaler,
         chunk_bytes=config.chunk_bytes,
-        compiler=LayerCompiler(
-            config.compile, kind, grouped_products=any(holds_experts(layer) for layer in host.layers)
-        ),
+        compiler=LayerCompiler(config.compile, kind),
         predict_from=predict_from(config),
         lr_scale=lr_ramp(config),
     )

@@ -12,6 +12,7 @@ import gzip
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -559,3 +560,26 @@ def test_inductor_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[s
     assert in_another_thread(lambda: inductor_config.combo_kernels) == before
     with pytest.raises(SystemExit, match="no setting 'not_a_setting'"):
         bench.main([*argv, "--async", "--no-plain", "--inductor", "not_a_setting=1"])
+
+
+def test_inductor_cpp_wrapper_choice_reaches_roundpipe_through_the_environment(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """roundpipe holds inductor's C++ wrapper on CUDA unless ``TORCHINDUCTOR_CPP_WRAPPER`` is set,
+    so --inductor cpp_wrapper=False (the Python wrapper's A/B) sets it for the run, then unsets it."""
+    argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    seen: list[str | None] = []
+    original = bench.adamw
+
+    def watching(used: list[str]) -> Any:  # the optimizer factory, made as the pipe is built
+        seen.append(os.environ.get("TORCHINDUCTOR_CPP_WRAPPER"))
+        return original(used)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
+        patch.setattr(bench, "adamw", watching)
+        bench.main([*argv, "--async", "--no-plain", "--inductor", "cpp_wrapper=False"])
+        bench.main([*argv, "--async", "--no-plain"])
+        assert "TORCHINDUCTOR_CPP_WRAPPER" not in os.environ
+    assert seen == ["0", None]
+    assert len(_json_lines(capsys.readouterr().out)) == 2

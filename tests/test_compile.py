@@ -210,14 +210,17 @@ def test_compiling_leaves_no_tensors_in_garbage(
     assert (in_garbage == 0) == collect, in_garbage
 
 
-def test_layers_with_experts_launch_from_the_python_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mixture-of-experts layers run grouped matrix products, which inductor's C++ wrapper could
-    not build on CUDA (torch 2.11); a run holding them keeps the Python wrapper, others do not."""
+def test_layers_with_experts_launch_from_the_cpp_wrapper_through_roundpipes_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every compiled CUDA run holds the C++ wrapper, one with mixture-of-experts layers too, whose
+    copies then call their grouped products as ``roundpipe::grouped_mm``: the C++ wrapper cannot
+    build torch's own product on torch 2.11, while it calls a registered operator."""
+    from roundpipe.model.experts import use_grouped_experts
     from tests.helpers import tiny_causal_lm
     from tests.test_transformers_parity import tiny_qwen3_moe
 
     monkeypatch.setattr(compiling, "wants_cpp_wrapper", lambda device_type: True)
-    assert not LayerCompiler(True, "cuda", grouped_products=True).cpp_wrapper
     wrapped = {}
     for name, model in (("dense", tiny_causal_lm()), ("moe", tiny_qwen3_moe())):
         config = roundpipe.RunConfig(devices="cpu:1", compile=True, num_microbatches=1)
@@ -225,4 +228,12 @@ def test_layers_with_experts_launch_from_the_python_wrapper(monkeypatch: pytest.
             model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), config=config
         ) as pipe:
             wrapped[name] = pipe.runtime.compiler.cpp_wrapper
-    assert wrapped == {"dense": True, "moe": False}
+    assert wrapped == {"dense": True, "moe": True}
+    dispatched = {}
+    for wants in (True, False):
+        monkeypatch.setattr(compiling, "wants_cpp_wrapper", lambda device_type, wants=wants: wants)
+        layer = tiny_qwen3_moe().model.layers[0]
+        assert use_grouped_experts(layer) == 1  # what roundpipe's copies of a layer run
+        LayerCompiler(True, "cuda").prepare(layer)
+        dispatched[wants] = [getattr(m, "dispatch_products", False) for m in layer.modules()].count(True)
+    assert dispatched == {True: 1, False: 0}

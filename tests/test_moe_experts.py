@@ -235,9 +235,9 @@ def test_grouped_experts_bf16_on_cuda_match_eager_without_syncing(make: Any) -> 
 @pytest.mark.gpu
 @pytest.mark.parametrize("make", MODELS, ids=IDS)
 def test_moe_lora_compiles_and_trains_on_cuda(make: Any) -> None:
-    """The CUDA default (compiled layers) on a model with experts: it compiles with inductor's
-    Python wrapper (its C++ wrapper cannot build a grouped product on torch 2.11) and gives the
-    eager pipe's losses within bf16 tolerance."""
+    """The CUDA default (compiled layers, launched from inductor's C++ wrapper, the experts'
+    products through roundpipe::grouped_mm) on a model with experts gives the eager pipe's losses
+    within bf16 tolerance."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model: Any = qkvo_lora(make())  # without router logits caught per call, the block compiles

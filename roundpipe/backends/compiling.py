@@ -21,15 +21,14 @@ from 19.7-24.2K to 29.5K tokens/s and 16% host-bound, for about a minute more of
 first run (the compiled code is cached on disk for the next). Setting ``TORCHINDUCTOR_CPP_WRAPPER``
 in the environment (to 0 or 1) leaves the choice to inductor's own setting.
 
-A run whose layers hold mixture-of-experts modules launches from the Python wrapper: the
-grouped matrix product they run (`roundpipe.model.experts`) has no declaration in torch 2.11's
-CUDA shim header, so the C++ wrapper of such a layer does not build ("aoti_torch_cuda__grouped_mm
-was not declared"; taking the operator out of inductor's shim table does not change the code
-generated there). With the Python wrapper the Qwen3-30B-A3B benchmark (workload D) runs 52.7%
-host-bound at 88% of its link bound. Where the C++ wrapper is on anyway (``TORCHINDUCTOR_CPP_WRAPPER=1``
-in the environment, or another pipe holding it), `prepare` routes a copy's grouped products
-through roundpipe's own operator, which the C++ wrapper can call (`experts.dispatch_products`):
-that way D ran 37.0% host-bound at 6,422 tok/s, and GPT-OSS-20B 10% slower (docs/design.md).
+Mixture-of-experts layers launch from the C++ wrapper too, their grouped matrix products
+routed through roundpipe's own operator (`experts.dispatch_products`): torch 2.11's CUDA shim
+header declares no ``aoti_torch_cuda__grouped_mm``, so a C++ wrapper calling torch's product does
+not build, while it calls a registered operator through the dispatcher. On one H100 with the
+coarse one-device stages the Qwen3-30B-A3B benchmark at 16 x 4,096 tokens (workload D16) ran
+12,055 tokens/s and 4.9% host-bound against 11,447 and 35.2% with the Python wrapper; D ran 7,014
+tokens/s, 4.1% host-bound, at 94.6% of its link bound (docs/performance.md).
+``TORCHINDUCTOR_CPP_WRAPPER=0`` in the environment keeps the Python wrapper.
 
 The wrapper is switched on through inductor's process-wide setting while a CUDA pipe that
 compiles is open (`CPP_WRAPPER`), not as a per-compile option: inductor compiles a graph's
@@ -221,15 +220,12 @@ class LayerCompiler:
         setting: CompileSetting,
         device_type: str,
         compiler: Compiler | None = None,
-        *,
-        grouped_products: bool = False,
     ) -> None:
         self.enabled = compile_enabled(setting, device_type)
         self.explicit = setting is True
         self.compiler = compiler or Compiler(**default_options(device_type))
-        # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`),
-        # unless the layers run grouped matrix products, which it cannot build (module docstring).
-        self.cpp_wrapper = self.enabled and not grouped_products and wants_cpp_wrapper(device_type)
+        # Compiled kernels launch from inductor's C++ wrapper while this run is open (`open`).
+        self.cpp_wrapper = self.enabled and wants_cpp_wrapper(device_type)
         self._held: list[HeldSetting[Any]] = []
         # Whether the copies slice long rows; one object for all, so that switching reaches them all.
         self.slicing = LongRowSlicing()
