@@ -84,6 +84,8 @@ declare -A JOB=(
   [F-profile]="200|100|--workload F --layers 4 --warmup 1 --steps 1 --torch-profile"
   [D16-profile]="200|100|--workload D16 --layers 4 --warmup 1 --steps 1 --torch-profile"
   [D-profile]="200|100|--workload D --layers 4 --warmup 1 --steps 1 --torch-profile"  # top_host: D's issuing
+  # E's backward ran ~1.55x its forward, more than a frozen base's input gradients need: which kernels
+  [E-profile]="200|100|--workload E --layers 4 --warmup 1 --steps 1 --torch-profile"
 )
 case "${1:-1}" in
   1) NAMES=(F E-nf4 E) ;;

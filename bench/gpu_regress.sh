@@ -28,16 +28,24 @@ declare -A ARGS=(
   [long]="--workload long --recompute-grain stage --steps 1 --warmup 1"
   [tiny]="--workload tiny --steps 1 --warmup 1"  # WORKLOADS=tiny DEVICES=cpu:1 OLD=.: a smoke run
 )
+# A run's expected seconds on an H100 (imports, build, compile, steps): a pair starts only when
+# both its runs fit in what is left, so no old run goes without its new one.
+declare -A EXPECT_S=([A]=90 [B]=70 [C]=130 [long]=150 [tiny]=20)
 RUNS=()
+skip_pair=0
 for name in ${WORKLOADS:-A long}; do
   for ((pair = 0; pair < ${PAIRS:-2}; pair++)); do
-    for tree in old new; do RUNS+=("$tree|${ARGS[$name]:?unknown workload $name}"); done
+    for tree in old new; do RUNS+=("$tree|${EXPECT_S[$name]}|${ARGS[$name]:?unknown workload $name}"); done
   done
 done
 for run in "${RUNS[@]}"; do
-  IFS='|' read -r tree args <<<"$run"
+  IFS='|' read -r tree expect args <<<"$run"
   left=$((DEADLINE_S - ($(date +%s) - START)))
-  ((left < 60)) && { echo "== $tree $args skipped: ${left}s left"; continue; }
+  [[ $tree == old ]] && skip_pair=$((left < 2 * expect))  # the new run follows its old one
+  if ((skip_pair || left < 60)); then
+    echo "== $tree $args skipped: ${left}s left, a pair needs about $((2 * expect))s"
+    continue
+  fi
   dir=$PWD; [[ $tree == old ]] && dir=$OLD
   # shellcheck disable=SC2086  # the arguments are words
   line=$(cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" timeout "$left" python3 bench/gpu_throughput.py \
