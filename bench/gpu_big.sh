@@ -16,6 +16,7 @@
 #   OUT=/path bash bench/gpu_big.sh 4       # G-nf4 at 131,072 tokens, then at 262,144
 #   OUT=/path bash bench/gpu_big.sh F D     # named workloads, default settings
 #   OUT=/path bash bench/gpu_big.sh F-profile D16-profile   # torch.profiler summaries, 4 layers each
+#   OUT=/path bash bench/gpu_big.sh D16-python D16          # a workload and one of its VARIANTs
 #
 # Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
 # per workload. DEADLINE_S (default 530) bounds the whole call; EXTRA adds arguments to every
@@ -50,43 +51,43 @@ declare -A JOB=(
   [D16]="270|180|--workload D16 --warmup 2 --steps 2"         # ~2.7 min
   [D2]="270|180|--workload D2 --warmup 2 --steps 2"           # ~2.7 min
   [D-256MiB]="170|90|--workload D --warmup 2 --steps 2 --chunk-bytes 256MiB"  # 4x fewer upload pieces
-  # The layers eager (RunConfig.compile=False): does a mixture-of-experts layer issue faster from
-  # eager dispatch than from inductor's Python wrapper? (D's issuing paces its compute lane.)
-  [D-eager]="170|90|--workload D --warmup 2 --steps 2 --compile false"
-  [D16-eager]="200|120|--workload D16 --warmup 2 --steps 2 --compile false"
-  # The evaluated choice's finest stages (RunConfig's one-device default is the fewest stages that
-  # fit, roundpipe.plan.coarse): the A/B behind that default, for the workloads not yet run both ways.
-  [D-balanced]="170|90|--workload D --warmup 2 --steps 2 --one-device-stages balanced"
-  [D16-balanced]="200|120|--workload D16 --warmup 2 --steps 2 --one-device-stages balanced"
-  [D2-balanced]="170|90|--workload D2 --warmup 2 --steps 2 --one-device-stages balanced"
-  [E-balanced]="200|150|--workload E --warmup 2 --steps 3 --one-device-stages balanced"
-  [F-balanced]="300|180|--workload F --warmup 2 --steps 1 --one-device-stages balanced"
-  # Qwen3-1.7B under a 4 GiB budget (workload A of gpu_regress.sh) on both one-device plans: whether
+  # Qwen3-1.7B under a 4 GiB budget (workload A of gpu_regress.sh), for its variants below: whether
   # the coarse stages cost A its speed (A ran 21,161 tok/s against 23,563 on an older tree, one pair).
   [A]="150|90|--workload A --budget 4GiB --steps 3 --warmup 2"
-  [A-balanced]="150|90|--workload A --budget 4GiB --steps 3 --warmup 2 --one-device-stages balanced"
-  # Fewer kernel launches per compiled layer (D16's compute lane is bound by the host issuing
-  # them): inductor's horizontal fusion of independent kernels, or its more aggressive fusion.
-  [D16-combo]="200|120|--workload D16 --warmup 2 --steps 2 --inductor combo_kernels=True"
-  [D16-aggressive]="200|120|--workload D16 --warmup 2 --steps 2 --inductor aggressive_fusion=True"
+)
+# NAME-VARIANT runs NAME's job (above) with the variant's arguments: D16-python, A-balanced, ...
+declare -A VARIANT=(
+  # The layers eager (RunConfig.compile=False): does a mixture-of-experts layer issue faster from
+  # eager dispatch than from inductor's compiled code? (D's issuing paced its compute lane.)
+  [eager]="--compile false"
+  # The evaluated choice's finest stages (RunConfig's one-device default is the fewest stages that
+  # fit, roundpipe.plan.coarse): the A/B behind that default.
+  [balanced]="--one-device-stages balanced"
+  # Fewer kernel launches per compiled layer: inductor's horizontal fusion of independent kernels,
+  # or its more aggressive fusion.
+  [combo]="--inductor combo_kernels=True"
+  [aggressive]="--inductor aggressive_fusion=True"
   # Launches from inductor's generated Python instead of its C++ wrapper (roundpipe's default on
   # CUDA; the experts then call torch's grouped product directly).
-  [D-python]="170|90|--workload D --warmup 2 --steps 2 --inductor cpp_wrapper=False"
-  [D16-python]="200|120|--workload D16 --warmup 2 --steps 2 --inductor cpp_wrapper=False"
-  [D2-python]="170|90|--workload D2 --warmup 2 --steps 2 --inductor cpp_wrapper=False"
+  [python]="--inductor cpp_wrapper=False"
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
-  [D-flow4]="170|90|--workload D --warmup 2 --steps 2 --flow-depth 4"
-  [D16-flow4]="200|120|--workload D16 --warmup 2 --steps 2 --flow-depth 4"
-  [D2-flow4]="170|90|--workload D2 --warmup 2 --steps 2 --flow-depth 4"
-  # torch.profiler over one step of 4 layers (bench/torch_profile.py): what F's layer computes, and
-  # whether D16's MoE layers are short of launches; the tokens/s of these runs are not the workload's
-  [F-profile]="200|100|--workload F --layers 4 --warmup 1 --steps 1 --torch-profile"
-  [D16-profile]="200|100|--workload D16 --layers 4 --warmup 1 --steps 1 --torch-profile"
-  [D-profile]="200|100|--workload D --layers 4 --warmup 1 --steps 1 --torch-profile"  # top_host: D's issuing
-  # E's backward ran ~1.55x its forward, more than a frozen base's input gradients need: which kernels
-  [E-profile]="200|100|--workload E --layers 4 --warmup 1 --steps 1 --torch-profile"
+  [flow4]="--flow-depth 4"
+  # torch.profiler over one step of 4 layers (bench/torch_profile.py; the later --warmup and
+  # --steps win): what F's layer computes, what D's host issues (top_host), whether D16's layers
+  # are short of launches, why E's backward ran ~1.55x its forward; not the workload's tokens/s
+  [profile]="--layers 4 --warmup 1 --steps 1 --torch-profile"
 )
+job_spec() {  # "limit_s|least_s|arguments" of a workload name
+  local name=$1 base=${1%-*} variant=${1##*-}
+  if [[ -n ${JOB[$name]:-} ]]; then
+    echo "${JOB[$name]}"
+  elif [[ $name == *-* && -n ${JOB[$base]:-} && -n ${VARIANT[$variant]:-} ]]; then
+    echo "${JOB[$base]} ${VARIANT[$variant]}"
+  else
+    echo "300|60|--workload $name --warmup 2 --steps 2"
+  fi
+}
 case "${1:-1}" in
   1) NAMES=(F E-nf4 E) ;;
   2) NAMES=(G) ;;
@@ -115,7 +116,7 @@ PY
 }
 
 for name in "${NAMES[@]}"; do
-  spec=${JOB[$name]:-"300|60|--workload $name --warmup 2 --steps 2"}
+  spec=$(job_spec "$name")
   IFS='|' read -r limit least args <<<"$spec"
   limit=${LIMIT_S:-$limit}  # LIMIT_S: one limit for every workload (a cold C++-wrapper compile)
   left=$((DEADLINE_S - ($(date +%s) - START)))

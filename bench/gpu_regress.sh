@@ -21,21 +21,21 @@ DEADLINE_S=${DEADLINE_S:-540}
 START=$(date +%s)
 mkdir -p "$OUT"
 (cd "$OLD" && python3 setup.py build_ext --inplace -q >/dev/null 2>&1)
+# name -> "expected_s|arguments": a run's expected seconds on an H100 (imports, build, compile,
+# steps); a pair starts only when both its runs fit in what is left, so no old run goes without
+# its new one.
 declare -A ARGS=(
-  [A]="--workload A --budget 4GiB --steps 3 --warmup 2"
-  [B]="--workload B --budget 12GiB --steps 3 --warmup 2"
-  [C]="--workload C --steps 3 --warmup 2"
-  [long]="--workload long --recompute-grain stage --steps 1 --warmup 1"
-  [tiny]="--workload tiny --steps 1 --warmup 1"  # WORKLOADS=tiny DEVICES=cpu:1 OLD=.: a smoke run
+  [A]="90|--workload A --budget 4GiB --steps 3 --warmup 2"
+  [B]="70|--workload B --budget 12GiB --steps 3 --warmup 2"
+  [C]="130|--workload C --steps 3 --warmup 2"
+  [long]="150|--workload long --recompute-grain stage --steps 1 --warmup 1"
+  [tiny]="20|--workload tiny --steps 1 --warmup 1"  # WORKLOADS=tiny DEVICES=cpu:1 OLD=.: a smoke run
 )
-# A run's expected seconds on an H100 (imports, build, compile, steps): a pair starts only when
-# both its runs fit in what is left, so no old run goes without its new one.
-declare -A EXPECT_S=([A]=90 [B]=70 [C]=130 [long]=150 [tiny]=20)
 RUNS=()
 skip_pair=0
 for name in ${WORKLOADS:-A long}; do
   for ((pair = 0; pair < ${PAIRS:-2}; pair++)); do
-    for tree in old new; do RUNS+=("$tree|${EXPECT_S[$name]}|${ARGS[$name]:?unknown workload $name}"); done
+    for tree in old new; do RUNS+=("$tree|${ARGS[$name]:?unknown workload $name}"); done
   done
 done
 for run in "${RUNS[@]}"; do
