@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from unittest import mock
 
 import torch
@@ -318,10 +318,10 @@ def run_roundpipe(
     waiting: list[Any] = []  # `PendingLoss`es not read yet
     profiling = contextlib.ExitStack()  # --torch-profile: entered with the measured steps
     torch_profile: dict[str, Any] | None = None
-    planner = _PlannerSettings(getattr(args, "one_device_stages", None), getattr(args, "flow_depth", None))
+    planner = planner_settings(args)
     inductor_options = parse_inductor_options(getattr(args, "inductor", []))
     with (
-        planner,
+        mock.patch.multiple("roundpipe.planning.device_plan", **planner),
         settings_everywhere(inductor_config, inductor_options),  # the lanes compile on their own threads
         # roundpipe holds the C++ wrapper on CUDA unless the environment chose: --inductor
         # cpp_wrapper=False is the Python wrapper's A/B
@@ -445,7 +445,7 @@ def run_roundpipe(
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
         "compile": config.compile,
-        "one_device_stages": planner.stages,
+        "one_device_stages": planner["STAGES_ON_ONE_DEVICE"],
         "inductor": inductor_options,
         "flow_depth": flow_depth,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
@@ -481,26 +481,18 @@ def parse_inductor_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-class _PlannerSettings(contextlib.AbstractContextManager[None]):
+def planner_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The planner's process-wide choices for one run (`device_plan.STAGES_ON_ONE_DEVICE`,
-    `device_plan.FLOW_DEPTH`; None leaves one as it is), set back after it: settings of the
-    process, not of the run's config."""
+    `device_plan.FLOW_DEPTH`), from --one-device-stages and --flow-depth or as they are: settings
+    of the process, not of the run's config, so the run patches them and sets them back."""
+    from roundpipe.planning import device_plan
 
-    def __init__(self, stages: str | None, flow_depth: int | None) -> None:
-        from roundpipe.planning import device_plan
-
-        self.module = device_plan
-        self.before = (device_plan.STAGES_ON_ONE_DEVICE, device_plan.FLOW_DEPTH)
-        self.stages: Literal["balanced", "coarse"] = (
-            self.before[0] if stages is None else ("coarse" if stages == "coarse" else "balanced")
-        )
-        self.flow_depth = self.before[1] if flow_depth is None else flow_depth
-
-    def __enter__(self) -> None:
-        self.module.STAGES_ON_ONE_DEVICE, self.module.FLOW_DEPTH = self.stages, self.flow_depth
-
-    def __exit__(self, *exc: object) -> None:
-        self.module.STAGES_ON_ONE_DEVICE, self.module.FLOW_DEPTH = self.before
+    stages = getattr(args, "one_device_stages", None)
+    depth = getattr(args, "flow_depth", None)
+    return {
+        "STAGES_ON_ONE_DEVICE": device_plan.STAGES_ON_ONE_DEVICE if stages is None else stages,
+        "FLOW_DEPTH": device_plan.FLOW_DEPTH if depth is None else depth,
+    }
 
 
 MAX_SETTLING_STEPS = 3
