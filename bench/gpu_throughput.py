@@ -185,6 +185,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a torch._inductor.config setting for this run (repeatable; set back after it), "
         "e.g. combo_kernels=True: fewer kernel launches for a host-bound layer",
     )
+    p.add_argument(
+        "--sdpa-first",
+        choices=tuple(SDPA_BACKENDS),
+        help="the sdpa backend torch tries first for this run (torch.nn.attention.sdpa_kernel with "
+        "set_priority, set back after it; default: torch's order): cudnn against flash",
+    )
     p.add_argument("--devices", default="cuda", help='"cuda", "cuda:0,1" or "cpu:2"')
     p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
     p.add_argument("--async", action="store_true", dest="run_async", help="run async mode")
@@ -326,6 +332,7 @@ def run_roundpipe(
         # roundpipe holds the C++ wrapper on CUDA unless the environment chose: --inductor
         # cpp_wrapper=False is the Python wrapper's A/B
         mock.patch.dict(os.environ, cpp_wrapper_environ(inductor_options)),
+        sdpa_priority(getattr(args, "sdpa_first", None)),  # traced into the compiled layers
         RssSampler() as rss,
         roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
     ):
@@ -447,9 +454,31 @@ def run_roundpipe(
         "compile": config.compile,
         "one_device_stages": planner["STAGES_ON_ONE_DEVICE"],
         "inductor": inductor_options,
+        "sdpa_first": getattr(args, "sdpa_first", None),
         "flow_depth": flow_depth,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }
+
+
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+
+
+def sdpa_priority(first: str | None) -> contextlib.AbstractContextManager[Any]:
+    """torch's sdpa backends in its order with ``first`` moved to the front, for the run: the
+    order is process-wide (every lane's thread reads it) and is read when a layer is traced, so
+    it holds the compiled layers' choice too. ``None``: torch's own order, untouched."""
+    if first is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    named = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    order = [named[first], *(b for n, b in named.items() if n != first)]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def cpp_wrapper_environ(inductor_options: dict[str, Any]) -> dict[str, str]:
