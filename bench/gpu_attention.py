@@ -1,17 +1,17 @@
-"""Causal grouped-query attention by sdpa backend: which one a workload's layers should run.
+"""Causal grouped-query attention by sdpa backend: which kernel the workloads' layers run, at what rate.
 
-Why: on an H100, E's (Qwen3-32B shape) backward ran ~1.55x its forward where LoRA's frozen base
-needs ~1.1-1.25x, and torch's default order puts its own flash kernel (FlashAttention-2) ahead of
-cuDNN's fused attention, whose Hopper kernels are the newer design. Attention is ~7% of E's and
-F's forward FLOPs at 4,096 tokens but a larger share of their backward, ~28% of D16's work, and
-nearly all of G's at 262,144 tokens. This measures, for each workload's attention shape (one
-microbatch, bf16, ``is_causal=True``, ``enable_gqa=True`` as transformers' sdpa path calls it):
-the backend torch picks by default, and for each of flash, cuDNN and efficient attention the
-forward and forward+backward milliseconds (CUDA events, median), their TFLOP/s, and the largest
-difference of the output and of each input gradient to an fp32 math reference on a 1,024-token
-slice of the same shape. Last, whether a ``torch.compile``d function keeps the backend chosen by
-the ``sdpa_kernel`` context it was traced under (the kernel names its profile shows). One JSON
-line each.
+Why: at the big-model shapes attention is a small share of a layer's forward but a larger one of
+its backward (2.5x the forward's FLOPs, at a lower rate), ~28% of a mixture-of-experts layer's work
+at 4,096 tokens and nearly all of a 262,144-token layer's. torch's generic order tries its own
+flash kernel (FlashAttention-2) first and cuDNN's fused attention last, but on a Hopper card with a
+recent cuDNN torch installs a cuDNN-first order at the first attention call. This measures, for each
+workload's attention shape (one microbatch, bf16, ``is_causal=True``, ``enable_gqa=True`` as
+transformers' sdpa path calls it): the backend torch picks by default, and for each of flash,
+cuDNN and efficient attention the forward and forward+backward milliseconds (CUDA events, median),
+their TFLOP/s, the memory a forward+backward peaks at above its inputs, and the largest difference
+of the output and of each input gradient to an fp32 math reference on a 1,024-token slice of the
+same shape. Last, which attention kernels a ``torch.compile``d function runs when traced under
+each backend's ``sdpa_kernel`` context. One JSON line each.
 
     python bench/gpu_attention.py                      # on the GPU machine, well under a minute
     python bench/gpu_attention.py --device cpu --shapes tiny --repeats 1   # a smoke run
@@ -80,7 +80,7 @@ def errors(name: str, shape: tuple[int, int, int, int], device: torch.device) ->
     with sdpa_kernel(SDPBackend.MATH):
         want = forward_backward(ref_in[0], ref_in[1], ref_in[2], grad.float())
     return {
-        f"max_err_{part}": float((g.float() - w).abs().max())
+        f"max_err_{part}": float((g.detach().float() - w.detach()).abs().max())
         for part, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
     }
 
@@ -101,6 +101,7 @@ def measure(name: str, shape_name: str, device: torch.device, repeats: int) -> d
             with torch.no_grad():
                 forward_ms = timed_ms(lambda: attend(q, k, v), device, repeats)
             both_ms = timed_ms(lambda: forward_backward(q, k, v, grad), device, repeats)
+            line["peak_mib_above_inputs"] = peak_above(lambda: forward_backward(q, k, v, grad), device)
         line |= errors(name, shape, device)
     except RuntimeError as exc:  # the backend refuses this shape, dtype or device
         return line | {"error": str(exc).splitlines()[0][:200]}
@@ -112,6 +113,18 @@ def measure(name: str, shape_name: str, device: torch.device, repeats: int) -> d
         "forward_tflops": round(fwd / forward_ms / 1e9, 1),
         "backward_tflops": round(2.5 * fwd / max(backward_ms, 1e-6) / 1e9, 1),  # dq, dk, dv, ds: 2.5x
     }
+
+
+def peak_above(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """MiB the device's allocator peaked at above what was allocated before one call of ``fn``."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return round((torch.cuda.max_memory_allocated(device) - before) / 2**20, 1)
 
 
 def default_choice(shape_name: str, device: torch.device) -> str:
@@ -130,6 +143,7 @@ def compiled_keeps(name: str, device: torch.device) -> dict[str, Any]:
 
     q, k, v = inputs(SHAPES["D"], 1024, device, torch.bfloat16)
     grad = torch.randn_like(q)
+    torch._dynamo.reset()  # dynamo caches by code object: without it, the first backend's graph
     compiled = torch.compile(forward_backward, dynamic=False)
     with sdpa_kernel(BACKENDS[name]):
         compiled(q, k, v, grad)

@@ -73,8 +73,9 @@ declare -A VARIANT=(
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
   [flow4]="--flow-depth 4"
-  # cuDNN's fused attention ahead of torch's flash kernel (bench/gpu_attention.py times both)
-  [cudnn]="--sdpa-first cudnn"
+  # torch's flash attention kernel instead of cuDNN's, which torch 2.11 with cuDNN 9.19 runs by
+  # default on Hopper cards (bench/gpu_attention.py times both kernels alone)
+  [flash]="--sdpa-first flash"
   # torch.profiler over one step of 4 layers (bench/torch_profile.py; the later --warmup and
   # --steps win): what F's layer computes, what D's host issues (top_host), whether D16's layers
   # are short of launches, why E's backward ran ~1.55x its forward; not the workload's tokens/s

@@ -189,7 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sdpa-first",
         choices=tuple(SDPA_BACKENDS),
         help="the sdpa backend torch tries first for this run (torch.nn.attention.sdpa_kernel with "
-        "set_priority, set back after it; default: torch's order): cudnn against flash",
+        "set_priority, set back after it; any but cudnn also turns cuDNN attention off for the "
+        "run; default: torch's own choice): flash against cudnn",
     )
     p.add_argument("--devices", default="cuda", help='"cuda", "cuda:0,1" or "cpu:2"')
     p.add_argument("--sync", action="store_true", help="run sync mode (default: both modes)")
@@ -464,9 +465,11 @@ SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
 
 def sdpa_priority(first: str | None) -> contextlib.AbstractContextManager[Any]:
-    """torch's sdpa backends in its order with ``first`` moved to the front, for the run: the
-    order is process-wide (every lane's thread reads it) and is read when a layer is traced, so
-    it holds the compiled layers' choice too. ``None``: torch's own order, untouched."""
+    """torch's sdpa backends with ``first`` in front, for the run (process-wide, so every lane's
+    thread reads it, and read when a layer is traced, so it holds the compiled layers' choice
+    too). Any backend but cuDNN first also leaves cuDNN attention off: torch on a Hopper card
+    with a recent cuDNN installs its own cuDNN-first order at the first attention call, which
+    an order set before that call does not survive. ``None``: torch's own choice, untouched."""
     if first is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -477,8 +480,8 @@ def sdpa_priority(first: str | None) -> contextlib.AbstractContextManager[Any]:
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
-    order = [named[first], *(b for n, b in named.items() if n != first)]
-    return sdpa_kernel(order, set_priority=True)
+    others = [b for n, b in named.items() if n != first and (first == "cudnn" or n != "cudnn")]
+    return sdpa_kernel([named[first], *others], set_priority=True)
 
 
 def cpp_wrapper_environ(inductor_options: dict[str, Any]) -> dict[str, str]:

@@ -586,22 +586,27 @@ def test_inductor_cpp_wrapper_choice_reaches_roundpipe_through_the_environment(
 
 
 def test_sdpa_first_puts_the_backend_ahead_for_the_run_only(capsys: pytest.CaptureFixture[str]) -> None:
-    """--sdpa-first cudnn: while the pipe is built and runs, torch's sdpa order starts with cuDNN
-    attention (the order every lane reads, and the compiled layers' tracing); after the run the
-    order is torch's again, and the line says which backend went first."""
+    """--sdpa-first: while the pipe is built and runs, torch's sdpa order starts with the named
+    backend (the order every lane reads, and the compiled layers' tracing), and flash first also
+    keeps cuDNN attention off; after the run the order and the switches are torch's again, and
+    the line says which backend went first."""
     argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
-    before = torch._C._get_sdp_priority_order()
-    seen: list[int] = []
+    before = (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled())
+    seen: list[tuple[int, bool]] = []
     original = bench.adamw
 
     def watching(used: list[str]) -> Any:
-        seen.append(int(torch._C._get_sdp_priority_order()[0]))
+        seen.append((int(torch._C._get_sdp_priority_order()[0]), torch.backends.cuda.cudnn_sdp_enabled()))
         return original(used)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench, "adamw", watching)
         bench.main([*argv, "--async", "--no-plain", "--sdpa-first", "cudnn"])
-    assert seen == [int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)]
-    assert torch._C._get_sdp_priority_order() == before
-    (line,) = _json_lines(capsys.readouterr().out)
-    assert line["roundpipe"]["sdpa_first"] == "cudnn"
+        bench.main([*argv, "--async", "--no-plain", "--sdpa-first", "flash"])
+    backend = torch.nn.attention.SDPBackend
+    assert seen == [(int(backend.CUDNN_ATTENTION), True), (int(backend.FLASH_ATTENTION), False)]
+    assert (torch._C._get_sdp_priority_order(), torch.backends.cuda.cudnn_sdp_enabled()) == before
+    assert [line["roundpipe"]["sdpa_first"] for line in _json_lines(capsys.readouterr().out)] == [
+        "cudnn",
+        "flash",
+    ]
