@@ -51,8 +51,8 @@ declare -A JOB=(
   [D16]="270|180|--workload D16 --warmup 2 --steps 2"         # ~2.7 min
   [D2]="270|180|--workload D2 --warmup 2 --steps 2"           # ~2.7 min
   [D-256MiB]="170|90|--workload D --warmup 2 --steps 2 --chunk-bytes 256MiB"  # 4x fewer upload pieces
-  # Qwen3-1.7B under a 4 GiB budget (workload A of gpu_regress.sh), for its variants below: whether
-  # the coarse stages cost A its speed (A ran 21,161 tok/s against 23,563 on an older tree, one pair).
+  # Qwen3-1.7B under a 4 GiB budget (workload A of gpu_regress.sh), for its variants below (A and
+  # A-balanced cut the same 19-slot plan on an H100: 27,164 and 27,072 tok/s).
   [A]="150|90|--workload A --budget 4GiB --steps 3 --warmup 2"
 )
 # NAME-VARIANT runs NAME's job (above) with the variant's arguments: D16-python, A-balanced, ...
@@ -78,7 +78,7 @@ declare -A VARIANT=(
   [flash]="--sdpa-first flash"
   # torch.profiler over one step of 4 layers (bench/torch_profile.py; the later --warmup and
   # --steps win): what F's layer computes, what D's host issues (top_host), whether D16's layers
-  # are short of launches, why E's backward ran ~1.55x its forward; not the workload's tokens/s
+  # are short of launches, where E's 9 ms backward of a layer goes; not the workload's tokens/s
   [profile]="--layers 4 --warmup 1 --steps 1 --torch-profile"
 )
 job_spec() {  # "limit_s|least_s|arguments" of a workload name
