@@ -54,6 +54,7 @@ from gpu_throughput_run import (
     Workload,
     adamw,
     allocated_memory,
+    attention_backend,
     build_model,
     cuda_indices,
     device_memory,
@@ -383,6 +384,7 @@ def run_roundpipe(
         predicted = predicted_memory(pipe)
         upload_bytes = model_upload_bytes(pipe)
         plan = pipe.plan
+        attention = attention_backend(workload.shape, pipe.runtime.device(0))  # under the run's order
         backend = pipe._backend  # CUDA: each device's clock map (`CudaBackend.clock_statistics`)
         clocks = {
             f"cuda:{backend.device_indices[d]}": c  # type: ignore[attr-defined]
@@ -456,6 +458,7 @@ def run_roundpipe(
         "one_device_stages": planner["STAGES_ON_ONE_DEVICE"],
         "inductor": inductor_options,
         "sdpa_first": getattr(args, "sdpa_first", None),
+        "attention_backend": attention,
         "flow_depth": flow_depth,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
     }

@@ -203,6 +203,25 @@ def adamw(used: list[str]) -> Callable[[Sequence[torch.Tensor]], torch.optim.Opt
     return factory
 
 
+def attention_backend(shape: Shape, device: torch.device) -> str | None:
+    """The sdpa backend torch picks on ``device`` for causal attention of ``shape``'s heads (bf16,
+    grouped as transformers calls it), under the order and switches in force: what the layers run
+    where they trace or call sdpa now. None where torch cannot say."""
+    choice: Callable[..., int] | None = getattr(torch, "_fused_sdp_choice", None)
+    if choice is None:
+        return None
+    q = torch.zeros(1, shape.heads, 128, shape.head_dim, device=device, dtype=torch.bfloat16)
+    kv = torch.zeros(1, shape.kv_heads, 128, shape.head_dim, device=device, dtype=torch.bfloat16)
+    try:
+        index = int(choice(q, kv, kv, None, 0.0, True, enable_gqa=shape.kv_heads != shape.heads))
+    except RuntimeError:  # no backend takes it under the switches in force
+        return None
+    from torch.nn.attention import SDPBackend
+
+    names = {int(b.value): b.name.lower() for b in SDPBackend.__members__.values()}
+    return names.get(index, str(index))
+
+
 def reset_peaks(indices: Sequence[int]) -> None:
     for index in indices:
         torch.cuda.synchronize(index)  # initialises the device: resetting an unused one is an error
