@@ -17,6 +17,12 @@ from the first layer and backward stages from the fused stage down, each as long
 is `partition`'s memory rule: a stage may use at most half the limit, so it fits beside the stage
 prefetched behind it (`Plan.from_stages` checks it and names a layer too large on its own).
 
+Greedy cuts leave the remainder in the last stage of each direction: a one-layer forward stage
+before a six-layer fused stage computes for far less time than the fused stage's weights take to
+upload behind it. `evenly_cut` spreads the same layers over the same number of stages, the larger
+ones first in computing order; `roundpipe.planning.even_stages` takes it where the fake engine with
+the measured link runs it faster and its predicted peak fits.
+
 It must stay pure: numbers in, a `Plan` out.
 """
 
@@ -57,3 +63,28 @@ def coarsest_plan(costs: LayerCosts, num_microbatches: int, mem_limit_bytes: int
     return Plan.from_stages(
         fwd, range(fused_start, n), bwd, costs, 1, num_microbatches, mem_limit_bytes=mem_limit_bytes
     )
+
+
+def _even_sizes(layers: int, stages: int) -> list[int]:
+    """``layers`` over ``stages``, sizes at most one apart, the larger ones first."""
+    return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
+
+
+def evenly_cut(plan: Plan, costs: LayerCosts) -> Plan:
+    """``plan`` (one device's) with the same fused stage and as many forward and backward stages,
+    the layers before the fused stage spread over each as evenly as whole layers allow, larger
+    stages first in the order they compute (forward from the first layer, backward from the
+    fused stage down). Memory is left to the caller's prediction: a stage here is never longer
+    than the longest one of ``plan`` in its direction."""
+    first_fused = plan.fused.start
+    fwd: list[range] = []
+    start = 0
+    for size in _even_sizes(first_fused, len(plan.fwd_stages)):
+        fwd.append(range(start, start + size))
+        start += size
+    bwd: list[range] = []
+    stop = first_fused
+    for size in _even_sizes(first_fused, len(plan.bwd_stages)):
+        bwd.append(range(stop - size, stop))
+        stop -= size
+    return Plan.from_stages(fwd, plan.fused, bwd, costs, plan.num_devices, plan.num_microbatches)

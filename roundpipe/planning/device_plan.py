@@ -293,8 +293,10 @@ def with_link(
     device_plan: DevicePlan, config: RunConfig, trace: Trace, param_bytes: tuple[int, ...]
 ) -> DevicePlan:
     """``device_plan``, or the plan made on link-aware costs where that one runs faster with the
-    measured link (`roundpipe.planning.link_plan.choose_link_plan`), with the link's report; unchanged
-    when no upload was timed. Its costs stay the compute times."""
+    measured link (`roundpipe.planning.link_plan.choose_link_plan`), one device's coarse stages
+    cut evenly where that runs faster (`roundpipe.planning.even_stages`), with the link's report;
+    unchanged when no upload was timed. Its costs stay the compute times."""
+    from roundpipe.planning.even_stages import even_cut
     from roundpipe.planning.link_plan import choose_link_plan
 
     gbps = measured_link_gbps(trace)
@@ -322,9 +324,18 @@ def with_link(
     chosen = device_plan
     if choice.plan != device_plan.plan:
         chosen = replace(made["aware"], costs=device_plan.costs)
+    iteration_ms = choice.iteration_ms
+    if STAGES_ON_ONE_DEVICE == "coarse":  # the remainder stages' exposed uploads (`even_stages`)
+        budget = None if chosen.budget_bytes is None else planning_budget(chosen.budget_bytes, chosen.kind)
+        even = even_cut(chosen, budget, config, (gbps, param_bytes), iteration_ms)
+        if even is not None:
+            chosen, iteration_ms = (
+                replace(chosen, plan=even.plan, prediction=even.prediction),
+                even.iteration_ms,
+            )
     # Only where uploads outlast compute: the fake engine there moves weights, not activations.
     if choice.report.link_bound_layers:
-        chosen = with_prefetch(chosen, config, gbps, param_bytes, choice.iteration_ms)
+        chosen = with_prefetch(chosen, config, gbps, param_bytes, iteration_ms)
     return replace(chosen, link=choice.report)
 
 

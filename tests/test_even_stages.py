@@ -1,0 +1,157 @@
+"""One device's coarse stages cut evenly where the fake engine with the link finds it faster.
+
+The greedy coarse cut leaves the remainder in the last stage of each direction; with uploads
+about as long as a layer's compute (a mixture of experts at 16 microbatches), a short stage before
+a long one leaves the long one's upload exposed. `evenly_cut` keeps the counts and spreads the
+layers; `even_cut` offers it where it is faster on the fake engine and fits the budget, and
+`with_link` takes it for one device's coarse plans.
+The costs are those of Qwen3-30B-A3B at 16 x 4,096 tokens on an H100, the plan the one that ran
+there. Deterministic: the fake engine's virtual clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import roundpipe
+from roundpipe.errors import PlanError
+from roundpipe.plan import LayerCosts, Plan
+from roundpipe.plan.coarse import evenly_cut
+from roundpipe.plan.memory import LayerMemory, predict_peak
+from roundpipe.planning.device_plan import DevicePlan, planning_budget
+from roundpipe.planning.even_stages import EVEN_GAIN, even_cut
+from roundpipe.planning.link_plan import link_iteration_ms
+
+GB = 10**9
+MICROBATCHES = 16
+LINK_GBPS = 49.0
+# Embedding, 48 decoder blocks (1.8 ms forward, 2.64 ms backward per microbatch, 1.26 GB of
+# weights), LM head: the H100 run's recompute and compute lanes divided over its layers.
+FWD = (0.05, *(1.8,) * 48, 5.0)
+BWD = (0.05, *(2.64,) * 48, 5.0)
+UPLOAD = (int(0.62 * GB), *(int(1.26 * GB),) * 48, int(0.62 * GB))
+COSTS = LayerCosts(FWD, BWD, tuple(b + GB // 2 for b in UPLOAD))
+LINK = (LINK_GBPS, UPLOAD)
+BUDGET = planning_budget(26 << 30, "cuda")
+
+
+def ranges(pairs: list[tuple[int, int]]) -> list[range]:
+    return [range(a, b) for a, b in pairs]
+
+
+def greedy_plan() -> Plan:
+    """The coarse plan that ran: a one-layer forward stage before the fused stage, and a
+    two-layer last backward stage."""
+    fwd = ranges([(0, 7), (7, 13), (13, 19), (19, 25), (25, 31), (31, 37), (37, 43), (43, 44)])
+    bwd = ranges([(38, 44), (32, 38), (26, 32), (20, 26), (14, 20), (8, 14), (2, 8), (0, 2)])
+    return Plan.from_stages(fwd, range(44, 50), bwd, COSTS, 1, MICROBATCHES)
+
+
+def memory() -> LayerMemory:
+    n = COSTS.num_layers
+    return LayerMemory(
+        param_bytes=UPLOAD,
+        grad_bytes=(1 << 20,) * n,
+        saved_bytes=(256 << 20,) * n,
+        work_bytes=(256 << 20,) * n,
+        boundary_bytes=(16 << 20,) * n,
+        bwd_work_bytes=(512 << 20,) * n,
+        carried_bytes=(0,) * n,
+    )
+
+
+def device_plan(plan: Plan, budget_bytes: int | None) -> DevicePlan:
+    prediction = predict_peak(plan, memory(), "stage", act_in_flight=2)
+    return DevicePlan(plan, COSTS, memory(), prediction, budget_bytes, "cuda")
+
+
+def config() -> roundpipe.RunConfig:
+    return roundpipe.RunConfig(devices="cpu:1", num_microbatches=MICROBATCHES, round_size=MICROBATCHES)
+
+
+def iteration_ms(plan: Plan) -> float:
+    return link_iteration_ms(
+        plan, COSTS, UPLOAD, LINK_GBPS, MICROBATCHES, async_optimizer=True, round_size=MICROBATCHES
+    )
+
+
+def test_an_even_cut_keeps_the_fused_stage_and_the_counts_and_spreads_the_layers() -> None:
+    even = evenly_cut(greedy_plan(), COSTS)
+    assert even.fused == range(44, 50)
+    assert [len(s) for s in even.fwd_stages] == [6, 6, 6, 6, 5, 5, 5, 5]  # larger ones compute first
+    assert [len(s) for s in even.bwd_stages] == [6, 6, 6, 6, 5, 5, 5, 5]
+    assert even.fwd_stages[0].start == 0 and even.fwd_stages[-1].stop == 44
+    assert even.bwd_stages[0].stop == 44 and even.bwd_stages[-1].start == 0
+    assert evenly_cut(even, COSTS) == even
+
+
+def test_the_fake_engine_with_the_link_times_the_even_cut_faster_and_it_is_offered() -> None:
+    greedy = greedy_plan()
+    greedy_ms, even_ms = iteration_ms(greedy), iteration_ms(evenly_cut(greedy, COSTS))
+    assert even_ms < greedy_ms * (1 - 0.01)  # the remainder stages' exposed uploads, ~1.5%
+    held = device_plan(greedy, 26 << 30)
+    offered = even_cut(held, BUDGET, config(), LINK, greedy_ms)
+    assert offered is not None
+    assert offered.plan == evenly_cut(greedy, COSTS) and offered.iteration_ms == pytest.approx(even_ms)
+    assert offered.prediction.fits(BUDGET) and offered.prediction.prefetch == held.prediction.prefetch
+
+
+def test_a_cut_already_even_or_no_faster_or_over_the_budget_is_not_offered() -> None:
+    greedy = greedy_plan()
+    greedy_ms = iteration_ms(greedy)
+    even = evenly_cut(greedy, COSTS)
+    assert even_cut(device_plan(even, 26 << 30), BUDGET, config(), LINK, 1e9) is None
+    # No faster by EVEN_GAIN than what the plan in hand is said to take.
+    no_gain = iteration_ms(even) / (1 - EVEN_GAIN / 2)
+    assert even_cut(device_plan(greedy, 26 << 30), BUDGET, config(), LINK, no_gain) is None
+    # A budget the even plan's predicted peak does not fit.
+    assert (
+        even_cut(device_plan(greedy, 4 << 30), planning_budget(4 << 30, "cuda"), config(), LINK, greedy_ms)
+        is None
+    )
+    assert even_cut(device_plan(greedy, None), None, config(), LINK, greedy_ms) is not None  # no budget: any
+
+
+def test_plans_of_several_devices_keep_their_stages() -> None:
+    held = replace(device_plan(greedy_plan(), None), plan=replace(greedy_plan(), num_devices=2))
+    assert even_cut(held, None, config(), LINK, 1e9) is None
+
+
+def test_a_plan_made_by_hand_is_checked_when_cut_evenly() -> None:
+    with pytest.raises(PlanError):
+        evenly_cut(replace(greedy_plan(), fused=range(44, 49)), COSTS)  # the fused stage must end last
+
+
+@pytest.mark.parametrize("stages", ["coarse", "balanced"])
+def test_the_cuda_replan_takes_the_even_cut_for_coarse_stages_only(
+    monkeypatch: pytest.MonkeyPatch, stages: str
+) -> None:
+    """`with_link` (the CUDA re-plan), with the link measured from a run's uploads and the
+    greedy plan as its link choice: the coarse default ends evenly cut, "balanced" (the evaluated
+    choice's stages) as chosen."""
+    from roundpipe.plan.link import link_report
+    from roundpipe.planning import device_plan as device_plans
+    from roundpipe.planning import link_plan
+    from roundpipe.planning.simulate import simulate
+
+    greedy = greedy_plan()
+    greedy_ms = iteration_ms(greedy)
+    report = link_report(greedy, COSTS, UPLOAD, LINK_GBPS, (MICROBATCHES,))
+    choice = link_plan.LinkChoice(greedy, greedy_ms, greedy_ms, report)
+    monkeypatch.setattr(link_plan, "choose_link_plan", lambda *args, **kwargs: choice)
+    monkeypatch.setattr(device_plans, "STAGES_ON_ONE_DEVICE", stages)
+    run = simulate(
+        greedy,
+        COSTS,
+        1,
+        MICROBATCHES,
+        iterations=2,
+        link_gbps=LINK_GBPS,
+        param_bytes=list(UPLOAD),
+        round_size=MICROBATCHES,
+    )
+    chosen = device_plans.with_link(device_plan(greedy, 26 << 30), config(), run.trace, UPLOAD)
+    assert chosen.plan == (evenly_cut(greedy, COSTS) if stages == "coarse" else greedy)
+    assert chosen.link == report
