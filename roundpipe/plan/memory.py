@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from roundpipe.errors import PlanError
 from roundpipe.plan.layer_memory import LayerMemory
@@ -250,6 +250,22 @@ def predict_peak(
             )
         )
     return MemoryPrediction(tuple(out), grain, inputs_ahead, prefetch, act_in_flight)
+
+
+def predict_like(
+    held: MemoryPrediction, plan: Any, mem: LayerMemory, *, prefetch: int | None = None
+) -> MemoryPrediction:
+    """`predict_peak` of ``plan`` (a `Plan`) counted as ``held`` was: its grain, inputs ahead,
+    activations in flight and, unless ``prefetch`` is given, stages uploaded ahead."""
+    return predict_peak(
+        plan,
+        mem,
+        cast(Grain, held.grain),
+        prefetch=held.prefetch if prefetch is None else prefetch,
+        act_in_flight=held.act_in_flight,
+        num_devices=plan.num_devices,
+        inputs_ahead=held.inputs_ahead,
+    )
 
 
 # ---------------------------------------------------------------------- the partitioner's view

@@ -363,7 +363,7 @@ def with_prefetch(
     plan's costs, bytes and link (``iteration_ms``: its time one stage ahead), runs at least
     `PREFETCH_GAIN` faster; the prediction that counts it says how many (``prefetch``). Without
     a budget the run keeps one: more would take memory the user did not offer."""
-    from roundpipe.plan.memory import predict_peak
+    from roundpipe.plan.memory import predict_like
     from roundpipe.planning.link_plan import link_iteration_ms
 
     if device_plan.budget_bytes is None:
@@ -371,15 +371,7 @@ def with_prefetch(
     plan, budget = device_plan.plan, planning_budget(device_plan.budget_bytes, device_plan.kind)
     best, best_ms = device_plan, iteration_ms
     for depth in range(device_plan.prediction.prefetch + 1, MAX_PREFETCH_STAGES + 1):
-        prediction = predict_peak(
-            plan,
-            device_plan.memory,
-            config.recompute_grain,
-            prefetch=depth,
-            act_in_flight=device_plan.prediction.act_in_flight,
-            num_devices=plan.num_devices,
-            inputs_ahead=device_plan.prediction.inputs_ahead,
-        )
+        prediction = predict_like(device_plan.prediction, plan, device_plan.memory, prefetch=depth)
         if not prediction.fits(budget):
             break
         ms = link_iteration_ms(

@@ -24,7 +24,7 @@ from typing import Protocol
 from roundpipe.config import RunConfig
 from roundpipe.plan.coarse import evenly_cut
 from roundpipe.plan.costs import LayerCosts
-from roundpipe.plan.memory import LayerMemory, MemoryPrediction, predict_peak
+from roundpipe.plan.memory import LayerMemory, MemoryPrediction, predict_like
 from roundpipe.plan.partition import Plan
 from roundpipe.planning.link_plan import link_iteration_ms
 
@@ -64,24 +64,15 @@ def even_cut(
     """`evenly_cut` of one device's plan in hand where it is `EVEN_GAIN` faster than
     ``iteration_ms`` (the held plan's time, one stage uploaded ahead) on the fake engine with
     ``link`` on (GB/s and each layer's uploaded bytes), and its peak, predicted as the held one
-    was (the same prefetch, activations in flight and inputs ahead), fits ``budget`` (the planning
-    budget; None: any); else None. Plans of several devices keep their stages: they are the
-    evaluated choice's."""
+    was (`predict_like`), fits ``budget`` (the planning budget; None: any); else None. Plans of
+    several devices keep their stages: they are the evaluated choice's."""
     plan, costs = held.plan, held.costs
     if plan.num_devices != 1:
         return None
     even = evenly_cut(plan, costs)
     if (even.fwd_stages, even.bwd_stages) == (plan.fwd_stages, plan.bwd_stages):
         return None
-    prediction = predict_peak(
-        even,
-        held.memory,
-        config.recompute_grain,
-        prefetch=held.prediction.prefetch,
-        act_in_flight=held.prediction.act_in_flight,
-        num_devices=1,
-        inputs_ahead=held.prediction.inputs_ahead,
-    )
+    prediction = predict_like(held.prediction, even, held.memory)
     if budget is not None and not prediction.fits(budget):
         return None
     gbps, param_bytes = link
