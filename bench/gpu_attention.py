@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.append(str(Path(__file__).resolve().parent))
 from gpu_kernels import timed_ms
+from gpu_throughput_run import SDPA_BACKENDS, sdpa_choice
 
 # name -> (query heads, key/value heads, head_dim, tokens of one microbatch)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -41,11 +42,7 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "G": (32, 8, 128, 65536),  # Llama-3.1-8B, a quarter of G's sequence (attention's time is ~s^2)
     "tiny": (4, 2, 16, 64),
 }
-BACKENDS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-}
+BACKENDS = {name: SDPA_BACKENDS[name] for name in ("flash", "cudnn", "efficient")}  # math: the reference
 
 
 def inputs(
@@ -127,16 +124,6 @@ def peak_above(fn: Callable[[], Any], device: torch.device) -> float | None:
     return round((torch.cuda.max_memory_allocated(device) - before) / 2**20, 1)
 
 
-def default_choice(shape_name: str, device: torch.device) -> str:
-    shape = SHAPES[shape_name]
-    q, k, v = (t.detach() for t in inputs(shape, min(shape[3], 1024), device, torch.bfloat16))
-    choice: Callable[..., int] | None = getattr(torch, "_fused_sdp_choice", None)
-    if choice is None:
-        return "unknown"
-    index = int(choice(q, k, v, None, 0.0, True, enable_gqa=True))
-    return {int(b.value): n for n, b in BACKENDS.items()}.get(index, f"backend {index}")
-
-
 def compiled_keeps(name: str, device: torch.device) -> dict[str, Any]:
     """Kernel names of a compiled forward+backward traced under ``sdpa_kernel(name)``."""
     from torch.profiler import ProfilerActivity, profile
@@ -178,7 +165,11 @@ def main() -> None:
     lines.append(header)
     for shape_name in args.shapes.split(","):
         lines.append(
-            {"bench": "gpu_attention", "shape": shape_name, "default": default_choice(shape_name, device)}
+            {
+                "bench": "gpu_attention",
+                "shape": shape_name,
+                "default": sdpa_choice(*SHAPES[shape_name][:3], device),
+            }
         )
         for name in BACKENDS:
             lines.append(measure(name, shape_name, device, args.repeats))

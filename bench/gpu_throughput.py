@@ -49,6 +49,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 
 from gpu_link import h2d_probe_gbps, link_figures, model_upload_bytes
 from gpu_throughput_run import (
+    SDPA_BACKENDS,
     RssSampler,
     Shape,
     Workload,
@@ -464,9 +465,6 @@ def run_roundpipe(
     }
 
 
-SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
-
-
 def sdpa_priority(first: str | None) -> contextlib.AbstractContextManager[Any]:
     """torch's sdpa backends with ``first`` in front, for the run (process-wide, so every lane's
     thread reads it, and read when a layer is traced, so it holds the compiled layers' choice
@@ -475,16 +473,10 @@ def sdpa_priority(first: str | None) -> contextlib.AbstractContextManager[Any]:
     an order set before that call does not survive. ``None``: torch's own choice, untouched."""
     if first is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    named = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }
-    others = [b for n, b in named.items() if n != first and (first == "cudnn" or n != "cudnn")]
-    return sdpa_kernel([named[first], *others], set_priority=True)
+    others = [b for n, b in SDPA_BACKENDS.items() if n != first and (first == "cudnn" or n != "cudnn")]
+    return sdpa_kernel([SDPA_BACKENDS[first], *others], set_priority=True)
 
 
 def cpp_wrapper_environ(inductor_options: dict[str, Any]) -> dict[str, str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
 
 GIB = 1 << 30
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -203,23 +204,35 @@ def adamw(used: list[str]) -> Callable[[Sequence[torch.Tensor]], torch.optim.Opt
     return factory
 
 
-def attention_backend(shape: Shape, device: torch.device) -> str | None:
-    """The sdpa backend torch picks on ``device`` for causal attention of ``shape``'s heads (bf16,
-    grouped as transformers calls it), under the order and switches in force: what the layers run
-    where they trace or call sdpa now. None where torch cannot say."""
+# The sdpa backends by the names the benches take (--sdpa-first, bench/gpu_attention.py).
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def sdpa_choice(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> str | None:
+    """The sdpa backend torch picks on ``device`` for causal bf16 attention of these heads
+    (grouped as transformers calls it), under the order and switches in force, by its
+    `SDPBackend` name in lower case. None where torch cannot say."""
     choice: Callable[..., int] | None = getattr(torch, "_fused_sdp_choice", None)
     if choice is None:
         return None
-    q = torch.zeros(1, shape.heads, 128, shape.head_dim, device=device, dtype=torch.bfloat16)
-    kv = torch.zeros(1, shape.kv_heads, 128, shape.head_dim, device=device, dtype=torch.bfloat16)
+    q = torch.zeros(1, heads, 128, head_dim, device=device, dtype=torch.bfloat16)
+    kv = torch.zeros(1, kv_heads, 128, head_dim, device=device, dtype=torch.bfloat16)
     try:
-        index = int(choice(q, kv, kv, None, 0.0, True, enable_gqa=shape.kv_heads != shape.heads))
+        index = int(choice(q, kv, kv, None, 0.0, True, enable_gqa=kv_heads != heads))
     except RuntimeError:  # no backend takes it under the switches in force
         return None
-    from torch.nn.attention import SDPBackend
-
     names = {int(b.value): b.name.lower() for b in SDPBackend.__members__.values()}
     return names.get(index, str(index))
+
+
+def attention_backend(shape: Shape, device: torch.device) -> str | None:
+    """`sdpa_choice` for ``shape``'s heads: what the layers run where they trace or call sdpa now."""
+    return sdpa_choice(shape.heads, shape.kv_heads, shape.head_dim, device)
 
 
 def reset_peaks(indices: Sequence[int]) -> None:
