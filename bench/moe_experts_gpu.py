@@ -12,6 +12,12 @@ With frozen experts two more lines run the grouped block on experts held in NF4
 their difference is to the grouped block on the dequantized weights (the quantization error
 excluded), and ``expert_weight_bytes`` says what the experts hold on the device.
 Run on the GPU machine: ``python bench/moe_experts_gpu.py`` (about a minute).
+
+``--permutations`` times instead the grouped block's two permutations both ways, eager and under
+``torch.compile`` (as roundpipe runs a layer): with their gradients as gathers
+(`roundpipe.model.routing`, the default) and with autograd's gradient of indexing (a scatter with
+accumulation, ``impl`` ending in ``_indexed``); each line carries its largest input-gradient
+difference to the first.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 
+import roundpipe.model.experts as experts_module
 from roundpipe.model.experts import dequantized_experts, quantize_experts_, use_grouped_experts
 
 
@@ -85,6 +92,43 @@ def measure(name: str, mlp: Any, x: torch.Tensor, repeats: int) -> tuple[dict[st
     return line | {"peak_above_weights_bytes": peak, "host_syncs": syncs}, out
 
 
+def indexed_gather(hidden: torch.Tensor, routing: Any, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    return hidden[routing.token]
+
+
+def indexed_unsort(rows: torch.Tensor, routing: Any, inverse: torch.Tensor) -> torch.Tensor:
+    return rows[inverse]
+
+
+def input_grad(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_(True)
+    out = mlp(x)
+    out.backward(torch.ones_like(out))
+    assert x.grad is not None
+    return x.grad
+
+
+def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
+    """The grouped block with gathers as its permutations' gradients against autograd's indexing,
+    eager and compiled (module docstring)."""
+    gathers = (experts_module.gather_rows, experts_module.unsort_rows)
+    reference: torch.Tensor | None = None
+    for compiled in (False, True):
+        for indexed in (False, True):
+            experts_module.gather_rows, experts_module.unsort_rows = (
+                (indexed_gather, indexed_unsort) if indexed else gathers
+            )
+            torch._dynamo.reset()
+            mlp = torch.compile(grouped) if compiled else grouped
+            name = "roundpipe_grouped" + ("_compiled" if compiled else "") + ("_indexed" if indexed else "")
+            line, _ = measure(name, mlp, x, repeats)
+            grad = input_grad(mlp, x).float()
+            reference = grad if reference is None else reference
+            line["max_abs_dx_diff_to_first"] = float((grad - reference).abs().max())
+            print(json.dumps(line), flush=True)
+    experts_module.gather_rows, experts_module.unsort_rows = gathers
+
+
 def expert_bytes(mlp: Any) -> int:
     return sum(p.numel() * p.element_size() for n, p in mlp.named_parameters() if "experts." in n)
 
@@ -105,12 +149,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--train-experts", action="store_true")
+    parser.add_argument("--permutations", action="store_true", help="the permutations' A/B only")
     args = parser.parse_args()
     eager = block(args)
     grouped = copy.deepcopy(eager)
     assert use_grouped_experts(grouped) == 1
     torch.manual_seed(1)
     x = torch.randn(1, args.tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    if args.permutations:
+        permutations(grouped, x, args.repeats)
+        return
     reference: torch.Tensor | None = None
     for name, mlp in (("eager", eager), ("roundpipe_grouped", grouped)):
         line, out = measure(name, mlp, x, args.repeats)

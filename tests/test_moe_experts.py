@@ -17,9 +17,11 @@ import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import roundpipe.model.experts as experts_module
-from roundpipe.model.experts import grouped_mm, route, use_grouped_experts
+from roundpipe.model.experts import grouped_mm, use_grouped_experts
+from roundpipe.model.routing import gather_rows, inverse_order, route, unsort_rows
 from tests.test_moe_parity import accumulation_loop, padded_data, tiny_gpt_oss
 from tests.test_transformers_parity import assert_same_weights, pipe_loop, tiny_qwen3_moe
 from tests.test_transformers_parity import lora as qkvo_lora
@@ -131,6 +133,58 @@ def test_route_sorts_by_expert_with_offsets_on_the_device() -> None:
     assert routing.token.tolist() == [0, 3, 1, 0, 1, 2, 3, 2]
     assert routing.offsets.dtype == torch.int32
     assert routing.offsets.tolist() == [2, 3, 7, 8, 8]  # expert 4: empty group
+
+
+class Accumulations(TorchDispatchMode):
+    """Records every aten call, while active, that scatters with accumulation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+        if name.startswith(("index_add", "scatter_add")) or ("index_put" in name and accumulate):
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_permutations_back_propagate_as_indexing_does_without_scattering(dtype: torch.dtype) -> None:
+    """`gather_rows` and `unsort_rows` give indexing's values, and its gradients up to the order
+    of each token's k additions (summed in fp32 and rounded once; autograd's index accumulation on
+    CPU rounds after each), and their backward scatters nothing: the check records autograd's own
+    indexing doing so."""
+    torch.manual_seed(3)
+    tokens, k, experts, width = 13, 3, 5, 8
+    routing = route(torch.rand(tokens, experts).topk(k, dim=-1).indices, experts)
+    inverse = inverse_order(routing)
+    hidden = torch.randn(tokens, width).to(dtype)
+    weight = torch.randn(tokens * k, width).to(dtype)
+
+    def run(gather: Any, unsort: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        x = hidden.to(dtype).requires_grad_(True)
+        out = unsort(gather(x) * 2.0)
+        with Accumulations() as scatters:
+            (out * weight.to(dtype)).sum().backward()
+        assert x.grad is not None
+        return out.detach(), x.grad, scatters.calls
+
+    # The reference: autograd's indexing in fp32 on the same values.
+    want, want_grad, indexing_scatters = run(
+        lambda x: x[routing.token], lambda rows: rows[inverse], torch.float32
+    )
+    got, got_grad, scatters = run(
+        lambda x: gather_rows(x, routing, inverse, k), lambda rows: unsort_rows(rows, routing, inverse), dtype
+    )
+    assert torch.equal(got.float(), want)
+    # fp32: the order of the k additions; bf16: one rounding of the fp32 sum (2^-9 relative).
+    torch.testing.assert_close(
+        got_grad.float(), want_grad, rtol=2**-8 if dtype == torch.bfloat16 else 1e-6, atol=1e-6
+    )
+    assert indexing_scatters and scatters == []
 
 
 def test_grouped_mm_pads_unaligned_widths() -> None:

@@ -5,8 +5,8 @@ to find the experts hit, and per expert a ``where``, a gather and three small ma
 Each ``nonzero``/``where`` waits for the device, so a 128-expert layer stops the host 128 times
 per call, and the small products leave the GPU idle. Here the routed (token, expert) pairs are
 sorted by expert once, the offsets of each expert's rows are computed on the device
-(``searchsorted`` on the sorted ids), and each projection is one ``torch.nn.functional.grouped_mm``
-over all experts. Nothing in this path reads a tensor's value on the host: no ``.item()``,
+(``searchsorted`` on the sorted ids; `roundpipe.model.routing`), and each projection is one
+``torch.nn.functional.grouped_mm`` over all experts. Nothing in this path reads a tensor's value on the host: no ``.item()``,
 ``.tolist()``, ``nonzero()`` or branch on data, so the host issues a whole layer without waiting
 (tests/test_moe_experts.py checks it).
 
@@ -48,6 +48,7 @@ from torch import nn
 
 from roundpipe.model.grouped_mm import grouped_mm
 from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
+from roundpipe.model.routing import Routing, gather_rows, inverse_order, route, unsort_rows
 from roundpipe.model.swap_class import subclass_of
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
@@ -97,27 +98,6 @@ def holds_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds a known experts module (grouped, quantized or as transformers
     made it): roundpipe runs its experts as grouped matrix products."""
     return any(layout_of(m) is not None for m in module.modules())
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The routed (token, expert) pairs sorted by expert: ``order`` (pair index in sorted order),
-    ``token`` (its token row), ``expert`` (its expert id) and ``offsets`` (int32, the end of
-    each expert's rows), all on the device."""
-
-    order: torch.Tensor
-    token: torch.Tensor
-    expert: torch.Tensor
-    offsets: torch.Tensor
-
-
-def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
-    """Sort the ``[tokens, k]`` choices by expert (stable: ties keep token order)."""
-    k = top_k_index.shape[-1]
-    expert, order = torch.sort(top_k_index.reshape(-1), stable=True)
-    bounds = torch.arange(1, num_experts + 1, device=expert.device, dtype=expert.dtype)
-    offsets = torch.searchsorted(expert, bounds, out_int32=True)
-    return Routing(order, torch.div(order, k, rounding_mode="floor"), expert, offsets)
 
 
 @dataclass(frozen=True)
@@ -215,15 +195,15 @@ def grouped_experts(
     ``top_k_weights``: what the eager loop computes, as two grouped products."""
     tokens, k = top_k_index.shape
     routing = route(top_k_index, int(getattr(experts, "num_experts")))  # noqa: B009
-    rows = hidden[routing.token]
+    inverse = inverse_order(routing)
+    rows = gather_rows(hidden, routing, inverse, k)
     inner = layout.gate(experts, _projection(experts, "gate_up_proj", layout, rows, routing))
     out = _projection(experts, "down_proj", layout, inner, routing)
     out = out * top_k_weights.reshape(-1)[routing.order].unsqueeze(-1).to(out.dtype)
     # Back to (token, choice) order, then the k choices of a token summed: a fixed order, unlike
-    # an index_add_ whose float atomics on CUDA add in a different order every run.
-    inverse = torch.empty_like(routing.order)
-    inverse[routing.order] = torch.arange(routing.order.numel(), device=inverse.device)
-    return out[inverse].view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+    # an index_add_ whose float atomics on CUDA add in a different order every run (the
+    # gradients of both permutations are gathers too: `_RowsByExpert`, `_Unsorted`).
+    return unsort_rows(out, routing, inverse).view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
 
 def fits(experts: nn.Module, layout: Layout) -> bool:
