@@ -222,16 +222,21 @@ def test_on_several_devices_a_backward_stage_drains_with_its_last_recompute() ->
     assert predict_peak(plan, MEM, "stage", num_devices=2).slots[1].draining_bytes == 60 + 300
 
 
-def test_a_stage_with_small_gradients_drains_only_over_the_next_stages_start() -> None:
+def test_a_stage_with_small_gradients_drains_only_over_the_next_stages_start_before_its_upload() -> None:
     # Frozen weights with adapters: 1000 B of parameters and 10 B of gradients per layer.
     frozen = replace(MEM, param_bytes=(1000,) * 4, grad_bytes=(10,) * 4)
     plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),))
     fused, backward = predict_peak(plan, frozen, "stage").slots[1:]
     # FB follows F1 (no drain); B1 follows FB, whose 2020 B of weights and gradients drain over
     # B1's start, where B1 holds its own 2020 B but not yet the 312 B its recompute builds up.
+    # Without a stage uploaded ahead, that start is the slot's peak when the drain is larger.
     assert fused.draining_bytes == 0
     assert stage_bytes(frozen, range(0, 2), "bwd") == 2020 + 312
-    assert backward.draining_bytes == 2020 - 312
+    assert predict_peak(plan, frozen, "stage", prefetch=0).slots[2].draining_bytes == 2020 - 312
+    # With one stage ahead, F1's 2000 B upload waits for FB's last compute: the 1708 B drained
+    # over B1's start never meet it (the measured MoE peaks: within 2.5% counted so, 25% above not).
+    assert backward.draining_bytes == 0
+    assert backward.total_bytes == 2332 + 2000 + backward.in_flight_bytes
     # A stage trained in full (gradients as large as its weights) keeps its whole drain.
     trained = replace(frozen, grad_bytes=(1000,) * 4)
     assert predict_peak(plan, trained, "stage").slots[2].draining_bytes == 4000

@@ -98,9 +98,10 @@ class SlotMemory:
     """One slot's predicted peak: its stage, the prefetched stages' parameters, activations in flight,
     and the device's previous fused or backward stage, whose weights and gradients stay until the
     gradients' download completes (while this stage's first microbatch already runs; when those
-    gradients are small, only the part that exceeds this stage's activations: it overlaps the
-    stage's start, not its peak), and, for a backward stage, its last recomputed microbatch, which
-    may still await its gradient."""
+    gradients are small, only the part that exceeds this stage's activations and the farthest
+    prefetched stage's parameters: it overlaps the stage's start, before that upload begins, not
+    its peak), and, for a backward stage, its last recomputed microbatch, which may still await
+    its gradient."""
 
     index: int
     kind: str
@@ -230,9 +231,12 @@ def predict_peak(
             draining = before_params + before_grads
             if before_grads * SMALL_GRADIENTS_RATIO <= before_params:
                 # Adapters only: its download ends before this stage has built its activations,
-                # so the drain only overlaps this stage's start (its weights and gradients).
+                # so the drain only overlaps this stage's start (its weights and gradients), and
+                # the farthest stage ahead uploads only once the previous stage's last compute is
+                # done (`sched/graph.py`: a run's uploads wait for the run prefetch + 1 before).
                 weights = sum(mem.param_bytes[j] + mem.grad_bytes[j] for j in slot.layers)
-                draining = max(0, draining - (own - weights))
+                farthest = params[ahead[-1]] if ahead else 0
+                draining = max(0, draining - (own - weights) - farthest)
         # Its last recompute may still await its gradient, except on one device, where this
         # stage's first recompute waits for that backward (`sched/backward_run.py`).
         if before.kind == "bwd" and num_devices > 1:
