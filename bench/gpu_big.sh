@@ -34,11 +34,12 @@ DEADLINE_S=${DEADLINE_S:-530}
 
 # name -> "limit_s|least_s|gpu_throughput.py arguments": a workload runs for at most limit_s and
 # only when least_s are left. Expected wall times: imports, build, profile, compile, steps. On an
-# H100: F 213 s at 21 s a step, D 81 s at 2.6 s a step; estimated: E bf16 ~3K tok/s, D16 4.5 s a
-# step (bench/moe_link.py), G from flash attention's FLOPs (1.4-3 s per layer forward at 262,144
-# tokens: 3-5 min a step; the G runs profile one decoder layer, not 32, RunConfig.profile).
+# H100: F 213 s with one measured step of 12 s, D 81 s at 2.6 s a step, E 6.0 s a step, D16 185 s
+# at 5.3 s a step; G 3-5 min a step at 262,144 tokens (the G runs profile one decoder layer, not
+# 32, RunConfig.profile).
 declare -A JOB=(
-  [F]="300|180|--workload F --warmup 2 --steps 1"             # ~3.5 min: 21 s/step, build ~25 s
+  [F]="300|200|--workload F --warmup 2 --steps 2"             # ~4 min: 12 s/step, build ~25 s; two
+  # measured steps: with one, its final drain (~1% of it) counted against 1.4K (1,369 wall, 1,385 trace)
   [E-nf4]="200|110|--workload E-nf4 --warmup 2 --steps 2"     # ~2.5 min
   [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; pins ~70 GiB of host
   [G]="570|300|--workload G --warmup 0 --steps 1 --profile one_per_kind"  # ~4-6 min at 262,144 tokens
