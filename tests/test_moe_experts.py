@@ -187,6 +187,28 @@ def test_the_permutations_back_propagate_as_indexing_does_without_scattering(dty
     assert indexing_scatters and scatters == []
 
 
+@pytest.mark.parametrize("make", MODELS, ids=IDS)
+def test_a_grouped_blocks_backward_scatters_nothing(make: Any) -> None:
+    """With frozen experts (LoRA on attention), the grouped block's backward, router included, adds
+    nothing through a scatter: no float atomics on CUDA. transformers' loop does (index_add_)."""
+    mlp, grouped = mlp_pair(make)
+    for block in (mlp, grouped):
+        for param in block.experts.parameters():
+            param.requires_grad_(False)
+    x = torch.randn(2, 9, 32)
+
+    def scatters(block: nn.Module) -> list[str]:
+        inputs = x.clone().requires_grad_(True)
+        out = block(inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        with Accumulations() as recorded:
+            out.sum().backward()
+        return recorded.calls
+
+    assert scatters(grouped) == []
+    assert scatters(mlp)
+
+
 def test_grouped_mm_pads_unaligned_widths() -> None:
     torch.manual_seed(0)
     x, weight = torch.randn(7, 5), torch.randn(3, 5, 6)

@@ -48,7 +48,7 @@ from torch import nn
 
 from roundpipe.model.grouped_mm import grouped_mm
 from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
-from roundpipe.model.routing import Routing, gather_rows, inverse_order, route, unsort_rows
+from roundpipe.model.routing import Routing, gather_rows, inverse_order, route, sort_choices, unsort_rows
 from roundpipe.model.swap_class import subclass_of
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
@@ -199,10 +199,10 @@ def grouped_experts(
     rows = gather_rows(hidden, routing, inverse, k)
     inner = layout.gate(experts, _projection(experts, "gate_up_proj", layout, rows, routing))
     out = _projection(experts, "down_proj", layout, inner, routing)
-    out = out * top_k_weights.reshape(-1)[routing.order].unsqueeze(-1).to(out.dtype)
+    out = out * sort_choices(top_k_weights, routing, inverse).unsqueeze(-1).to(out.dtype)
     # Back to (token, choice) order, then the k choices of a token summed: a fixed order, unlike
     # an index_add_ whose float atomics on CUDA add in a different order every run (the
-    # gradients of both permutations are gathers too: `_RowsByExpert`, `_Unsorted`).
+    # gradients of the permutations are gathers too: `roundpipe.model.routing`).
     return unsort_rows(out, routing, inverse).view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
 

@@ -1,12 +1,13 @@
-"""Routed (token, expert) pairs sorted by expert, and the two permutations between orders.
+"""Routed (token, expert) pairs sorted by expert, and the permutations between the two orders.
 
 Why apart from the experts: routing is index work, the same for every experts layout and weight
 format. `route` sorts a layer's choices by expert and finds each expert's rows on the device
-(no host read). `gather_rows` takes each token's row once per choice, in expert order, and
-`unsort_rows` brings the experts' output rows back to (token, choice) order. Both are permutations
-(with ``k`` copies of each token for the first), so their gradients are gathers followed by a sum in
-a fixed order; autograd's own gradient of an index scatters with accumulation, float atomics on
-CUDA, whose rounding changes from run to run and which wait on each other where rows collide.
+(no host read). `gather_rows` takes each token's row once per choice, in expert order,
+`sort_choices` puts the router's weights in that order, and `unsort_rows` brings the experts'
+output rows back to (token, choice) order. All are permutations (with ``k`` copies of each token
+for the first), so their gradients are gathers (for the first, then a sum over ``k`` in a fixed
+order); autograd's own gradient of an index scatters with accumulation, float atomics on CUDA,
+whose rounding changes from run to run and which wait on each other where rows collide.
 
 What holds: the forward values are exactly what indexing gives, and the gradients what autograd's
 indexing gives up to the order of the ``k`` additions per token (`tests/test_moe_experts.py`).
@@ -61,21 +62,21 @@ class _RowsByExpert(torch.autograd.Function):
         return grad[inverse].view(ctx.tokens, ctx.k, -1).sum(dim=1), None, None, None
 
 
-class _Unsorted(torch.autograd.Function):
-    """``rows[inverse]``: rows in expert order back to (token, choice) order. ``inverse`` is a
-    permutation, so the gradient is the gather ``grad[order]``, not a scatter with accumulation."""
+class _Permuted(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` whose inverse is ``undo``: the gradient is the
+    gather ``grad[undo]``, not a scatter with accumulation."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, rows: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor
+        ctx: Any, x: torch.Tensor, index: torch.Tensor, undo: torch.Tensor
     ) -> torch.Tensor:
-        ctx.save_for_backward(order)
-        return rows[inverse]
+        ctx.save_for_backward(undo)
+        return x[index]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (order,) = ctx.saved_tensors
-        return grad[order], None, None
+        (undo,) = ctx.saved_tensors
+        return grad[undo], None, None
 
 
 def inverse_order(routing: Routing) -> torch.Tensor:
@@ -92,6 +93,12 @@ def gather_rows(hidden: torch.Tensor, routing: Routing, inverse: torch.Tensor, k
 
 
 def unsort_rows(rows: torch.Tensor, routing: Routing, inverse: torch.Tensor) -> torch.Tensor:
-    """``rows`` sorted by expert back in (token, choice) order (`_Unsorted`)."""
-    unsorted: torch.Tensor = _Unsorted.apply(rows, inverse, routing.order)
+    """``rows`` sorted by expert back in (token, choice) order: ``rows[inverse]``."""
+    unsorted: torch.Tensor = _Permuted.apply(rows, inverse, routing.order)
     return unsorted
+
+
+def sort_choices(values: torch.Tensor, routing: Routing, inverse: torch.Tensor) -> torch.Tensor:
+    """``values`` [tokens, k] (the router's weights) flat in expert order: ``values.reshape(-1)[order]``."""
+    ordered: torch.Tensor = _Permuted.apply(values.reshape(-1), routing.order, inverse)
+    return ordered
