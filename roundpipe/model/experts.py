@@ -6,9 +6,9 @@ Each ``nonzero``/``where`` waits for the device, so a 128-expert layer stops the
 per call, and the small products leave the GPU idle. Here the routed (token, expert) pairs are
 sorted by expert once, the offsets of each expert's rows are computed on the device
 (``searchsorted`` on the sorted ids; `roundpipe.model.routing`), and each projection is one
-``torch.nn.functional.grouped_mm`` over all experts. Nothing in this path reads a tensor's value on the host: no ``.item()``,
-``.tolist()``, ``nonzero()`` or branch on data, so the host issues a whole layer without waiting
-(tests/test_moe_experts.py checks it).
+``torch.nn.functional.grouped_mm`` over all experts. Nothing in this path reads a tensor's value
+on the host: no ``.item()``, ``.tolist()``, ``nonzero()`` or branch on data, so the host issues a
+whole layer without waiting (tests/test_moe_experts.py checks it).
 
 What runs it: `use_grouped_experts` swaps the class of the known experts modules (`LAYOUTS`) in
 roundpipe's own copies of a layer for a subclass with this forward (the same parameters, names and
