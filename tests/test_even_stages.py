@@ -155,3 +155,19 @@ def test_the_cuda_replan_takes_the_even_cut_for_coarse_stages_only(
     chosen = device_plans.with_link(device_plan(greedy, 26 << 30), config(), run.trace, UPLOAD)
     assert chosen.plan == (evenly_cut(greedy, COSTS) if stages == "coarse" else greedy)
     assert chosen.link == report
+
+
+def test_the_coarsest_plan_that_fits_cut_evenly_beats_the_plan_that_ran() -> None:
+    """Counted with a small-gradient stage's drain apart from the farthest upload, the coarsest
+    plan that fits the budget has fewer, larger stages than the plan that ran (a longer fused
+    stage: fewer layers recomputed), and cut evenly it is faster on the fake engine with the link."""
+    from roundpipe.planning.device_plan import _coarse_within_budget
+
+    found = _coarse_within_budget(COSTS, memory(), BUDGET, "stage", 2, MICROBATCHES)
+    assert found is not None
+    coarse, prediction = found
+    assert prediction.fits(BUDGET) and coarse.num_slots < greedy_plan().num_slots
+    assert len(coarse.fused) > len(greedy_plan().fused)
+    even = evenly_cut(coarse, COSTS)
+    assert predict_peak(even, memory(), "stage", act_in_flight=2).fits(BUDGET)
+    assert iteration_ms(even) < iteration_ms(greedy_plan()) * (1 - EVEN_GAIN)
