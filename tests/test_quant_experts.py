@@ -29,6 +29,7 @@ from tests.test_moe_experts import (
     profiled_on_cpu,
     qkvo_lora,
     run_block,
+    scatters_in_backward,
 )
 from tests.test_moe_parity import accumulation_loop, padded_data
 from tests.test_transformers_parity import pipe_loop, sgd, token_data
@@ -120,6 +121,12 @@ def test_nf4_experts_never_read_a_tensor_on_the_host(make: Any) -> None:
     with HostReads() as reads:
         run_block(quantized, torch.randn(2, 9, 32), torch.ones(2, 9, 32))
     assert reads.calls == []
+
+
+@pytest.mark.parametrize("make", MODELS, ids=IDS)
+def test_nf4_experts_back_propagate_without_a_scatter(make: Any) -> None:
+    _, quantized = frozen_pair(make)
+    assert scatters_in_backward(quantized) == []
 
 
 def test_trainable_or_ragged_experts_stay_dense() -> None:
