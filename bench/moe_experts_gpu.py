@@ -13,7 +13,7 @@ their difference is to the grouped block on the dequantized weights (the quantiz
 excluded), and ``expert_weight_bytes`` says what the experts hold on the device.
 Run on the GPU machine: ``python bench/moe_experts_gpu.py`` (about a minute).
 
-``--permutations`` times instead the grouped block's two permutations both ways, eager and under
+``--permutations`` times instead the grouped block's permutations both ways, eager and under
 ``torch.compile`` (as roundpipe runs a layer): with their gradients as gathers
 (`roundpipe.model.routing`, the default) and with autograd's gradient of indexing (a scatter with
 accumulation, ``impl`` ending in ``_indexed``); each line carries its largest input-gradient
@@ -100,6 +100,13 @@ def indexed_unsort(rows: torch.Tensor, routing: Any, inverse: torch.Tensor) -> t
     return rows[inverse]
 
 
+def indexed_sort_choices(values: torch.Tensor, routing: Any, inverse: torch.Tensor) -> torch.Tensor:
+    return values.reshape(-1)[routing.order]
+
+
+PERMUTATIONS = ("gather_rows", "unsort_rows", "sort_choices")
+
+
 def input_grad(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     x = x.detach().requires_grad_(True)
     out = mlp(x)
@@ -111,13 +118,13 @@ def input_grad(mlp: Any, x: torch.Tensor) -> torch.Tensor:
 def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
     """The grouped block with gathers as its permutations' gradients against autograd's indexing,
     eager and compiled (module docstring)."""
-    gathers = (experts_module.gather_rows, experts_module.unsort_rows)
+    gathers = [getattr(experts_module, name) for name in PERMUTATIONS]
+    indexing = (indexed_gather, indexed_unsort, indexed_sort_choices)
     reference: torch.Tensor | None = None
     for compiled in (False, True):
         for indexed in (False, True):
-            experts_module.gather_rows, experts_module.unsort_rows = (
-                (indexed_gather, indexed_unsort) if indexed else gathers
-            )
+            for name, function in zip(PERMUTATIONS, indexing if indexed else gathers, strict=True):
+                setattr(experts_module, name, function)
             torch._dynamo.reset()
             mlp = torch.compile(grouped) if compiled else grouped
             name = "roundpipe_grouped" + ("_compiled" if compiled else "") + ("_indexed" if indexed else "")
@@ -126,7 +133,8 @@ def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
             reference = grad if reference is None else reference
             line["max_abs_dx_diff_to_first"] = float((grad - reference).abs().max())
             print(json.dumps(line), flush=True)
-    experts_module.gather_rows, experts_module.unsort_rows = gathers
+    for name, function in zip(PERMUTATIONS, gathers, strict=True):
+        setattr(experts_module, name, function)
 
 
 def expert_bytes(mlp: Any) -> int:
