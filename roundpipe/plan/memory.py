@@ -157,6 +157,9 @@ class MemoryPrediction:
             "inputs_ahead": self.inputs_ahead,
             "prefetch": self.prefetch,
             "act_in_flight": self.act_in_flight,
+            # A small-gradient stage's drain counted apart from the farthest prefetched stage
+            # (`predict_peak`): records without it counted both, as `bench/recount_memory.py` says.
+            "drain_apart": True,
         }
         return head | {"slots": [s.to_dict() for s in self.slots]}
 

@@ -1,0 +1,83 @@
+"""A recorded run's predicted peak counted again from its slot breakdown, by today's memory model.
+
+Why: a GPU run's JSON line (`bench/gpu_throughput.py`) keeps the prediction it planned with, slot
+by slot (stage, prefetched stages, activations in flight, the previous stage draining), and its
+measured peak. When the model's count changes, the runs already made say how far the new count
+sits from their peaks without spending device time on them again.
+
+What it recounts: the drain of a stage with small gradients (`roundpipe.plan.memory.predict_peak`)
+is now counted apart from the farthest prefetched stage, whose upload waits for the draining
+stage's last compute. A slot breakdown holds the prefetched stages' bytes as one sum, so a run that
+prefetched one stage is recounted exactly (that stage is the farthest); a run that prefetched more
+is recounted where its draining slots, even counted as recorded, stay below a slot that does not
+drain (then its peak is unchanged); others are reported as not recounted. A record made by the
+model as it counts now says so (``drain_apart``) and is kept as it is. The drain of a fully trained stage (large gradients) is not reduced by the model, and a
+line does not say which a slot had: a full fine-tune (``lora_r`` 0) is left as it was.
+
+    python bench/recount_memory.py runs.jsonl [more.jsonl ...]
+
+Prints one JSON line per run: workload, measured peak, the prediction as recorded and as
+recounted (GiB), and each against the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+
+
+def recount(prediction: dict[str, Any], adapters_only: bool) -> int | None:
+    """The peak bytes of a recorded prediction counted as the model counts now (module docstring);
+    None where the breakdown cannot say."""
+    slots = prediction["slots"]
+    if not adapters_only or prediction.get("drain_apart"):
+        return int(prediction["peak_bytes"])
+    if prediction.get("prefetch", 1) != 1:
+        # Unchanged where nothing drains; a draining slot's recount is at most its recorded total.
+        steady = max((s["total_bytes"] for s in slots if not s["draining_bytes"]), default=0)
+        draining = max((s["total_bytes"] for s in slots if s["draining_bytes"]), default=0)
+        return steady if draining <= steady else None
+    return max(
+        s["stage_bytes"]
+        + s["in_flight_bytes"]
+        + s["prefetch_bytes"]
+        + max(0, s["draining_bytes"] - s["prefetch_bytes"])
+        for s in slots
+    )
+
+
+def runs(paths: list[Path]) -> Iterator[dict[str, Any]]:
+    for path in paths:
+        for text in path.read_text().splitlines():
+            if text.startswith("{"):
+                line = json.loads(text)
+                if isinstance(line.get("roundpipe"), dict) and "predicted_memory" in line["roundpipe"]:
+                    yield line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    for line in runs(parser.parse_args().files):
+        side = line["roundpipe"]
+        peak_gib = max(side["peak_gib"].values())
+        prediction = side["predicted_memory"]
+        recounted = recount(prediction, adapters_only=bool(line.get("lora_r")))
+        out: dict[str, Any] = {"workload": line["workload"], "peak_gib": peak_gib}
+        out["recorded_gib"] = round(prediction["peak_bytes"] / GIB, 2)
+        out["recorded_vs_peak"] = round(prediction["peak_bytes"] / GIB / peak_gib - 1, 4)
+        if recounted is None:
+            out["recounted_gib"] = "not recounted: stages prefetched ahead of a draining peak slot"
+        else:
+            out["recounted_gib"] = round(recounted / GIB, 2)
+            out["recounted_vs_peak"] = round(recounted / GIB / peak_gib - 1, 4)
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
