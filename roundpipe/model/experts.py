@@ -94,12 +94,6 @@ def layout_of(module: nn.Module) -> Layout | None:
     return None
 
 
-def holds_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds a known experts module (grouped, quantized or as transformers
-    made it): roundpipe runs its experts as grouped matrix products."""
-    return any(layout_of(m) is not None for m in module.modules())
-
-
 @dataclass(frozen=True)
 class NF4Meta:
     """What the NF4 bytes of one expert weight dequantize to: its 3-D ``shape``, ``dtype`` and
