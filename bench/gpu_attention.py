@@ -159,12 +159,17 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     lines: list[dict[str, Any]] = []
+
+    def emit(line: dict[str, Any]) -> None:  # printed as it comes: a cut-off call keeps the lines so far
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+
     header: dict[str, Any] = {"bench": "gpu_attention", "torch": torch.__version__}
     if device.type == "cuda":
         header |= {"gpu": torch.cuda.get_device_name(device), "cudnn": torch.backends.cudnn.version()}
-    lines.append(header)
+    emit(header)
     for shape_name in args.shapes.split(","):
-        lines.append(
+        emit(
             {
                 "bench": "gpu_attention",
                 "shape": shape_name,
@@ -172,13 +177,10 @@ def main() -> None:
             }
         )
         for name in BACKENDS:
-            lines.append(measure(name, shape_name, device, args.repeats))
-            print(json.dumps(lines[-1]), flush=True)
+            emit(measure(name, shape_name, device, args.repeats))
     if device.type == "cuda":
         for name in ("flash", "cudnn"):
-            lines.append(compiled_keeps(name, device))
-    for line in lines:
-        print(json.dumps(line), flush=True)
+            emit(compiled_keeps(name, device))
     if args.out:
         with args.out.open("a") as f:
             f.writelines(json.dumps(line) + "\n" for line in lines)
