@@ -58,15 +58,20 @@ def block(args: argparse.Namespace) -> Any:
     return mlp
 
 
-def step(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+def step(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's output on ``x`` and the input's gradient, of ones back-propagated."""
     x = x.detach().requires_grad_(True)
     out = mlp(x)
     out.backward(torch.ones_like(out))
-    return out.detach()
+    assert x.grad is not None
+    return out.detach(), x.grad
 
 
-def measure(name: str, mlp: Any, x: torch.Tensor, repeats: int) -> tuple[dict[str, Any], torch.Tensor]:
-    out = step(mlp, x)  # warm-up: kernels, workspaces
+def measure(
+    name: str, mlp: Any, x: torch.Tensor, repeats: int
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """The line of timings, and the output and input gradient of the warm-up call."""
+    out, dx = step(mlp, x)  # warm-up: kernels, workspaces
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -89,7 +94,7 @@ def measure(name: str, mlp: Any, x: torch.Tensor, repeats: int) -> tuple[dict[st
         times.append(start.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated() - base
     line = {"bench": "moe_block", "impl": name, "tokens": x.shape[1], "fwd_bwd_ms": statistics.median(times)}
-    return line | {"peak_above_weights_bytes": peak, "host_syncs": syncs}, out
+    return line | {"peak_above_weights_bytes": peak, "host_syncs": syncs}, out, dx
 
 
 def indexed_gather(hidden: torch.Tensor, routing: Any, inverse: torch.Tensor, k: int) -> torch.Tensor:
@@ -107,14 +112,6 @@ def indexed_sort_choices(values: torch.Tensor, routing: Any, inverse: torch.Tens
 PERMUTATIONS = ("gather_rows", "unsort_rows", "sort_choices")
 
 
-def input_grad(mlp: Any, x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().requires_grad_(True)
-    out = mlp(x)
-    out.backward(torch.ones_like(out))
-    assert x.grad is not None
-    return x.grad
-
-
 def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
     """The grouped block with gathers as its permutations' gradients against autograd's indexing,
     eager and compiled (module docstring)."""
@@ -128,8 +125,8 @@ def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
             torch._dynamo.reset()
             mlp = torch.compile(grouped) if compiled else grouped
             name = "roundpipe_grouped" + ("_compiled" if compiled else "") + ("_indexed" if indexed else "")
-            line, _ = measure(name, mlp, x, repeats)
-            grad = input_grad(mlp, x).float()
+            line, _, dx = measure(name, mlp, x, repeats)
+            grad = dx.float()
             reference = grad if reference is None else reference
             line["max_abs_dx_diff_to_first"] = float((grad - reference).abs().max())
             print(json.dumps(line), flush=True)
@@ -169,7 +166,7 @@ def main() -> None:
         return
     reference: torch.Tensor | None = None
     for name, mlp in (("eager", eager), ("roundpipe_grouped", grouped)):
-        line, out = measure(name, mlp, x, args.repeats)
+        line, out, _ = measure(name, mlp, x, args.repeats)
         if reference is None:
             reference = out.float()
         else:
@@ -183,11 +180,11 @@ def main() -> None:
     del eager
     quantized, dense = nf4_pair(grouped)
     del grouped
-    _, dense_out = measure("roundpipe_grouped_dequantized", dense, x, 1)
+    _, dense_out, _ = measure("roundpipe_grouped_dequantized", dense, x, 1)
     del dense
     for name, compiled in (("roundpipe_grouped_nf4", False), ("roundpipe_grouped_nf4_compiled", True)):
         quantized.experts.compiled = compiled
-        line, out = measure(name, quantized, x, args.repeats)
+        line, out, _ = measure(name, quantized, x, args.repeats)
         line["max_abs_diff_to_dequantized"] = float((out.float() - dense_out.float()).abs().max())
         line["max_abs_diff_to_eager"] = (
             float((out.float() - reference).abs().max()) if reference is not None else None
