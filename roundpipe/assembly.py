@@ -77,6 +77,8 @@ def make_runtime(
         lr_scale=lr_ramp(config),
     )
     runtime.collectives = make_collectives(config.distributed, host)
+    # Until a device plan says otherwise (`record_device_plan`): no budget to decide against.
+    runtime.dense.enabled = config.dequantize != "call"
     return runtime
 
 

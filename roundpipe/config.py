@@ -240,6 +240,14 @@ class RunConfig(BaseModel):
         'compute precision; "nf4", in 4-bit NormalFloat (QLoRA), quantized at construction layer by '
         "layer and dequantized on the device inside each layer (a LoRA base: needs frozen linears)",
     )
+    dequantize: Literal["auto", "run", "call"] = Field(
+        "auto",
+        description='with base_format="nf4", when a frozen 4-bit weight becomes dense on the device: "run", '
+        "once per stage run, the copy kept for all its microbatches (the plan counts the stage's "
+        'dense weights, so its stages are smaller); "call", inside each layer call (forward, '
+        'recompute and backward each: the least memory); "auto", "run" where a plan fits the '
+        'memory budget with it, else "call"',
+    )
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(
         "dynamic", description='fp16 only: "dynamic" loss scaling, "none", or a fixed scale'

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from roundpipe.planning.dequantize import dense_weights_of
+
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
     from roundpipe.planning.device_plan import DevicePlan
@@ -23,6 +25,8 @@ def record_device_plan(device_plan: DevicePlan, runtime: Runtime, trace: Trace, 
     built earlier keep the prediction of the plan they were built for) and its measurements in the
     trace's metadata: the first profiled layer costs stay, later refined ones replace the current."""
     runtime.memory_prediction = device_plan.prediction
+    # A re-plan keeps the first plan's memory table, so every plan of a run dequantizes alike.
+    runtime.dense.enabled = dense_weights_of(device_plan.memory)
     runtime.memory_predictions[next_iteration] = device_plan.prediction
     trace.meta["memory_prediction"] = device_plan.prediction.to_dict()
     trace.meta["memory_budget_bytes"] = device_plan.budget_bytes

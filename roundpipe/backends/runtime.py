@@ -27,8 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from roundpipe.backends.compiling import NO_COMPILE, CompileGarbage, LayerCompiler
+from roundpipe.backends.dense_runs import DenseRuns
 from roundpipe.backends.holdings import out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.optimizer_lane import OptimizerLane
@@ -50,6 +52,7 @@ from roundpipe.backends.tensors import (
     to_device,
 )
 from roundpipe.errors import DeviceOutOfMemoryError, StageError
+from roundpipe.model.dense_weights import add_dense_slots
 from roundpipe.optim.distributed import LOCAL, Collectives
 from roundpipe.optim.host import HostModel
 from roundpipe.plan.kinds import SlotKind
@@ -109,11 +112,13 @@ class Runtime(OptimizerLane):
         self.recomputed: dict[SlotKey, Recomputed] = {}  # a backward stage's recompute, until its backward
         self.outbox: dict[SlotKey, Any] = {}  # stage outputs to download
         self.transient: dict[RunKey, dict[int, dict[str, torch.Tensor]]] = {}  # run -> layer -> params
+        # 4-bit frozen weights dequantized once per stage run; the facade turns it on.
+        self.dense = DenseRuns(self.layers, host.dtype)
         self.compiler = compiler or NO_COMPILE
         # Compiling leaves device tensors in cyclic garbage: freed right after the task that compiled.
         self.compile_garbage = CompileGarbage() if self.compiler.enabled else None
         self.replicas = Replicas(
-            self.layers, names, self.device, self._out_of_memory, seed=seed, prepare=self.compiler.prepare
+            self.layers, names, self.device, self._out_of_memory, seed=seed, prepare=self._prepare_replica
         )
         self.uses_rng = self.replicas.uses_rng
         self._call = self.replicas.call
@@ -132,6 +137,10 @@ class Runtime(OptimizerLane):
 
     # ------------------------------------------------------------------ setup
 
+    def _prepare_replica(self, module: nn.Module) -> nn.Module:
+        add_dense_slots(module)  # filled only for runs that dequantize once (`DenseRuns`)
+        return self.compiler.prepare(module)
+
     def device(self, index: int) -> torch.device:
         return self.devices.get(index, torch.device("cpu"))
 
@@ -148,6 +157,7 @@ class Runtime(OptimizerLane):
             self.recomputed,
             self.outbox,
             self.transient,
+            self.dense.runs,
         )
 
     def end_iteration(self, iteration: int) -> None:
@@ -311,7 +321,7 @@ class Runtime(OptimizerLane):
         t, mb = task.iteration, task.microbatch
         key = SlotKey(t, task.slot, mb)
         run = RunKey(task.device, t, task.round, task.slot)
-        params = self.transient.get(run, {})
+        params = self.dense.params(run, self.transient)
         if task.stage_kind == SlotKind.BWD:
             grad = self.grad_inbox.pop(key)
             state = self.recomputed.pop(key)
@@ -321,6 +331,7 @@ class Runtime(OptimizerLane):
                 # ``state.uploaded`` keeps the rest of it, such as constants only the graph saved).
                 self.hold(task, grad, state)
             self.outbox[key] = ("grad", backward_stage(self._call, task, params, state, grad))
+            self.dense.drop(task, run)
             return
         value = self.inbox.pop(key)
         if self.defer_release:
@@ -330,6 +341,7 @@ class Runtime(OptimizerLane):
             on_cpu = task.device >= 0 and self.device(task.device).type == "cpu"
             record = self.times.add if on_cpu else None
             self.outbox[key] = ("act", forward_stage(self._call, data, task, params, value, record))
+            self.dense.drop(task, run)
             if task.part == task.num_parts - 1:  # last microbatch of the run: free the transient copy
                 self._release(task, self.transient.pop(run, {}))
         else:
@@ -338,6 +350,7 @@ class Runtime(OptimizerLane):
                 self._call, data, task, params, value, computes_loss=self.computes_loss, device=device
             )
             self.outbox[key] = ("grad", fused)
+            self.dense.drop(task, run)
 
     def recompute(self, task: Task) -> None:
         """A backward stage's forward again from its saved activation; what its backward needs
@@ -355,7 +368,7 @@ class Runtime(OptimizerLane):
         value = self.inbox.pop(key)
         if self.defer_release:
             self.hold(task, value)  # uploaded on another stream
-        params = self.transient.get(RunKey(task.device, task.iteration, task.round, task.slot), {})
+        params = self.dense.params(RunKey(task.device, task.iteration, task.round, task.slot), self.transient)
         state = recompute_stage(self._call, task, params, value, grain=self.recompute_grain)
         if self.defer_release:
             state.uploaded = value

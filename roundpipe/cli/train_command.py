@@ -88,6 +88,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "frozen base weights: compute (default) or nf4 (4-bit; with --lora-r)",
     ),
     (
+        "--dequantize",
+        "dequantize",
+        str,
+        "nf4 weights made dense once per stage run (run), inside each layer call (call), or run "
+        "where the plan fits so (auto, the default)",
+    ),
+    (
         "--profile",
         "profile",
         str,

@@ -14,10 +14,12 @@ which `quantize_frozen_` calls.
 fp32 block scales stored as their raw bytes): integer tensors are never cast to the compute
 precision, by ``module.to(dtype)`` nor by the host copies, so they travel exactly as they are, and
 the layer dequantizes on the device of its input, inside its own call. Its backward re-dequantizes
-instead of saving the dequantized weight, so a stage never keeps a full-precision copy of its base.
+instead of saving the dequantized weight, so a layer call never keeps a full-precision copy of its
+base. A run may instead bind a dense copy it made once for a whole stage run
+(`roundpipe.model.dense_weights`, ``RunConfig.dequantize``): the layer then computes with it.
 
-This module must never train a quantized weight, hold a dequantized copy beyond one layer call, or
-build a second full copy of a model.
+This module must never train a quantized weight, keep a dequantized copy itself, or build a
+second full copy of a model.
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ class NF4Linear(nn.Module):
         return self.out_features * self.in_features * torch.empty(0, dtype=dtype).element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A stage run's dense copy, bound into the replica's ``dense`` slot (an empty placeholder
+        # otherwise; the slot exists on the runtime's replicas only, `dense_weights.add_dense_slots`).
+        dense = getattr(self, "dense", None)
+        if dense is not None and dense.numel():
+            return F.linear(x, dense, self.bias.to(x.dtype) if self.bias is not None else None)
         meta = (torch.Size((self.out_features, self.in_features)), self.weight_dtype, self.block_size)
         absmax = self.absmax.view(torch.float32)
         out: torch.Tensor = _NF4Matmul.apply(x, self.packed, absmax, self.bias, meta, self.compiled)

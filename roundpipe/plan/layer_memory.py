@@ -45,7 +45,10 @@ class LayerMemory:
       activations refer to it (zeros when unknown);
     - ``saved_grad_bytes``: the part of ``saved_bytes`` that is the layer's own parameter
       gradients, computed ahead in the forward (a chunked loss does), which the backward hands on
-      instead of allocating them (zeros when unknown).
+      instead of allocating them (zeros when unknown);
+    - ``dense_bytes``: dense copies of the layer's 4-bit frozen weights that a stage run holds
+      from its first compute to its last, when it dequantizes once per run (zeros when the layer
+      dequantizes inside each call, or holds no 4-bit weight).
     """
 
     param_bytes: tuple[int, ...]
@@ -57,6 +60,7 @@ class LayerMemory:
     carried_bytes: tuple[int, ...] = ()
     names: tuple[str, ...] | None = None
     saved_grad_bytes: tuple[int, ...] = ()
+    dense_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         params = _column("param_bytes", self.param_bytes, None)
@@ -66,7 +70,7 @@ class LayerMemory:
         object.__setattr__(self, "param_bytes", params)
         for name in ("grad_bytes", "saved_bytes", "work_bytes", "boundary_bytes"):
             object.__setattr__(self, name, _column(name, getattr(self, name), n))
-        for name in ("bwd_work_bytes", "carried_bytes", "saved_grad_bytes"):
+        for name in ("bwd_work_bytes", "carried_bytes", "saved_grad_bytes", "dense_bytes"):
             values = getattr(self, name) or (0,) * n
             object.__setattr__(self, name, _column(name, values, n))
         for part, whole in (("carried_bytes", "boundary_bytes"), ("saved_grad_bytes", "saved_bytes")):
@@ -105,7 +109,12 @@ class LayerMemory:
         saved = tuple(x + g for x, g in zip(s(own), grads_ahead, strict=True))
         activations = (saved, s(self.work_bytes), boundary, s(self.bwd_work_bytes), carried)
         return LayerMemory(
-            self.param_bytes, self.grad_bytes, *activations, names=self.names, saved_grad_bytes=grads_ahead
+            self.param_bytes,
+            self.grad_bytes,
+            *activations,
+            names=self.names,
+            saved_grad_bytes=grads_ahead,
+            dense_bytes=self.dense_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -51,6 +51,11 @@ def _io(mem: LayerMemory, layer: int) -> int:
     return mem.boundary_bytes[layer] + mem.output_bytes(layer) - shared
 
 
+def _weights(mem: LayerMemory, layers: range) -> int:
+    """A stage's parameters, the dense copies of its 4-bit ones and its gradients."""
+    return sum(mem.param_bytes[j] + mem.dense_bytes[j] + mem.grad_bytes[j] for j in layers)
+
+
 def _backprop_peak(mem: LayerMemory, layers: range) -> int:
     """Forward with grad then backward over ``layers``: the most saved + transient at any point.
 
@@ -74,6 +79,8 @@ def _backprop_peak(mem: LayerMemory, layers: range) -> int:
 def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain = "stage") -> int:
     """Peak device bytes of one stage for one microbatch, without prefetch or activations in flight.
 
+    Parameters include the dense copies of 4-bit weights a run holds (``dense_bytes``).
+
     - ``fwd``: parameters + the largest (input + output + working set) of one layer;
     - ``fused``: parameters + gradients + every layer's saved activations (no recompute) + the
       working set (the LM head's loss is the last layer's);
@@ -81,7 +88,7 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
       of one layer at a time plus every layer's input kept for it (``grain="layer"``).
     """
     _check_stage(mem, layers)
-    params = sum(mem.param_bytes[i] for i in layers)
+    params = sum(mem.param_bytes[i] + mem.dense_bytes[i] for i in layers)
     if kind == "fwd":
         return params + max(_io(mem, i) + mem.work_bytes[i] for i in layers)
     grads = sum(mem.grad_bytes[i] for i in layers)
@@ -237,7 +244,7 @@ def predict_peak(
                 # so the drain only overlaps this stage's start (its weights and gradients), and
                 # the farthest stage ahead uploads only once the previous stage's last compute is
                 # done (`sched/graph.py`: a run's uploads wait for the run prefetch + 1 before).
-                weights = sum(mem.param_bytes[j] + mem.grad_bytes[j] for j in slot.layers)
+                weights = _weights(mem, slot.layers)
                 farthest = params[ahead[-1]] if ahead else 0
                 draining = max(0, draining - (own - weights) - farthest)
         # Its last recompute may still await its gradient, except on one device, where this
@@ -282,8 +289,8 @@ def layer_plan_bytes(mem: LayerMemory, grain: Grain = "stage", act_in_flight: in
     """One number per layer whose sum over any stage, plus the carried constants once, bounds
     `stage_bytes` of every kind and grain and a forward stage's held activations.
 
-    Per layer: parameters + gradients + saved + the larger working set + its own input (without
-    the carried constants) ``act_in_flight + 1`` times (a forward stage holds it for a backward
+    Per layer: parameters (and dense copies) + gradients + saved + the larger working set + its own
+    input (without the carried constants) ``act_in_flight + 1`` times (a forward stage holds it for a backward
     stage starting there, for the computing microbatch and those in flight; layer-grain recompute
     keeps it). The constants are one storage: `partition_limit_bytes` sets them aside once.
     """
@@ -292,7 +299,8 @@ def layer_plan_bytes(mem: LayerMemory, grain: Grain = "stage", act_in_flight: in
     for i in range(mem.num_layers):
         work = max(mem.work_bytes[i] + mem.output_bytes(i), mem.bwd_work_bytes[i] + mem.grad_bytes[i])
         own_input = (mem.boundary_bytes[i] - mem.carried_bytes[i]) * (act_in_flight + 1)
-        out.append(mem.param_bytes[i] + mem.grad_bytes[i] + mem.saved_bytes[i] + work + own_input)
+        weights = mem.param_bytes[i] + mem.dense_bytes[i] + mem.grad_bytes[i]
+        out.append(weights + mem.saved_bytes[i] + work + own_input)
     return tuple(out)
 
 

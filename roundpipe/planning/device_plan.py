@@ -152,13 +152,18 @@ def profile_and_plan(
         prepare=prepare,
         one_per_kind=config.profile == "one_per_kind",
     )
-    costs = LayerCosts(
-        tuple(max(ms, 1e-3) for ms in fwd_ms),
-        tuple(max(ms, 1e-3) for ms in bwd_ms),
-        layer_plan_bytes(memory, config.recompute_grain),
-        tuple(sequence.names),
-    )
-    return plan_from(config, costs, memory, num_devices, budget_bytes, device.type)
+    from roundpipe.planning.dequantize import plan_dequantizing
+
+    def plan_with(counted: LayerMemory) -> DevicePlan:
+        costs = LayerCosts(
+            tuple(max(ms, 1e-3) for ms in fwd_ms),
+            tuple(max(ms, 1e-3) for ms in bwd_ms),
+            layer_plan_bytes(counted, config.recompute_grain),
+            tuple(sequence.names),
+        )
+        return plan_from(config, costs, counted, num_devices, budget_bytes, device.type)
+
+    return plan_dequantizing(config, memory, plan_with, sequence.layers, dtype)
 
 
 FLOW_DEPTH = 2

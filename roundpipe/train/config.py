@@ -102,6 +102,10 @@ class TrainConfig(BaseModel):
         default="compute",
         description="frozen base weights in the compute precision, or nf4 (4-bit, with lora_r)",
     )
+    dequantize: Literal["auto", "run", "call"] = Field(
+        default="auto",
+        description="RunConfig.dequantize: nf4 weights made dense once per stage run, or per call",
+    )
     profile: Literal["every_layer", "one_per_kind"] = Field(
         default="every_layer", description="RunConfig.profile: the device profile's layers before planning"
     )
@@ -252,6 +256,7 @@ class TrainConfig(BaseModel):
             loss_lag=self.loss_lag,
             precision=self.precision,
             base_format=self.base_format,
+            dequantize=self.dequantize,
             profile=self.profile,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,

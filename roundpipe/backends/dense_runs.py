@@ -1,0 +1,58 @@
+"""The dense copies of a stage run's 4-bit weights, made once for all its microbatches.
+
+Why a store of its own: a run's transient weights (the runtime's ``transient``) live from its
+upload to its gradient download, but its dense copies (`roundpipe.model.dense_weights`) are
+needed only from its first compute to its last, and only on the lane that computes: made at the
+first, dropped at the last, they never overlap the next run's on a device (the memory model
+counts one stage's: ``LayerMemory.dense_bytes``).
+
+This module must never upload, download or decide when anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from roundpipe.backends.host_data import RunKey
+from roundpipe.model.dense_weights import QuantizedSublayer, dequantize_run, quantized_sublayers
+from roundpipe.sched.task import Task
+
+Params = dict[int, dict[str, torch.Tensor]]  # layer -> name -> tensor
+
+
+class DenseRuns:
+    """Per run, its transient weights with the dense copies added, while ``enabled``."""
+
+    def __init__(self, layers: Sequence[nn.Module], dtype: torch.dtype) -> None:
+        self.layers, self.dtype = layers, dtype
+        self.enabled = False
+        self.runs: dict[RunKey, Params] = {}
+        self._quantized: dict[int, tuple[QuantizedSublayer, ...]] = {}
+
+    def params(self, run: RunKey, transient: dict[RunKey, Params]) -> Params:
+        """``run``'s weights for a compute: its transient copy, and where it dequantizes once,
+        the dense copies of its 4-bit weights too (made by the run's first compute)."""
+        params = transient.get(run, {})
+        if not self.enabled:
+            return params
+        held = self.runs.get(run)
+        if held is None:
+            held = dict(params)
+            for layer, named in params.items():
+                sublayers = self._quantized.get(layer)
+                if sublayers is None:
+                    sublayers = self._quantized[layer] = quantized_sublayers(self.layers[layer])
+                if sublayers:
+                    held[layer] = named | dequantize_run(sublayers, named, self.dtype)
+            self.runs[run] = held
+        return held
+
+    def drop(self, task: Task, run: RunKey) -> None:
+        """After a run's last compute its dense copies go. They were made and read on the compute
+        lane only, so on CUDA the allocator hands their memory to later work on that stream, in
+        order: no hold until the task has run, which would put two runs' copies on the device."""
+        if task.part == task.num_parts - 1:
+            self.runs.pop(run, None)

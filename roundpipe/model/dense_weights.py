@@ -1,0 +1,82 @@
+"""Frozen 4-bit weights dequantized once per stage run, not once per layer call.
+
+Why: an `NF4Linear` dequantizes its weight inside every call, so a backward stage run of four
+microbatches dequantizes each weight eight times (each recompute, each backward) and a forward
+stage run four times. On a 70B base the dequantizations write ~1.7 GB of bf16 a layer each time,
+a tenth of the step. A stage run's weights stay on the device from its first compute to its
+last, so one dense copy per run serves every microbatch: the runtime makes it at the run's first
+compute (`dequantize_run`), binds it into the replica's ``dense`` slots (`add_dense_slots`), and
+drops it at the run's last compute. The price is the stage's dense weights on the device for the
+run, which the memory model counts (``LayerMemory.dense_bytes``, from `dense_bytes`), so the
+planner cuts smaller stages; ``RunConfig.dequantize`` chooses ("auto": per run where a plan fits
+so). The numbers are those of the per-call path: the same dense tensor, the same products.
+
+This module must never keep a dense copy itself: the runtime owns it, for one run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from roundpipe.model.nf4 import NF4Weight, dequantize_nf4
+from roundpipe.model.quant import NF4Linear
+
+DENSE = "dense"  # the slot's name on each NF4Linear of a replica
+
+
+@dataclass(frozen=True)
+class QuantizedSublayer:
+    """One `NF4Linear` inside a layer: its parameter prefix (``"mlp.up_proj."``) and what its
+    bytes dequantize to."""
+
+    prefix: str
+    shape: torch.Size
+    dtype: torch.dtype
+    block_size: int
+
+
+def quantized_sublayers(layer: nn.Module) -> tuple[QuantizedSublayer, ...]:
+    """Every `NF4Linear` of ``layer``, in module order (shared modules once)."""
+    out: list[QuantizedSublayer] = []
+    for name, module in layer.named_modules():
+        if isinstance(module, NF4Linear):
+            shape = torch.Size((module.out_features, module.in_features))
+            prefix = f"{name}." if name else ""
+            out.append(QuantizedSublayer(prefix, shape, module.weight_dtype, module.block_size))
+    return tuple(out)
+
+
+def dense_bytes(layer: nn.Module, dtype: torch.dtype | None) -> int:
+    """Bytes of ``layer``'s dense weights in ``dtype`` (each weight's own dtype when None): what
+    a stage run holds for the layer when it dequantizes once per run."""
+    total = 0
+    for sub in quantized_sublayers(layer):
+        size = torch.empty(0, dtype=dtype or sub.dtype).element_size()
+        total += sub.shape.numel() * size
+    return total
+
+
+def add_dense_slots(replica: nn.Module) -> None:
+    """Give every `NF4Linear` of a replica an empty ``dense`` parameter slot, which the runtime's
+    binder fills for a call of a run that dequantized once (and empties after it)."""
+    for module in replica.modules():
+        if isinstance(module, NF4Linear) and DENSE not in module._parameters:
+            placeholder = nn.Parameter(torch.empty(0, dtype=module.weight_dtype), requires_grad=False)
+            module.register_parameter(DENSE, placeholder)
+
+
+def dequantize_run(
+    sublayers: tuple[QuantizedSublayer, ...], params: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The dense weights of one layer from its transient 4-bit copy ``params`` (name -> tensor on
+    the device), keyed by the name of the slot they fill (``"mlp.up_proj.dense"``)."""
+    out: dict[str, torch.Tensor] = {}
+    for sub in sublayers:
+        packed = params[f"{sub.prefix}packed"]
+        absmax = params[f"{sub.prefix}absmax"].view(torch.float32)
+        weight = NF4Weight(packed, absmax, sub.shape, sub.dtype, sub.block_size)
+        out[f"{sub.prefix}{DENSE}"] = dequantize_nf4(weight, dtype, compiled=packed.is_cuda)
+    return out

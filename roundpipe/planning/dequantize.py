@@ -1,0 +1,56 @@
+"""When a 4-bit base becomes dense on the device: once per stage run where a plan fits so.
+
+Why a choice of the planner: dequantizing once per run (`roundpipe.model.dense_weights`) saves
+most of the dequantizations of a run of several microbatches but holds the stage's dense weights
+for the run, four times its 4-bit bytes and more; the memory budget decides whether stages small
+enough for that still fit. ``RunConfig.dequantize="auto"`` plans with the dense copies counted
+(``LayerMemory.dense_bytes``) and falls back to dequantizing in each call where no plan fits;
+the runtime follows the memory table of the plan it runs (`dense_weights_of`).
+
+This module must never measure, dequantize or touch a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from roundpipe.config import RunConfig
+from roundpipe.errors import PlanError
+from roundpipe.model.dense_weights import dense_bytes
+from roundpipe.plan.layer_memory import LayerMemory
+
+Planned = TypeVar("Planned")
+
+
+def plan_dequantizing(
+    config: RunConfig,
+    memory: LayerMemory,
+    plan_with: Callable[[LayerMemory], Planned],
+    layers: Sequence[nn.Module],
+    dtype: torch.dtype | None,
+) -> Planned:
+    """``plan_with(memory)``, with the dense copies of each layer's 4-bit weights counted where
+    ``config.dequantize`` asks for them ("run") or allows them and a plan fits ("auto")."""
+    dense = tuple(dense_bytes(layer, dtype) for layer in layers)
+    if config.dequantize == "call" or not any(dense):
+        return plan_with(replace(memory, dense_bytes=()))
+    try:
+        return plan_with(replace(memory, dense_bytes=dense))
+    except PlanError as exc:
+        if config.dequantize == "run":
+            raise PlanError(
+                f"{exc}. With dequantize='run' each stage also holds its dense weights for its run "
+                f"({sum(dense) / 2**30:.1f} GiB for the whole model); dequantize='call' (or 'auto') "
+                "dequantizes inside each layer call instead"
+            ) from exc
+    return plan_with(replace(memory, dense_bytes=()))
+
+
+def dense_weights_of(memory: LayerMemory) -> bool:
+    """Whether a run planned on ``memory`` dequantizes once per stage run."""
+    return any(memory.dense_bytes)

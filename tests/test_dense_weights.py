@@ -1,0 +1,151 @@
+"""4-bit weights dequantized once per stage run: the same numbers as per call, far fewer
+dequantizations, nothing kept past the run, and a memory model and planner that count the copies."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe.model import dense_weights
+from roundpipe.model.dense_weights import add_dense_slots, dense_bytes, dequantize_run, quantized_sublayers
+from roundpipe.model.quant import NF4Linear, quantize_frozen_
+from roundpipe.plan.layer_memory import LayerMemory
+from roundpipe.plan.memory import layer_plan_bytes, stage_bytes
+from roundpipe.planning.dequantize import plan_dequantizing
+from tests.test_quant_pipe import adapters, lora_qwen3
+from tests.test_transformers_parity import sgd, token_data
+
+
+def test_a_bound_dense_copy_gives_the_per_call_numbers() -> None:
+    torch.manual_seed(0)
+    layer = NF4Linear.from_linear(nn.Linear(128, 64, bias=True).requires_grad_(False))
+    replica = copy.deepcopy(layer)
+    add_dense_slots(replica)
+    params = dict(layer.named_parameters())
+    (sub,) = quantized_sublayers(layer)
+    dense = dequantize_run((sub,), params, torch.float32)
+    assert list(dense) == ["dense"] and dense["dense"].shape == (64, 128)
+    replica._parameters["dense"] = dense["dense"]  # as the runtime's binder does
+    x = torch.randn(5, 128, requires_grad=True)
+    y = torch.randn(5, 128, requires_grad=True)
+    with torch.no_grad():
+        x2 = x.clone().requires_grad_()
+    layer(x).square().sum().backward()
+    replica(x2).square().sum().backward()
+    assert torch.equal(layer(y), replica(y))
+    assert x.grad is not None and x2.grad is not None and torch.equal(x.grad, x2.grad)
+    assert dense_bytes(layer, torch.bfloat16) == 64 * 128 * 2
+    assert dense_bytes(nn.Linear(4, 4), torch.bfloat16) == 0
+
+
+def counted_run(dequantize: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], Any, int, int]:
+    """Losses, adapters, dequantizations and the most dense copies held at once over two steps."""
+    calls = {"n": 0, "held": 0}
+    real = dense_weights.dequantize_nf4
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dense_weights, "dequantize_nf4", counting)
+    monkeypatch.setattr(roundpipe.model.quant, "dequantize_nf4", counting)
+    model = lora_qwen3()
+    config = roundpipe.RunConfig(
+        devices="cpu:1",
+        num_microbatches=3,
+        round_size=3,  # one stage run carries all three microbatches
+        async_optimizer=False,
+        base_format="nf4",
+        dequantize=dequantize,
+    )
+    losses = []
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        runs = pipe.runtime.dense.runs
+        drop = pipe.runtime.dense.drop
+
+        def watching(task: Any, run: Any) -> None:
+            calls["held"] = max(calls["held"], len(runs))
+            drop(task, run)
+
+        pipe.runtime.dense.drop = watching  # type: ignore[method-assign]
+        for batch in token_data(2):
+            losses.append(pipe.forward_backward(batch, None, None))
+            pipe.step()
+        pipe.synchronize()
+        assert not runs  # every run's copies went with its last compute
+        expected = per_run_dequantizations(list(pipe.trace()), len(pipe.host.layers))
+    if dequantize == "run":
+        assert calls["n"] == expected
+    return losses, adapters(model), calls["n"], calls["held"]
+
+
+def per_run_dequantizations(tasks: list[Any], num_layers: int) -> int:
+    """7 quantized linears in each decoder block (layers 1 to n-2), each dequantized once a run."""
+    blocks = range(1, num_layers - 1)
+    runs = {
+        (task.device, task.iteration, task.round, task.slot, sum(layer in blocks for layer in task.layers))
+        for task in tasks
+        if task.kind in ("compute", "recompute")
+    }
+    return 7 * sum(run[-1] for run in runs)
+
+
+def test_once_per_run_trains_as_per_call_with_fewer_dequantizations(monkeypatch: pytest.MonkeyPatch) -> None:
+    per_call, want, calls, held = counted_run("call", monkeypatch)
+    per_run, got, runs, held_per_run = counted_run("run", monkeypatch)
+    assert per_run == per_call
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert calls >= 3 * runs  # per call, each of a run's three microbatches dequantizes at least once
+    assert held == 0 and held_per_run == 1  # one run's copies at a time on the one device
+
+
+def table(dense: tuple[int, ...] = ()) -> LayerMemory:
+    n = 4
+    return LayerMemory(
+        param_bytes=(100,) * n,
+        grad_bytes=(1,) * n,
+        saved_bytes=(10,) * n,
+        work_bytes=(5,) * n,
+        boundary_bytes=(2,) * n,
+        dense_bytes=dense,
+    )
+
+
+def test_the_memory_model_counts_a_stage_runs_dense_copies() -> None:
+    plain, dense = table(), table((400,) * 4)
+    for kind in ("fwd", "fused", "bwd"):
+        assert stage_bytes(dense, range(1, 3), kind) == stage_bytes(plain, range(1, 3), kind) + 800  # type: ignore[arg-type]
+    assert [a - b for a, b in zip(layer_plan_bytes(dense), layer_plan_bytes(plain), strict=True)] == [400] * 4
+    assert dense.scaled(2.0).dense_bytes == dense.dense_bytes  # weights do not scale with tokens
+    with pytest.raises(roundpipe.PlanError, match="dense_bytes"):
+        table((1, 2, 3))
+
+
+def test_auto_falls_back_to_per_call_where_no_plan_fits_the_copies() -> None:
+    layers = [quantize_frozen_(nn.Sequential(nn.Linear(64, 64).requires_grad_(False))) for _ in range(4)]
+    seen: list[tuple[int, ...]] = []
+
+    def plan_with(limit: int) -> Any:
+        def plan(mem: LayerMemory) -> tuple[int, ...]:
+            seen.append(mem.dense_bytes)
+            if sum(mem.dense_bytes) > limit:
+                raise roundpipe.PlanError("no plan fits")
+            return mem.dense_bytes
+
+        return plan
+
+    def choose(mode: str, limit: int) -> tuple[int, ...]:
+        config = roundpipe.RunConfig(devices="cpu:1", dequantize=mode)
+        return plan_dequantizing(config, table(), plan_with(limit), layers, torch.bfloat16)
+
+    assert choose("auto", 10**9) == (64 * 64 * 2,) * 4
+    assert choose("auto", 0) == (0,) * 4
+    assert choose("call", 10**9) == (0,) * 4
+    with pytest.raises(roundpipe.PlanError, match="dequantize='call'"):
+        choose("run", 0)
