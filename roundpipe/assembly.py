@@ -78,7 +78,7 @@ def make_runtime(
     )
     runtime.collectives = make_collectives(config.distributed, host)
     # Until a device plan says otherwise (`record_device_plan`): no budget to decide against.
-    runtime.dense.enabled = config.dequantize != "call"
+    runtime.dense.enabled = config.base_format == "nf4" and config.dequantize != "call"
     return runtime
 
 
