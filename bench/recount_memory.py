@@ -15,7 +15,14 @@ model as it counts now says so (``drain_apart``) and is kept as it is. The drain
 trained stage (large gradients) is not reduced by the model, and a line does not say which a slot
 had: a full fine-tune (``lora_r`` 0) is left as it was.
 
-    python bench/recount_memory.py runs.jsonl [more.jsonl ...]
+With ``--dense-runs`` the records are of runs whose 4-bit weights were made dense once per stage
+run (``RunConfig.dequantize``) by a model that counted each run's own copies but not the next
+run's, which a forward run's first microbatch may make before the run before it ends: each slot
+followed by a forward or fused run on its device (one device) gets that run's copies, from the
+record's shape (the decoder layers' attention and MLP linears, or the router of a mixture of
+experts, in bf16). Records whose prediction says ``next_run_dense`` counted them already.
+
+    python bench/recount_memory.py [--dense-runs] runs.jsonl [more.jsonl ...]
 
 Prints one JSON line per run: workload, measured peak, the prediction as recorded and as
 recounted (GiB), and each against the peak.
@@ -52,6 +59,30 @@ def recount(prediction: dict[str, Any], adapters_only: bool) -> int | None:
     )
 
 
+def dense_layer_bytes(shape: dict[str, Any]) -> int:
+    """The bf16 bytes of one decoder layer's 4-bit linears, dense (module docstring)."""
+    hidden, head_dim = shape["hidden"], shape["head_dim"]
+    attention = hidden * head_dim * (2 * shape["heads"] + 2 * shape["kv_heads"])
+    mlp = hidden * shape["experts"] if shape["experts"] else 3 * hidden * shape["intermediate"]
+    return 2 * (attention + mlp)
+
+
+def with_next_run_dense(prediction: dict[str, Any], recounted: int, shape: dict[str, Any]) -> int:
+    """``recounted`` (the peak counted by `recount`) with each slot's next run's dense copies
+    added where that run is a forward or fused one (one device; layer 0 and the last hold none)."""
+    if prediction.get("next_run_dense"):
+        return recounted
+    slots, per_layer = prediction["slots"], dense_layer_bytes(shape)
+    extra = []
+    for index in range(len(slots)):
+        following = slots[(index + 1) % len(slots)]
+        first, stop = following["layers"]
+        decoders = sum(1 <= layer <= shape["layers"] for layer in range(first, stop))
+        extra.append(0 if following["kind"] == "bwd" else decoders * per_layer)
+    # A slot's drain recount lowers no total below its recorded stage, prefetch and activations.
+    return max(recounted, *(s["total_bytes"] + e for s, e in zip(slots, extra, strict=True)))
+
+
 def runs(paths: list[Path]) -> Iterator[dict[str, Any]]:
     for path in paths:
         for text in path.read_text().splitlines():
@@ -64,11 +95,17 @@ def runs(paths: list[Path]) -> Iterator[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
-    for line in runs(parser.parse_args().files):
+    parser.add_argument(
+        "--dense-runs", action="store_true", help="runs that made 4-bit weights dense once a run"
+    )
+    args = parser.parse_args()
+    for line in runs(args.files):
         side = line["roundpipe"]
         peak_gib = max(side["peak_gib"].values())
         prediction = side["predicted_memory"]
         recounted = recount(prediction, adapters_only=bool(line.get("lora_r")))
+        if recounted is not None and args.dense_runs and line.get("base_format") == "nf4":
+            recounted = with_next_run_dense(prediction, recounted, line["shape"])
         out: dict[str, Any] = {"workload": line["workload"], "peak_gib": peak_gib}
         out["recorded_gib"] = round(prediction["peak_bytes"] / GIB, 2)
         out["recorded_vs_peak"] = round(prediction["peak_bytes"] / GIB / peak_gib - 1, 4)

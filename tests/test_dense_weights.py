@@ -166,5 +166,7 @@ def test_auto_falls_back_to_per_call_where_no_plan_fits_the_copies() -> None:
     assert choose("auto", 10**9) == (64 * 64 * 2,) * 4
     assert choose("auto", 0) == (0,) * 4
     assert choose("call", 10**9) == (0,) * 4
+    one = roundpipe.RunConfig(devices="cpu:1", num_microbatches=1)  # a run of one microbatch
+    assert plan_dequantizing(one, table(), plan_with(10**9), layers, torch.bfloat16) == (0,) * 4
     with pytest.raises(roundpipe.PlanError, match="dequantize='call'"):
         choose("run", 0)

@@ -180,6 +180,9 @@ class MemoryPrediction:
             # A small-gradient stage's drain counted apart from the farthest prefetched stage
             # (`predict_peak`): records without it counted both, as `bench/recount_memory.py` says.
             "drain_apart": True,
+            # The next run's dense copies of 4-bit weights counted where its first microbatch may
+            # compute before this run's last (`_next_run_dense`); records without it did not.
+            "next_run_dense": True,
         }
         return head | {"slots": [s.to_dict() for s in self.slots]}
 

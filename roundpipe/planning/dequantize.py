@@ -4,7 +4,9 @@ Why a choice of the planner: dequantizing once per run (`roundpipe.model.dense_w
 most of the dequantizations of a run of several microbatches but holds the stage's dense weights
 for the run, four times its 4-bit bytes and more; the memory budget decides whether stages small
 enough for that still fit. ``RunConfig.dequantize="auto"`` plans with the dense copies counted
-(``LayerMemory.dense_bytes``) and falls back to dequantizing in each call where no plan fits;
+(``LayerMemory.dense_bytes``) and falls back to dequantizing in each call where no plan fits,
+and where a run holds one microbatch (it would save one dequantization in three, its backward's,
+for a stage's dense weights: a 262,144-token sequence needs that memory for its activations);
 the runtime follows the memory table of the plan it runs (`dense_weights_of`).
 
 This module must never measure, dequantize or touch a device.
@@ -37,7 +39,8 @@ def plan_dequantizing(
     """``plan_with(memory)``, with the dense copies of each layer's 4-bit weights counted where
     ``config.dequantize`` asks for them ("run") or allows them and a plan fits ("auto")."""
     dense = tuple(dense_bytes(layer, dtype) for layer in layers)
-    if config.dequantize == "call" or not any(dense):
+    single = config.num_microbatches == 1 or config.round_size == 1
+    if config.dequantize == "call" or not any(dense) or (single and config.dequantize == "auto"):
         return plan_with(replace(memory, dense_bytes=()))
     try:
         return plan_with(replace(memory, dense_bytes=dense))
