@@ -1,0 +1,101 @@
+"""Workload F's stage runs on the fake stream backend: how often a run's first compute goes in
+before the last of the run before it, and what keeping runs in order, or cutting smaller stages,
+costs an iteration.
+
+Why: a stage run that dequantizes its 4-bit weights once (`roundpipe.backends.dense_runs`) holds
+their dense copies from its first compute to its last. The engine may start a forward run's first
+microbatch while the run before waits for its next input, so two runs' copies meet, and the
+memory model counts the next run's copies on such slots (`roundpipe.plan.memory`), which cuts
+smaller stages. The alternative, a run's first compute waiting for the last of the run before,
+is built here by adding that dependency to each graph.
+
+F as an H100 measured it (per decoder layer and microbatch 10.7 ms forward, 14.0 backward; 483 MB
+uploaded a decoder layer at 45 GB/s; 4 x 4096 tokens, activations 64 MiB; the host's issue time of
+a compute task 2.5 ms plus 3.0 a layer), one device, async, one round, stages of ``--sizes``
+decoder layers. Prints one JSON line per stage size and order: milliseconds per iteration once
+settled (iterations 2 to 5) and the runs that overlapped. Run: ``python bench/run_overlap.py``
+(CPU, about a minute). The fake backend models who waits for whom, not tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from typing import Any
+
+from roundpipe.backends.fake import FakeCostModel
+from roundpipe.backends.fake_streams import FakeStreamBackend
+from roundpipe.plan import LayerCosts, Plan
+from roundpipe.planning.simulate import run_graphs
+from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.task import Task
+
+DECODER_LAYERS, MICROBATCHES, ITERATIONS = 80, 4, 6
+COMPUTES = ("compute", "recompute")
+
+
+def issue_ms(task: Task) -> float:
+    """The host's time to issue ``task`` (module docstring)."""
+    return 2.5 + 3.0 * len(task.layers) if task.kind in COMPUTES else 0.1
+
+
+class InOrder(GraphBuilder):
+    """The graphs with each run's first compute after the device's previous run's last."""
+
+    def forward_backward(self, iteration: int, step: int, num_microbatches: int) -> Any:
+        graph = super().forward_backward(iteration, step, num_microbatches)
+        last = getattr(self, "_last_compute", None)
+        for task in graph.tasks:
+            if task.kind not in COMPUTES:
+                continue
+            if task.part == 0 and last is not None and last.key not in task.deps:
+                task.deps = (*task.deps, last.key)
+            if task.part == task.num_parts - 1 and task.kind == "compute":
+                last = task
+        self._last_compute = last
+        return graph
+
+
+def measure(size: int, in_order: bool, link_gbps: float, decoders: int = DECODER_LAYERS) -> dict[str, Any]:
+    upload = (1_050_000_000, *[483_000_000] * decoders, 2_100_000_000)
+    layers = len(upload)
+    costs = LayerCosts((1.0, *[10.7] * decoders, 20.0), (0.5, *[14.0] * decoders, 30.0), upload)
+    owners = ((), *[(i,) for i in range(1, decoders + 1)], ())
+    grads = (0, *[1_640_000] * decoders, 0)  # LoRA r16 on q/k/v/o, bf16
+    spec = ModelSpec(param_bytes=upload, owners=owners, act_bytes=4096 * 8192 * 2, grad_bytes=grads)
+    stages = tuple(range(i, min(i + size, layers - 2)) for i in range(0, layers - 2, size))
+    plan = Plan.from_stages(stages, range(layers - 2, layers), stages[::-1], costs, 1, MICROBATCHES)
+    options = ScheduleOptions(round_size=MICROBATCHES, chunk_bytes=64 << 20)
+    builder = (InOrder if in_order else GraphBuilder)(plan, spec, 1, options)
+    backend = FakeStreamBackend(
+        FakeCostModel(costs, link_gbps=link_gbps), shared_link=True, issue_ms=issue_ms
+    )
+    _, trace = run_graphs(backend, builder, ITERATIONS, MICROBATCHES)
+    computes = sorted((t for t in trace if t.kind in COMPUTES and t.iteration >= 0), key=lambda t: t.start_t)
+    overlapped = sum(
+        1
+        for before, after in itertools.pairwise(computes)
+        if (before.iteration, before.slot) != (after.iteration, after.slot)
+        and before.part != before.num_parts - 1
+    )
+    ends: dict[int, float] = {}
+    for task in computes:
+        ends[task.iteration] = max(ends.get(task.iteration, 0.0), task.end_t)
+    ms = (ends[ITERATIONS - 1] - ends[1]) / (ITERATIONS - 2)
+    row = {"bench": "run_overlap", "stage_layers": size, "slots": plan.num_slots, "in_order": in_order}
+    return row | {"ms_per_iteration": round(ms, 1), "runs_overlapped": overlapped}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link-gbps", type=float, default=45.0)
+    parser.add_argument("--sizes", default="5,4,3")
+    args = parser.parse_args()
+    for size in (int(s) for s in args.sizes.split(",")):
+        for in_order in (False, True):
+            print(json.dumps(measure(size, in_order, args.link_gbps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
