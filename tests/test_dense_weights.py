@@ -44,7 +44,9 @@ def test_a_bound_dense_copy_gives_the_per_call_numbers() -> None:
     assert dense_bytes(nn.Linear(4, 4), torch.bfloat16) == 0
 
 
-def counted_run(dequantize: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], Any, int, int]:
+def counted_run(
+    dequantize: str, monkeypatch: pytest.MonkeyPatch, grain: str = "stage"
+) -> tuple[list[float], Any, int, int]:
     """Losses, adapters, dequantizations and the most dense copies held at once over two steps."""
     calls = {"n": 0, "held": 0}
     real = dense_weights.dequantize_nf4
@@ -63,6 +65,7 @@ def counted_run(dequantize: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[
         async_optimizer=False,
         base_format="nf4",
         dequantize=dequantize,
+        recompute_grain=grain,
     )
     losses = []
     with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
@@ -96,9 +99,12 @@ def per_run_dequantizations(tasks: list[Any], num_layers: int) -> int:
     return 7 * sum(run[-1] for run in runs)
 
 
-def test_once_per_run_trains_as_per_call_with_fewer_dequantizations(monkeypatch: pytest.MonkeyPatch) -> None:
-    per_call, want, calls, held = counted_run("call", monkeypatch)
-    per_run, got, runs, held_per_run = counted_run("run", monkeypatch)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_once_per_run_trains_as_per_call_with_fewer_dequantizations(
+    monkeypatch: pytest.MonkeyPatch, grain: str
+) -> None:
+    per_call, want, calls, held = counted_run("call", monkeypatch, grain)
+    per_run, got, runs, held_per_run = counted_run("run", monkeypatch, grain)
     assert per_run == per_call
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -170,3 +176,19 @@ def test_auto_falls_back_to_per_call_where_no_plan_fits_the_copies() -> None:
     assert plan_dequantizing(one, table(), plan_with(10**9), layers, torch.bfloat16) == (0,) * 4
     with pytest.raises(roundpipe.PlanError, match="dequantize='call'"):
         choose("run", 0)
+
+
+def test_the_train_command_passes_dequantize_through() -> None:
+    import argparse
+
+    from roundpipe.cli.train_command import add_parser, options
+    from roundpipe.train.config import TrainConfig, make_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--lora-r", "4", "--base-format", "nf4", "--dequantize", "call"])
+    assert options(args)["dequantize"] == "call"
+    assert make_config(options(args)).run_config().dequantize == "call"
+    assert TrainConfig().run_config().dequantize == "auto"
+    with pytest.raises(roundpipe.ConfigError, match="dequantize"):
+        make_config({"dequantize": "never"})
