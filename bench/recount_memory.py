@@ -15,14 +15,16 @@ model as it counts now says so (``drain_apart``) and is kept as it is. The drain
 trained stage (large gradients) is not reduced by the model, and a line does not say which a slot
 had: a full fine-tune (``lora_r`` 0) is left as it was.
 
-With ``--dense-runs`` the records are of runs whose 4-bit weights were made dense once per stage
-run (``RunConfig.dequantize``) by a model that counted each run's own copies but not the next
-run's, which a forward run's first microbatch may make before the run before it ends: each slot
-followed by a forward or fused run on its device (one device) gets that run's copies, from the
-record's shape (the decoder layers' attention and MLP linears, or the router of a mixture of
-experts, in bf16). Records whose prediction says ``next_run_dense`` counted them already.
+With ``--next-run-dense`` (runs whose 4-bit weights were dense once a stage run,
+``RunConfig.dequantize``) each slot followed by a forward or fused run on its device (one device)
+also gets that run's dense copies, from the record's shape (the decoder layers' attention and MLP
+linears, or the router of a mixture of experts, in bf16): what a device holds when a run makes
+its copies at its first compute whatever the run before still holds, as a forward run's first
+microbatch may compute before the last of the run before. The runtime waits for the run before
+to drop its copies instead (`roundpipe.backends.dense_runs`); the option says what a peak above
+its prediction came from.
 
-    python bench/recount_memory.py [--dense-runs] runs.jsonl [more.jsonl ...]
+    python bench/recount_memory.py [--next-run-dense] runs.jsonl [more.jsonl ...]
 
 Prints one JSON line per run: workload, measured peak, the prediction as recorded and as
 recounted (GiB), and each against the peak.
@@ -70,8 +72,6 @@ def dense_layer_bytes(shape: dict[str, Any]) -> int:
 def with_next_run_dense(prediction: dict[str, Any], recounted: int, shape: dict[str, Any]) -> int:
     """``recounted`` (the peak counted by `recount`) with each slot's next run's dense copies
     added where that run is a forward or fused one (one device; layer 0 and the last hold none)."""
-    if prediction.get("next_run_dense"):
-        return recounted
     slots, per_layer = prediction["slots"], dense_layer_bytes(shape)
     extra = []
     for index in range(len(slots)):
@@ -96,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument(
-        "--dense-runs", action="store_true", help="runs that made 4-bit weights dense once a run"
+        "--next-run-dense", action="store_true", help="add the next run's dense copies (docstring)"
     )
     args = parser.parse_args()
     for line in runs(args.files):
@@ -104,7 +104,7 @@ def main() -> None:
         peak_gib = max(side["peak_gib"].values())
         prediction = side["predicted_memory"]
         recounted = recount(prediction, adapters_only=bool(line.get("lora_r")))
-        if recounted is not None and args.dense_runs and line.get("base_format") == "nf4":
+        if recounted is not None and args.next_run_dense and line.get("base_format") == "nf4":
             recounted = with_next_run_dense(prediction, recounted, line["shape"])
         out: dict[str, Any] = {"workload": line["workload"], "peak_gib": peak_gib}
         out["recorded_gib"] = round(prediction["peak_bytes"] / GIB, 2)

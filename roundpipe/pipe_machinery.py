@@ -197,7 +197,7 @@ class PipeMachinery:
         self._use_device_plan(plan)
 
     def _profile(self, sample: Any, target: Any, loss_fn: Any) -> DevicePlan:
-        prepare = self.runtime.compiler.prepare
+        prepare = self.runtime.prepare_replica
         device = self.runtime.device(0)
         return self._planner.profile(
             self._sequence, self.host.dtype, device, sample, target, loss_fn, prepare=prepare

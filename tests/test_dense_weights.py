@@ -14,9 +14,8 @@ import roundpipe
 from roundpipe.model import dense_weights
 from roundpipe.model.dense_weights import add_dense_slots, dense_bytes, dequantize_run, quantized_sublayers
 from roundpipe.model.quant import NF4Linear, quantize_frozen_
-from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.layer_memory import LayerMemory
-from roundpipe.plan.memory import layer_plan_bytes, predict_peak, stage_bytes
+from roundpipe.plan.memory import layer_plan_bytes, stage_bytes
 from roundpipe.planning.dequantize import plan_dequantizing
 from tests.test_quant_pipe import adapters, lora_qwen3
 from tests.test_transformers_parity import sgd, token_data
@@ -109,8 +108,7 @@ def test_once_per_run_trains_as_per_call_with_fewer_dequantizations(
     for name in want:
         assert torch.equal(got[name], want[name]), name
     assert calls >= 3 * runs  # per call, each of a run's three microbatches dequantizes at least once
-    # A forward run's first microbatch may compute before the run before it ends: two at most.
-    assert held == 0 and 1 <= held_per_run <= 2
+    assert held == 0 and held_per_run == 1  # one run's copies at a time on the one device
 
 
 def table(dense: tuple[int, ...] = ()) -> LayerMemory:
@@ -135,21 +133,30 @@ def test_the_memory_model_counts_a_stage_runs_dense_copies() -> None:
         table((1, 2, 3))
 
 
-def test_a_forward_slot_counts_the_next_runs_copies_a_backward_slot_on_one_device_not() -> None:
-    """The next run's first compute makes its copies; a forward or fused run's may come before
-    this run's last compute, a backward run's on one device only after it."""
-    costs = LayerCosts((1.0,) * 4, (1.0,) * 4, (100,) * 4)
-    plan = Plan.from_stages((range(0, 1), range(1, 2)), range(2, 4), (range(1, 2), range(0, 1)), costs, 1, 2)
-    plain = predict_peak(plan, table())
-    dense = predict_peak(plan, table((400,) * 4))
-    extra = [d.total_bytes - p.total_bytes for d, p in zip(dense.slots, plain.slots, strict=True)]
-    kinds = [s.kind for s in plan.slots]
-    assert kinds == ["fwd", "fwd", "fused", "bwd", "bwd"]
-    # Its own copies, and the next run's: F2 after F1, the fused stage (two layers) after F2;
-    # not the backward runs after the fused one or B2; B1's next run is the next iteration's F1.
-    assert extra == [400 + 400, 400 + 800, 800, 400, 400 + 400]
-    two_devices = [predict_peak(plan, table(d), num_devices=2).slots[1] for d in ((), (400,) * 4)]
-    assert two_devices[1].prefetch_bytes == two_devices[0].prefetch_bytes + 400  # B2, on F2's device
+def test_a_run_makes_its_copies_only_once_the_run_before_has_dropped_its_own() -> None:
+    """A forward run's first microbatch may compute before the last of the run before on its
+    device: it then dequantizes in its calls, and the run's copies come with its next compute."""
+    from roundpipe.backends.dense_runs import DenseRuns
+    from roundpipe.backends.host_data import RunKey
+    from roundpipe.sched.task import COMPUTE, Task
+
+    layer = quantize_frozen_(nn.Sequential(nn.Linear(64, 64).requires_grad_(False)))
+    runs = DenseRuns([layer], torch.float32)
+    runs.enabled = True
+    weights = {0: dict(layer.named_parameters())}
+    first, second, elsewhere = RunKey(0, 0, 0, 0), RunKey(0, 0, 0, 1), RunKey(1, 0, 0, 1)
+    transient = {first: weights, second: weights, elsewhere: weights}
+    assert "0.dense" in runs.params(first, transient)[0]
+    assert runs.params(second, transient) is weights  # the run before still holds its copies
+    assert "0.dense" in runs.params(elsewhere, transient)[0]  # another device
+    last = Task(("c", 0), COMPUTE, "compute0", device=0, part=1, num_parts=2)
+    runs.drop(
+        Task(("c", 1), COMPUTE, "compute0", device=0, part=0, num_parts=2), first
+    )  # not its last compute
+    assert first in runs.runs
+    runs.drop(last, first)
+    assert "0.dense" in runs.params(second, transient)[0]
+    assert set(runs.runs) == {second, elsewhere}
 
 
 def test_auto_falls_back_to_per_call_where_no_plan_fits_the_copies() -> None:

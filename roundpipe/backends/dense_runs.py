@@ -2,9 +2,13 @@
 
 Why a store of its own: a run's transient weights (the runtime's ``transient``) live from its
 upload to its gradient download, but its dense copies (`roundpipe.model.dense_weights`) are
-needed only from its first compute to its last, and only on the lane that computes: made at the
-first, dropped at the last, they never overlap the next run's on a device (the memory model
-counts one stage's: ``LayerMemory.dense_bytes``).
+needed only from its first compute to its last, and only on the lane that computes. A forward or
+fused run's first microbatch may compute before the run before it on the device has ended (the
+engine fills the lane while that run waits for an input: `python bench/run_overlap.py`), so a run
+makes its copies at its first compute that finds no other run's on its device; the computes
+before that dequantize inside their calls. One stage's copies are on a device at a time, which
+is what the memory model counts (``LayerMemory.dense_bytes``): on a 70B base two 5-layer
+stages' copies would be 17 GB.
 
 This module must never upload, download or decide when anything runs.
 """
@@ -34,11 +38,14 @@ class DenseRuns:
 
     def params(self, run: RunKey, transient: dict[RunKey, Params]) -> Params:
         """``run``'s weights for a compute: its transient copy, and where it dequantizes once,
-        the dense copies of its 4-bit weights too (made by the run's first compute)."""
+        the dense copies of its 4-bit weights too (made by its first compute that finds no other
+        run's copies on its device)."""
         params = transient.get(run, {})
         if not self.enabled:
             return params
         held = self.runs.get(run)
+        if held is None and any(other.device == run.device for other in self.runs):
+            return params  # the run before still holds its copies: this compute dequantizes in its calls
         if held is None:
             held = dict(params)
             for layer, named in params.items():

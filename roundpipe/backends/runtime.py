@@ -118,7 +118,7 @@ class Runtime(OptimizerLane):
         # Compiling leaves device tensors in cyclic garbage: freed right after the task that compiled.
         self.compile_garbage = CompileGarbage() if self.compiler.enabled else None
         self.replicas = Replicas(
-            self.layers, names, self.device, self._out_of_memory, seed=seed, prepare=self._prepare_replica
+            self.layers, names, self.device, self._out_of_memory, seed=seed, prepare=self.prepare_replica
         )
         self.uses_rng = self.replicas.uses_rng
         self._call = self.replicas.call
@@ -137,8 +137,11 @@ class Runtime(OptimizerLane):
 
     # ------------------------------------------------------------------ setup
 
-    def _prepare_replica(self, module: nn.Module) -> nn.Module:
-        add_dense_slots(module)  # filled only for runs that dequantize once (`DenseRuns`)
+    def prepare_replica(self, module: nn.Module) -> nn.Module:
+        """A new layer copy as the runs call it: with empty ``dense`` slots (filled only for runs
+        that dequantize once, `DenseRuns`), compiled where the run compiles. The profile's copies
+        are prepared so too, so a call that dequantizes inside reuses the profile's compiled code."""
+        add_dense_slots(module)
         return self.compiler.prepare(module)
 
     def device(self, index: int) -> torch.device:

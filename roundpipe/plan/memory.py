@@ -51,17 +51,6 @@ def _io(mem: LayerMemory, layer: int) -> int:
     return mem.boundary_bytes[layer] + mem.output_bytes(layer) - shared
 
 
-def _next_run_dense(mem: LayerMemory, following: Any, num_devices: int) -> int:
-    """The dense copies of the device's next run, where its first microbatch may compute before
-    this run's last: a forward or fused run's first compute waits only for its input and weights
-    (`sched/forward_run.py`; the engine fills the lane while this run waits for an input), a
-    backward run's on one device for the run before (`sched/backward_run.py`). Its copies are
-    made by that first compute (`backends/dense_runs.py`)."""
-    if following.kind == "bwd" and num_devices == 1:
-        return 0
-    return sum(mem.dense_bytes[j] for j in following.layers)
-
-
 def _weights(mem: LayerMemory, layers: range) -> int:
     """A stage's parameters, the dense copies of its 4-bit ones and its gradients."""
     return sum(mem.param_bytes[j] + mem.dense_bytes[j] + mem.grad_bytes[j] for j in layers)
@@ -113,9 +102,7 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
 
 @dataclass(frozen=True)
 class SlotMemory:
-    """One slot's predicted peak: its stage, the prefetched stages' parameters (and the next run's
-    dense copies of 4-bit weights, where its first microbatch may compute before this run's last),
-    activations in flight,
+    """One slot's predicted peak: its stage, the prefetched stages' parameters, activations in flight,
     and the device's previous fused or backward stage, whose weights and gradients stay until the
     gradients' download completes (while this stage's first microbatch already runs; when those
     gradients are small, only the part that exceeds this stage's activations and the farthest
@@ -180,9 +167,6 @@ class MemoryPrediction:
             # A small-gradient stage's drain counted apart from the farthest prefetched stage
             # (`predict_peak`): records without it counted both, as `bench/recount_memory.py` says.
             "drain_apart": True,
-            # The next run's dense copies of 4-bit weights counted where its first microbatch may
-            # compute before this run's last (`_next_run_dense`); records without it did not.
-            "next_run_dense": True,
         }
         return head | {"slots": [s.to_dict() for s in self.slots]}
 
@@ -274,8 +258,7 @@ def predict_peak(
                 slot.kind,
                 slot.layers,
                 own,
-                sum(params[j] for j in ahead)
-                + _next_run_dense(mem, slots[(i + num_devices) % len(slots)], num_devices),
+                sum(params[j] for j in ahead),
                 _in_flight(mem, slot, held, act_in_flight, inputs_ahead),
                 draining,
             )
