@@ -199,3 +199,34 @@ def test_the_train_command_passes_dequantize_through() -> None:
     assert TrainConfig().run_config().dequantize == "auto"
     with pytest.raises(roundpipe.ConfigError, match="dequantize"):
         make_config({"dequantize": "never"})
+
+
+@pytest.mark.gpu
+def test_once_per_run_on_cuda_trains_as_per_call() -> None:
+    """On cuda:0, compiled layers, bf16: the same losses and adapters dequantizing once per run as
+    in each call (the dense copy and the per-call weight are the same bits; the products are the
+    same products)."""
+    results = []
+    for dequantize in ("run", "call"):
+        model = lora_qwen3()
+        config = roundpipe.RunConfig(
+            devices="cuda:0",
+            num_microbatches=3,
+            async_optimizer=False,
+            precision="bf16",
+            base_format="nf4",
+            dequantize=dequantize,
+            compile=True,
+        )
+        with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+            losses = []
+            for batch in token_data(3):
+                losses.append(pipe.forward_backward(batch, None, None))
+                pipe.step()
+            pipe.synchronize()
+            assert pipe.runtime.dense.enabled == (dequantize == "run")
+        results.append((losses, adapters(model)))
+    (run_losses, run_adapters), (call_losses, call_adapters) = results
+    assert run_losses == pytest.approx(call_losses, rel=1e-2, abs=1e-2)
+    for name, tensor in call_adapters.items():
+        torch.testing.assert_close(run_adapters[name], tensor, rtol=2e-2, atol=2e-3, msg=name)

@@ -44,7 +44,8 @@ class DenseRuns:
         if not self.enabled:
             return params
         held = self.runs.get(run)
-        if held is None and any(other.device == run.device for other in self.runs):
+        # A snapshot: other devices' lanes add and drop their runs meanwhile (CPU workers' threads).
+        if held is None and any(other.device == run.device for other in tuple(self.runs)):
             return params  # the run before still holds its copies: this compute dequantizes in its calls
         if held is None:
             held = dict(params)

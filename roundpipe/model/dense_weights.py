@@ -64,8 +64,10 @@ def add_dense_slots(replica: nn.Module) -> None:
     binder fills for a call of a run that dequantized once (and empties after it)."""
     for module in replica.modules():
         if isinstance(module, NF4Linear) and DENSE not in module._parameters:
-            placeholder = nn.Parameter(torch.empty(0, dtype=module.weight_dtype), requires_grad=False)
-            module.register_parameter(DENSE, placeholder)
+            # On the replica's device, as its other (empty) parameter slots: a compiled graph
+            # takes it as an input even where it only asks its size.
+            empty = torch.empty(0, dtype=module.weight_dtype, device=module.packed.device)
+            module.register_parameter(DENSE, nn.Parameter(empty, requires_grad=False))
 
 
 def dequantize_run(
