@@ -61,6 +61,9 @@ declare -A VARIANT=(
   # The layers eager (RunConfig.compile=False): does a mixture-of-experts layer issue faster from
   # eager dispatch than from inductor's compiled code? (D's issuing paced its compute lane.)
   [eager]="--compile false"
+  # The frozen base in 4 bits (D-nf4, D16-nf4, D2-nf4): experts cross the link at a quarter of
+  # their bf16 bytes and, dense once a stage run (RunConfig.dequantize), compute as on bf16.
+  [nf4]="--base-format nf4"
   # The evaluated choice's finest stages (RunConfig's one-device default is the fewest stages that
   # fit, roundpipe.plan.coarse): the A/B behind that default.
   [balanced]="--one-device-stages balanced"

@@ -18,7 +18,7 @@ had: a full fine-tune (``lora_r`` 0) is left as it was.
 With ``--next-run-dense`` (runs whose 4-bit weights were dense once a stage run,
 ``RunConfig.dequantize``) each slot followed by a forward or fused run on its device (one device)
 also gets that run's dense copies, from the record's shape (the decoder layers' attention and MLP
-linears, or the router of a mixture of experts, in bf16): what a device holds when a run makes
+linears, or experts, in bf16): what a device holds when a run makes
 its copies at its first compute whatever the run before still holds, as a forward run's first
 microbatch may compute before the last of the run before. The runtime waits for the run before
 to drop its copies instead (`roundpipe.backends.dense_runs`); the option says what a peak above
@@ -65,7 +65,7 @@ def dense_layer_bytes(shape: dict[str, Any]) -> int:
     """The bf16 bytes of one decoder layer's 4-bit linears, dense (module docstring)."""
     hidden, head_dim = shape["hidden"], shape["head_dim"]
     attention = hidden * head_dim * (2 * shape["heads"] + 2 * shape["kv_heads"])
-    mlp = hidden * shape["experts"] if shape["experts"] else 3 * hidden * shape["intermediate"]
+    mlp = 3 * hidden * shape["intermediate"] * max(1, shape["experts"])  # every expert's, if any
     return 2 * (attention + mlp)
 
 

@@ -82,7 +82,7 @@ def test_the_next_runs_dense_copies_go_on_slots_followed_by_a_forward_or_fused_r
     per_layer = dense_layer_bytes(shape)
     assert per_layer == 2 * (4 * 2 * (2 * 2 + 2 * 1) + 3 * 4 * 8)
     moe = shape | {"experts": 16}
-    assert dense_layer_bytes(moe) == 2 * (4 * 2 * (2 * 2 + 2 * 1) + 4 * 16)  # attention and router
+    assert dense_layer_bytes(moe) == 2 * (4 * 2 * (2 * 2 + 2 * 1) + 3 * 4 * 8 * 16)  # and 16 experts
     dense = replace(FROZEN, dense_bytes=(0, per_layer, per_layer, 0))  # embedding, 2 decoders, head
     plan = simple_plan((range(0, 2), range(2, 3)), range(3, 4), (range(2, 3), range(0, 2)))
     prediction = predict_peak(plan, dense, "stage", prefetch=1).to_dict()

@@ -17,6 +17,8 @@ from roundpipe.model.quant import NF4Linear, quantize_frozen_
 from roundpipe.plan.layer_memory import LayerMemory
 from roundpipe.plan.memory import layer_plan_bytes, stage_bytes
 from roundpipe.planning.dequantize import plan_dequantizing
+from tests.test_moe_experts import IDS, MODELS, eager, qkvo_lora
+from tests.test_moe_parity import padded_data
 from tests.test_quant_pipe import adapters, lora_qwen3
 from tests.test_transformers_parity import sgd, token_data
 
@@ -85,6 +87,53 @@ def counted_run(
     if dequantize == "run":
         assert calls["n"] == expected
     return losses, adapters(model), calls["n"], calls["held"]
+
+
+@pytest.mark.parametrize("make", MODELS, ids=IDS)
+def test_nf4_experts_once_per_run_train_as_per_call(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frozen experts held in NF4 get dense slots too (one per 3-D weight): the grouped products
+    then run on the run's dense copies, with the per-call numbers."""
+    from roundpipe.model import experts as experts_module
+
+    products = {"n": 0}
+    dense_weight = experts_module._dense_weight
+
+    def counting(*args: Any) -> torch.Tensor:
+        products["n"] += 1  # a grouped product that dequantized its weight itself
+        return dense_weight(*args)
+
+    monkeypatch.setattr(experts_module, "_dense_weight", counting)
+    results, per_call = [], []
+    for dequantize in ("run", "call"):
+        products["n"] = 0
+        model: Any = qkvo_lora(eager(make(router_logits=True)))
+        config = roundpipe.RunConfig(
+            devices="cpu:1",
+            num_microbatches=2,
+            round_size=2,
+            async_optimizer=False,
+            base_format="nf4",
+            dequantize=dequantize,
+        )
+        with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+            block = pipe.host.layers[1]
+            slots = [sub.slot for sub in quantized_sublayers(block)]
+            losses = []
+            for batch in padded_data(2):
+                losses.append(pipe.forward_backward(batch, None, None))
+                pipe.step()
+            pipe.synchronize()
+            assert pipe.runtime.dense.enabled == (dequantize == "run")
+        results.append((losses, adapters(model)))
+        per_call.append(products["n"])
+    assert per_call[0] < per_call[1] // 2  # once a run, the products took the bound copies
+    experts = [slot for slot in slots if "experts" in slot]
+    assert sorted(s.rsplit(".", 1)[1] for s in experts) == ["down_proj_dense", "gate_up_proj_dense"]
+    assert len(slots) == 6  # q, k, v, o and the experts' two weights
+    (run_losses, run_adapters), (call_losses, call_adapters) = results
+    assert run_losses == call_losses
+    for name, tensor in call_adapters.items():
+        assert torch.equal(run_adapters[name], tensor), name
 
 
 def per_run_dequantizations(tasks: list[Any], num_layers: int) -> int:

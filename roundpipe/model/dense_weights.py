@@ -6,7 +6,9 @@ stage run four times. On a 70B base the dequantizations write ~1.7 GB of bf16 a 
 a tenth of the step. A stage run's weights stay on the device from its first compute to its
 last, so one dense copy per run serves every microbatch: the runtime makes it at the run's first
 compute (`dequantize_run`), binds it into the replica's ``dense`` slots (`add_dense_slots`), and
-drops it at the run's last compute. The price is the stage's dense weights on the device for the
+drops it at the run's last compute. Frozen experts held in NF4 (`roundpipe.model.experts`) get the
+same, one slot per 3-D weight (``gate_up_proj_dense``, ``down_proj_dense``): their grouped products
+then run as on a bf16 base, while the link still carries their 4-bit bytes. The price is the stage's dense weights on the device for the
 run, which the memory model counts (``LayerMemory.dense_bytes``, from `dense_bytes`), so the
 planner cuts smaller stages; ``RunConfig.dequantize`` chooses ("auto": per run where a plan fits
 so). The numbers are those of the per-call path: the same dense tensor, the same products.
@@ -21,31 +23,51 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from roundpipe.model.experts import NF4Meta
 from roundpipe.model.nf4 import NF4Weight, dequantize_nf4
 from roundpipe.model.quant import NF4Linear
 
-DENSE = "dense"  # the slot's name on each NF4Linear of a replica
+DENSE = "dense"  # the slot's name on each NF4Linear of a replica; experts: "<weight>_dense"
 
 
 @dataclass(frozen=True)
 class QuantizedSublayer:
-    """One `NF4Linear` inside a layer: its parameter prefix (``"mlp.up_proj."``) and what its
-    bytes dequantize to."""
+    """One 4-bit weight inside a layer: the names of its packed codes, its scales and the dense
+    slot it fills (``"mlp.up_proj.packed"``, ``"mlp.up_proj.absmax"``, ``"mlp.up_proj.dense"``),
+    and what its bytes dequantize to."""
 
-    prefix: str
+    packed: str
+    absmax: str
+    slot: str
     shape: torch.Size
     dtype: torch.dtype
     block_size: int
 
 
+def _slots(module: nn.Module) -> list[tuple[str, str, str, torch.Size, torch.dtype, int]]:
+    """A module's own 4-bit weights as (packed, absmax, slot, shape, dtype, block size) names."""
+    if isinstance(module, NF4Linear):
+        shape = torch.Size((module.out_features, module.in_features))
+        return [("packed", "absmax", DENSE, shape, module.weight_dtype, module.block_size)]
+    metas: dict[str, NF4Meta] = getattr(module, "nf4_meta", None) or {}
+    if not getattr(type(module), "_roundpipe_nf4", False):
+        return []
+    return [
+        (f"{w}_packed", f"{w}_absmax", f"{w}_{DENSE}", m.shape, m.dtype, m.block_size)
+        for w, m in metas.items()
+    ]
+
+
 def quantized_sublayers(layer: nn.Module) -> tuple[QuantizedSublayer, ...]:
-    """Every `NF4Linear` of ``layer``, in module order (shared modules once)."""
+    """Every 4-bit weight of ``layer`` (`NF4Linear`s and NF4 experts), in module order (shared
+    modules once)."""
     out: list[QuantizedSublayer] = []
     for name, module in layer.named_modules():
-        if isinstance(module, NF4Linear):
-            shape = torch.Size((module.out_features, module.in_features))
-            prefix = f"{name}." if name else ""
-            out.append(QuantizedSublayer(prefix, shape, module.weight_dtype, module.block_size))
+        prefix = f"{name}." if name else ""
+        for packed, absmax, slot, shape, dtype, block in _slots(module):
+            out.append(
+                QuantizedSublayer(prefix + packed, prefix + absmax, prefix + slot, shape, dtype, block)
+            )
     return tuple(out)
 
 
@@ -60,25 +82,27 @@ def dense_bytes(layer: nn.Module, dtype: torch.dtype | None) -> int:
 
 
 def add_dense_slots(replica: nn.Module) -> None:
-    """Give every `NF4Linear` of a replica an empty ``dense`` parameter slot, which the runtime's
+    """Give every 4-bit weight of a replica an empty dense parameter slot, which the runtime's
     binder fills for a call of a run that dequantized once (and empties after it)."""
     for module in replica.modules():
-        if isinstance(module, NF4Linear) and DENSE not in module._parameters:
-            # On the replica's device, as its other (empty) parameter slots: a compiled graph
-            # takes it as an input even where it only asks its size.
-            empty = torch.empty(0, dtype=module.weight_dtype, device=module.packed.device)
-            module.register_parameter(DENSE, nn.Parameter(empty, requires_grad=False))
+        for packed, _, slot, _, dtype, _ in _slots(module):
+            if slot not in module._parameters:
+                # On the replica's device, as its other (empty) parameter slots: a compiled graph
+                # takes it as an input even where it only asks its size.
+                empty = torch.empty(0, dtype=dtype, device=getattr(module, packed).device)
+                module.register_parameter(slot, nn.Parameter(empty, requires_grad=False))
 
 
 def dequantize_run(
     sublayers: tuple[QuantizedSublayer, ...], params: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """The dense weights of one layer from its transient 4-bit copy ``params`` (name -> tensor on
-    the device), keyed by the name of the slot they fill (``"mlp.up_proj.dense"``)."""
+    the device), keyed by the name of the slot they fill (``"mlp.up_proj.dense"``), in the shape
+    and layout the weight had before it was quantized."""
     out: dict[str, torch.Tensor] = {}
     for sub in sublayers:
-        packed = params[f"{sub.prefix}packed"]
-        absmax = params[f"{sub.prefix}absmax"].view(torch.float32)
+        packed = params[sub.packed].reshape(-1)
+        absmax = params[sub.absmax].reshape(-1).view(torch.float32)
         weight = NF4Weight(packed, absmax, sub.shape, sub.dtype, sub.block_size)
-        out[f"{sub.prefix}{DENSE}"] = dequantize_nf4(weight, dtype, compiled=packed.is_cuda)
+        out[sub.slot] = dequantize_nf4(weight, dtype, compiled=packed.is_cuda)
     return out

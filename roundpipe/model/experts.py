@@ -161,13 +161,19 @@ def _projection(
 ) -> torch.Tensor:
     quantized: dict[str, NF4Meta] | None = getattr(experts, "nf4_meta", None)
     dispatched = bool(getattr(experts, "dispatch_products", False))  # see `dispatch_products`
-    if quantized is not None and name in quantized:
+    # A stage run's dense copy of a 4-bit weight (`roundpipe.model.dense_weights`), when bound.
+    dense: torch.Tensor | None = getattr(experts, f"{name}_dense", None) if quantized is not None else None
+    out: torch.Tensor
+    if dense is not None and dense.numel():
+        mat_b = dense if layout.transposed else dense.transpose(-2, -1)
+        out = grouped_mm(x, mat_b, routing.offsets, dispatched=dispatched)
+    elif quantized is not None and name in quantized:
         packed: torch.Tensor = getattr(experts, f"{name}_packed")
         absmax: torch.Tensor = getattr(experts, f"{name}_absmax")
         compiled = bool(getattr(experts, "compiled", False))
         meta = quantized[name]
         args = (x, packed, absmax, routing.offsets, meta, layout.transposed, compiled, dispatched)
-        out: torch.Tensor = _NF4GroupedMM.apply(*args)
+        out = _NF4GroupedMM.apply(*args)
     else:
         weight: torch.Tensor = getattr(experts, name)
         mat_b = weight if layout.transposed else weight.transpose(-2, -1)
