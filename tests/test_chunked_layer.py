@@ -219,7 +219,7 @@ def test_under_a_budget_long_rows_take_the_least_slicing_a_plan_fits(
     mlp_slices: list[int] = []
 
     def profile(self: Any, *args: Any, prepare: Any = None) -> Any:
-        level = prepare.__self__.slicing.level  # the run's LayerCompiler.prepare
+        level = prepare.__self__.compiler.slicing.level  # the run's Runtime.prepare_replica
         measured.append(level)
         if level != fitting:
             raise PlanError(f"no plan fits the memory budget ({level})")
@@ -246,7 +246,7 @@ def test_under_a_budget_long_rows_take_the_least_slicing_a_plan_fits(
     assert_same_weights(model, reference)
 
     def never_fits(self: Any, *args: Any, prepare: Any = None) -> Any:
-        raise PlanError(f"no plan fits ({prepare.__self__.slicing.level})")
+        raise PlanError(f"no plan fits ({prepare.__self__.compiler.slicing.level})")
 
     monkeypatch.setattr(RunPlanner, "profile", never_fits)
     with pytest.raises(PlanError, match="layers"):
