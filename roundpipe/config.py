@@ -238,7 +238,7 @@ class RunConfig(BaseModel):
         "compute",
         description='how frozen linear weights are held on the host and uploaded: "compute", in the '
         'compute precision; "nf4", in 4-bit NormalFloat (QLoRA), quantized at construction layer by '
-        "layer and dequantized on the device inside each layer (a LoRA base: needs frozen linears)",
+        "layer and dequantized on the device, as dequantize says (a LoRA base: needs frozen linears)",
     )
     dequantize: Literal["auto", "run", "call"] = Field(
         "auto",
