@@ -20,7 +20,7 @@ from roundpipe.planning.dequantize import plan_dequantizing
 from tests.test_moe_experts import IDS, MODELS, eager, qkvo_lora
 from tests.test_moe_parity import padded_data
 from tests.test_quant_pipe import adapters, lora_qwen3
-from tests.test_transformers_parity import sgd, token_data
+from tests.test_transformers_parity import pipe_loop, sgd, token_data
 
 
 def test_a_bound_dense_copy_gives_the_per_call_numbers() -> None:
@@ -107,26 +107,21 @@ def test_nf4_experts_once_per_run_train_as_per_call(make: Any, monkeypatch: pyte
     for dequantize in ("run", "call"):
         products["n"] = 0
         model: Any = qkvo_lora(eager(make(router_logits=True)))
-        config = roundpipe.RunConfig(
-            devices="cpu:1",
-            num_microbatches=2,
-            round_size=2,
-            async_optimizer=False,
-            base_format="nf4",
-            dequantize=dequantize,
+        results.append(
+            trained(
+                model,
+                padded_data(2),
+                devices="cpu:1",
+                num_microbatches=2,
+                round_size=2,
+                dequantize=dequantize,
+            )
         )
-        with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
-            block = pipe.host.layers[1]
-            slots = [sub.slot for sub in quantized_sublayers(block)]
-            losses = []
-            for batch in padded_data(2):
-                losses.append(pipe.forward_backward(batch, None, None))
-                pipe.step()
-            pipe.synchronize()
-            assert pipe.runtime.dense.enabled == (dequantize == "run")
-        results.append((losses, adapters(model)))
         per_call.append(products["n"])
     assert per_call[0] < per_call[1] // 2  # once a run, the products took the bound copies
+    quantized = quantize_frozen_(qkvo_lora(eager(make(router_logits=True))))
+    block = next(m for m in quantized.modules() if type(m).__name__.endswith("DecoderLayer"))
+    slots = [sub.slot for sub in quantized_sublayers(block)]
     experts = [slot for slot in slots if "experts" in slot]
     assert sorted(s.rsplit(".", 1)[1] for s in experts) == ["down_proj_dense", "gate_up_proj_dense"]
     assert len(slots) == 6  # q, k, v, o and the experts' two weights
@@ -134,6 +129,11 @@ def test_nf4_experts_once_per_run_train_as_per_call(make: Any, monkeypatch: pyte
     assert run_losses == call_losses
     for name, tensor in call_adapters.items():
         assert torch.equal(run_adapters[name], tensor), name
+
+
+def trained(model: nn.Module, data: list[dict[str, torch.Tensor]], **fields: Any) -> tuple[list[float], Any]:
+    """Losses and adapters after a synchronous step per batch with a 4-bit base."""
+    return pipe_loop(model, data, base_format="nf4", **fields), adapters(model)
 
 
 def per_run_dequantizations(tasks: list[Any], num_layers: int) -> int:
@@ -192,7 +192,7 @@ def test_a_run_makes_its_copies_only_once_the_run_before_has_dropped_its_own() -
     layer = quantize_frozen_(nn.Sequential(nn.Linear(64, 64).requires_grad_(False)))
     runs = DenseRuns([layer], torch.float32)
     runs.enabled = True
-    weights = {0: dict(layer.named_parameters())}
+    weights: dict[int, dict[str, torch.Tensor]] = {0: dict(layer.named_parameters())}
     first, second, elsewhere = RunKey(0, 0, 0, 0), RunKey(0, 0, 0, 1), RunKey(1, 0, 0, 1)
     transient = {first: weights, second: weights, elsewhere: weights}
     assert "0.dense" in runs.params(first, transient)[0]
@@ -257,24 +257,8 @@ def test_once_per_run_on_cuda_trains_as_per_call() -> None:
     same products)."""
     results = []
     for dequantize in ("run", "call"):
-        model = lora_qwen3()
-        config = roundpipe.RunConfig(
-            devices="cuda:0",
-            num_microbatches=3,
-            async_optimizer=False,
-            precision="bf16",
-            base_format="nf4",
-            dequantize=dequantize,
-            compile=True,
-        )
-        with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
-            losses = []
-            for batch in token_data(3):
-                losses.append(pipe.forward_backward(batch, None, None))
-                pipe.step()
-            pipe.synchronize()
-            assert pipe.runtime.dense.enabled == (dequantize == "run")
-        results.append((losses, adapters(model)))
+        fields = dict(devices="cuda:0", num_microbatches=3, precision="bf16", compile=True)
+        results.append(trained(lora_qwen3(), token_data(3), dequantize=dequantize, **fields))
     (run_losses, run_adapters), (call_losses, call_adapters) = results
     assert run_losses == pytest.approx(call_losses, rel=1e-2, abs=1e-2)
     for name, tensor in call_adapters.items():

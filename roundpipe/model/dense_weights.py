@@ -18,6 +18,7 @@ This module must never keep a dense copy itself: the runtime owns it, for one ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +95,7 @@ def add_dense_slots(replica: nn.Module) -> None:
 
 
 def dequantize_run(
-    sublayers: tuple[QuantizedSublayer, ...], params: dict[str, torch.Tensor], dtype: torch.dtype
+    sublayers: tuple[QuantizedSublayer, ...], params: Mapping[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """The dense weights of one layer from its transient 4-bit copy ``params`` (name -> tensor on
     the device), keyed by the name of the slot they fill (``"mlp.up_proj.dense"``), in the shape
