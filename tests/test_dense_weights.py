@@ -263,3 +263,29 @@ def test_once_per_run_on_cuda_trains_as_per_call() -> None:
     assert run_losses == pytest.approx(call_losses, rel=1e-2, abs=1e-2)
     for name, tensor in call_adapters.items():
         torch.testing.assert_close(run_adapters[name], tensor, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_an_out_of_memory_error_names_the_dense_copies_and_the_per_call_remedy() -> None:
+    from roundpipe.backends.holdings import device_holdings, out_of_memory_error
+    from roundpipe.backends.host_data import RunKey
+    from roundpipe.sched.task import COMPUTE, Task
+
+    config = roundpipe.RunConfig(devices="cpu:1", async_optimizer=False, base_format="nf4", dequantize="run")
+    with roundpipe.RoundPipe(lora_qwen3(), optimizer=sgd, config=config) as pipe:
+        runtime = pipe.runtime
+        block = dict(pipe.host.layer_params[1])
+        run = RunKey(0, 7, 0, 3)
+        named = {name: pipe.host.compute[id(param)] for name, param in block.items()}
+        runtime.transient[run] = {1: named}
+        runtime.dense.params(run, runtime.transient)  # a run holding its copies, as at a failure
+        held = device_holdings(runtime, runtime.device(0))
+        expected = dense_bytes(pipe.host.layers[1], torch.float32)  # fp32, the default precision
+        task = Task(("compute", 7, 3, 0), COMPUTE, "compute0", device=0, stage="B2", slot=3, microbatch=0)
+        message = str(out_of_memory_error(runtime, task, ""))
+        runtime.dense.enabled = False
+        without = str(out_of_memory_error(runtime, task, ""))
+        runtime.dense.runs.clear()
+        del runtime.transient[run]
+    assert held["dense copies it7 slot3"] == expected > 0  # the transient tensors not counted again
+    assert 'dequantize="call"' in message and "dense copies it7 slot3" in message
+    assert 'dequantize="call"' not in without

@@ -109,6 +109,8 @@ def device_holdings(runtime: Any, device: torch.device, seen: set[int] | None = 
         counter.seen = seen
     for run, params in _snapshot(runtime.transient):
         counter.add(f"weights+grads it{run.iteration} slot{run.slot}", params)
+    for run, params in _snapshot(runtime.dense.runs):  # the transient tensors among them counted above
+        counter.add(f"dense copies it{run.iteration} slot{run.slot}", params)
     parts: Iterable[tuple[str, Any]] = (
         ("recompute", runtime.recomputed),
         ("activation in", runtime.inbox),
@@ -208,11 +210,12 @@ def out_of_memory_error(runtime: Any, task: Any, where: str) -> DeviceOutOfMemor
     if device.type == "cuda":
         note += f"; live tensors outside it: {_guarded(lambda: tensors_elsewhere(device, named))}"
         note += f"; a garbage collection then freed {_guarded(lambda: _collected(device, allocated))}"
+    dense = ', dequantize="call" (4-bit weights dense in each call, not for a whole stage run)'
     return DeviceOutOfMemoryError(
         f"out of memory in {where}{task.kind} of stage {task.stage} on device {task.device}, "
         f"microbatch {task.microbatch}{note}. Use more microbatches (smaller ones), "
-        'recompute_grain="layer", a shorter sequence, or a smaller RunConfig.memory_budget so the plan '
-        "makes smaller stages",
+        f'recompute_grain="layer"{dense if runtime.dense.enabled else ""}, a shorter sequence, or a '
+        "smaller RunConfig.memory_budget so the plan makes smaller stages",
         task.describe(),
     )
 
