@@ -444,6 +444,7 @@ def run_roundpipe(
         "planner_link": trace.meta.get("link"),  # the re-plan's own view of the link, where it made one
         "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long
         "prefetch_stages": trace.meta.get("prefetch_stages"),  # stages uploaded ahead, as last planned
+        "dense_weights": trace.meta.get("dense_weights"),  # 4-bit weights dense once a stage run
         "busy_ms_per_step": {k: round(v, 2) for k, v in sorted(report.busy_ms_per_iteration.items())},
         "breakdown": report.to_dict(),
         "host_rss_gib": rss.report(),

@@ -27,6 +27,7 @@ def record_device_plan(device_plan: DevicePlan, runtime: Runtime, trace: Trace, 
     runtime.memory_prediction = device_plan.prediction
     # A re-plan keeps the first plan's memory table, so every plan of a run dequantizes alike.
     runtime.dense.enabled = dense_weights_of(device_plan.memory)
+    trace.meta["dense_weights"] = runtime.dense.enabled
     runtime.memory_predictions[next_iteration] = device_plan.prediction
     trace.meta["memory_prediction"] = device_plan.prediction.to_dict()
     trace.meta["memory_budget_bytes"] = device_plan.budget_bytes

@@ -289,3 +289,14 @@ def test_an_out_of_memory_error_names_the_dense_copies_and_the_per_call_remedy()
     assert held["dense copies it7 slot3"] == expected > 0  # the transient tensors not counted again
     assert 'dequantize="call"' in message and "dense copies it7 slot3" in message
     assert 'dequantize="call"' not in without
+
+
+def test_a_device_plan_records_whether_runs_hold_dense_copies() -> None:
+    """Under a budget the plan decides ("auto"), and the trace says what it decided."""
+    for dequantize, expected in (("auto", True), ("call", False)):
+        meta: dict[str, Any] = {}
+        pipe_loop(
+            lora_qwen3(), token_data(1), meta, base_format="nf4", dequantize=dequantize, memory_budget="4GiB"
+        )
+        assert meta["dense_weights"] is expected
+        assert any(meta["memory_prediction"]["slots"]) and meta["memory_budget_bytes"] == 4 << 30
