@@ -77,8 +77,9 @@ def make_runtime(
         lr_scale=lr_ramp(config),
     )
     runtime.collectives = make_collectives(config.distributed, host)
-    # Until a device plan says otherwise (`record_device_plan`): no budget to decide against.
-    runtime.dense.enabled = config.base_format == "nf4" and config.dequantize != "call"
+    # Until a device plan says otherwise (`record_device_plan`): no budget to decide against. A
+    # model may arrive holding 4-bit weights whatever base_format says.
+    runtime.dense.enabled = config.dequantize != "call" and runtime.dense.holds_quantized()
     return runtime
 
 

@@ -300,3 +300,15 @@ def test_a_device_plan_records_whether_runs_hold_dense_copies() -> None:
         )
         assert meta["dense_weights"] is expected
         assert any(meta["memory_prediction"]["slots"]) and meta["memory_budget_bytes"] == 4 << 30
+
+
+def test_runs_hold_dense_copies_only_where_a_layer_holds_4_bit_weights() -> None:
+    """A model may arrive quantized whatever base_format says; a model with none holds no copies."""
+    cases = (
+        (quantize_frozen_(lora_qwen3()), "compute", "auto", True),
+        (lora_qwen3(), "compute", "auto", False),
+    )
+    for model, base_format, dequantize, expected in (*cases, (lora_qwen3(), "nf4", "call", False)):
+        config = roundpipe.RunConfig(devices="cpu:1", base_format=base_format, dequantize=dequantize)
+        with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+            assert pipe.runtime.dense.enabled is expected

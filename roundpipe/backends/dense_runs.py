@@ -36,6 +36,16 @@ class DenseRuns:
         self.runs: dict[RunKey, Params] = {}
         self._quantized: dict[int, tuple[QuantizedSublayer, ...]] = {}
 
+    def holds_quantized(self) -> bool:
+        """Whether any layer holds a 4-bit weight (a run would have something to make dense)."""
+        return any(self._sublayers(layer) for layer in range(len(self.layers)))
+
+    def _sublayers(self, layer: int) -> tuple[QuantizedSublayer, ...]:
+        sublayers = self._quantized.get(layer)
+        if sublayers is None:
+            sublayers = self._quantized[layer] = quantized_sublayers(self.layers[layer])
+        return sublayers
+
     def params(self, run: RunKey, transient: dict[RunKey, Params]) -> Params:
         """``run``'s weights for a compute: its transient copy, and where it dequantizes once,
         the dense copies of its 4-bit weights too (made by its first compute that finds no other
@@ -50,10 +60,7 @@ class DenseRuns:
         if held is None:
             held = dict(params)
             for layer, named in params.items():
-                sublayers = self._quantized.get(layer)
-                if sublayers is None:
-                    sublayers = self._quantized[layer] = quantized_sublayers(self.layers[layer])
-                if sublayers:
+                if sublayers := self._sublayers(layer):
                     held[layer] = named | dequantize_run(sublayers, named, self.dtype)
             self.runs[run] = held
         return held
