@@ -242,7 +242,7 @@ class RunConfig(BaseModel):
     )
     dequantize: Literal["auto", "run", "call"] = Field(
         "auto",
-        description='with base_format="nf4", when a frozen 4-bit weight becomes dense on the device: "run", '
+        description='when a frozen 4-bit weight (base_format="nf4") becomes dense on the device: "run", '
         "once per stage run, the copy kept for all its microbatches (the plan counts the stage's "
         'dense weights, so its stages are smaller); "call", inside each layer call (forward, '
         'recompute and backward each: the least memory); "auto", "run" where a plan fits the '
