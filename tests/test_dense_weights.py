@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe.model import dense_weights
+from roundpipe.model import experts as experts_module
 from roundpipe.model.dense_weights import add_dense_slots, dense_bytes, dequantize_run, quantized_sublayers
 from roundpipe.model.quant import NF4Linear, quantize_frozen_
 from roundpipe.plan.layer_memory import LayerMemory
@@ -50,13 +50,15 @@ def counted_run(
 ) -> tuple[list[float], Any, int, int]:
     """Losses, adapters, dequantizations and the most dense copies held at once over two steps."""
     calls = {"n": 0, "held": 0}
-    real = dense_weights.dequantize_nf4
+    real = experts_module.dequantize_nf4
 
     def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dense_weights, "dequantize_nf4", counting)
+    # A run's copies (`dense_weights.dequantize_run`, through `experts.dense_weight`) and the
+    # per-call path of `NF4Linear`.
+    monkeypatch.setattr(experts_module, "dequantize_nf4", counting)
     monkeypatch.setattr(roundpipe.model.quant, "dequantize_nf4", counting)
     model = lora_qwen3()
     config = roundpipe.RunConfig(
@@ -73,9 +75,9 @@ def counted_run(
         runs = pipe.runtime.dense.runs
         drop = pipe.runtime.dense.drop
 
-        def watching(task: Any, run: Any) -> None:
+        def watching(task: Any) -> None:
             calls["held"] = max(calls["held"], len(runs))
-            drop(task, run)
+            drop(task)
 
         pipe.runtime.dense.drop = watching  # type: ignore[method-assign]
         for batch in token_data(2):
@@ -93,16 +95,15 @@ def counted_run(
 def test_nf4_experts_once_per_run_train_as_per_call(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Frozen experts held in NF4 get dense slots too (one per 3-D weight): the grouped products
     then run on the run's dense copies, with the per-call numbers."""
-    from roundpipe.model import experts as experts_module
-
     products = {"n": 0}
-    dense_weight = experts_module._dense_weight
+    product = experts_module._NF4GroupedMM.apply
 
     def counting(*args: Any) -> torch.Tensor:
         products["n"] += 1  # a grouped product that dequantized its weight itself
-        return dense_weight(*args)
+        out: torch.Tensor = product(*args)
+        return out
 
-    monkeypatch.setattr(experts_module, "_dense_weight", counting)
+    monkeypatch.setattr(experts_module._NF4GroupedMM, "apply", counting)
     results, per_call = [], []
     for dequantize in ("run", "call"):
         products["n"] = 0
@@ -198,12 +199,10 @@ def test_a_run_makes_its_copies_only_once_the_run_before_has_dropped_its_own() -
     assert "0.dense" in runs.params(first, transient)[0]
     assert runs.params(second, transient) is weights  # the run before still holds its copies
     assert "0.dense" in runs.params(elsewhere, transient)[0]  # another device
-    last = Task(("c", 0), COMPUTE, "compute0", device=0, part=1, num_parts=2)
-    runs.drop(
-        Task(("c", 1), COMPUTE, "compute0", device=0, part=0, num_parts=2), first
-    )  # not its last compute
+    of_first = {"device": 0, "iteration": 0, "round": 0, "slot": 0, "num_parts": 2}
+    runs.drop(Task(("c", 1), COMPUTE, "compute0", part=0, **of_first))  # not its last compute
     assert first in runs.runs
-    runs.drop(last, first)
+    runs.drop(Task(("c", 0), COMPUTE, "compute0", part=1, **of_first))
     assert "0.dense" in runs.params(second, transient)[0]
     assert set(runs.runs) == {second, elsewhere}
 

@@ -54,20 +54,22 @@ class DenseRuns:
         if not self.enabled:
             return params
         held = self.runs.get(run)
+        if held is not None:
+            return held
         # A snapshot: other devices' lanes add and drop their runs meanwhile (CPU workers' threads).
-        if held is None and any(other.device == run.device for other in tuple(self.runs)):
+        if any(other.device == run.device for other in tuple(self.runs)):
             return params  # the run before still holds its copies: this compute dequantizes in its calls
-        if held is None:
-            held = dict(params)
-            for layer, named in params.items():
-                if sublayers := self._sublayers(layer):
-                    held[layer] = named | dequantize_run(sublayers, named, self.dtype)
-            self.runs[run] = held
+        held = dict(params)
+        for layer, named in params.items():
+            if sublayers := self._sublayers(layer):
+                held[layer] = named | dequantize_run(sublayers, named, self.dtype)
+        self.runs[run] = held
         return held
 
-    def drop(self, task: Task, run: RunKey) -> None:
-        """After a run's last compute its dense copies go. They were made and read on the compute
-        lane only, so on CUDA the allocator hands their memory to later work on that stream, in
-        order: no hold until the task has run, which would put two runs' copies on the device."""
+    def drop(self, task: Task) -> None:
+        """After a run's last compute (``task``, a compute task) its dense copies go. They were
+        made and read on the compute lane only, so on CUDA the allocator hands their memory to
+        later work on that stream, in order: no hold until the task has run, which would put two
+        runs' copies on the device."""
         if task.part == task.num_parts - 1:
-            self.runs.pop(run, None)
+            self.runs.pop(RunKey(task.device, task.iteration, task.round, task.slot), None)

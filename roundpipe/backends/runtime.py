@@ -189,6 +189,8 @@ class Runtime(OptimizerLane):
             if is_out_of_memory(exc):
                 raise self._out_of_memory(task, "") from exc
             raise
+        if task.kind == COMPUTE:
+            self.dense.drop(task)
         if self.compile_garbage is not None and task.kind in (COMPUTE, RECOMPUTE):
             self.compile_garbage.collect_if_compiled()
 
@@ -334,7 +336,6 @@ class Runtime(OptimizerLane):
                 # ``state.uploaded`` keeps the rest of it, such as constants only the graph saved).
                 self.hold(task, grad, state)
             self.outbox[key] = ("grad", backward_stage(self._call, task, params, state, grad))
-            self.dense.drop(task, run)
             return
         value = self.inbox.pop(key)
         if self.defer_release:
@@ -344,7 +345,6 @@ class Runtime(OptimizerLane):
             on_cpu = task.device >= 0 and self.device(task.device).type == "cpu"
             record = self.times.add if on_cpu else None
             self.outbox[key] = ("act", forward_stage(self._call, data, task, params, value, record))
-            self.dense.drop(task, run)
             if task.part == task.num_parts - 1:  # last microbatch of the run: free the transient copy
                 self._release(task, self.transient.pop(run, {}))
         else:
@@ -353,7 +353,6 @@ class Runtime(OptimizerLane):
                 self._call, data, task, params, value, computes_loss=self.computes_loss, device=device
             )
             self.outbox[key] = ("grad", fused)
-            self.dense.drop(task, run)
 
     def recompute(self, task: Task) -> None:
         """A backward stage's forward again from its saved activation; what its backward needs

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from roundpipe.model.experts import NF4Meta
-from roundpipe.model.nf4 import NF4Weight, dequantize_nf4
+from roundpipe.model.experts import NF4Meta, dense_weight
 from roundpipe.model.quant import NF4Linear
 
 DENSE = "dense"  # the slot's name on each NF4Linear of a replica; experts: "<weight>_dense"
@@ -40,21 +39,21 @@ class QuantizedSublayer:
     packed: str
     absmax: str
     slot: str
-    shape: torch.Size
-    dtype: torch.dtype
-    block_size: int
+    meta: NF4Meta
 
 
-def _slots(module: nn.Module) -> list[tuple[str, str, str, torch.Size, torch.dtype, int]]:
-    """A module's own 4-bit weights as (packed, absmax, slot, shape, dtype, block size) names."""
+def _own(module: nn.Module, prefix: str = "") -> list[QuantizedSublayer]:
+    """A module's own 4-bit weights, their names under ``prefix``."""
     if isinstance(module, NF4Linear):
-        shape = torch.Size((module.out_features, module.in_features))
-        return [("packed", "absmax", DENSE, shape, module.weight_dtype, module.block_size)]
-    metas: dict[str, NF4Meta] = getattr(module, "nf4_meta", None) or {}
+        meta = NF4Meta(
+            torch.Size((module.out_features, module.in_features)), module.weight_dtype, module.block_size
+        )
+        return [QuantizedSublayer(f"{prefix}packed", f"{prefix}absmax", f"{prefix}{DENSE}", meta)]
     if not getattr(type(module), "_roundpipe_nf4", False):
         return []
+    metas: dict[str, NF4Meta] = getattr(module, "nf4_meta")  # noqa: B009
     return [
-        (f"{w}_packed", f"{w}_absmax", f"{w}_{DENSE}", m.shape, m.dtype, m.block_size)
+        QuantizedSublayer(f"{prefix}{w}_packed", f"{prefix}{w}_absmax", f"{prefix}{w}_{DENSE}", m)
         for w, m in metas.items()
     ]
 
@@ -62,14 +61,9 @@ def _slots(module: nn.Module) -> list[tuple[str, str, str, torch.Size, torch.dty
 def quantized_sublayers(layer: nn.Module) -> tuple[QuantizedSublayer, ...]:
     """Every 4-bit weight of ``layer`` (`NF4Linear`s and NF4 experts), in module order (shared
     modules once)."""
-    out: list[QuantizedSublayer] = []
-    for name, module in layer.named_modules():
-        prefix = f"{name}." if name else ""
-        for packed, absmax, slot, shape, dtype, block in _slots(module):
-            out.append(
-                QuantizedSublayer(prefix + packed, prefix + absmax, prefix + slot, shape, dtype, block)
-            )
-    return tuple(out)
+    return tuple(
+        sub for name, module in layer.named_modules() for sub in _own(module, f"{name}." if name else "")
+    )
 
 
 def dense_bytes(layer: nn.Module, dtype: torch.dtype | None) -> int:
@@ -77,8 +71,7 @@ def dense_bytes(layer: nn.Module, dtype: torch.dtype | None) -> int:
     a stage run holds for the layer when it dequantizes once per run."""
     total = 0
     for sub in quantized_sublayers(layer):
-        size = torch.empty(0, dtype=dtype or sub.dtype).element_size()
-        total += sub.shape.numel() * size
+        total += sub.meta.numel * torch.empty(0, dtype=dtype or sub.meta.dtype).element_size()
     return total
 
 
@@ -86,12 +79,12 @@ def add_dense_slots(replica: nn.Module) -> None:
     """Give every 4-bit weight of a replica an empty dense parameter slot, which the runtime's
     binder fills for a call of a run that dequantized once (and empties after it)."""
     for module in replica.modules():
-        for packed, _, slot, _, dtype, _ in _slots(module):
-            if slot not in module._parameters:
+        for sub in _own(module):
+            if sub.slot not in module._parameters:
                 # On the replica's device, as its other (empty) parameter slots: a compiled graph
                 # takes it as an input even where it only asks its size.
-                empty = torch.empty(0, dtype=dtype, device=getattr(module, packed).device)
-                module.register_parameter(slot, nn.Parameter(empty, requires_grad=False))
+                empty = torch.empty(0, dtype=sub.meta.dtype, device=getattr(module, sub.packed).device)
+                module.register_parameter(sub.slot, nn.Parameter(empty, requires_grad=False))
 
 
 def dequantize_run(
@@ -100,10 +93,7 @@ def dequantize_run(
     """The dense weights of one layer from its transient 4-bit copy ``params`` (name -> tensor on
     the device), keyed by the name of the slot they fill (``"mlp.up_proj.dense"``), in the shape
     and layout the weight had before it was quantized."""
-    out: dict[str, torch.Tensor] = {}
-    for sub in sublayers:
-        packed = params[sub.packed].reshape(-1)
-        absmax = params[sub.absmax].reshape(-1).view(torch.float32)
-        weight = NF4Weight(packed, absmax, sub.shape, sub.dtype, sub.block_size)
-        out[sub.slot] = dequantize_nf4(weight, dtype, compiled=packed.is_cuda)
-    return out
+    return {
+        sub.slot: dense_weight(params[sub.packed], params[sub.absmax], sub.meta, dtype, compiled=True)
+        for sub in sublayers
+    }

@@ -108,10 +108,11 @@ class NF4Meta:
         return self.shape.numel()
 
 
-def _dense_weight(
+def dense_weight(
     packed: torch.Tensor, absmax: torch.Tensor, meta: NF4Meta, dtype: torch.dtype, compiled: bool
 ) -> torch.Tensor:
-    """The dense weight in its stored layout, on the device of its bytes (a new tensor)."""
+    """The dense weight in its stored layout, on the device of its bytes (a new tensor): the packed
+    codes and the scales' raw bytes as stored (any shape), ``meta`` what they dequantize to."""
     scales = absmax.reshape(-1).view(torch.float32)
     q = NF4Weight(packed.reshape(-1), scales, meta.shape, meta.dtype, meta.block_size)
     return dequantize_nf4(q, dtype, compiled=compiled and packed.is_cuda)
@@ -135,7 +136,7 @@ class _NF4GroupedMM(torch.autograd.Function):
         compiled: bool,
         dispatched: bool,
     ) -> torch.Tensor:
-        weight = _dense_weight(packed, absmax, meta, x.dtype, compiled)
+        weight = dense_weight(packed, absmax, meta, x.dtype, compiled)
         ctx.save_for_backward(packed, absmax, offsets)
         ctx.meta, ctx.transposed, ctx.compiled, ctx.dispatched = meta, transposed, compiled, dispatched
         return grouped_mm(
@@ -149,7 +150,7 @@ class _NF4GroupedMM(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None, None, None
         packed, absmax, offsets = ctx.saved_tensors
-        weight = _dense_weight(packed, absmax, ctx.meta, grad.dtype, ctx.compiled)
+        weight = dense_weight(packed, absmax, ctx.meta, grad.dtype, ctx.compiled)
         # out[rows of e] = x[rows of e] @ W_e, so dx[rows of e] = grad[rows of e] @ W_e^T.
         mat_b = weight.transpose(-2, -1) if ctx.transposed else weight
         grad_x = grouped_mm(grad, mat_b, offsets, dispatched=ctx.dispatched)
@@ -162,12 +163,11 @@ def _projection(
     quantized: dict[str, NF4Meta] | None = getattr(experts, "nf4_meta", None)
     dispatched = bool(getattr(experts, "dispatch_products", False))  # see `dispatch_products`
     # A stage run's dense copy of a 4-bit weight (`roundpipe.model.dense_weights`), when bound.
-    dense: torch.Tensor | None = getattr(experts, f"{name}_dense", None) if quantized is not None else None
+    bound: torch.Tensor | None = getattr(experts, f"{name}_dense", None) if quantized is not None else None
+    if bound is not None and not bound.numel():
+        bound = None  # the empty placeholder of a replica's slot
     out: torch.Tensor
-    if dense is not None and dense.numel():
-        mat_b = dense if layout.transposed else dense.transpose(-2, -1)
-        out = grouped_mm(x, mat_b, routing.offsets, dispatched=dispatched)
-    elif quantized is not None and name in quantized:
+    if bound is None and quantized is not None and name in quantized:
         packed: torch.Tensor = getattr(experts, f"{name}_packed")
         absmax: torch.Tensor = getattr(experts, f"{name}_absmax")
         compiled = bool(getattr(experts, "compiled", False))
@@ -175,7 +175,7 @@ def _projection(
         args = (x, packed, absmax, routing.offsets, meta, layout.transposed, compiled, dispatched)
         out = _NF4GroupedMM.apply(*args)
     else:
-        weight: torch.Tensor = getattr(experts, name)
+        weight: torch.Tensor = bound if bound is not None else getattr(experts, name)
         mat_b = weight if layout.transposed else weight.transpose(-2, -1)
         out = grouped_mm(x, mat_b, routing.offsets, dispatched=dispatched)
     if layout.bias:
@@ -346,7 +346,7 @@ def dequantized_experts(module: nn.Module, dtype: torch.dtype | None = None) -> 
     layout (new tensors; for inspection, export and tests)."""
     meta: dict[str, NF4Meta] = getattr(module, "nf4_meta")  # noqa: B009
     return {
-        name: _dense_weight(
+        name: dense_weight(
             getattr(module, f"{name}_packed"), getattr(module, f"{name}_absmax"), m, dtype or m.dtype, False
         ).view(m.shape)
         for name, m in meta.items()

@@ -39,9 +39,10 @@ def plan_dequantizing(
     """``plan_with(memory)``, with the dense copies of each layer's 4-bit weights counted where
     ``config.dequantize`` asks for them ("run") or allows them and a plan fits ("auto")."""
     dense = tuple(dense_bytes(layer, dtype) for layer in layers)
+    per_call = replace(memory, dense_bytes=())
     single = config.num_microbatches == 1 or config.round_size == 1
     if config.dequantize == "call" or not any(dense) or (single and config.dequantize == "auto"):
-        return plan_with(replace(memory, dense_bytes=()))
+        return plan_with(per_call)
     try:
         return plan_with(replace(memory, dense_bytes=dense))
     except PlanError as exc:
@@ -51,7 +52,7 @@ def plan_dequantizing(
                 f"({sum(dense) / 2**30:.1f} GiB for the whole model); dequantize='call' (or 'auto') "
                 "dequantizes inside each layer call instead"
             ) from exc
-    return plan_with(replace(memory, dense_bytes=()))
+    return plan_with(per_call)
 
 
 def dense_weights_of(memory: LayerMemory) -> bool:
