@@ -23,7 +23,7 @@ import json
 from roundpipe.backends.fake import FakeCostModel
 from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, Plan
-from roundpipe.planning.simulate import run_graphs
+from roundpipe.planning.simulate import run_graphs, settled_iteration_ms
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import Task
 
@@ -47,11 +47,7 @@ def iteration_ms(
     model = FakeCostModel(costs, link_gbps=link_gbps)
     backend = FakeStreamBackend(model, shared_link=True, issue_ms=issue_ms if issue else 0.0)
     _, trace = run_graphs(backend, builder, ITERATIONS, MICROBATCHES)
-    ends: dict[int, float] = {}
-    for task in trace:
-        if task.kind in ("compute", "recompute") and task.iteration >= 0:
-            ends[task.iteration] = max(ends.get(task.iteration, 0.0), task.end_t)
-    return (ends[ITERATIONS - 1] - ends[1]) / (ITERATIONS - 2)
+    return settled_iteration_ms(trace, ITERATIONS)
 
 
 def main() -> None:

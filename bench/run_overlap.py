@@ -27,7 +27,7 @@ from typing import Any
 from roundpipe.backends.fake import FakeCostModel
 from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, Plan
-from roundpipe.planning.simulate import run_graphs
+from roundpipe.planning.simulate import run_graphs, settled_iteration_ms
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import Task
 
@@ -79,10 +79,7 @@ def measure(size: int, in_order: bool, link_gbps: float, decoders: int = DECODER
         if (before.iteration, before.slot) != (after.iteration, after.slot)
         and before.part != before.num_parts - 1
     )
-    ends: dict[int, float] = {}
-    for task in computes:
-        ends[task.iteration] = max(ends.get(task.iteration, 0.0), task.end_t)
-    ms = (ends[ITERATIONS - 1] - ends[1]) / (ITERATIONS - 2)
+    ms = settled_iteration_ms(trace, ITERATIONS)
     row = {"bench": "run_overlap", "stage_layers": size, "slots": plan.num_slots, "in_order": in_order}
     return row | {"ms_per_iteration": round(ms, 1), "runs_overlapped": overlapped}
 

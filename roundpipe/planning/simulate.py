@@ -186,6 +186,16 @@ def run_graphs(
     return engine, trace
 
 
+def settled_iteration_ms(trace: Trace, iterations: int) -> float:
+    """Milliseconds per iteration of ``iterations`` submitted at once (`run_graphs`), from the
+    last compute of iteration 1 to that of the last: the first, from an idle device, left out."""
+    ends: dict[int, float] = {}
+    for task in trace:
+        if task.kind in ("compute", "recompute") and task.iteration >= 0:
+            ends[task.iteration] = max(ends.get(task.iteration, 0.0), task.end_t)
+    return (ends[iterations - 1] - ends[1]) / (iterations - 2)
+
+
 def _builder(plan: Plan, costs: LayerCosts, shape: RunShape, run: FakeRun) -> GraphBuilder:
     """The graphs the training path would build for ``plan`` on a run of ``shape``."""
     spec = ModelSpec(
