@@ -119,6 +119,8 @@ keys = ["tokens_per_s", "peak_gib", "predicted_peak_gib", "host_rss_gib", "h2d_b
 shown = {k: r.get(k) for k in keys}
 shown["issue_ms_per_iteration"] = r.get("breakdown", {}).get("issue_ms_per_iteration")  # against busy_ms
 print("  ", json.dumps(shown))
+if "torch_profile" in r:  # a -profile variant: device time per step by kernel kind
+    print("   kernels", json.dumps(r["torch_profile"].get("kernels_by_kind")))
 PY
 }
 

@@ -23,6 +23,16 @@ from torch.profiler import ProfilerActivity, profile
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 TOP = 25
+# Device activity by kind, first match wins (a grouped product's CUTLASS name also says "Gemm"):
+# the top rows name the largest kernels only, and a layer's many small ones (norms, routing,
+# activations) add up below them. Operators are left out: their device time repeats their kernels'.
+KERNEL_KINDS = (
+    ("copy", ("Memcpy", "Memset")),
+    ("grouped_product", ("GroupProblem", "grouped_gemm", "GroupedGemm")),
+    ("product", ("nvjet", "gemm", "Gemm", "xmma", "cutlass", "cublas")),
+    ("attention", ("sdpa", "fmha", "flash", "attention")),
+    ("triton", ("triton_",)),
+)
 
 
 def _device_us(event: Any) -> float:
@@ -32,6 +42,32 @@ def _device_us(event: Any) -> float:
 
 def _host_us(event: Any) -> float:
     return float(event.self_cpu_time_total)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of one device activity by its name (`KERNEL_KINDS`), else ``"other"``."""
+    for kind, marks in KERNEL_KINDS:
+        if any(mark in name for mark in marks):
+            return kind
+    return "other"
+
+
+def _on_device(event: Any) -> bool:
+    device_type = getattr(event, "device_type", None)
+    return device_type is not None and getattr(device_type, "name", str(device_type)) != "CPU"
+
+
+def kernels_by_kind(rows: list[Any], per_step: int) -> dict[str, dict[str, float]]:
+    """Per measured step, the device time and count of the kernels and copies of each kind."""
+    kinds: dict[str, dict[str, float]] = {}
+    for event in rows:
+        if not _on_device(event):
+            continue
+        entry = kinds.setdefault(kernel_kind(event.key), {"ms_per_step": 0.0, "calls_per_step": 0.0})
+        entry["ms_per_step"] += _device_us(event) / 1000 / per_step
+        entry["calls_per_step"] += int(event.count) / per_step
+    ranked = sorted(kinds.items(), key=lambda item: -item[1]["ms_per_step"])
+    return {kind: {k: round(v, 3) for k, v in entry.items()} for kind, entry in ranked}
 
 
 def summarize(events: Any, steps: int, on_device: bool) -> dict[str, Any]:
@@ -52,6 +88,7 @@ def summarize(events: Any, steps: int, on_device: bool) -> dict[str, Any]:
         "host_ms_per_step": round(sum(_host_us(e) for e in rows) / 1000 / per_step, 3),
         "kernel_launches_per_step": sum(int(e.count) for e in launches) // per_step,
         "launch_host_ms_per_step": round(sum(_host_us(e) for e in launches) / 1000 / per_step, 3),
+        "kernels_by_kind": kernels_by_kind(rows, per_step),
         "top": [_row(e, per_step) for e in top],
         **({"top_host": [_row(e, per_step) for e in top_host]} if on_device else {}),
     }

@@ -39,6 +39,7 @@ def _load() -> ModuleType:
 
 bench = _load()
 pieces = sys.modules["gpu_throughput_run"]
+torch_profile = sys.modules["torch_profile"]
 
 
 def _json_lines(text: str) -> list[dict[str, Any]]:
@@ -117,6 +118,40 @@ def test_torch_profile_sees_the_lane_threads_operators(capsys: pytest.CaptureFix
     assert "aten::mm" in names, names  # the layers' products, issued from the compute lane
     mm = next(row for row in summary["top"] if row["name"] == "aten::mm")
     assert mm["calls_per_step"] > 0 and summary["host_ms_per_step"] >= mm["self_host_ms_per_step"] > 0
+
+
+def test_device_time_is_summed_by_kernel_kind_without_the_operators() -> None:
+    """Kernels and copies are summed by kind (names an H100 profile of D16 gave), a grouped
+    product is not counted as a plain one, and host operators, whose device time repeats their
+    kernels', are left out."""
+    from torch.autograd import DeviceType
+
+    def row(name: str, device_ms: float, count: int, device: DeviceType) -> SimpleNamespace:
+        return SimpleNamespace(
+            key=name, self_device_time_total=device_ms * 1000, count=count, device_type=device
+        )
+
+    cuda = DeviceType.CUDA
+    rows = [
+        row(
+            "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17GroupProblem",
+            40.0,
+            128,
+            cuda,
+        ),
+        row("nvjet_sm90_tst_320x128_64x3_2x1_v_bz_coopB_TNT", 50.0, 64, cuda),
+        row("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 44.0, 64, cuda),
+        row("triton_per_fused_index_sum_view_2", 10.0, 64, cuda),
+        row("triton_red_fused__to_copy_arange_eq_exp_logsumexp_mul_sub_unsqueeze_0", 42.0, 80, cuda),
+        row("Memcpy HtoD (Pinned -> Device)", 122.0, 169, cuda),
+        row("void at::native::vectorized_elementwise_kernel", 3.0, 30, cuda),
+        row("aten::_grouped_mm", 83.0, 256, DeviceType.CPU),
+    ]
+    kinds = torch_profile.kernels_by_kind(rows, per_step=2)
+    assert list(kinds) == ["copy", "triton", "product", "attention", "grouped_product", "other"]
+    assert kinds["triton"] == {"ms_per_step": 26.0, "calls_per_step": 72.0}
+    assert kinds["grouped_product"] == {"ms_per_step": 20.0, "calls_per_step": 64.0}
+    assert kinds["other"]["ms_per_step"] == 1.5
 
 
 def test_lora_under_a_tiny_budget_reports_both_verdicts(
