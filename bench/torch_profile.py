@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 TOP = 25
+TOP_KERNELS = 60  # a layer's glue is dozens of kernels of 1-3% each: rank them apart from operators
 # Device activity by kind, first match wins (a grouped product's CUTLASS name also says "Gemm"):
 # the top rows name the largest kernels only, and a layer's many small ones (norms, routing,
 # activations) add up below them. Operators are left out: their device time repeats their kernels'.
@@ -72,8 +73,9 @@ def kernels_by_kind(rows: list[Any], per_step: int) -> dict[str, dict[str, float
 
 def summarize(events: Any, steps: int, on_device: bool) -> dict[str, Any]:
     """Per measured step: the operators and kernels that took the most self time (device time
-    when a GPU ran them, host time otherwise; on a GPU also by host time, ``top_host``), the
-    device total, and the host's kernel launches."""
+    when a GPU ran them, host time otherwise; on a GPU also by host time, ``top_host``, and the
+    kernels alone, ``top_kernels``), the device time of the kernels and copies (an operator's
+    device time repeats its kernels'), by kind too, and the host's kernel launches."""
     rows = list(events)
     per_step = max(steps, 1)
     launches = [e for e in rows if e.key in LAUNCH_CALLS]
@@ -81,16 +83,18 @@ def summarize(events: Any, steps: int, on_device: bool) -> dict[str, Any]:
     # On a GPU the host's own ranking says what a host-bound run's lanes spend their time on
     # (every thread's: the waiters' event synchronisations show here too, under their own names).
     top_host = sorted(rows, key=_host_us, reverse=True)[:TOP] if on_device else []
+    kernels = sorted((e for e in rows if _on_device(e)), key=_device_us, reverse=True)[:TOP_KERNELS]
     return {
         "steps": steps,
         "ranked_by": "self device time" if on_device else "self host time",
-        "device_ms_per_step": round(sum(_device_us(e) for e in rows) / 1000 / per_step, 3),
+        "device_ms_per_step": round(sum(_device_us(e) for e in rows if _on_device(e)) / 1000 / per_step, 3),
         "host_ms_per_step": round(sum(_host_us(e) for e in rows) / 1000 / per_step, 3),
         "kernel_launches_per_step": sum(int(e.count) for e in launches) // per_step,
         "launch_host_ms_per_step": round(sum(_host_us(e) for e in launches) / 1000 / per_step, 3),
         "kernels_by_kind": kernels_by_kind(rows, per_step),
         "top": [_row(e, per_step) for e in top],
         **({"top_host": [_row(e, per_step) for e in top_host]} if on_device else {}),
+        **({"top_kernels": [_row(e, per_step) for e in kernels]} if on_device else {}),
     }
 
 

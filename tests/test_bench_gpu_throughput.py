@@ -123,12 +123,16 @@ def test_torch_profile_sees_the_lane_threads_operators(capsys: pytest.CaptureFix
 def test_device_time_is_summed_by_kernel_kind_without_the_operators() -> None:
     """Kernels and copies are summed by kind (names an H100 profile of D16 gave), a grouped
     product is not counted as a plain one, and host operators, whose device time repeats their
-    kernels', are left out."""
+    kernels', are left out of the sums and of the kernels' own ranking."""
     from torch.autograd import DeviceType
 
     def row(name: str, device_ms: float, count: int, device: DeviceType) -> SimpleNamespace:
         return SimpleNamespace(
-            key=name, self_device_time_total=device_ms * 1000, count=count, device_type=device
+            key=name,
+            self_device_time_total=device_ms * 1000,
+            self_cpu_time_total=0.0,
+            count=count,
+            device_type=device,
         )
 
     cuda = DeviceType.CUDA
@@ -152,6 +156,10 @@ def test_device_time_is_summed_by_kernel_kind_without_the_operators() -> None:
     assert kinds["triton"] == {"ms_per_step": 26.0, "calls_per_step": 72.0}
     assert kinds["grouped_product"] == {"ms_per_step": 20.0, "calls_per_step": 64.0}
     assert kinds["other"]["ms_per_step"] == 1.5
+    summary = torch_profile.summarize(rows, steps=2, on_device=True)
+    assert summary["device_ms_per_step"] == 155.5  # the operator's 83 ms not counted twice
+    assert [r["name"] for r in summary["top_kernels"]][:2] == [rows[5].key, rows[1].key]
+    assert "aten::_grouped_mm" not in {r["name"] for r in summary["top_kernels"]}
 
 
 def test_lora_under_a_tiny_budget_reports_both_verdicts(
