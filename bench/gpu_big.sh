@@ -16,6 +16,7 @@
 #   OUT=/path bash bench/gpu_big.sh 4       # G-nf4 at 131,072 tokens, then at 262,144
 #   OUT=/path bash bench/gpu_big.sh F D     # named workloads, default settings
 #   OUT=/path bash bench/gpu_big.sh F-profile D16-profile   # torch.profiler summaries, 4 layers each
+#   OUT=/path bash bench/gpu_big.sh F-snapshot           # where a measured step's peak bytes were
 #   OUT=/path bash bench/gpu_big.sh D16-python D16          # a workload and one of its VARIANTs
 #
 # Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
@@ -84,6 +85,9 @@ declare -A VARIANT=(
   # --steps win): what F's layer computes, what D's host issues (top_host), whether D16's layers
   # are short of launches, where E's 9 ms backward of a layer goes; not the workload's tokens/s
   [profile]="--layers 4 --warmup 1 --steps 1 --torch-profile"
+  # Where a measured step's peak bytes were (bench/gpu_memory_snapshot.py), in $OUT/NAME/: which
+  # run's weights, copies and activations F held at 18.89 GiB against 17.74 predicted
+  [snapshot]="--warmup 2 --steps 1 --memory-snapshot SNAPSHOT_DIR"
 )
 job_spec() {  # "limit_s|least_s|arguments" of a workload name
   local name=$1 base=${1%-*} variant=${1##*-}
@@ -121,6 +125,8 @@ shown["issue_ms_per_iteration"] = r.get("breakdown", {}).get("issue_ms_per_itera
 print("  ", json.dumps(shown))
 if "torch_profile" in r:  # a -profile variant: device time per step by kernel kind
     print("   kernels", json.dumps(r["torch_profile"].get("kernels_by_kind")))
+if "memory_snapshot" in r:  # a -snapshot variant: the peak's bytes by task, the runtime's holdings
+    print("   snapshot", json.dumps(r["memory_snapshot"])[:1500])
 PY
 }
 
@@ -134,6 +140,7 @@ for name in "${NAMES[@]}"; do
     continue
   fi
   ((limit > left)) && limit=$left
+  args=${args//SNAPSHOT_DIR/$OUT/$name}
   echo "== $name: $args (limit ${limit}s, $(date +%T))"
   # shellcheck disable=SC2086  # the arguments are words
   timeout --kill-after=15 "$limit" python bench/gpu_throughput.py --devices "$DEVICES" --async --loss-lag 1 \

@@ -7,6 +7,11 @@ Qwen3-shaped model with the history recorded and writes a gzipped snapshot plus 
 the live bytes at the peak grouped by the innermost roundpipe frame that allocated them.
 
     python bench/gpu_memory_snapshot.py --layers 8 --seq 2048 --batch 32 --microbatches 4 --budget 12GiB --out DIR
+
+Any workload of bench/gpu_throughput.py, with its own configuration, over its measured steps
+(`recorded`; the summary alone, no snapshot file):
+
+    python bench/gpu_throughput.py --workload F --async --loss-lag 1 --warmup 2 --steps 1 --memory-snapshot DIR
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import gzip
 import json
 import pickle
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -177,6 +185,39 @@ def live_at_peak(snapshot: dict, uploads: dict[int, str] | None = None) -> dict[
         "by_frame_gib": grouped(_frame_of),
         "by_code_gib": grouped(_code_of),
     }
+
+
+@contextmanager
+def recorded(out: Path, max_entries: int = 1_000_000) -> Iterator[dict[str, Any]]:
+    """Record the allocator's history and the runtime's tasks over the block; on exit write
+    ``out/memory_summary.json`` (the live bytes at the block's peak by task, frame and line, the
+    tasks before the peak, the runtime's own holdings at its highest point) and fill the yielded
+    dict with its short form. Blocks allocated before the block are not in the replayed peak (the
+    runtime's holdings and the allocator's figures are absolute)."""
+    log = TaskLog()
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, context="alloc", stacks="python")
+    short: dict[str, Any] = {}
+    try:
+        yield short
+    finally:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        log.restore()
+        live = live_at_peak(snapshot, log.uploads)
+        summary = {
+            "measured_peak_gib": torch.cuda.max_memory_allocated(0) / 2**30,
+            "live_at_peak": live,
+            "tasks_before_peak": log.around_peak(),
+            "runtime_at_high": log.high_holdings,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "memory_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        short.update(
+            summary=str(out / "memory_summary.json"),
+            peak_live_gib=round(float(live["peak_live_gib"]), 3),  # type: ignore[arg-type]
+            by_task_gib=live["by_task_gib"],
+            runtime_at_high=log.high_holdings,
+        )
 
 
 def main() -> None:

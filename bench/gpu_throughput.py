@@ -48,6 +48,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 
 from gpu_link import h2d_probe_gbps, link_figures, model_upload_bytes
+from gpu_memory_snapshot import recorded
 from gpu_throughput_run import (
     SDPA_BACKENDS,
     RssSampler,
@@ -216,6 +217,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="profile the measured steps with torch.profiler (bench/torch_profile.py); slows them",
     )
+    p.add_argument(
+        "--memory-snapshot",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record the allocator's history over the measured steps and write where the peak's "
+        "bytes were to DIR/memory_summary.json (bench/gpu_memory_snapshot.py; CUDA only); slows them",
+    )
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--collect-garbage",
@@ -327,6 +336,7 @@ def run_roundpipe(
     waiting: list[Any] = []  # `PendingLoss`es not read yet
     profiling = contextlib.ExitStack()  # --torch-profile: entered with the measured steps
     torch_profile: dict[str, Any] | None = None
+    memory_snapshot: dict[str, Any] | None = None  # --memory-snapshot: entered likewise
     planner = planner_settings(args)
     inductor_options = parse_inductor_options(getattr(args, "inductor", []))
     with (
@@ -360,6 +370,8 @@ def run_roundpipe(
                 first, measured_start = pipe.iteration_count, time.perf_counter()
                 if getattr(args, "torch_profile", False):
                     torch_profile = profiling.enter_context(profiled(args.steps))
+                if getattr(args, "memory_snapshot", None) is not None and indices:
+                    memory_snapshot = profiling.enter_context(recorded(args.memory_snapshot))
             start = time.perf_counter()
             plans_run.append(pipe.plan)  # re-plans happen between iterations, never inside one
             waiting.append(pipe.forward_backward(data, wait=False))
@@ -463,6 +475,7 @@ def run_roundpipe(
         "attention_backend": attention,
         "flow_depth": flow_depth,
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
+        **({"memory_snapshot": memory_snapshot} if memory_snapshot is not None else {}),
     }
 
 
