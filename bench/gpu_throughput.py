@@ -457,6 +457,9 @@ def run_roundpipe(
         "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long
         "prefetch_stages": trace.meta.get("prefetch_stages"),  # stages uploaded ahead, as last planned
         "dense_weights": trace.meta.get("dense_weights"),  # 4-bit weights dense once a stage run
+        # Each layer's forward and backward ms as the profile measured them and as the re-plan
+        # scaled them to the device's timing: a layer timed compiling stands out here.
+        "layer_ms": layer_ms(trace.meta),
         "busy_ms_per_step": {k: round(v, 2) for k, v in sorted(report.busy_ms_per_iteration.items())},
         "breakdown": report.to_dict(),
         "host_rss_gib": rss.report(),
@@ -477,6 +480,20 @@ def run_roundpipe(
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
         **({"memory_snapshot": memory_snapshot} if memory_snapshot is not None else {}),
     }
+
+
+def layer_ms(meta: dict[str, Any]) -> dict[str, list[float]] | None:
+    """The profiled and the planned (re-planned) per-layer times in a trace's metadata, rounded."""
+    profiled, planned = meta.get("profiled_layer_costs"), meta.get("layer_costs")
+    if not isinstance(profiled, dict) or not isinstance(planned, dict):
+        return None
+    pairs = {
+        "profiled_fwd": profiled.get("fwd_ms"),
+        "profiled_bwd": profiled.get("bwd_ms"),
+        "fwd": planned.get("fwd_ms"),
+        "bwd": planned.get("bwd_ms"),
+    }
+    return {k: [round(float(ms), 3) for ms in v] for k, v in pairs.items() if isinstance(v, list)}
 
 
 def sdpa_priority(first: str | None) -> contextlib.AbstractContextManager[Any]:

@@ -162,6 +162,21 @@ def test_device_time_is_summed_by_kernel_kind_without_the_operators() -> None:
     assert "aten::_grouped_mm" not in {r["name"] for r in summary["top_kernels"]}
 
 
+def test_a_profiled_run_reports_each_layers_times_as_profiled_and_as_planned(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Under a budget the layers are measured on the device (here the CPU): the line carries each
+    layer's profiled times and the times the plan used, one per layer, every one positive."""
+    argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    bench.main([*argv, "--async", "--no-plain", "--budget", "1GiB"])
+    (line,) = _json_lines(capsys.readouterr().out)
+    layer_ms = line["roundpipe"]["layer_ms"]
+    assert set(layer_ms) == {"profiled_fwd", "profiled_bwd", "fwd", "bwd"}
+    layers = bench.WORKLOADS["tiny"].shape.layers + 2  # the embedding and the head are layers too
+    assert all(len(ms) == layers and min(ms) > 0 for ms in layer_ms.values()), layer_ms
+    assert bench.layer_ms({"layer_costs": {"fwd_ms": [1.0]}}) is None  # nothing profiled: no table
+
+
 def test_lora_under_a_tiny_budget_reports_both_verdicts(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
