@@ -460,6 +460,7 @@ def run_roundpipe(
         # Each layer's forward and backward ms as the profile measured them and as the re-plan
         # scaled them to the device's timing: a layer timed compiling stands out here.
         "layer_ms": layer_ms(trace.meta),
+        "slowest_computes": slowest_computes(trace),  # a compile inside a timed iteration shows here
         "busy_ms_per_step": {k: round(v, 2) for k, v in sorted(report.busy_ms_per_iteration.items())},
         "breakdown": report.to_dict(),
         "host_rss_gib": rss.report(),
@@ -494,6 +495,26 @@ def layer_ms(meta: dict[str, Any]) -> dict[str, list[float]] | None:
         "bwd": planned.get("bwd_ms"),
     }
     return {k: [round(float(ms), 3) for ms in v] for k, v in pairs.items() if isinstance(v, list)}
+
+
+def slowest_computes(trace: Any, count: int = 6) -> list[dict[str, Any]]:
+    """The longest compute and recompute tasks of the whole run, iteration 0 included (it
+    compiles), with where they ran: the re-plan scales its costs to iterations from 1 on, so a
+    compile there would skew every layer's planned time."""
+    computes = [t for t in trace if t.kind in ("compute", "recompute") and t.end_t >= t.start_t]
+    longest = sorted(computes, key=lambda t: t.end_t - t.start_t, reverse=True)[:count]
+    return [
+        {
+            "ms": round(t.end_t - t.start_t, 2),
+            "kind": t.kind,
+            "stage_kind": t.stage_kind,
+            "iteration": t.iteration,
+            "slot": t.slot,
+            "microbatch": t.microbatch,
+            "layers": [t.layers.start, t.layers.stop],
+        }
+        for t in longest
+    ]
 
 
 def sdpa_priority(first: str | None) -> contextlib.AbstractContextManager[Any]:

@@ -175,6 +175,9 @@ def test_a_profiled_run_reports_each_layers_times_as_profiled_and_as_planned(
     layers = bench.WORKLOADS["tiny"].shape.layers + 2  # the embedding and the head are layers too
     assert all(len(ms) == layers and min(ms) > 0 for ms in layer_ms.values()), layer_ms
     assert bench.layer_ms({"layer_costs": {"fwd_ms": [1.0]}}) is None  # nothing profiled: no table
+    slowest = line["roundpipe"]["slowest_computes"]
+    assert slowest and [s["ms"] for s in slowest] == sorted((s["ms"] for s in slowest), reverse=True)
+    assert {s["kind"] for s in slowest} <= {"compute", "recompute"} and slowest[0]["layers"][1] > 0
 
 
 def test_lora_under_a_tiny_budget_reports_both_verdicts(
