@@ -109,6 +109,21 @@ def test_refined_costs_match_the_device_timings() -> None:
     assert refined_costs(only_first, costs) is None
 
 
+def test_a_task_timed_compiling_after_the_first_iteration_does_not_make_every_layer_dearer() -> None:
+    """One forward task of an iteration the re-plan reads took a thousand times its steady time
+    (a graph variant compiled late): the costs come out as without it."""
+    costs = LayerCosts((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), (0, 0, 0))
+    steady = [
+        _timed("fwd", range(0, 2), 10.0 * i, 10.0 * i + 4.0, iteration=1 + i // 4) for i in range(8)
+    ] + [_timed("fused", range(2, 3), 100.0 + 3.0 * i, 103.0 + 3.0 * i) for i in range(4)]
+    slow = list(steady)
+    slow[5] = _timed("fwd", range(0, 2), 50.0, 4050.0, iteration=2)
+    clean, skewed = refined_costs(Trace(steady), costs), refined_costs(Trace(slow), costs)
+    assert clean is not None and skewed is not None
+    assert clean.fwd_ms == pytest.approx((2.0, 2.0, 2.0)) and clean.bwd_ms == pytest.approx((2.0, 2.0, 2.0))
+    assert skewed.fwd_ms == pytest.approx(clean.fwd_ms) and skewed.bwd_ms == pytest.approx(clean.bwd_ms)
+
+
 def test_a_head_larger_than_half_the_budget_still_leaves_small_stages_beside_it() -> None:
     """Workload A's shape in miniature: an LM head whose weights, gradients and logits bound more
     than half the budget on their own. The partitioner's one cap per stage must not stop at the

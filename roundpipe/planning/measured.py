@@ -8,6 +8,8 @@ functions only read a trace's public fields; they never plan and never touch a d
 
 from __future__ import annotations
 
+import statistics
+
 from roundpipe.plan import LayerCosts
 from roundpipe.sched.trace import Trace
 
@@ -22,25 +24,31 @@ def refined_costs(trace: Trace, costs: LayerCosts, since_iteration: int = 1) -> 
     nothing was timed. The first iteration never counts: it compiles each layer kind's graphs and
     warms the allocator (on an H200, A's first-iteration forward tasks took 9x their steady time
     and its backward tasks 2x, and a re-plan from them took forward stages for ten times dearer
-    than they are)."""
-    measured: dict[str, float] = {}
-    predicted: dict[str, float] = {}
+    than they are). Each task counts at the median time of the tasks that ran the same work (its
+    task kind, stage kind and layers, over microbatches and iterations): a graph compiled late
+    (a variant a later iteration first needs) is one task of seconds among many of milliseconds,
+    and in a sum it would make every layer dearer."""
+    durations: dict[tuple[str, str, range], list[float]] = {}
     for task in trace:
         if task.kind not in ("compute", "recompute") or task.end_t < task.start_t or not len(task.layers):
             continue
         if task.iteration < since_iteration:
             continue
-        kind = str(task.stage_kind)
+        work = (task.kind, str(task.stage_kind), task.layers)
+        durations.setdefault(work, []).append(task.end_t - task.start_t)
+    measured: dict[str, float] = {}
+    predicted: dict[str, float] = {}
+    for (task_kind, kind, layers), times in durations.items():
         if kind == "fwd":
-            model = costs.fwd_stage_ms(task.layers)
+            model = costs.fwd_stage_ms(layers)
         elif kind == "fused":
-            model = costs.fused_stage_ms(task.layers)
-        elif task.kind == "recompute":  # a backward stage's two tasks share its forward + backward
-            model = costs.fwd_stage_ms(task.layers)
+            model = costs.fused_stage_ms(layers)
+        elif task_kind == "recompute":  # a backward stage's two tasks share its forward + backward
+            model = costs.fwd_stage_ms(layers)
         else:
-            model = costs.bwd_stage_ms(task.layers) - costs.fwd_stage_ms(task.layers)
-        measured[kind] = measured.get(kind, 0.0) + task.end_t - task.start_t
-        predicted[kind] = predicted.get(kind, 0.0) + model
+            model = costs.bwd_stage_ms(layers) - costs.fwd_stage_ms(layers)
+        measured[kind] = measured.get(kind, 0.0) + statistics.median(times) * len(times)
+        predicted[kind] = predicted.get(kind, 0.0) + model * len(times)
     if not measured:
         return None
     total = sum(measured.values()) / max(sum(predicted.values()), 1e-9)
