@@ -188,11 +188,17 @@ def live_at_peak(snapshot: dict, uploads: dict[int, str] | None = None) -> dict[
 
 
 @contextmanager
-def recorded(out: Path, max_entries: int = 1_000_000) -> Iterator[dict[str, Any]]:
+def recorded(
+    out: Path,
+    max_entries: int = 1_000_000,
+    facts: dict[str, Any] | None = None,
+    snapshot_file: bool = False,
+) -> Iterator[dict[str, Any]]:
     """Record the allocator's history and the runtime's tasks over the block; on exit write
-    ``out/memory_summary.json`` (the live bytes at the block's peak by task, frame and line, the
-    tasks before the peak, the runtime's own holdings at its highest point) and fill the yielded
-    dict with its short form. Blocks allocated before the block are not in the replayed peak (the
+    ``out/memory_summary.json`` (``facts``, as the block left them, then the live bytes at the
+    block's peak by task, frame and line, the tasks before the peak, the runtime's own holdings at
+    its highest point), with ``snapshot_file`` the history too, and fill the yielded dict with the
+    summary's short form. Blocks allocated before the block are not in the replayed peak (the
     runtime's holdings and the allocator's figures are absolute)."""
     log = TaskLog()
     torch.cuda.memory._record_memory_history(max_entries=max_entries, context="alloc", stacks="python")
@@ -204,13 +210,16 @@ def recorded(out: Path, max_entries: int = 1_000_000) -> Iterator[dict[str, Any]
         torch.cuda.memory._record_memory_history(enabled=None)
         log.restore()
         live = live_at_peak(snapshot, log.uploads)
-        summary = {
+        summary = dict(facts or {}) | {
             "measured_peak_gib": torch.cuda.max_memory_allocated(0) / 2**30,
             "live_at_peak": live,
             "tasks_before_peak": log.around_peak(),
             "runtime_at_high": log.high_holdings,
         }
         out.mkdir(parents=True, exist_ok=True)
+        if snapshot_file:
+            with gzip.open(out / "snapshot.pickle.gz", "wb") as f:
+                pickle.dump(snapshot, f)
         (out / "memory_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         short.update(
             summary=str(out / "memory_summary.json"),
@@ -244,37 +253,27 @@ def main() -> None:
         memory_budget=args.budget,
         compile={"auto": "auto", "on": True, "off": False}[args.compile],
     )
-    log = TaskLog()
-    torch.cuda.memory._record_memory_history(max_entries=200_000, context="alloc", stacks="python")
     summary: dict[str, object] = {"args": vars(args) | {"out": str(args.out)}}
     pipe = None
-    try:
-        with roundpipe.RoundPipe(model, optimizer=adamw([]), config=config) as pipe:
-            for _ in range(args.steps):
-                pipe.forward_backward(batch)
-                pipe.step()
-            pipe.synchronize()
-    except Exception as exc:  # the snapshot is the point, also (above all) after an out-of-memory
-        summary["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-    if pipe is not None:
-        prediction = pipe.memory_prediction
-        summary["predicted_peak_gib"] = None if prediction is None else prediction.peak_bytes / 2**30
-        summary["prediction"] = None if prediction is None else prediction.to_dict()
-        summary["plan"] = str(pipe.plan)
-        device_plan = getattr(getattr(pipe, "_planner", None), "device_plan", None)
-        memory = getattr(device_plan, "memory", None)
-        summary["layer_memory"] = None if memory is None else memory.to_dict()
-    summary["measured_peak_gib"] = torch.cuda.max_memory_allocated(0) / 2**30
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    summary["live_at_peak"] = live_at_peak(snapshot, log.uploads)
-    summary["tasks_before_peak"] = log.around_peak()
-    summary["runtime_at_high"] = log.high_holdings
-    args.out.mkdir(parents=True, exist_ok=True)
-    with gzip.open(args.out / "snapshot.pickle.gz", "wb") as f:
-        pickle.dump(snapshot, f)
-    (args.out / "memory_summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    print(json.dumps(summary, indent=1, default=str))
+    with recorded(args.out, max_entries=200_000, facts=summary, snapshot_file=True) as short:
+        try:
+            with roundpipe.RoundPipe(model, optimizer=adamw([]), config=config) as pipe:
+                for _ in range(args.steps):
+                    pipe.forward_backward(batch)
+                    pipe.step()
+                pipe.synchronize()
+        except Exception as exc:  # the snapshot is the point, also (above all) after an out-of-memory
+            summary["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        if pipe is not None:
+            prediction = pipe.memory_prediction
+            summary["predicted_peak_gib"] = None if prediction is None else prediction.peak_bytes / 2**30
+            summary["prediction"] = None if prediction is None else prediction.to_dict()
+            summary["plan"] = str(pipe.plan)
+            device_plan = getattr(getattr(pipe, "_planner", None), "device_plan", None)
+            memory = getattr(device_plan, "memory", None)
+            summary["layer_memory"] = None if memory is None else memory.to_dict()
+    print((args.out / "memory_summary.json").read_text())
+    print(json.dumps(short, default=str))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_recorded_writes_the_summary_and_restores_the_runtime(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over a block: history on, then off; the runtime's methods patched, then as they were; the
-    summary file and the short form agree."""
+    summary file holds the facts as the block left them, and it and the short form agree."""
     import roundpipe.backends.runtime as runtime_module
 
     calls: list[Any] = []
@@ -74,11 +74,17 @@ def test_recorded_writes_the_summary_and_restores_the_runtime(
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: HISTORY)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 6 * GIB)
     original = runtime_module.Runtime.run
-    with recorded(tmp_path / "snap") as short:
+    facts: dict[str, Any] = {}
+    with recorded(tmp_path / "snap", facts=facts, snapshot_file=True) as short:
         assert runtime_module.Runtime.run is not original  # the task log is in place
         assert short == {}
+        facts["plan"] = "filled in during the block"
     assert runtime_module.Runtime.run is original and calls == ["on", None]
     written = json.loads((tmp_path / "snap" / "memory_summary.json").read_text())
     assert written["measured_peak_gib"] == 6.0 and written["live_at_peak"]["peak_live_gib"] == 5.0
+    assert (
+        written["plan"] == "filled in during the block"
+        and (tmp_path / "snap" / "snapshot.pickle.gz").exists()
+    )
     assert short["peak_live_gib"] == 5.0 and short["by_task_gib"] == written["live_at_peak"]["by_task_gib"]
     assert short["summary"].endswith("memory_summary.json")
