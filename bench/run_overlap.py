@@ -4,10 +4,11 @@ costs an iteration.
 
 Why: a stage run that dequantizes its 4-bit weights once (`roundpipe.backends.dense_runs`) holds
 their dense copies from its first compute to its last. The engine may start a forward run's first
-microbatch while the run before waits for its next input, so two runs' copies meet, and the
-memory model counts the next run's copies on such slots (`roundpipe.plan.memory`), which cuts
-smaller stages. The alternative, a run's first compute waiting for the last of the run before,
-is built here by adding that dependency to each graph.
+microbatch while the run before waits for its next input, so two runs' copies would meet. The
+runtime defers the next run's copies until the run before has dropped its own (its first computes
+dequantize in their calls); the alternatives weighed here: a run's first compute waiting for the
+last of the run before (built by adding that dependency to each graph), or stages small enough
+for two runs' copies (``--sizes``).
 
 F as an H100 measured it (per decoder layer and microbatch 10.7 ms forward, 14.0 backward; 483 MB
 uploaded a decoder layer at 45 GB/s; 4 x 4096 tokens, activations 64 MiB; the host's issue time of
