@@ -68,6 +68,12 @@ declare -A VARIANT=(
   # The evaluated choice's finest stages (RunConfig's one-device default is the fewest stages that
   # fit, roundpipe.plan.coarse): the A/B behind that default.
   [balanced]="--one-device-stages balanced"
+  # Coarse forward stages, backward stages of one layer: every layer's recompute starts from its
+  # own saved input and leaves out its frozen down projection (roundpipe.model.frozen_tail), for
+  # every layer's input over the link and on the host.
+  [oneback]="--one-device-stages coarse_forward"
+  # Every recompute computes its last layer's frozen down projection (RunConfig.skip_unread_tail).
+  [fulltail]="--skip-unread-tail false"
   # Fewer kernel launches per compiled layer: inductor's horizontal fusion of independent kernels,
   # or its more aggressive fusion.
   [combo]="--inductor combo_kernels=True"

@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", help='RunConfig.chunk_bytes, the largest upload piece, e.g. "256MiB"')
     p.add_argument(
         "--one-device-stages",
-        choices=("balanced", "coarse"),
+        choices=("balanced", "coarse", "coarse_forward"),
         help="how a one-GPU plan cuts its stages (roundpipe.planning.device_plan.STAGES_ON_ONE_DEVICE)",
     )
     p.add_argument(
@@ -179,6 +179,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile",
         choices=("auto", "true", "false"),
         help="RunConfig.compile (default: its default, auto); false runs the layers eagerly",
+    )
+    p.add_argument(
+        "--skip-unread-tail",
+        choices=("true", "false"),
+        help="RunConfig.skip_unread_tail (default: its default, true); false recomputes every "
+        "layer's frozen down projection",
     )
     p.add_argument(
         "--inductor",
@@ -304,6 +310,8 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         fields["chunk_bytes"] = parse_size(args.chunk_bytes)
     if getattr(args, "compile", None):
         fields["compile"] = {"auto": "auto", "true": True, "false": False}[args.compile]
+    if getattr(args, "skip_unread_tail", None) and "skip_unread_tail" in roundpipe.RunConfig.model_fields:
+        fields["skip_unread_tail"] = args.skip_unread_tail == "true"
     route = budget_route(workload)["budget_field"]
     if route is None:
         return roundpipe.RunConfig(**fields)
@@ -473,6 +481,7 @@ def run_roundpipe(
         "profile": getattr(config, "profile", None),
         "chunk_bytes": config.chunk_bytes,
         "compile": config.compile,
+        "skip_unread_tail": getattr(config, "skip_unread_tail", None),
         "one_device_stages": planner["STAGES_ON_ONE_DEVICE"],
         "inductor": inductor_options,
         "sdpa_first": getattr(args, "sdpa_first", None),

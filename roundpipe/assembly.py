@@ -77,6 +77,7 @@ def make_runtime(
         lr_scale=lr_ramp(config),
     )
     runtime.collectives = make_collectives(config.distributed, host)
+    runtime.skip_unread_tail = config.skip_unread_tail
     # Until a device plan says otherwise (`record_device_plan`): no budget to decide against. A
     # model may arrive holding 4-bit weights whatever base_format says.
     runtime.dense.enabled = config.dequantize != "call" and runtime.dense.holds_quantized()

@@ -255,6 +255,12 @@ class RunConfig(BaseModel):
     round_size: int | None = Field(None, ge=1, description="microbatches per round (>= number of devices)")
     chunk_bytes: int | None = Field(64 << 20, ge=1, description="split parameter uploads larger than this")
     recompute_grain: Literal["stage", "layer"] = Field("stage", description="backward recompute granularity")
+    skip_unread_tail: bool = Field(
+        True,
+        description="a backward stage's recompute leaves out the frozen down projection that ends its "
+        "last layer (every layer's with recompute_grain='layer'): the backward never reads its "
+        "value, so the gradients are the same; False computes it",
+    )
     mem_limit_bytes: int | None = Field(
         None,
         ge=1,

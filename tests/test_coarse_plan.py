@@ -39,6 +39,26 @@ def test_each_stage_is_as_long_as_fits() -> None:
         coarsest_plan(costs, 4, 200)
 
 
+def test_coarse_forward_stages_with_one_layer_backward_stages() -> None:
+    costs = LayerCosts.uniform(10, fwd_ms=1.0, bwd_ms=2.0, head_factor=3.0, mem_bytes=100)
+    coarse, one = coarsest_plan(costs, 4, 600), coarsest_plan(costs, 4, 600, backward_layers=1)
+    assert (one.fwd_stages, one.fused) == (coarse.fwd_stages, coarse.fused)
+    assert one.bwd_stages == tuple(range(i, i + 1) for i in range(8, -1, -1))
+
+
+def test_the_switch_cuts_one_layer_backward_stages_on_one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    costs, mem = _memory(24)
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, async_optimizer=False)
+    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "coarse")
+    coarse = plan_from(config, costs, mem, 1, 2 << 30, kind="cuda")
+    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "coarse_forward")
+    one = plan_from(config, costs, mem, 1, 2 << 30, kind="cuda")
+    assert max(len(s) for s in coarse.plan.bwd_stages) > 1
+    assert {len(s) for s in one.plan.bwd_stages} == {1}
+    assert len(one.plan.fwd_stages) <= len(coarse.plan.fwd_stages)  # still the coarsest that fit
+    assert one.prediction.fits(planning_budget(2 << 30, "cuda"))
+
+
 def _memory(blocks: int) -> tuple[LayerCosts, LayerMemory]:
     mem = LayerMemory(
         param_bytes=(200 * MIB, *[100 * MIB] * blocks, 200 * MIB),

@@ -77,12 +77,23 @@ class Replicas:
                 self._replicas[key] = module
         return module
 
-    def call(self, task: Task, layer: int, params: dict[int, dict[str, torch.Tensor]], x: Any) -> Any:
-        """Layer ``layer`` of ``task``'s stage on its device, with the run's transient weights."""
+    def call(
+        self,
+        task: Task,
+        layer: int,
+        params: dict[int, dict[str, torch.Tensor]],
+        x: Any,
+        *,
+        output_unread: bool = False,
+    ) -> Any:
+        """Layer ``layer`` of ``task``'s stage on its device, with the run's transient weights.
+        ``output_unread``: the caller only back-propagates from the output (a recompute's root),
+        so a layer that can skip work for that (``roundpipe_output_unread()``, `frozen_tail`) does."""
         replica = self.replica(task.device, layer)
         binder = self._binders[ReplicaKey(task.device, layer)]
+        skipping: Any = getattr(replica, "roundpipe_output_unread", None) if output_unread else None
         try:
-            with self._rng(task.iteration, layer, task.microbatch):
+            with self._rng(task.iteration, layer, task.microbatch), skipping() if skipping else nullcontext():
                 binder.bind(params.get(layer, {}))
                 binder.forget_cached()
                 try:

@@ -99,6 +99,7 @@ class Runtime(OptimizerLane):
         self.predict_from, self.lr_scale = predict_from, lr_scale
         self.layers, self.names, self.computes_loss = host.layers, names, computes_loss
         self.recompute_grain, self.seed, self.max_grad_norm = recompute_grain, seed, max_grad_norm
+        self.skip_unread_tail = True  # RunConfig.skip_unread_tail (`roundpipe.model.frozen_tail`)
         # (1-based step, norm) of the first step whose global gradient norm was NaN/inf, when a
         # norm is computed (max_grad_norm) and no loss scaler skips such steps.
         self.non_finite_grad_norm: tuple[int, float] | None = None
@@ -335,7 +336,8 @@ class Runtime(OptimizerLane):
                 # recompute's graph still reads during this backward (its leaves share that storage;
                 # ``state.uploaded`` keeps the rest of it, such as constants only the graph saved).
                 self.hold(task, grad, state)
-            self.outbox[key] = ("grad", backward_stage(self._call, task, params, state, grad))
+            grads = backward_stage(self._call, task, params, state, grad, skip_tail=self.skip_unread_tail)
+            self.outbox[key] = ("grad", grads)
             return
         value = self.inbox.pop(key)
         if self.defer_release:
@@ -371,7 +373,9 @@ class Runtime(OptimizerLane):
         if self.defer_release:
             self.hold(task, value)  # uploaded on another stream
         params = self.dense.params(RunKey(task.device, task.iteration, task.round, task.slot), self.transient)
-        state = recompute_stage(self._call, task, params, value, grain=self.recompute_grain)
+        state = recompute_stage(
+            self._call, task, params, value, grain=self.recompute_grain, skip_tail=self.skip_unread_tail
+        )
         if self.defer_release:
             state.uploaded = value
         self.recomputed[key] = state

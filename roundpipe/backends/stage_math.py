@@ -31,7 +31,9 @@ Params = dict[int, dict[str, torch.Tensor]]  # layer -> name -> the run's transi
 
 
 class LayerCall(Protocol):
-    def __call__(self, task: Task, layer: int, params: Params, x: Any) -> Any: ...
+    def __call__(
+        self, task: Task, layer: int, params: Params, x: Any, *, output_unread: bool = False
+    ) -> Any: ...
 
 
 @dataclass
@@ -121,8 +123,12 @@ def _check_scalar(task: Task, loss: Any) -> None:
         )
 
 
-def recompute_stage(call: LayerCall, task: Task, params: Params, act: Any, *, grain: str) -> Recomputed:
-    """A backward stage's forward again from its saved activation (see `Recomputed`)."""
+def recompute_stage(
+    call: LayerCall, task: Task, params: Params, act: Any, *, grain: str, skip_tail: bool = True
+) -> Recomputed:
+    """A backward stage's forward again from its saved activation (see `Recomputed`). With
+    ``skip_tail``, the stage's last layer is told its output is only the backward's root
+    (`roundpipe.model.frozen_tail`): the gradients are the same, for less work."""
     if grain == "layer" and len(task.layers) > 1:
         inputs = []
         x = act
@@ -132,18 +138,26 @@ def recompute_stage(call: LayerCall, task: Task, params: Params, act: Any, *, gr
                 x = call(task, layer, params, x)
         return Recomputed(inputs=inputs)
     x, leaves = with_leaves(act) if task.layers.start > 0 else (act, [])
+    last = task.layers.stop - 1
     with torch.enable_grad():
         out = x
         for layer in task.layers:
-            out = call(task, layer, params, out)
+            out = call(task, layer, params, out, output_unread=skip_tail and layer == last)
     return Recomputed(differentiable_leaves(out), leaves)
 
 
 def backward_stage(
-    call: LayerCall, task: Task, params: Params, state: Recomputed, grad_out: list[Any]
+    call: LayerCall,
+    task: Task,
+    params: Params,
+    state: Recomputed,
+    grad_out: list[Any],
+    *,
+    skip_tail: bool = True,
 ) -> dict[int, Any]:
     """Back-propagate ``grad_out`` through a recomputed backward stage; returns the input
-    gradient by layer (stage grain through the kept graph, layer grain deepest layer first)."""
+    gradient by layer (stage grain through the kept graph, layer grain deepest layer first, each
+    layer's output only a root there, as ``skip_tail`` in `recompute_stage`)."""
     start = task.layers.start
     if state.inputs is None:
         return {start: _propagate(task, state.outputs, state.leaves, grad_out)}
@@ -151,7 +165,7 @@ def backward_stage(
     for layer, layer_input in zip(reversed(task.layers), reversed(state.inputs), strict=True):
         x, leaves = with_leaves(layer_input) if layer > 0 else (layer_input, [])
         with torch.enable_grad():
-            out = call(task, layer, params, x)
+            out = call(task, layer, params, x, output_unread=skip_tail)
         grads = _propagate(task, differentiable_leaves(out), leaves, grads)
     return {start: grads}
 

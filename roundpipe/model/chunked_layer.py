@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from roundpipe.model.chunked_mlp import _slots, slicing_on
+from roundpipe.model.frozen_tail import reading_outputs
 from roundpipe.model.swap_class import subclass_of
 
 CHUNK_TOKENS = 16384
@@ -101,10 +102,10 @@ def _methods(base: type) -> dict[str, Any]:
         )
         if plain or rotary is None:
             return original(self, hidden_states, *args, **kwargs)
-        cos, sin = rotary
-        return sliced(self, hidden_states, cos, sin)
+        return sliced(self, hidden_states, *rotary)
 
     @torch.compiler.disable  # Python state (slot rebinding) a captured graph must not bake in
+    @reading_outputs  # its slices are recomputed in the backward, where no tail skips
     def sliced(self: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         attn: Any = getattr(self, "self_attn")  # noqa: B009
         apply_rotary = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")  # noqa: B009

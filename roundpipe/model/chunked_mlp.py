@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from roundpipe.model.frozen_tail import reading_outputs
 from roundpipe.model.swap_class import subclass_of
 
 CHUNK_TOKENS = 16384
@@ -114,6 +115,7 @@ def _methods(base: type) -> dict[str, Any]:
     # shapes are static, so a short input's graph never reaches this): the slot rebinding below
     # is Python state that a captured graph must not bake in.
     @torch.compiler.disable
+    @reading_outputs  # its slices are recomputed in the backward, where no tail skips
     def sliced(self: nn.Module, x: torch.Tensor, tokens: int) -> Any:
         flat = x.reshape(tokens, x.shape[-1])
         slices = [flat[start : start + CHUNK_TOKENS] for start in range(0, tokens, CHUNK_TOKENS)]

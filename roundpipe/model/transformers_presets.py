@@ -26,6 +26,7 @@ pipeline engine; it only knows how to call transformers' modules.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from roundpipe.model.attention_masks import (
 from roundpipe.model.chunked_layer import chunk_long_attention_layer
 from roundpipe.model.chunked_mlp import chunk_long_sequences
 from roundpipe.model.experts import use_grouped_experts
+from roundpipe.model.frozen_tail import mark_tail, tails, unread_tail
 from roundpipe.model.loss import (
     DEFAULT_CHUNK_TOKENS,
     chunked_cross_entropy,
@@ -214,7 +216,8 @@ class CausalLMBlock(nn.Module):
         attention with sinks through torch's fused kernels (`sink_attention`), the MLP runs long
         sequences a slice of tokens at a time (not an MLP that returns a tuple, nor one whose
         router logits are caught), and so does everything per token in a standard attention
-        layer (`chunked_layer`)."""
+        layer (`chunked_layer`); a frozen ``down_proj`` ending the layer can be left out of a
+        recompute (`frozen_tail`)."""
         use_grouped_experts(self.layer)
         use_sink_attention(self.layer)
         mlp = getattr(self.layer, "mlp", None)
@@ -222,6 +225,12 @@ class CausalLMBlock(nn.Module):
             chunk_long_sequences(mlp)
         if not self.router_names:  # and the whole layer, where it has the standard attention layout
             chunk_long_attention_layer(self.layer)
+        mark_tail(self.layer)
+
+    def roundpipe_output_unread(self) -> AbstractContextManager[None]:
+        """While inside, a call with grad leaves out the layer's frozen tail product, whose value
+        the caller will not read (`frozen_tail`; its gradients stay those of the full call)."""
+        return unread_tail(tails(self.layer))
 
     def forward(self, x: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         result = dict(x)

@@ -43,8 +43,12 @@ def _longest(costs: LayerCosts, cap: int, first: int, last: int, step: int) -> i
     return end
 
 
-def coarsest_plan(costs: LayerCosts, num_microbatches: int, mem_limit_bytes: int) -> Plan:
-    """One device's plan of the fewest stages under ``mem_limit_bytes`` (module docstring)."""
+def coarsest_plan(
+    costs: LayerCosts, num_microbatches: int, mem_limit_bytes: int, backward_layers: int | None = None
+) -> Plan:
+    """One device's plan of the fewest stages under ``mem_limit_bytes`` (module docstring), its
+    backward stages at most ``backward_layers`` long when given (one: every layer's recompute
+    starts from its own saved input, so each skips its frozen tail, `roundpipe.model.frozen_tail`)."""
     cap = mem_limit_bytes // 2
     n = costs.num_layers
     fused_start = _longest(costs, cap, n - 1, -1, -1) + 1
@@ -58,6 +62,8 @@ def coarsest_plan(costs: LayerCosts, num_microbatches: int, mem_limit_bytes: int
     stop = fused_start
     while stop > 0:
         start = _longest(costs, cap, stop - 1, -1, -1) + 1
+        if backward_layers is not None:
+            start = max(start, stop - backward_layers)
         bwd.append(range(start, stop))
         stop = start
     return Plan.from_stages(

@@ -175,14 +175,15 @@ more activation on the device per microbatch. On an H100, Qwen3-30B-A3B at 16 x 
 it from 15% faster to slower by stage size (`bench/flow_depth.py`), so two stays the default
 (`bench/gpu_throughput.py --flow-depth`)."""
 
-STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse"] = "coarse"
+STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse", "coarse_forward"] = "coarse"
 """How a plan under a memory budget on one device cuts its stages: "coarse", the fewest stages
 that fit (`roundpipe.plan.coarse`), where that has fewer slots than the evaluated choice;
+"coarse_forward", the same with backward stages of one layer (each recompute skips its tail);
 "balanced", the evaluated choice (`choose_for_shape`), which on one device falls to the finest
 stages the budget allows (every plan computes the same there). Coarse issues fewer compute tasks
 and sends fewer activations over the link: on an H100, Qwen3-30B-A3B at 16 x 4,096 tokens ran
-11,500 tok/s in 17 slots against 7,009 in 70, at 4 x 4,096 6,524 against 5,378, GPT-OSS-20B
-10,075 against 9,743 (docs/performance.md; `bench/gpu_throughput.py --one-device-stages`)."""
+11,500 tok/s in 17 slots against 7,009 in 70 (docs/performance.md; `gpu_throughput.py
+--one-device-stages`)."""
 
 
 def plan_from(
@@ -220,9 +221,10 @@ def plan_from(
             raise
         in_flight = in_flight_microbatches(config.num_microbatches)  # the default depth, which fits more
         plan, prediction = fit(make_plan, in_flight=in_flight)
-    if num_devices == 1 and STAGES_ON_ONE_DEVICE == "coarse":
+    if num_devices == 1 and STAGES_ON_ONE_DEVICE != "balanced":
         coarse = _coarse_within_budget(costs, memory, budget, grain, in_flight, config.num_microbatches)
-        if coarse is not None and coarse[0].num_slots < plan.num_slots:
+        fewer = coarse is not None and coarse[0].num_slots < plan.num_slots
+        if coarse is not None and (fewer or STAGES_ON_ONE_DEVICE == "coarse_forward"):
             plan, prediction = coarse
     return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
 
@@ -234,9 +236,11 @@ def _coarse_within_budget(
     does: the largest stage limit that fits, by bisection (a larger limit cuts no finer)."""
     from roundpipe.plan.memory import predict_peak
 
+    backward_layers = 1 if STAGES_ON_ONE_DEVICE == "coarse_forward" else None
+
     def attempt(limit: int) -> tuple[Plan, MemoryPrediction] | None:
         try:
-            plan = coarsest_plan(_capped(costs, limit), num_microbatches, limit)
+            plan = coarsest_plan(_capped(costs, limit), num_microbatches, limit, backward_layers)
         except PlanError:
             return None
         prediction = predict_peak(plan, memory, grain, act_in_flight=in_flight, num_devices=1)
@@ -330,7 +334,7 @@ def with_link(
     if choice.plan != device_plan.plan:
         chosen = replace(made["aware"], costs=device_plan.costs)
     iteration_ms = choice.iteration_ms
-    if STAGES_ON_ONE_DEVICE == "coarse":  # the remainder stages' exposed uploads (`even_stages`)
+    if STAGES_ON_ONE_DEVICE != "balanced":  # the remainder stages' exposed uploads (`even_stages`)
         budget = None if chosen.budget_bytes is None else planning_budget(chosen.budget_bytes, chosen.kind)
         even = even_cut(chosen, budget, config, (gbps, param_bytes), iteration_ms)
         if even is not None:

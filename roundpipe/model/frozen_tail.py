@@ -1,0 +1,199 @@
+"""A recompute leaves out the frozen product at the end of a layer whose output nothing reads.
+
+Why: a backward stage recomputes its layers' forward to get what their backward needs, then
+back-propagates from the stage's output. The last layer's output is only the root of that
+backward: its value is never read. In a Llama-style decoder layer the last thing computed is
+``residual + mlp.down_proj(h)``, and with a frozen ``down_proj`` (LoRA, QLoRA) nothing in the
+backward needs that product's result either: the gradient of its input is ``grad @ W``, which needs
+the weight, not the output, and the residual sum passes the gradient through unchanged. So the
+recompute of that layer can skip the product, about a quarter of a decoder layer's matrix work
+(Qwen3-32B: 5,120 x 25,600 of 487.5M weights a token; Llama-3.1-70B: 235M of 855M). Every
+layer's recompute gets that where the layer is recomputed from its own saved input (backward
+stages of one layer, or ``recompute_grain="layer"``); a stage of several layers gets it once,
+for its last.
+
+How: `mark_tail` finds the tail of a decoder layer it knows to end that way (`TAIL_LAYERS`, with
+an MLP of `TAIL_MLPS`) and gives that linear (peft's base layer, when LoRA wraps ``down_proj``;
+`roundpipe.model.quant.NF4Linear` for a 4-bit base) a subclass whose forward, while its
+``output_unread`` flag is set (`unread_tail`), returns zeros of the output's shape through
+`_UnreadProduct`, whose backward is the product's own input gradient. Only roundpipe's copies of
+a layer are swapped, and the flag is set only around a recompute call whose output is a
+backward's root. A long row's sliced paths (`roundpipe.model.chunked_mlp`,
+`roundpipe.model.chunked_layer`) checkpoint their slices and recompute them again in the
+backward, where the flag is off: they clear it for their own forward (`outputs_read`) so both
+passes compute the same.
+
+What holds: every gradient equals what the full recompute gives, bit for bit (the skipped value
+is read by nothing; `tests/test_frozen_tail.py` compares the two, and the pipeline parity tests
+run with it on). A weight that trains, a bias that trains, or a layer or MLP class not listed
+keeps its product.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from roundpipe.model.nf4 import NF4Weight, dequantize_nf4
+from roundpipe.model.swap_class import subclass_of
+
+# Decoder layers whose forward ends ``hidden = residual + self.mlp(post_attention_layernorm(hidden))``
+# and MLPs whose forward ends ``self.down_proj(...)`` (transformers' own classes, checked by name).
+TAIL_LAYERS = frozenset(
+    {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"}
+)
+TAIL_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+class _UnreadProduct(torch.autograd.Function):
+    """Zeros where ``x @ W.T`` would be, with that product's input gradient ``grad @ W``: for a
+    product whose value nothing reads. ``weight`` is the dense [out, in] weight, or None with
+    ``nf4`` holding the 4-bit bytes (packed, absmax, meta, compiled) to dequantize in the backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, out_features: int, nf4: tuple[Any, ...] | None
+    ) -> torch.Tensor:
+        if weight is not None:
+            ctx.save_for_backward(weight)
+        else:
+            assert nf4 is not None
+            ctx.save_for_backward(nf4[0], nf4[1])
+            ctx.nf4_meta, ctx.nf4_compiled = nf4[2], nf4[3]
+        ctx.dense = weight is not None
+        return x.new_zeros(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        if ctx.dense:
+            (weight,) = ctx.saved_tensors
+        else:
+            packed, absmax = ctx.saved_tensors
+            q = NF4Weight(packed, absmax, *ctx.nf4_meta)
+            weight = dequantize_nf4(q, grad.dtype, compiled=ctx.nf4_compiled and grad.is_cuda)
+        return grad @ weight.to(grad.dtype), None, None, None
+
+
+def _frozen(module: nn.Module) -> bool:
+    return not any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def _unread_output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`_UnreadProduct` for the tail ``module`` (a linear, or an NF4Linear with or without a
+    stage run's dense copy bound)."""
+    weight: torch.Tensor | None = getattr(module, "weight", None)
+    out_features = int(getattr(module, "out_features"))  # noqa: B009
+    nf4: tuple[Any, ...] | None = None
+    if weight is None:
+        dense: torch.Tensor | None = getattr(module, "dense", None)
+        if dense is not None and dense.numel():
+            weight = dense
+        else:
+            shape = torch.Size((out_features, int(getattr(module, "in_features"))))  # noqa: B009
+            meta = (shape, getattr(module, "weight_dtype"), int(getattr(module, "block_size")))  # noqa: B009
+            absmax = getattr(module, "absmax").view(torch.float32)  # noqa: B009
+            nf4 = (getattr(module, "packed"), absmax, meta, bool(getattr(module, "compiled", False)))  # noqa: B009
+    out: torch.Tensor = _UnreadProduct.apply(x, weight, out_features, nf4)
+    return out
+
+
+_subclasses: dict[type, type] = {}
+
+
+def _tail_methods(base: type) -> dict[str, Any]:
+    original: Any = getattr(base, "forward")  # noqa: B009 (a module class; mypy sees a plain type)
+
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "output_unread", False) and not args and not kwargs and torch.is_grad_enabled():
+            return _unread_output(self, x)
+        return original(self, x, *args, **kwargs)
+
+    # Off until `unread_tail` turns it on for one call: a class attribute, so copies start off.
+    return {
+        "forward": forward,
+        "output_unread": False,
+        "_roundpipe_tail": True,
+        "__module__": base.__module__,
+    }
+
+
+def _tail_of(layer: nn.Module) -> nn.Module | None:
+    """The frozen linear at the end of ``layer`` (module docstring), else None."""
+    names = {cls.__name__ for cls in type(layer).__mro__ if cls.__module__.startswith("transformers.")}
+    mlp = getattr(layer, "mlp", None)
+    if not names & TAIL_LAYERS or not isinstance(mlp, nn.Module):
+        return None
+    mlp_names = {cls.__name__ for cls in type(mlp).__mro__ if cls.__module__.startswith("transformers.")}
+    tail = getattr(mlp, "down_proj", None)
+    if not mlp_names & TAIL_MLPS or not isinstance(tail, nn.Module):
+        return None
+    base = getattr(tail, "base_layer", None)  # peft's LoRA layer wraps the frozen linear
+    if isinstance(base, nn.Module):
+        tail = base
+    dense_linear = type(tail) is nn.Linear or getattr(type(tail), "_roundpipe_tail", False)
+    quantized = type(tail).__name__.endswith("NF4Linear") and type(tail).__module__.startswith("roundpipe.")
+    if not (dense_linear or quantized) or not _frozen(tail):
+        return None
+    return tail
+
+
+def mark_tail(layer: nn.Module) -> bool:
+    """Give the frozen tail of ``layer`` (roundpipe's copy) the class that can skip its product;
+    whether ``layer`` has one."""
+    tail = _tail_of(layer)
+    if tail is None:
+        return False
+    if not getattr(type(tail), "_roundpipe_tail", False):
+        tail.__class__ = subclass_of(_subclasses, type(tail), "UnreadTail", _tail_methods)
+    return True
+
+
+def tails(module: nn.Module) -> list[nn.Module]:
+    """The marked tails within ``module``."""
+    return [m for m in module.modules() if getattr(type(m), "_roundpipe_tail", False)]
+
+
+@contextmanager
+def unread_tail(marked: list[nn.Module]) -> Iterator[None]:
+    """While inside, the ``marked`` tails (`tails` of a layer) skip their product in a call with
+    grad: for a call whose output is only a backward's root."""
+    for tail in marked:
+        setattr(tail, "output_unread", True)  # noqa: B010 (a plain attribute)
+    try:
+        yield
+    finally:
+        for tail in marked:
+            setattr(tail, "output_unread", False)  # noqa: B010
+
+
+@contextmanager
+def outputs_read(module: nn.Module) -> Iterator[None]:
+    """While inside, every marked tail within ``module`` computes its product (a sliced path that
+    checkpoints and recomputes its slices later, with the flag off)."""
+    unread = [t for t in tails(module) if getattr(t, "output_unread", False)]
+    for tail in unread:
+        setattr(tail, "output_unread", False)  # noqa: B010 (a plain attribute)
+    try:
+        yield
+    finally:
+        for tail in unread:
+            setattr(tail, "output_unread", True)  # noqa: B010
+
+
+def reading_outputs(method: _Method) -> _Method:
+    """``method(self, ...)`` under `outputs_read` of ``self``: for a sliced path's forward."""
+
+    @functools.wraps(method)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with outputs_read(self):
+            return method(self, *args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]

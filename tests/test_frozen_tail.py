@@ -1,0 +1,143 @@
+"""A recompute that leaves out a layer's frozen tail product gives the same gradients, bit for bit,
+and a pipeline that does it trains exactly as one that computes the product."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe.model import frozen_tail
+from roundpipe.model.frozen_tail import mark_tail, tails, unread_tail
+from roundpipe.model.quant import NF4Linear, quantize_frozen_
+from tests.helpers import tiny_causal_lm
+from tests.test_transformers_parity import VOCAB, lora, pipe_loop, tiny_qwen3_moe, token_data
+
+
+def decoder_layer(targets: tuple[str, ...] = ("q_proj", "v_proj"), kind: str = "qwen3") -> nn.Module:
+    model = lora(tiny_causal_lm(kind, vocab=VOCAB, attn="sdpa"), targets)
+    layer: nn.Module = model.get_submodule("base_model.model.model.layers.0")
+    return layer
+
+
+def grads_of(layer: nn.Module, skip: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The input's and every trainable parameter's gradient of one call of ``layer``."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = layer.self_attn.config.hidden_size
+    x = torch.randn(2, 8, hidden, generator=g, requires_grad=True)
+    head_dim = layer.self_attn.head_dim
+    cos, sin = torch.ones(2, 8, head_dim), torch.zeros(2, 8, head_dim)
+    grad = torch.randn(2, 8, hidden, generator=g)
+    layer.zero_grad()
+    with unread_tail(tails(layer)) if skip else torch.enable_grad():
+        out = layer(x, position_embeddings=(cos, sin))
+    out.backward(grad)
+    found = {"input": x.grad.clone()}
+    found |= {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return found
+
+
+def assert_same_grads(layer: nn.Module) -> None:
+    full, skipped = grads_of(layer, skip=False), grads_of(layer, skip=True)
+    assert full.keys() == skipped.keys() and len(full) > 1
+    for name in full:
+        assert torch.equal(full[name], skipped[name]), name
+
+
+def counting_skips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = frozen_tail._unread_output
+
+    def counted(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return original(module, x)
+
+    monkeypatch.setattr(frozen_tail, "_unread_output", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_a_skipped_tail_leaves_every_gradient_as_the_full_call_gives(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layer = decoder_layer(kind=kind)
+    assert mark_tail(layer) and tails(layer) == [layer.mlp.down_proj]
+    skips = counting_skips(monkeypatch)
+    assert_same_grads(layer)
+    assert len(skips) == 1  # only the skipping call, and it did skip
+
+
+def test_lora_on_the_tail_keeps_its_adapter_and_skips_only_the_frozen_base() -> None:
+    layer = decoder_layer(("q_proj", "down_proj"))
+    assert mark_tail(layer)
+    assert tails(layer) == [layer.mlp.down_proj.base_layer]
+    assert_same_grads(layer)  # down_proj's lora_A and lora_B among them
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["per-call", "run-copy-bound"])
+def test_a_4_bit_tail_skips_and_dequantizes_for_the_backward(dense: bool) -> None:
+    layer = decoder_layer()
+    quantize_frozen_(layer)
+    down = (
+        layer.mlp.down_proj.base_layer if hasattr(layer.mlp.down_proj, "base_layer") else layer.mlp.down_proj
+    )
+    assert isinstance(down, NF4Linear)
+    if dense:
+        down.dense = nn.Parameter(down.dequantized(torch.float32), requires_grad=False)
+    assert mark_tail(layer)
+    assert_same_grads(layer)
+
+
+def test_a_training_tail_a_moe_layer_and_no_grad_keep_the_product() -> None:
+    full = lora(tiny_causal_lm("qwen3", vocab=VOCAB), ("q_proj",))
+    for p in full.parameters():
+        p.requires_grad_(True)  # a full fine-tune: down_proj's weight needs its input
+    assert not mark_tail(full.get_submodule("base_model.model.model.layers.0"))
+    moe: Any = tiny_qwen3_moe()
+    assert not mark_tail(moe.model.layers[0])
+    layer = decoder_layer()
+    mark_tail(layer)
+    x = torch.randn(1, 4, layer.self_attn.config.hidden_size)
+    ones = torch.ones(1, 4, layer.self_attn.head_dim)
+    with torch.no_grad(), unread_tail(tails(layer)):  # a forward stage's call: the value is read
+        skipped = layer(x, position_embeddings=(ones, 0 * ones))
+    with torch.no_grad():
+        assert torch.equal(skipped, layer(x, position_embeddings=(ones, 0 * ones)))
+
+
+def test_the_flag_is_per_copy_and_off_after_the_call() -> None:
+    layer = decoder_layer()
+    mark_tail(layer)
+    other = copy.deepcopy(layer)
+    with unread_tail(tails(layer)):
+        assert tails(layer)[0].output_unread and not tails(other)[0].output_unread
+    assert not tails(layer)[0].output_unread
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_a_pipeline_that_skips_trains_exactly_as_one_that_computes_the_tail(
+    grain: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def trained(skip: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = lora(tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa"), ("q_proj", "v_proj", "o_proj"))
+        options: dict[str, Any] = dict(num_microbatches=4, memory_budget="256KiB", replan=False)
+        meta: dict[str, Any] = {}
+        losses = pipe_loop(
+            model, token_data(2), meta, skip_unread_tail=skip, recompute_grain=grain, **options
+        )
+        assert meta["plan"]["bwd_stages"], "the budget no longer splits off a backward stage"
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    skips = counting_skips(monkeypatch)
+    losses, adapters = trained(skip=True)
+    assert skips, "no recompute skipped its tail"
+    skips.clear()
+    expected_losses, expected = trained(skip=False)
+    assert not skips
+    assert losses == expected_losses
+    assert adapters.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(adapters[name], expected[name]), name
