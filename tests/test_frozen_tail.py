@@ -141,3 +141,24 @@ def test_a_pipeline_that_skips_trains_exactly_as_one_that_computes_the_tail(
     assert adapters.keys() == expected.keys()
     for name in expected:
         assert torch.equal(adapters[name], expected[name]), name
+
+
+def test_a_compiled_layer_skips_in_its_own_graph_and_keeps_the_gradients() -> None:
+    torch._dynamo.reset()
+    layer = decoder_layer()
+    mark_tail(layer)
+    layer.compile(backend="aot_eager")  # traces the skip's autograd function like inductor does
+    full, skipped, again = (
+        grads_of(layer, skip=False),
+        grads_of(layer, skip=True),
+        grads_of(layer, skip=False),
+    )
+    for name in full:
+        assert torch.equal(full[name], skipped[name]) and torch.equal(full[name], again[name]), name
+    x = torch.randn(1, 4, layer.self_attn.config.hidden_size, requires_grad=True)
+    ones = torch.ones(1, 4, layer.self_attn.head_dim)
+    with unread_tail(tails(layer)):
+        out = layer(x, position_embeddings=(ones, 0 * ones))
+    # The compiled graph honoured the flag: its output lacks the MLP's sum, its gradients do not.
+    assert not torch.equal(out, layer(x, position_embeddings=(ones, 0 * ones)))
+    torch._dynamo.reset()
