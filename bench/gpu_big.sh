@@ -68,10 +68,12 @@ declare -A VARIANT=(
   # The evaluated choice's finest stages (RunConfig's one-device default is the fewest stages that
   # fit, roundpipe.plan.coarse): the A/B behind that default.
   [balanced]="--one-device-stages balanced"
-  # Coarse forward stages, backward stages of one layer: every layer's recompute starts from its
-  # own saved input and leaves out its frozen down projection (roundpipe.model.frozen_tail), for
-  # every layer's input over the link and on the host.
-  [oneback]="--one-device-stages coarse_forward"
+  # Coarse backward stages of at most 1, 2 or 3 layers: more recomputes leave out their last
+  # layer's frozen down projection (roundpipe.model.frozen_tail), for more slots and activations
+  # over the link. E-back1 at 24 GiB ran out of memory, 5.3 GiB above its prediction (design.md).
+  [back1]="--backward-stage-layers 1"
+  [back2]="--backward-stage-layers 2"
+  [back3]="--backward-stage-layers 3"
   # Every recompute computes its last layer's frozen down projection (RunConfig.skip_unread_tail).
   [fulltail]="--skip-unread-tail false"
   # Fewer kernel launches per compiled layer: inductor's horizontal fusion of independent kernels,

@@ -166,8 +166,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", help='RunConfig.chunk_bytes, the largest upload piece, e.g. "256MiB"')
     p.add_argument(
         "--one-device-stages",
-        choices=("balanced", "coarse", "coarse_forward"),
+        choices=("balanced", "coarse"),
         help="how a one-GPU plan cuts its stages (roundpipe.planning.device_plan.STAGES_ON_ONE_DEVICE)",
+    )
+    p.add_argument(
+        "--backward-stage-layers",
+        type=int,
+        help="the most layers of a coarse one-GPU plan's backward stage "
+        "(roundpipe.planning.device_plan.BACKWARD_STAGE_LAYERS; default: as many as fit)",
     )
     p.add_argument(
         "--flow-depth",
@@ -483,6 +489,7 @@ def run_roundpipe(
         "compile": config.compile,
         "skip_unread_tail": getattr(config, "skip_unread_tail", None),
         "one_device_stages": planner["STAGES_ON_ONE_DEVICE"],
+        "backward_stage_layers": planner.get("BACKWARD_STAGE_LAYERS"),
         "inductor": inductor_options,
         "sdpa_first": getattr(args, "sdpa_first", None),
         "attention_backend": attention,
@@ -571,16 +578,23 @@ def parse_inductor_options(pairs: list[str]) -> dict[str, Any]:
 
 def planner_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The planner's process-wide choices for one run (`device_plan.STAGES_ON_ONE_DEVICE`,
-    `device_plan.FLOW_DEPTH`), from --one-device-stages and --flow-depth or as they are: settings
-    of the process, not of the run's config, so the run patches them and sets them back."""
+    `BACKWARD_STAGE_LAYERS`, `FLOW_DEPTH`), from --one-device-stages, --backward-stage-layers and
+    --flow-depth or as they are: settings of the process, not of the run's config, so the run
+    patches them and sets them back."""
     from roundpipe.planning import device_plan
 
     stages = getattr(args, "one_device_stages", None)
+    backward = getattr(args, "backward_stage_layers", None)
     depth = getattr(args, "flow_depth", None)
-    return {
+    settings = {
         "STAGES_ON_ONE_DEVICE": device_plan.STAGES_ON_ONE_DEVICE if stages is None else stages,
         "FLOW_DEPTH": device_plan.FLOW_DEPTH if depth is None else depth,
     }
+    if hasattr(device_plan, "BACKWARD_STAGE_LAYERS"):  # an older tree (gpu_regress.sh) has none
+        settings["BACKWARD_STAGE_LAYERS"] = (
+            device_plan.BACKWARD_STAGE_LAYERS if backward is None else backward
+        )
+    return settings
 
 
 MAX_SETTLING_STEPS = 3

@@ -39,7 +39,7 @@ def test_each_stage_is_as_long_as_fits() -> None:
         coarsest_plan(costs, 4, 200)
 
 
-def test_coarse_forward_stages_with_one_layer_backward_stages() -> None:
+def test_coarse_forward_stages_beside_one_layer_backward_stages() -> None:
     costs = LayerCosts.uniform(10, fwd_ms=1.0, bwd_ms=2.0, head_factor=3.0, mem_bytes=100)
     coarse, one = coarsest_plan(costs, 4, 600), coarsest_plan(costs, 4, 600, backward_layers=1)
     assert (one.fwd_stages, one.fused) == (coarse.fwd_stages, coarse.fused)
@@ -51,7 +51,7 @@ def test_the_switch_cuts_one_layer_backward_stages_on_one_device(monkeypatch: py
     config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, async_optimizer=False)
     monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "coarse")
     coarse = plan_from(config, costs, mem, 1, 2 << 30, kind="cuda")
-    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "coarse_forward")
+    monkeypatch.setattr(device_plan, "BACKWARD_STAGE_LAYERS", 1)
     one = plan_from(config, costs, mem, 1, 2 << 30, kind="cuda")
     assert max(len(s) for s in coarse.plan.bwd_stages) > 1
     assert {len(s) for s in one.plan.bwd_stages} == {1}

@@ -175,15 +175,18 @@ more activation on the device per microbatch. On an H100, Qwen3-30B-A3B at 16 x 
 it from 15% faster to slower by stage size (`bench/flow_depth.py`), so two stays the default
 (`bench/gpu_throughput.py --flow-depth`)."""
 
-STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse", "coarse_forward"] = "coarse"
+STAGES_ON_ONE_DEVICE: Literal["balanced", "coarse"] = "coarse"
 """How a plan under a memory budget on one device cuts its stages: "coarse", the fewest stages
 that fit (`roundpipe.plan.coarse`), where that has fewer slots than the evaluated choice;
-"coarse_forward", the same with backward stages of one layer (each recompute skips its tail);
 "balanced", the evaluated choice (`choose_for_shape`), which on one device falls to the finest
 stages the budget allows (every plan computes the same there). Coarse issues fewer compute tasks
 and sends fewer activations over the link: on an H100, Qwen3-30B-A3B at 16 x 4,096 tokens ran
 11,500 tok/s in 17 slots against 7,009 in 70 (docs/performance.md; `gpu_throughput.py
 --one-device-stages`)."""
+
+BACKWARD_STAGE_LAYERS: int | None = None
+"""The most layers of a coarse plan's backward stage (None: as many as fit): shorter ones skip more
+frozen tails in their recomputes (`roundpipe.model.frozen_tail`), for more slots (docs/design.md)."""
 
 
 def plan_from(
@@ -224,7 +227,7 @@ def plan_from(
     if num_devices == 1 and STAGES_ON_ONE_DEVICE != "balanced":
         coarse = _coarse_within_budget(costs, memory, budget, grain, in_flight, config.num_microbatches)
         fewer = coarse is not None and coarse[0].num_slots < plan.num_slots
-        if coarse is not None and (fewer or STAGES_ON_ONE_DEVICE == "coarse_forward"):
+        if coarse is not None and (fewer or BACKWARD_STAGE_LAYERS is not None):
             plan, prediction = coarse
     return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
 
@@ -236,11 +239,9 @@ def _coarse_within_budget(
     does: the largest stage limit that fits, by bisection (a larger limit cuts no finer)."""
     from roundpipe.plan.memory import predict_peak
 
-    backward_layers = 1 if STAGES_ON_ONE_DEVICE == "coarse_forward" else None
-
     def attempt(limit: int) -> tuple[Plan, MemoryPrediction] | None:
         try:
-            plan = coarsest_plan(_capped(costs, limit), num_microbatches, limit, backward_layers)
+            plan = coarsest_plan(_capped(costs, limit), num_microbatches, limit, BACKWARD_STAGE_LAYERS)
         except PlanError:
             return None
         prediction = predict_peak(plan, memory, grain, act_in_flight=in_flight, num_devices=1)
