@@ -91,6 +91,14 @@ def test_a_4_bit_tail_skips_and_dequantizes_for_the_backward(dense: bool) -> Non
     assert_same_grads(layer)
 
 
+def test_dora_on_the_tail_keeps_the_product_its_magnitude_reads() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"], use_dora=True)
+    model: Any = get_peft_model(tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa"), config)
+    assert not mark_tail(model.get_submodule("base_model.model.model.layers.0"))
+
+
 def test_a_training_tail_a_moe_layer_and_no_grad_keep_the_product() -> None:
     full = lora(tiny_causal_lm("qwen3", vocab=VOCAB), ("q_proj",))
     for p in full.parameters():

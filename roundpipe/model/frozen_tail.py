@@ -25,8 +25,8 @@ passes compute the same.
 
 What holds: every gradient equals what the full recompute gives, bit for bit (the skipped value
 is read by nothing; `tests/test_frozen_tail.py` compares the two, and the pipeline parity tests
-run with it on). A weight that trains, a bias that trains, or a layer or MLP class not listed
-keeps its product.
+run with it on). A weight that trains, a bias that trains, a layer or MLP class not listed, or a
+wrapper other than plain peft LoRA (DoRA reads the base output) keeps its product.
 """
 
 from __future__ import annotations
@@ -125,6 +125,18 @@ def _tail_methods(base: type) -> dict[str, Any]:
     }
 
 
+def _plain_lora(wrapper: nn.Module) -> bool:
+    """Whether ``wrapper`` is peft's LoRA linear that adds ``B(A(x))`` to its base output and reads
+    that output nowhere else: DoRA and peft's other variants (and other tuners, such as IA3 on an
+    output) scale it by trained values, whose gradients need it."""
+    if not type(wrapper).__module__.startswith("peft.tuners.lora."):
+        return False
+    if getattr(wrapper, "lora_variant", None):
+        return False
+    use_dora = getattr(wrapper, "use_dora", {})
+    return not any(use_dora.values()) if isinstance(use_dora, dict) else not use_dora
+
+
 def _tail_of(layer: nn.Module) -> nn.Module | None:
     """The frozen linear at the end of ``layer`` (module docstring), else None."""
     names = {cls.__name__ for cls in type(layer).__mro__ if cls.__module__.startswith("transformers.")}
@@ -137,6 +149,8 @@ def _tail_of(layer: nn.Module) -> nn.Module | None:
         return None
     base = getattr(tail, "base_layer", None)  # peft's LoRA layer wraps the frozen linear
     if isinstance(base, nn.Module):
+        if not _plain_lora(tail):
+            return None
         tail = base
     dense_linear = type(tail) is nn.Linear or getattr(type(tail), "_roundpipe_tail", False)
     quantized = type(tail).__name__.endswith("NF4Linear") and type(tail).__module__.startswith("roundpipe.")
