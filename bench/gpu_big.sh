@@ -74,6 +74,9 @@ declare -A VARIANT=(
   [back1]="--backward-stage-layers 1"
   [back2]="--backward-stage-layers 2"
   [back3]="--backward-stage-layers 3"
+  # Every backward-stage layer recomputed from its own input, saved by the forward to the host:
+  # every recompute skips its frozen down projection without more slots (design.md).
+  [inputs]="--recompute-grain layer_input"
   # Every recompute computes its last layer's frozen down projection (RunConfig.skip_unread_tail).
   [fulltail]="--skip-unread-tail false"
   # Fewer kernel launches per compiled layer: inductor's horizontal fusion of independent kernels,

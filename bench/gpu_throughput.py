@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int)
     p.add_argument("--microbatches", type=int)
     p.add_argument("--budget", help='per-device memory budget, e.g. "24GiB" ("none" lifts a default)')
-    p.add_argument("--recompute-grain", choices=("stage", "layer"))
+    p.add_argument("--recompute-grain", choices=("stage", "layer", "layer_input"))
     p.add_argument(
         "--profile", choices=("every_layer", "one_per_kind"), help="RunConfig.profile (default: its default)"
     )

@@ -104,6 +104,7 @@ def schedule_options(
         ordered_steps=runtime.collectives.active,
         sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
         fresh_units=fresh_units(config, owners, one_fused_stage=one_fused_stage),
+        layer_inputs=config.recompute_grain == "layer_input",
     )
 
 

@@ -254,7 +254,13 @@ class RunConfig(BaseModel):
     )
     round_size: int | None = Field(None, ge=1, description="microbatches per round (>= number of devices)")
     chunk_bytes: int | None = Field(64 << 20, ge=1, description="split parameter uploads larger than this")
-    recompute_grain: Literal["stage", "layer"] = Field("stage", description="backward recompute granularity")
+    recompute_grain: Literal["stage", "layer", "layer_input"] = Field(
+        "stage",
+        description='backward recompute granularity: "stage" recomputes a backward stage from its input; '
+        '"layer" one layer at a time, deepest first (the least memory); "layer_input" every layer from '
+        "its own input, which the forward stage saved to the host (more host memory and link bytes; "
+        "every layer's recompute then skips its unread tail, skip_unread_tail)",
+    )
     skip_unread_tail: bool = Field(
         True,
         description="a backward stage's recompute leaves out the frozen down projection that ends its "

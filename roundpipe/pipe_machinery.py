@@ -92,6 +92,13 @@ class PipeMachinery:
             fresh_base_version=fresh_base_version,
         )
 
+    def _saved_boundaries(self) -> frozenset[int]:
+        """Layers whose input the forward stages save: where a backward or the fused stage starts,
+        and with ``recompute_grain="layer_input"`` every layer of a backward stage."""
+        if self.config.recompute_grain != "layer_input":
+            return self.plan.bwd_boundaries
+        return self.plan.bwd_boundaries | frozenset(j for r in self.plan.bwd_stages for j in r)
+
     def _check_open(self) -> None:
         if self._closed:
             raise PipeClosedError("this RoundPipe is closed; create a new one")
@@ -126,7 +133,7 @@ class PipeMachinery:
         scale = self._scaler.scale if self._scaler is not None else 1.0
         self.runtime.begin_iteration(
             iteration,
-            IterationData(input_parts, target_parts, weights, loss_fn, scale, self.plan.bwd_boundaries),
+            IterationData(input_parts, target_parts, weights, loss_fn, scale, self._saved_boundaries()),
         )
         graph = self._builder.forward_backward(iteration, self._step, self.config.num_microbatches)
         self._iteration += 1

@@ -125,30 +125,56 @@ def test_the_flag_is_per_copy_and_off_after_the_call() -> None:
     assert not tails(layer)[0].output_unread
 
 
-@pytest.mark.parametrize("grain", ["stage", "layer"])
+def four_block_lora() -> nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    )
+    config = Qwen3Config(vocab_size=VOCAB, num_hidden_layers=4, max_position_embeddings=64, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return lora(model, ("q_proj", "v_proj", "o_proj"))
+
+
+def trained(grain: str, skip: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+    """Two steps of the four-block model on one CPU worker, under a budget that splits off
+    backward stages (layer 0 is the embedding, 1-4 the blocks, 5 the head)."""
+    model = four_block_lora()
+    options: dict[str, Any] = dict(num_microbatches=4, memory_budget="256KiB", replan=False, devices="cpu:1")
+    meta: dict[str, Any] = {}
+    losses = pipe_loop(model, token_data(2), meta, skip_unread_tail=skip, recompute_grain=grain, **options)
+    assert meta["plan"]["bwd_stages"], "the budget no longer splits off a backward stage"
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, meta
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer", "layer_input"])
 def test_a_pipeline_that_skips_trains_exactly_as_one_that_computes_the_tail(
     grain: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def trained(skip: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-        model = lora(tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa"), ("q_proj", "v_proj", "o_proj"))
-        options: dict[str, Any] = dict(num_microbatches=4, memory_budget="256KiB", replan=False)
-        meta: dict[str, Any] = {}
-        losses = pipe_loop(
-            model, token_data(2), meta, skip_unread_tail=skip, recompute_grain=grain, **options
-        )
-        assert meta["plan"]["bwd_stages"], "the budget no longer splits off a backward stage"
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
     skips = counting_skips(monkeypatch)
-    losses, adapters = trained(skip=True)
-    assert skips, "no recompute skipped its tail"
+    losses, adapters, meta = trained(grain, skip=True)
+    # Which recomputes skip: each backward stage's last layer, or with layer or layer_input
+    # grain every layer of it; the embedding (layer 0) has no tail. Two steps, four microbatches.
+    stages = [range(*r) for r in meta["plan"]["bwd_stages"]]
+    ends = [[r.stop - 1] if grain == "stage" else list(r) for r in stages]
+    assert len(skips) == 2 * 4 * sum(1 for layers in ends for j in layers if j > 0) > 0
     skips.clear()
-    expected_losses, expected = trained(skip=False)
+    expected_losses, expected, _ = trained(grain, skip=False)
     assert not skips
     assert losses == expected_losses
     assert adapters.keys() == expected.keys()
     for name in expected:
         assert torch.equal(adapters[name], expected[name]), name
+
+
+def test_every_layer_from_its_saved_input_trains_as_the_stage_recompute() -> None:
+    losses, adapters, meta = trained("layer_input", skip=True)
+    assert any(len(range(*r)) > 1 for r in meta["plan"]["bwd_stages"])  # a stage of several inputs
+    stage_losses, stage_adapters, _ = trained("stage", skip=True)
+    assert losses == pytest.approx(stage_losses, rel=1e-6)
+    for name in stage_adapters:
+        torch.testing.assert_close(adapters[name], stage_adapters[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_a_compiled_layer_skips_in_its_own_graph_and_keeps_the_gradients() -> None:

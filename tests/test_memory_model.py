@@ -172,6 +172,23 @@ def test_backward_stage_grains() -> None:
     assert stage_bytes(MEM, range(0, 2), "bwd", "layer") == 30 + 30 + 110 + 222
 
 
+def test_layer_input_grain_holds_every_layer_input_and_output_beside_the_stage_recompute() -> None:
+    # stage grain's 322 + both uploaded inputs (50 + 50 own + 10 constants once) as the outputs
+    # each layer's graph keeps for its backward
+    assert stage_bytes(MEM, range(0, 2), "bwd", "layer_input") == 30 + 30 + 322 + 110
+
+
+def test_layer_input_grain_saves_and_uploads_every_backward_layer_input() -> None:
+    plan = simple_plan((range(0, 3),), range(3, 4), (range(0, 3),))
+    stage, inputs = predict_peak(plan, MEM, "stage"), predict_peak(plan, MEM, "layer_input")
+    # The forward stage keeps layers 1 and 2's inputs (own bytes 50 and 60) for its computing
+    # microbatch and two in flight; the backward stage's two next microbatches bring all three
+    # inputs (50 + 50 + 60 own + 10 constants) and a gradient (80) each, not one input.
+    assert inputs.slots[0].in_flight_bytes - stage.slots[0].in_flight_bytes == 3 * (50 + 60)
+    assert inputs.slots[2].in_flight_bytes == 2 * (170 + 80)
+    assert stage.slots[2].in_flight_bytes == 2 * (50 + 80)
+
+
 def test_layer_grain_pays_off_on_deep_stages() -> None:
     deep = LayerMemory((1,) * 8, (1,) * 8, (1000,) * 8, (10,) * 8, (100,) * 8)
     assert stage_bytes(deep, range(8), "bwd", "layer") < stage_bytes(deep, range(8), "bwd", "stage") / 4

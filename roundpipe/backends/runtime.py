@@ -252,8 +252,10 @@ class Runtime(OptimizerLane):
         data = self.iterations[t]
         device = self.device(task.device)
         entry = BoundaryKey(t, start, mb)
-        if start == 0:
-            value: Any = cast_floating(data.inputs[mb], self.host.dtype)
+        if task.stage_kind == SlotKind.BWD and self.recompute_grain == "layer_input":
+            value: Any = [self._saved_input(t, layer, mb) for layer in task.layers]
+        elif start == 0:
+            value = cast_floating(data.inputs[mb], self.host.dtype)
         elif task.stage_kind == SlotKind.FWD and start in data.boundaries:
             value = self.activations[entry]  # a backward stage reads it again
         else:
@@ -261,6 +263,11 @@ class Runtime(OptimizerLane):
         self.inbox[SlotKey(t, task.slot, mb)] = to_device(value, device, device.type == "cuda")
         if self.defer_release:
             self.hold(task, value)  # the host tensors the copy reads
+
+    def _saved_input(self, iteration: int, layer: int, microbatch: int) -> Any:  # layer 0's: the data
+        if layer == 0:
+            return cast_floating(self.iterations[iteration].inputs[microbatch], self.host.dtype)
+        return self.activations.pop(BoundaryKey(iteration, layer, microbatch))
 
     def grad_up(self, task: Task) -> None:
         """A backward stage's incoming gradient, uploaded apart from its saved activation."""
@@ -358,16 +365,10 @@ class Runtime(OptimizerLane):
 
     def recompute(self, task: Task) -> None:
         """A backward stage's forward again from its saved activation; what its backward needs
-        stays on the device until that backward pops it.
-
-        With deferred releases (CUDA) the uploaded activation goes with it, whole, and the
-        backward holds it until it has run: the act_up stream allocated it, and the graph saves
-        some of its tensors (a stage's constants, such as the rotary tables) that nothing else
-        keeps. Autograd lets go of each saved tensor as soon as it has launched the node's
-        kernels, so without the hold the block went back to the act_up stream's pool while the
-        compute stream had still to read it, and the next upload could land in it: NaN losses on
-        an H200 with many backward stages (docs/design.md, "A backward stage is two compute
-        tasks")."""
+        stays on the device until that backward pops it. With deferred releases (CUDA) the uploaded
+        activation goes with it, whole, for the backward to hold until it has run: the act_up
+        stream allocated it and the graph saves some of its tensors (the rotary tables) that
+        nothing else keeps (docs/design.md, "A backward stage is two compute tasks")."""
         key = SlotKey(task.iteration, task.slot, task.microbatch)
         value = self.inbox.pop(key)
         if self.defer_release:

@@ -43,6 +43,8 @@ class Recomputed:
     outputs: list[torch.Tensor | None] = field(default_factory=list)  # stage grain: the graph's outputs
     leaves: list[torch.Tensor | None] = field(default_factory=list)  # stage grain: its input leaves
     inputs: list[Any] | None = None  # layer grain: the input of every layer, computed without grad
+    # layer_input grain: every layer's graph outputs and input leaves, from its own saved input
+    layers: list[tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] | None = None
     # The activation as uploaded, constants included (rotary tables, labels): on CUDA another stream
     # allocated it, and the backward's kernels still read what the graph saved of it after
     # autograd has let go of it (`Runtime.recompute`).
@@ -126,9 +128,18 @@ def _check_scalar(task: Task, loss: Any) -> None:
 def recompute_stage(
     call: LayerCall, task: Task, params: Params, act: Any, *, grain: str, skip_tail: bool = True
 ) -> Recomputed:
-    """A backward stage's forward again from its saved activation (see `Recomputed`). With
-    ``skip_tail``, the stage's last layer is told its output is only the backward's root
+    """A backward stage's forward again from its saved activation (see `Recomputed`); with
+    ``grain="layer_input"``, ``act`` is every layer's input and each layer runs from its own. With
+    ``skip_tail``, a layer whose output is only the backward's root is told so
     (`roundpipe.model.frozen_tail`): the gradients are the same, for less work."""
+    if grain == "layer_input":
+        layers = []
+        with torch.enable_grad():
+            for layer, layer_input in zip(task.layers, act, strict=True):
+                x, leaves = with_leaves(layer_input) if layer > 0 else (layer_input, [])
+                out = call(task, layer, params, x, output_unread=skip_tail)
+                layers.append((differentiable_leaves(out), leaves))
+        return Recomputed(layers=layers)
     if grain == "layer" and len(task.layers) > 1:
         inputs = []
         x = act
@@ -156,12 +167,16 @@ def backward_stage(
     skip_tail: bool = True,
 ) -> dict[int, Any]:
     """Back-propagate ``grad_out`` through a recomputed backward stage; returns the input
-    gradient by layer (stage grain through the kept graph, layer grain deepest layer first, each
-    layer's output only a root there, as ``skip_tail`` in `recompute_stage`)."""
-    start = task.layers.start
+    gradient by layer (stage grain through the kept graph, layer_input grain through each layer's,
+    deepest first; layer grain recomputes each layer deepest first, its output only a root there,
+    as ``skip_tail`` in `recompute_stage`)."""
+    start, grads = task.layers.start, grad_out
+    if state.layers is not None:
+        for outputs, layer_leaves in reversed(state.layers):
+            grads = _propagate(task, outputs, layer_leaves, grads)
+        return {start: grads}
     if state.inputs is None:
         return {start: _propagate(task, state.outputs, state.leaves, grad_out)}
-    grads: list[Any] = grad_out
     for layer, layer_input in zip(reversed(task.layers), reversed(state.inputs), strict=True):
         x, leaves = with_leaves(layer_input) if layer > 0 else (layer_input, [])
         with torch.enable_grad():

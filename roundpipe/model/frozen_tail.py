@@ -8,9 +8,9 @@ backward needs that product's result either: the gradient of its input is ``grad
 the weight, not the output, and the residual sum passes the gradient through unchanged. So the
 recompute of that layer can skip the product, about a quarter of a decoder layer's matrix work
 (Qwen3-32B: 5,120 x 25,600 of 487.5M weights a token; Llama-3.1-70B: 235M of 855M). Every
-layer's recompute gets that where the layer is recomputed from its own saved input (backward
-stages of one layer, or ``recompute_grain="layer"``); a stage of several layers gets it once,
-for its last.
+layer's recompute gets that where the layer is recomputed from its own input (backward stages of
+one layer, or ``recompute_grain="layer"`` or ``"layer_input"``); a stage of several layers gets
+it once, for its last.
 
 How: `mark_tail` finds the tail of a decoder layer it knows to end that way (`TAIL_LAYERS`, with
 an MLP of `TAIL_MLPS`) and gives that linear (peft's base layer, when LoRA wraps ``down_proj``;

@@ -28,7 +28,7 @@ from roundpipe.plan.layer_memory import LayerMemory
 from roundpipe.plan.sizes import format_bytes
 
 StageKind = Literal["fwd", "fused", "bwd"]
-Grain = Literal["stage", "layer"]
+Grain = Literal["stage", "layer", "layer_input"]
 
 
 def _check_stage(mem: LayerMemory, layers: range) -> None:
@@ -85,7 +85,9 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
     - ``fused``: parameters + gradients + every layer's saved activations (no recompute) + the
       working set (the LM head's loss is the last layer's);
     - ``bwd``: parameters + gradients + the recompute of the whole stage (``grain="stage"``), or
-      of one layer at a time plus every layer's input kept for it (``grain="layer"``).
+      of one layer at a time plus every layer's input kept for it (``grain="layer"``), or of the
+      whole stage from every layer's uploaded input, each layer's output kept as a root beside it
+      (``grain="layer_input"``).
     """
     _check_stage(mem, layers)
     params = sum(mem.param_bytes[i] + mem.dense_bytes[i] for i in layers)
@@ -94,6 +96,8 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
     grads = sum(mem.grad_bytes[i] for i in layers)
     if kind == "fused" or (kind == "bwd" and grain == "stage"):
         return params + grads + _backprop_peak(mem, layers)
+    if kind == "bwd" and grain == "layer_input":
+        return params + grads + _backprop_peak(mem, layers) + _held_inputs(mem, layers)
     if kind == "bwd" and grain == "layer":
         one = max(_backprop_peak(mem, range(i, i + 1)) for i in layers)
         return params + grads + _held_inputs(mem, layers) + one
@@ -180,7 +184,12 @@ def in_flight_microbatches(num_microbatches: int, act_in_flight: int = 2) -> int
 
 
 def _in_flight(
-    mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight: int, inputs_ahead: bool = True
+    mem: LayerMemory,
+    slot: Any,
+    held: frozenset[int],
+    act_in_flight: int,
+    inputs_ahead: bool = True,
+    grain: Grain = "stage",
 ) -> int:
     """Boundary activations besides the computing microbatch's: ``act_in_flight`` microbatches'
     stage inputs and outputs (for a backward stage the output is the gradient from above, at most
@@ -192,6 +201,8 @@ def _in_flight(
     if slot.kind == "bwd" and not inputs_ahead:
         return mem.boundary_bytes[r.stop] - mem.carried_bytes[r.stop] if r.stop < mem.num_layers else 0
     edge = mem.boundary_bytes[r.start] + (mem.boundary_bytes[r.stop] if r.stop < mem.num_layers else 0)
+    if slot.kind == "bwd" and grain == "layer_input":  # every layer's input comes up
+        edge += _held_inputs(mem, r) - mem.boundary_bytes[r.start]
     if slot.kind == "fwd":
         inner = sum(mem.boundary_bytes[b] - mem.carried_bytes[b] for b in held if r.start < b < r.stop)
         return act_in_flight * edge + (act_in_flight + 1) * inner
@@ -215,11 +226,9 @@ def predict_peak(
     inputs_ahead: bool = True,
 ) -> MemoryPrediction:
     """The peak device bytes of ``plan`` (a `Plan` or its ``slots``) on the device running each slot.
-
     Per slot: `stage_bytes` + the parameters of the ``prefetch`` stages that device runs next
     (round-robin: slot ``i + k * num_devices``, cyclically, since the next round and the next
-    iteration continue the same sequence) + boundary activations in flight (`_in_flight`).
-    """
+    iteration continue the same sequence) + boundary activations in flight (`_in_flight`)."""
     slots: Sequence[Any] = tuple(getattr(plan, "slots", plan))
     if not slots:
         raise PlanError("a plan needs at least one slot")
@@ -227,6 +236,8 @@ def predict_peak(
     if covered != mem.num_layers:
         raise PlanError(f"the plan covers {covered} layers but the memory table {mem.num_layers}")
     held = frozenset(s.layers.start for s in slots if s.kind != "fwd")
+    if grain == "layer_input":  # forward stages save every backward-stage layer's input
+        held |= frozenset(j for s in slots if s.kind == "bwd" for j in s.layers)
     params = [sum(mem.param_bytes[i] for i in s.layers) for s in slots]
     out = []
     for i, slot in enumerate(slots):
@@ -250,8 +261,8 @@ def predict_peak(
         # Its last recompute may still await its gradient, except on one device, where this
         # stage's first recompute waits for that backward (`sched/backward_run.py`).
         if before.kind == "bwd" and num_devices > 1:
-            recomputed = sum(mem.saved_bytes[j] for j in before.layers)
-            draining += recomputed if grain == "stage" else _held_inputs(mem, before.layers)
+            recomputed = sum(mem.saved_bytes[j] for j in before.layers) if grain != "layer" else 0
+            draining += recomputed + (_held_inputs(mem, before.layers) if grain != "stage" else 0)
         out.append(
             SlotMemory(
                 i,
@@ -259,7 +270,7 @@ def predict_peak(
                 slot.layers,
                 own,
                 sum(params[j] for j in ahead),
-                _in_flight(mem, slot, held, act_in_flight, inputs_ahead),
+                _in_flight(mem, slot, held, act_in_flight, inputs_ahead, grain),
                 draining,
             )
         )

@@ -257,9 +257,9 @@ class GraphBuilder:
 
     def _backward_context(self, run: StageRun) -> BackwardRunContext:
         """What a backward run's chains wait for outside the run (see `backward_run`)."""
-        start = run.layers.start
+        start = run.layers.stop - 1 if self.options.layer_inputs else run.layers.start  # deepest saved last
         saved_by = read_by = None
-        if start > 0:  # the forward slot that saved the activation entering the run
+        if start > 0:
             stages = self.plan.fwd_stages  # forward slot i holds fwd_stages[i]
             saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
             read_by = saved_by + 1 if stages[saved_by].stop == start else None

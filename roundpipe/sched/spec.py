@@ -103,6 +103,9 @@ class ScheduleOptions:
     # the device's run two before). Each is one more activation on the device (`predict_peak`'s
     # ``act_in_flight``); deeper lets the host issue more computes before a stage's weights land.
     flow_depth: int = 2
+    # A backward stage's act_up brings every one of its layers' inputs, saved by the forward slots
+    # (RunConfig.recompute_grain="layer_input"), not only the one entering it.
+    layer_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_stages < 1:
