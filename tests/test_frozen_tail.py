@@ -196,3 +196,19 @@ def test_a_compiled_layer_skips_in_its_own_graph_and_keeps_the_gradients() -> No
     # The compiled graph honoured the flag: its output lacks the MLP's sum, its gradients do not.
     assert not torch.equal(out, layer(x, position_embeddings=(ones, 0 * ones)))
     torch._dynamo.reset()
+
+
+def test_with_every_layer_input_a_backward_upload_waits_for_the_deepest_saver_and_counts_all() -> None:
+    from roundpipe.plan import Plan
+    from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions
+    from roundpipe.sched.keys import ActDownKey, ActUpKey
+
+    # Forward slots 0: [0, 2), 1: [2, 4); fused slot 2: [4, 6); backward slot 3: [1, 4), 4: [0, 1).
+    plan = Plan((range(0, 2), range(2, 4)), range(4, 6), (range(1, 4), range(0, 1)), 1.0, 1, 1)
+    spec = ModelSpec.uniform(plan.num_layers, param_bytes=1000, act_bytes=100)
+    for every, (saver, nbytes) in ((False, (0, 100)), (True, (1, 300))):
+        builder = GraphBuilder(plan, spec, 1, ScheduleOptions(layer_inputs=every))
+        tasks = {t.key: t for t in builder.forward_backward(0, 0, 1).tasks}
+        upload = tasks[ActUpKey(0, 3, 0)]
+        # Layer 1's input is saved by slot 0; layers 2 and 3's by slot 1, which runs after it.
+        assert ActDownKey(0, saver, 0) in upload.deps and upload.nbytes == nbytes

@@ -58,6 +58,7 @@ class BackwardRunContext:
     flow_run: Key | None  # the device's run two back (one without inputs ahead): its last compute
     previous_run_done: Key | None = None  # one device: the previous run's last compute
     flow_depth: int = 2  # microbatches of flow control (`ScheduleOptions.flow_depth`; 1 without inputs ahead)
+    inputs: int = 1  # activations its act_up brings (every layer's with `ScheduleOptions.layer_inputs`)
 
 
 def backward_chains(
@@ -90,7 +91,14 @@ def backward_chains(
         down_key = ActDownKey(t, slot, mb)
         count = len(run.microbatches)
         built.tasks += (
-            run.task(up_key, ACT_UP, up_deps, microbatch=mb, nbytes=context.act_bytes, sync_deps=flow),
+            run.task(
+                up_key,
+                ACT_UP,
+                up_deps,
+                microbatch=mb,
+                nbytes=context.act_bytes * context.inputs,
+                sync_deps=flow,
+            ),
             run.task(recompute_key, RECOMPUTE, recompute_deps, microbatch=mb, part=position, num_parts=count),
             run.task(grad_key, GRAD_UP, grad_deps, microbatch=mb, nbytes=context.act_bytes, sync_deps=flow),
             run.task(

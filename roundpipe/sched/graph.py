@@ -263,8 +263,7 @@ class GraphBuilder:
             stages = self.plan.fwd_stages  # forward slot i holds fwd_stages[i]
             saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
             read_by = saved_by + 1 if stages[saved_by].stop == start else None
-        history = self._device_runs.get(run.device, ())
-        runs_back = 2 if self.options.inputs_ahead else 1
+        history, runs_back = self._device_runs.get(run.device, ()), 2 if self.options.inputs_ahead else 1
         return BackwardRunContext(
             act_bytes=self.spec.act_bytes,
             down_bytes=self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0,
@@ -273,6 +272,7 @@ class GraphBuilder:
             flow_run=history[-runs_back] if len(history) >= runs_back else None,
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
             flow_depth=self.options.flow_depth if self.options.inputs_ahead else 1,
+            inputs=len(run.layers) if self.options.layer_inputs else 1,
         )
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
