@@ -212,3 +212,23 @@ def test_with_every_layer_input_a_backward_upload_waits_for_the_deepest_saver_an
         upload = tasks[ActUpKey(0, 3, 0)]
         # Layer 1's input is saved by slot 0; layers 2 and 3's by slot 1, which runs after it.
         assert ActDownKey(0, saver, 0) in upload.deps and upload.nbytes == nbytes
+
+
+@pytest.mark.parametrize("whole_layer", [False, True], ids=["sliced-mlp", "sliced-layer"])
+def test_a_long_rows_sliced_path_computes_the_tail_its_checkpoints_recompute(
+    whole_layer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from roundpipe.model import chunked_layer, chunked_mlp
+
+    for module in (chunked_layer, chunked_mlp):
+        monkeypatch.setattr(module, "CHUNK_TOKENS", 4)
+        monkeypatch.setattr(module, "MIN_TOKENS", 8)  # grads_of's rows are 8 tokens long
+    layer = decoder_layer()
+    if whole_layer:
+        assert chunked_layer.chunk_long_attention_layer(layer)
+    else:
+        chunked_mlp.chunk_long_sequences(layer.mlp)
+    mark_tail(layer)
+    skips = counting_skips(monkeypatch)
+    assert_same_grads(layer)
+    assert not skips and not tails(layer)[0].output_unread

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -176,30 +176,27 @@ def tails(module: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def unread_tail(marked: list[nn.Module]) -> Iterator[None]:
-    """While inside, the ``marked`` tails (`tails` of a layer) skip their product in a call with
-    grad: for a call whose output is only a backward's root."""
+def _flagged(marked: list[nn.Module], unread: bool) -> Iterator[None]:
+    """``output_unread`` set to ``unread`` on the ``marked`` tails while inside, then back."""
     for tail in marked:
-        setattr(tail, "output_unread", True)  # noqa: B010 (a plain attribute)
+        setattr(tail, "output_unread", unread)  # noqa: B010 (a plain attribute)
     try:
         yield
     finally:
         for tail in marked:
-            setattr(tail, "output_unread", False)  # noqa: B010
+            setattr(tail, "output_unread", not unread)  # noqa: B010
 
 
-@contextmanager
-def outputs_read(module: nn.Module) -> Iterator[None]:
+def unread_tail(marked: list[nn.Module]) -> AbstractContextManager[None]:
+    """While inside, the ``marked`` tails (`tails` of a layer) skip their product in a call with
+    grad: for a call whose output is only a backward's root."""
+    return _flagged(marked, True)
+
+
+def outputs_read(module: nn.Module) -> AbstractContextManager[None]:
     """While inside, every marked tail within ``module`` computes its product (a sliced path that
     checkpoints and recomputes its slices later, with the flag off)."""
-    unread = [t for t in tails(module) if getattr(t, "output_unread", False)]
-    for tail in unread:
-        setattr(tail, "output_unread", False)  # noqa: B010 (a plain attribute)
-    try:
-        yield
-    finally:
-        for tail in unread:
-            setattr(tail, "output_unread", True)  # noqa: B010
+    return _flagged([t for t in tails(module) if getattr(t, "output_unread", False)], False)
 
 
 def reading_outputs(method: _Method) -> _Method:
