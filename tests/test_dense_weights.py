@@ -148,7 +148,7 @@ def per_run_dequantizations(tasks: list[Any], num_layers: int) -> int:
     return 7 * sum(run[-1] for run in runs)
 
 
-@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("grain", ["stage", "layer", "layer_input"])
 def test_once_per_run_trains_as_per_call_with_fewer_dequantizations(
     monkeypatch: pytest.MonkeyPatch, grain: str
 ) -> None:

@@ -300,11 +300,18 @@ def test_per_layer_sums_bound_every_stage_kind() -> None:
         for start in range(mem.num_layers):
             for stop in range(start + 1, mem.num_layers + 1):
                 bound = sum(per_layer[start:stop]) + max(mem.carried_bytes)
-                for kind, grain in [("fwd", "stage"), ("fused", "stage"), ("bwd", "stage"), ("bwd", "layer")]:
+                kinds = [
+                    ("fwd", "stage"),
+                    ("fused", "stage"),
+                    ("bwd", "stage"),
+                    ("bwd", "layer"),
+                    ("bwd", "layer_input"),
+                ]
+                for kind, grain in kinds:
                     assert stage_bytes(mem, range(start, stop), kind, grain) <= bound  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("grain", ["stage", "layer", "layer_input"])
 def test_partitioned_plans_fit_the_budget_exactly_predicted(grain: str) -> None:
     rng = random.Random(11)
     for trial in range(20):
