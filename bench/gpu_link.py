@@ -107,6 +107,29 @@ def link_figures(
     return out
 
 
+def param_up_rates(trace: Iterable[Any]) -> dict[str, list[float]]:
+    """Per iteration of the whole trace, the weight uploads' GB/s two ways: their bytes over the
+    sum of their spans (what the planner's `measured_link_gbps` reads, from iteration 1 on) and
+    over the union of their spans per device (what moved, as ``h2d_gbps_achieved`` counts). Apart
+    by more than rounding, the spans overlap; low in one iteration alone, that iteration's
+    uploads ran slow (the re-plan reads the first iterations)."""
+    by_iteration: dict[int, list[Any]] = {}
+    for t in trace:
+        if t.kind == "param_up" and t.end_t > t.start_t:
+            by_iteration.setdefault(t.iteration, []).append(t)
+    rates: dict[str, list[float]] = {}
+    for it, tasks in sorted(by_iteration.items()):
+        moved = sum(int(t.nbytes) for t in tasks)
+        spans = sum(t.end_t - t.start_t for t in tasks)
+        devices = {t.device for t in tasks}
+        union = sum(
+            _union_ms([(t.start_t, t.end_t) for t in tasks if t.device == d], float("-inf"), float("inf"))
+            for d in devices
+        )
+        rates[str(it)] = [round(moved / (spans * 1e6), 2), round(moved / (union * 1e6), 2)]
+    return rates
+
+
 def model_upload_bytes(pipe: Any) -> int | None:
     """Bytes one pass over every layer uploads: the scheduler's per-layer parameter bytes."""
     spec = getattr(pipe, "_spec", None)

@@ -47,7 +47,7 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 
-from gpu_link import h2d_probe_gbps, link_figures, model_upload_bytes
+from gpu_link import h2d_probe_gbps, link_figures, model_upload_bytes, param_up_rates
 from gpu_memory_snapshot import recorded
 from gpu_throughput_run import (
     SDPA_BACKENDS,
@@ -468,6 +468,7 @@ def run_roundpipe(
         "host_bound": round(report.host_bound, 5),
         **link,
         "planner_link": trace.meta.get("link"),  # the re-plan's own view of the link, where it made one
+        "param_up_gbps": param_up_rates(trace),  # per iteration: over summed spans, over their union
         "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long
         "prefetch_stages": trace.meta.get("prefetch_stages"),  # stages uploaded ahead, as last planned
         "dense_weights": trace.meta.get("dense_weights"),  # 4-bit weights dense once a stage run

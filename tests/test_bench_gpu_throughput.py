@@ -555,6 +555,21 @@ def test_link_figures_from_a_trace() -> None:
     assert out["of_link_bound"] == 0.1
 
 
+def test_param_up_rates_tell_overlapping_spans_from_a_slow_iteration() -> None:
+    from gpu_link import param_up_rates
+
+    from roundpipe.sched.task import Task
+
+    def upload(it: int, start: float, end: float) -> Task:
+        t = Task(("up", it, start), "param_up", "d0.param_up", device=0, iteration=it, nbytes=1_000_000_000)
+        t.start_t, t.end_t = start, end
+        return t
+
+    # Iteration 1: two 1 GB uploads whose spans overlap by half; iteration 2: back to back.
+    trace = [upload(1, 0, 40), upload(1, 20, 60), upload(2, 100, 120), upload(2, 120, 140)]
+    assert param_up_rates(trace) == {"1": [25.0, 33.33], "2": [50.0, 50.0]}
+
+
 def test_measured_steps_start_after_the_replan_from_device_measurements() -> None:
     """Under a budget the layers are measured on the device and the one re-plan runs after
     `REPLAN_AFTER_ITERATIONS`; the iteration after it runs the new plan first (compiling its new
