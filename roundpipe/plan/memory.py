@@ -302,10 +302,11 @@ def layer_plan_bytes(mem: LayerMemory, grain: Grain = "stage", act_in_flight: in
 
     Per layer: parameters (and dense copies) + gradients + saved + the larger working set + its own
     input (without the carried constants) ``act_in_flight + 1`` times (a forward stage holds it for a backward
-    stage starting there, for the computing microbatch and those in flight; layer-grain recompute
-    keeps it). The constants are one storage: `partition_limit_bytes` sets them aside once.
+    stage starting there, for the computing microbatch and those in flight; layer and layer_input
+    grain keep it, and layer_input uploads it ahead). The constants are one storage:
+    `partition_limit_bytes` sets them aside once.
     """
-    del grain  # both grains are bounded by the same sum; kept so callers state what they plan
+    del grain  # every grain is bounded by the same sum; kept so callers state what they plan
     out = []
     for i in range(mem.num_layers):
         work = max(mem.work_bytes[i] + mem.output_bytes(i), mem.bwd_work_bytes[i] + mem.grad_bytes[i])
