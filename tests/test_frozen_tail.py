@@ -177,9 +177,12 @@ def test_every_layer_from_its_saved_input_trains_as_the_stage_recompute() -> Non
         torch.testing.assert_close(adapters[name], stage_adapters[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_a_compiled_layer_skips_in_its_own_graph_and_keeps_the_gradients() -> None:
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4-per-call"])
+def test_a_compiled_layer_skips_in_its_own_graph_and_keeps_the_gradients(nf4: bool) -> None:
     torch._dynamo.reset()
     layer = decoder_layer()
+    if nf4:
+        quantize_frozen_(layer)
     mark_tail(layer)
     layer.compile(backend="aot_eager")  # traces the skip's autograd function like inductor does
     full, skipped, again = (
