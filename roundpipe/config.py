@@ -264,7 +264,7 @@ class RunConfig(BaseModel):
     skip_unread_tail: bool = Field(
         True,
         description="a backward stage's recompute leaves out the frozen down projection that ends its "
-        "last layer (every layer's with recompute_grain='layer'): the backward never reads its "
+        "last layer (every layer's with recompute_grain 'layer' or 'layer_input'): the backward never reads its "
         "value, so the gradients are the same; False computes it",
     )
     mem_limit_bytes: int | None = Field(

@@ -33,6 +33,7 @@ from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.host import HostModel, LossScaler
 from roundpipe.pending import LossLedger, PendingLoss
 from roundpipe.plan import LayerCosts, Plan
+from roundpipe.plan.memory import saved_inputs
 from roundpipe.plan_meta import record_device_plan
 from roundpipe.planning.device_plan import DevicePlan
 from roundpipe.planning.replan import Replan, RunPlanner
@@ -92,13 +93,6 @@ class PipeMachinery:
             fresh_base_version=fresh_base_version,
         )
 
-    def _saved_boundaries(self) -> frozenset[int]:
-        """Layers whose input the forward stages save: where a backward or the fused stage starts,
-        and with ``recompute_grain="layer_input"`` every layer of a backward stage."""
-        if self.config.recompute_grain != "layer_input":
-            return self.plan.bwd_boundaries
-        return self.plan.bwd_boundaries | frozenset(j for r in self.plan.bwd_stages for j in r)
-
     def _check_open(self) -> None:
         if self._closed:
             raise PipeClosedError("this RoundPipe is closed; create a new one")
@@ -131,9 +125,10 @@ class PipeMachinery:
             )
         iteration = self._iteration
         scale = self._scaler.scale if self._scaler is not None else 1.0
+        saved = saved_inputs(self.plan.slots, self.config.recompute_grain)  # kept for backward stages
         self.runtime.begin_iteration(
             iteration,
-            IterationData(input_parts, target_parts, weights, loss_fn, scale, self._saved_boundaries()),
+            IterationData(input_parts, target_parts, weights, loss_fn, scale, saved),
         )
         graph = self._builder.forward_backward(iteration, self._step, self.config.num_microbatches)
         self._iteration += 1

@@ -249,17 +249,13 @@ class Runtime(OptimizerLane):
 
     def act_up(self, task: Task) -> None:
         t, mb, start = task.iteration, task.microbatch, task.layers.start
-        data = self.iterations[t]
         device = self.device(task.device)
-        entry = BoundaryKey(t, start, mb)
         if task.stage_kind == SlotKind.BWD and self.recompute_grain == "layer_input":
             value: Any = [self._saved_input(t, layer, mb) for layer in task.layers]
-        elif start == 0:
-            value = cast_floating(data.inputs[mb], self.host.dtype)
-        elif task.stage_kind == SlotKind.FWD and start in data.boundaries:
-            value = self.activations[entry]  # a backward stage reads it again
+        elif task.stage_kind == SlotKind.FWD and start > 0 and start in self.iterations[t].boundaries:
+            value = self.activations[BoundaryKey(t, start, mb)]  # a backward stage reads it again
         else:
-            value = self.activations.pop(entry)
+            value = self._saved_input(t, start, mb)
         self.inbox[SlotKey(t, task.slot, mb)] = to_device(value, device, device.type == "cuda")
         if self.defer_release:
             self.hold(task, value)  # the host tensors the copy reads

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from roundpipe.model.nf4 import NF4Weight, dequantize_nf4
+from roundpipe.model.quant import NF4Linear
 from roundpipe.model.swap_class import subclass_of
 
 # Decoder layers whose forward ends ``hidden = residual + self.mlp(post_attention_layernorm(hidden))``
@@ -92,15 +93,13 @@ def _unread_output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight: torch.Tensor | None = getattr(module, "weight", None)
     out_features = int(getattr(module, "out_features"))  # noqa: B009
     nf4: tuple[Any, ...] | None = None
-    if weight is None:
+    if isinstance(module, NF4Linear):
         dense: torch.Tensor | None = getattr(module, "dense", None)
         if dense is not None and dense.numel():
             weight = dense
         else:
-            shape = torch.Size((out_features, int(getattr(module, "in_features"))))  # noqa: B009
-            meta = (shape, getattr(module, "weight_dtype"), int(getattr(module, "block_size")))  # noqa: B009
-            absmax = getattr(module, "absmax").view(torch.float32)  # noqa: B009
-            nf4 = (getattr(module, "packed"), absmax, meta, bool(getattr(module, "compiled", False)))  # noqa: B009
+            q = module.quantized()
+            nf4 = (q.packed, q.absmax, (q.shape, q.dtype, q.block_size), module.compiled)
     out: torch.Tensor = _UnreadProduct.apply(x, weight, out_features, nf4)
     return out
 
@@ -153,8 +152,7 @@ def _tail_of(layer: nn.Module) -> nn.Module | None:
             return None
         tail = base
     dense_linear = type(tail) is nn.Linear or getattr(type(tail), "_roundpipe_tail", False)
-    quantized = type(tail).__name__.endswith("NF4Linear") and type(tail).__module__.startswith("roundpipe.")
-    if not (dense_linear or quantized) or not _frozen(tail):
+    if not (dense_linear or isinstance(tail, NF4Linear)) or not _frozen(tail):
         return None
     return tail
 

@@ -216,6 +216,14 @@ weights were gone before the next stage's peak, while a fully trained stage's (2
 gradient download on the 1.7B benchmark) were still there."""
 
 
+def saved_inputs(slots: Sequence[Any], grain: Grain) -> frozenset[int]:
+    """Layers whose input forward stages save: non-forward stage starts (layer_input: all bwd layers)."""
+    held = frozenset(s.layers.start for s in slots if s.kind != "fwd")
+    if grain == "layer_input":
+        held |= frozenset(j for s in slots if s.kind == "bwd" for j in s.layers)
+    return held
+
+
 def predict_peak(
     plan: Sequence[Any] | Any,
     mem: LayerMemory,
@@ -235,9 +243,7 @@ def predict_peak(
     covered = max(s.layers.stop for s in slots)
     if covered != mem.num_layers:
         raise PlanError(f"the plan covers {covered} layers but the memory table {mem.num_layers}")
-    held = frozenset(s.layers.start for s in slots if s.kind != "fwd")
-    if grain == "layer_input":  # forward stages save every backward-stage layer's input
-        held |= frozenset(j for s in slots if s.kind == "bwd" for j in s.layers)
+    held = saved_inputs(slots, grain)
     params = [sum(mem.param_bytes[i] for i in s.layers) for s in slots]
     out = []
     for i, slot in enumerate(slots):
