@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from roundpipe.planning.measured import measured_link_gbps
+from roundpipe.sched.trace import Trace
+
 H2D_KINDS = frozenset({"param_up", "act_up", "grad_up"})
 D2H_KINDS = frozenset({"act_down", "grad_down"})
 COMPUTE_KINDS = frozenset({"compute", "recompute"})
@@ -119,14 +122,12 @@ def param_up_rates(trace: Iterable[Any]) -> dict[str, list[float]]:
             by_iteration.setdefault(t.iteration, []).append(t)
     rates: dict[str, list[float]] = {}
     for it, tasks in sorted(by_iteration.items()):
-        moved = sum(int(t.nbytes) for t in tasks)
-        spans = sum(t.end_t - t.start_t for t in tasks)
-        devices = {t.device for t in tasks}
+        planner = measured_link_gbps(Trace(tasks), since_iteration=it) or 0.0  # its own reading
         union = sum(
             _union_ms([(t.start_t, t.end_t) for t in tasks if t.device == d], float("-inf"), float("inf"))
-            for d in devices
+            for d in {t.device for t in tasks}
         )
-        rates[str(it)] = [round(moved / (spans * 1e6), 2), round(moved / (union * 1e6), 2)]
+        rates[str(it)] = [round(planner, 2), round(sum(int(t.nbytes) for t in tasks) / (union * 1e6), 2)]
     return rates
 
 
