@@ -120,15 +120,17 @@ def assert_weights_equal(
         )
 
 
-def tiny_causal_lm_config(kind: str = "qwen3", *, vocab: int = 64, tied: bool | None = None) -> Any:
-    """A two-layer transformers config small enough for a test step in milliseconds."""
+def tiny_causal_lm_config(
+    kind: str = "qwen3", *, vocab: int = 64, tied: bool | None = None, layers: int = 2
+) -> Any:
+    """A transformers config of ``layers`` decoder layers small enough for a test step in milliseconds."""
     from transformers import LlamaConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -140,12 +142,14 @@ def tiny_causal_lm_config(kind: str = "qwen3", *, vocab: int = 64, tied: bool | 
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def tiny_causal_lm(kind: str = "qwen3", *, vocab: int = 64, attn: str = "eager", seed: int = 0) -> nn.Module:
+def tiny_causal_lm(
+    kind: str = "qwen3", *, vocab: int = 64, attn: str = "eager", seed: int = 0, layers: int = 2
+) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(
-        tiny_causal_lm_config(kind, vocab=vocab), attn_implementation=attn
+        tiny_causal_lm_config(kind, vocab=vocab, layers=layers), attn_implementation=attn
     )
 
 

@@ -126,14 +126,7 @@ def test_the_flag_is_per_copy_and_off_after_the_call() -> None:
 
 
 def four_block_lora() -> nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    shape = dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8
-    )
-    config = Qwen3Config(vocab_size=VOCAB, num_hidden_layers=4, max_position_embeddings=64, **shape)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa", layers=4)
     return lora(model, ("q_proj", "v_proj", "o_proj"))
 
 
