@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe.model import experts as experts_module
+from roundpipe.model import expert_products
 from roundpipe.model.dense_weights import add_dense_slots, dense_bytes, dequantize_run, quantized_sublayers
 from roundpipe.model.quant import NF4Linear, quantize_frozen_
 from roundpipe.plan.layer_memory import LayerMemory
@@ -50,15 +50,15 @@ def counted_run(
 ) -> tuple[list[float], Any, int, int]:
     """Losses, adapters, dequantizations and the most dense copies held at once over two steps."""
     calls = {"n": 0, "held": 0}
-    real = experts_module.dequantize_nf4
+    real = expert_products.dequantize_nf4
 
     def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    # A run's copies (`dense_weights.dequantize_run`, through `experts.dense_weight`) and the
+    # A run's copies (`dense_weights.dequantize_run`, through `expert_products.dense_weight`) and the
     # per-call path of `NF4Linear`.
-    monkeypatch.setattr(experts_module, "dequantize_nf4", counting)
+    monkeypatch.setattr(expert_products, "dequantize_nf4", counting)
     monkeypatch.setattr(roundpipe.model.quant, "dequantize_nf4", counting)
     model = lora_qwen3()
     config = roundpipe.RunConfig(
@@ -96,14 +96,14 @@ def test_nf4_experts_once_per_run_train_as_per_call(make: Any, monkeypatch: pyte
     """Frozen experts held in NF4 get dense slots too (one per 3-D weight): the grouped products
     then run on the run's dense copies, with the per-call numbers."""
     products = {"n": 0}
-    product = experts_module._NF4GroupedMM.apply
+    product = expert_products._NF4GroupedMM.apply
 
     def counting(*args: Any) -> torch.Tensor:
         products["n"] += 1  # a grouped product that dequantized its weight itself
         out: torch.Tensor = product(*args)
         return out
 
-    monkeypatch.setattr(experts_module._NF4GroupedMM, "apply", counting)
+    monkeypatch.setattr(expert_products._NF4GroupedMM, "apply", counting)
     results, per_call = [], []
     for dequantize in ("run", "call"):
         products["n"] = 0

@@ -20,7 +20,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import roundpipe.model.experts as experts_module
-from roundpipe.model.experts import grouped_mm, use_grouped_experts
+from roundpipe.model import expert_products
+from roundpipe.model.experts import use_grouped_experts
+from roundpipe.model.grouped_mm import grouped_mm
 from roundpipe.model.routing import gather_rows, inverse_order, route, unsort_rows
 from tests.test_moe_parity import accumulation_loop, padded_data, tiny_gpt_oss
 from tests.test_transformers_parity import assert_same_weights, pipe_loop, tiny_qwen3_moe
@@ -381,7 +383,7 @@ def test_with_the_cpp_wrapper_on_the_copies_call_roundpipes_operator_and_train_t
         routed.append(dispatched)
         return direct(*args, dispatched=dispatched)
 
-    monkeypatch.setattr(experts_module, "grouped_mm", watched)
+    monkeypatch.setattr(expert_products, "grouped_mm", watched)
     data = padded_data(2)
     losses = {}
     for wrapper in (False, True):

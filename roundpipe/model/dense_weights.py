@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from roundpipe.model.experts import NF4Meta, dense_weight
+from roundpipe.model.expert_products import NF4Meta, dense_weight
 from roundpipe.model.quant import NF4Linear
 
 DENSE = "dense"  # the slot's name on each NF4Linear of a replica; experts: "<weight>_dense"

@@ -28,8 +28,12 @@ calls for ``base_format="nf4"``) replaces the 3-D ``gate_up_proj`` / ``down_proj
 experts by NF4 bytes (``<name>_packed`` and ``<name>_absmax``, frozen ``uint8`` parameters laid out
 as `roundpipe.model.nf4.quantize_nf4` lays out the flattened weight, one row per expert) and gives
 the module a subclass whose grouped products dequantize each weight on the device, right before
-its product, inside `_NF4GroupedMM`: autograd saves the 4-bit bytes, and the backward dequantizes
-again, so no dense expert weight outlives its product. GPT-OSS's biases stay as they are.
+its product (`roundpipe.model.expert_products`, which decides the form every product reads):
+autograd saves the 4-bit bytes, and the backward dequantizes again, so no dense expert weight
+outlives its product. GPT-OSS's biases stay as they are.
+
+A recompute whose output nothing reads (`roundpipe.model.frozen_tail`) leaves out the down
+products and the sum of the choices: `roundpipe.model.experts_tail`.
 
 This module must never change the routing, the user's model (only roundpipe's copies; the one
 exception is `quantize_experts_`, which the user's choice of a 4-bit base asks for), or the
@@ -46,9 +50,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe.model.grouped_mm import grouped_mm
-from roundpipe.model.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
-from roundpipe.model.routing import Routing, gather_rows, inverse_order, route, sort_choices, unsort_rows
+from roundpipe.model.expert_products import NF4Meta, dense_weight, project
+from roundpipe.model.experts_tail import unread_experts
+from roundpipe.model.nf4 import quantize_nf4
+from roundpipe.model.routing import gather_rows, inverse_order, route, sort_choices, unsort_rows
 from roundpipe.model.swap_class import subclass_of
 
 # Implementations transformers builds in; another name is a kernel the user chose, left alone.
@@ -94,96 +99,6 @@ def layout_of(module: nn.Module) -> Layout | None:
     return None
 
 
-@dataclass(frozen=True)
-class NF4Meta:
-    """What the NF4 bytes of one expert weight dequantize to: its 3-D ``shape``, ``dtype`` and
-    ``block_size`` (blocks run along each expert's flattened matrix and never straddle two)."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    block_size: int
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
-def dense_weight(
-    packed: torch.Tensor, absmax: torch.Tensor, meta: NF4Meta, dtype: torch.dtype, compiled: bool
-) -> torch.Tensor:
-    """The dense weight in its stored layout, on the device of its bytes (a new tensor): the packed
-    codes and the scales' raw bytes as stored (any shape), ``meta`` what they dequantize to."""
-    scales = absmax.reshape(-1).view(torch.float32)
-    q = NF4Weight(packed.reshape(-1), scales, meta.shape, meta.dtype, meta.block_size)
-    return dequantize_nf4(q, dtype, compiled=compiled and packed.is_cuda)
-
-
-class _NF4GroupedMM(torch.autograd.Function):
-    """`grouped_mm` of ``x`` with a frozen expert weight held in NF4, dequantized to ``x``'s dtype
-    in the forward and again in the backward: autograd saves the 4-bit bytes and the offsets,
-    never the dense weight (a plain ``grouped_mm`` would save it for the input's gradient). No
-    gradient reaches the weight."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        packed: torch.Tensor,
-        absmax: torch.Tensor,
-        offsets: torch.Tensor,
-        meta: NF4Meta,
-        transposed: bool,
-        compiled: bool,
-        dispatched: bool,
-    ) -> torch.Tensor:
-        weight = dense_weight(packed, absmax, meta, x.dtype, compiled)
-        ctx.save_for_backward(packed, absmax, offsets)
-        ctx.meta, ctx.transposed, ctx.compiled, ctx.dispatched = meta, transposed, compiled, dispatched
-        return grouped_mm(
-            x, weight if transposed else weight.transpose(-2, -1), offsets, dispatched=dispatched
-        )
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None, None]:
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None, None, None
-        packed, absmax, offsets = ctx.saved_tensors
-        weight = dense_weight(packed, absmax, ctx.meta, grad.dtype, ctx.compiled)
-        # out[rows of e] = x[rows of e] @ W_e, so dx[rows of e] = grad[rows of e] @ W_e^T.
-        mat_b = weight.transpose(-2, -1) if ctx.transposed else weight
-        grad_x = grouped_mm(grad, mat_b, offsets, dispatched=ctx.dispatched)
-        return grad_x, None, None, None, None, None, None, None
-
-
-def _projection(
-    experts: nn.Module, name: str, layout: Layout, x: torch.Tensor, routing: Routing
-) -> torch.Tensor:
-    quantized: dict[str, NF4Meta] | None = getattr(experts, "nf4_meta", None)
-    dispatched = bool(getattr(experts, "dispatch_products", False))  # see `dispatch_products`
-    # A stage run's dense copy of a 4-bit weight (`roundpipe.model.dense_weights`), when bound.
-    bound: torch.Tensor | None = getattr(experts, f"{name}_dense", None) if quantized is not None else None
-    if bound is not None and not bound.numel():
-        bound = None  # the empty placeholder of a replica's slot
-    out: torch.Tensor
-    if bound is None and quantized is not None and name in quantized:
-        packed: torch.Tensor = getattr(experts, f"{name}_packed")
-        absmax: torch.Tensor = getattr(experts, f"{name}_absmax")
-        compiled = bool(getattr(experts, "compiled", False))
-        meta = quantized[name]
-        args = (x, packed, absmax, routing.offsets, meta, layout.transposed, compiled, dispatched)
-        out = _NF4GroupedMM.apply(*args)
-    else:
-        weight: torch.Tensor = bound if bound is not None else getattr(experts, name)
-        mat_b = weight if layout.transposed else weight.transpose(-2, -1)
-        out = grouped_mm(x, mat_b, routing.offsets, dispatched=dispatched)
-    if layout.bias:
-        bias: torch.Tensor = getattr(experts, f"{name}_bias")
-        out = out + bias[routing.expert].to(out.dtype)
-    return out
-
-
 def grouped_experts(
     experts: nn.Module,
     layout: Layout,
@@ -197,8 +112,11 @@ def grouped_experts(
     routing = route(top_k_index, int(getattr(experts, "num_experts")))  # noqa: B009
     inverse = inverse_order(routing)
     rows = gather_rows(hidden, routing, inverse, k)
-    inner = layout.gate(experts, _projection(experts, "gate_up_proj", layout, rows, routing))
-    out = _projection(experts, "down_proj", layout, inner, routing)
+    shape = {"transposed": layout.transposed, "bias": layout.bias}
+    inner = layout.gate(experts, project(experts, "gate_up_proj", rows, routing, **shape))
+    if getattr(experts, "output_unread", False) and torch.is_grad_enabled():  # `experts_tail`
+        return unread_experts(experts, inner, top_k_weights, routing, inverse, hidden, **shape)
+    out = project(experts, "down_proj", inner, routing, **shape)
     out = out * sort_choices(top_k_weights, routing, inverse).unsqueeze(-1).to(out.dtype)
     # Back to (token, choice) order, then the k choices of a token summed: a fixed order, unlike
     # an index_add_ whose float atomics on CUDA add in a different order every run (the

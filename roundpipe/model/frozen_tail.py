@@ -23,10 +23,15 @@ backward's root. A long row's sliced paths (`roundpipe.model.chunked_mlp`,
 backward, where the flag is off: they clear it for their own forward (`outputs_read`) so both
 passes compute the same.
 
+A mixture-of-experts layer (Qwen3-MoE, GPT-OSS) ends ``residual + experts(h)``; its frozen
+grouped experts are its tail, and they leave out their down products and the sum of each token's
+choices (`roundpipe.model.experts_tail`, which says what its gradients need instead).
+
 What holds: every gradient equals what the full recompute gives, bit for bit (the skipped value
 is read by nothing; `tests/test_frozen_tail.py` compares the two, and the pipeline parity tests
 run with it on). A weight that trains, a bias that trains, a layer or MLP class not listed, or a
-wrapper other than plain peft LoRA (DoRA reads the base output) keeps its product.
+wrapper other than plain peft LoRA (DoRA reads the base output) keeps its product. The experts'
+tail gives the same gradients up to the order of fp32 sums, not bit for bit.
 """
 
 from __future__ import annotations
@@ -46,9 +51,19 @@ from roundpipe.model.swap_class import subclass_of
 # Decoder layers whose forward ends ``hidden = residual + self.mlp(post_attention_layernorm(hidden))``
 # and MLPs whose forward ends ``self.down_proj(...)`` (transformers' own classes, checked by name).
 TAIL_LAYERS = frozenset(
-    {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"}
+    {
+        "LlamaDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "MistralDecoderLayer",
+        "Qwen3MoeDecoderLayer",
+        "GptOssDecoderLayer",
+    }
 )
-TAIL_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
+TAIL_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen3MoeMLP"})
+# Mixture-of-experts blocks whose output is their ``experts`` module's (reshaped; GPT-OSS's also
+# returns the router's scores, which its decoder layer drops): `roundpipe.model.experts_tail`.
+TAIL_EXPERT_BLOCKS = frozenset({"Qwen3MoeSparseMoeBlock", "GptOssMLP"})
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
@@ -124,6 +139,11 @@ def _tail_methods(base: type) -> dict[str, Any]:
     }
 
 
+def _experts_methods(base: type) -> dict[str, Any]:
+    """Grouped experts read the flag themselves (`roundpipe.model.experts.grouped_experts`)."""
+    return {"output_unread": False, "_roundpipe_tail": True, "__module__": base.__module__}
+
+
 def _plain_lora(wrapper: nn.Module) -> bool:
     """Whether ``wrapper`` is peft's LoRA linear that adds ``B(A(x))`` to its base output and reads
     that output nowhere else: DoRA and peft's other variants (and other tuners, such as IA3 on an
@@ -136,15 +156,20 @@ def _plain_lora(wrapper: nn.Module) -> bool:
     return not any(use_dora.values()) if isinstance(use_dora, dict) else not use_dora
 
 
+def _transformers_names(module: nn.Module) -> set[str]:
+    return {cls.__name__ for cls in type(module).__mro__ if cls.__module__.startswith("transformers.")}
+
+
 def _tail_of(layer: nn.Module) -> nn.Module | None:
-    """The frozen linear at the end of ``layer`` (module docstring), else None."""
-    names = {cls.__name__ for cls in type(layer).__mro__ if cls.__module__.startswith("transformers.")}
+    """The frozen linear, or the frozen grouped experts, at the end of ``layer`` (module
+    docstring), else None."""
     mlp = getattr(layer, "mlp", None)
-    if not names & TAIL_LAYERS or not isinstance(mlp, nn.Module):
+    if not _transformers_names(layer) & TAIL_LAYERS or not isinstance(mlp, nn.Module):
         return None
-    mlp_names = {cls.__name__ for cls in type(mlp).__mro__ if cls.__module__.startswith("transformers.")}
+    if _transformers_names(mlp) & TAIL_EXPERT_BLOCKS:
+        return _experts_tail(mlp)
     tail = getattr(mlp, "down_proj", None)
-    if not mlp_names & TAIL_MLPS or not isinstance(tail, nn.Module):
+    if not _transformers_names(mlp) & TAIL_MLPS or not isinstance(tail, nn.Module):
         return None
     base = getattr(tail, "base_layer", None)  # peft's LoRA layer wraps the frozen linear
     if isinstance(base, nn.Module):
@@ -157,6 +182,17 @@ def _tail_of(layer: nn.Module) -> nn.Module | None:
     return tail
 
 
+def _experts_tail(block: nn.Module) -> nn.Module | None:
+    """``block.experts`` when it runs roundpipe's grouped products (`roundpipe.model.experts`,
+    which takes the unread path) and nothing in it trains or is computed by a parametrization."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module) or not getattr(type(experts), "_roundpipe_grouped", False):
+        return None
+    if torch.nn.utils.parametrize.is_parametrized(experts):
+        return None
+    return experts if not any(p.requires_grad for p in experts.parameters()) else None
+
+
 def mark_tail(layer: nn.Module) -> bool:
     """Give the frozen tail of ``layer`` (roundpipe's copy) the class that can skip its product;
     whether ``layer`` has one."""
@@ -164,7 +200,8 @@ def mark_tail(layer: nn.Module) -> bool:
     if tail is None:
         return False
     if not getattr(type(tail), "_roundpipe_tail", False):
-        tail.__class__ = subclass_of(_subclasses, type(tail), "UnreadTail", _tail_methods)
+        methods = _experts_methods if getattr(type(tail), "_roundpipe_grouped", False) else _tail_methods
+        tail.__class__ = subclass_of(_subclasses, type(tail), "UnreadTail", methods)
     return True
 
 
