@@ -75,7 +75,8 @@ declare -A VARIANT=(
   [back2]="--backward-stage-layers 2"
   [back3]="--backward-stage-layers 3"
   # Every backward-stage layer recomputed from its own input, saved by the forward to the host:
-  # every recompute skips its frozen down projection without more slots (design.md).
+  # every recompute skips its frozen down projection without more slots (design.md); on D, D16
+  # and D2 the experts' down products and the sum of the choices (model/experts_tail.py).
   [inputs]="--recompute-grain layer_input"
   # Every recompute computes its last layer's frozen down projection (RunConfig.skip_unread_tail).
   [fulltail]="--skip-unread-tail false"
