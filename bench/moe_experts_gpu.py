@@ -18,6 +18,10 @@ Run on the GPU machine: ``python bench/moe_experts_gpu.py`` (about a minute).
 (`roundpipe.model.routing`, the default) and with autograd's gradient of indexing (a scatter with
 accumulation, ``impl`` ending in ``_indexed``); each line carries its largest input-gradient
 difference to the first.
+
+``--unread`` times the grouped block, eager and compiled, as a recompute whose output nothing
+reads (`roundpipe.model.experts_tail`: no down products, no sum of the choices) against the full
+block; each line carries its largest input-gradient difference to the full block's.
 """
 
 from __future__ import annotations
@@ -134,6 +138,24 @@ def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
         setattr(experts_module, name, function)
 
 
+def unread(grouped: Any, x: torch.Tensor, repeats: int) -> None:
+    """The grouped block with its output unread against the full block, eager and compiled."""
+    for compiled in (False, True):
+        reference: torch.Tensor | None = None
+        for skip in (False, True):
+            grouped.experts.output_unread = skip  # what `frozen_tail.unread_tail` sets on a marked copy
+            torch._dynamo.reset()
+            mlp = torch.compile(grouped) if compiled else grouped
+            name = "roundpipe_grouped" + ("_compiled" if compiled else "") + ("_unread" if skip else "")
+            line, _, dx = measure(name, mlp, x, repeats)
+            grad = dx.float()
+            reference = grad if reference is None else reference
+            line["max_abs_dx_diff_to_full"] = float((grad - reference).abs().max())
+            line["dx_abs_max"] = float(reference.abs().max())
+            print(json.dumps(line), flush=True)
+    grouped.experts.output_unread = False
+
+
 def expert_bytes(mlp: Any) -> int:
     return sum(p.numel() * p.element_size() for n, p in mlp.named_parameters() if "experts." in n)
 
@@ -155,6 +177,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--train-experts", action="store_true")
     parser.add_argument("--permutations", action="store_true", help="the permutations' A/B only")
+    parser.add_argument("--unread", action="store_true", help="the unread output's A/B only")
     args = parser.parse_args()
     eager = block(args)
     grouped = copy.deepcopy(eager)
@@ -163,6 +186,9 @@ def main() -> None:
     x = torch.randn(1, args.tokens, 2048, device="cuda", dtype=torch.bfloat16)
     if args.permutations:
         permutations(grouped, x, args.repeats)
+        return
+    if args.unread:
+        unread(grouped, x, args.repeats)
         return
     reference: torch.Tensor | None = None
     for name, mlp in (("eager", eager), ("roundpipe_grouped", grouped)):
