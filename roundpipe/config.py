@@ -264,8 +264,9 @@ class RunConfig(BaseModel):
     skip_unread_tail: bool = Field(
         True,
         description="a backward stage's recompute leaves out the frozen down projection that ends its "
-        "last layer (every layer's with recompute_grain 'layer' or 'layer_input'): the backward never reads its "
-        "value, so the gradients are the same; False computes it",
+        "last layer (every layer's with recompute_grain 'layer' or 'layer_input'; in a mixture-of-experts "
+        "layer its frozen experts' down products and the sum of the choices): the backward never reads its "
+        "value, so the gradients are the same (the experts' to fp32 rounding); False computes it",
     )
     mem_limit_bytes: int | None = Field(
         None,
