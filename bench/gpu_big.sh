@@ -135,7 +135,7 @@ keys = ["tokens_per_s", "peak_gib", "predicted_peak_gib", "host_rss_gib", "h2d_b
 shown = {k: r.get(k) for k in keys}
 shown["issue_ms_per_iteration"] = r.get("breakdown", {}).get("issue_ms_per_iteration")  # against busy_ms
 shown["slowest_compute_ms"] = [(c["ms"], c["iteration"]) for c in r.get("slowest_computes", [])[:3]]
-shown["param_up_gbps"] = r.get("param_up_gbps")  # per iteration: summed spans (the planner's), union
+shown["param_up_gbps"] = r.get("param_up_gbps")  # per iteration: the planner's median, summed spans, union
 print("  ", json.dumps(shown))
 if "torch_profile" in r:  # a -profile variant: device time per step by kernel kind
     print("   kernels", json.dumps(r["torch_profile"].get("kernels_by_kind")))

@@ -468,7 +468,7 @@ def run_roundpipe(
         "host_bound": round(report.host_bound, 5),
         **link,
         "planner_link": trace.meta.get("link"),  # the re-plan's own view of the link, where it made one
-        "param_up_gbps": param_up_rates(trace),  # per iteration: over summed spans, over their union
+        "param_up_gbps": param_up_rates(trace),  # per iteration: the planner's median, summed spans, union
         "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long
         "prefetch_stages": trace.meta.get("prefetch_stages"),  # stages uploaded ahead, as last planned
         "dense_weights": trace.meta.get("dense_weights"),  # 4-bit weights dense once a stage run

@@ -555,7 +555,7 @@ def test_link_figures_from_a_trace() -> None:
     assert out["of_link_bound"] == 0.1
 
 
-def test_param_up_rates_tell_overlapping_spans_from_a_slow_iteration() -> None:
+def test_param_up_rates_tell_overlapping_spans_from_stalled_uploads() -> None:
     from gpu_link import param_up_rates
 
     from roundpipe.sched.task import Task
@@ -565,9 +565,16 @@ def test_param_up_rates_tell_overlapping_spans_from_a_slow_iteration() -> None:
         t.start_t, t.end_t = start, end
         return t
 
-    # Iteration 1: two 1 GB uploads whose spans overlap by half; iteration 2: back to back.
-    trace = [upload(1, 0, 40), upload(1, 20, 60), upload(2, 100, 120), upload(2, 120, 140)]
-    assert param_up_rates(trace) == {"1": [25.0, 33.33], "2": [50.0, 50.0]}
+    # Iteration 1: two 1 GB uploads whose spans overlap by half; iteration 2: back to back, one
+    # of three stalled (the median reads the two others).
+    trace = [
+        upload(1, 0, 40),
+        upload(1, 20, 60),
+        upload(2, 100, 120),
+        upload(2, 120, 220),
+        upload(2, 220, 240),
+    ]
+    assert param_up_rates(trace) == {"1": [25.0, 25.0, 33.33], "2": [50.0, 21.43, 21.43]}
 
 
 def test_measured_steps_start_after_the_replan_from_device_measurements() -> None:

@@ -14,7 +14,7 @@ import roundpipe
 from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts
 from roundpipe.planning.device_plan import planning_budget, planning_config
-from roundpipe.planning.measured import refined_costs
+from roundpipe.planning.measured import measured_link_gbps, refined_costs
 from roundpipe.sched.task import Task
 from roundpipe.sched.trace import Trace
 from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
@@ -122,6 +122,27 @@ def test_a_task_timed_compiling_after_the_first_iteration_does_not_make_every_la
     assert clean is not None and skewed is not None
     assert clean.fwd_ms == pytest.approx((2.0, 2.0, 2.0)) and clean.bwd_ms == pytest.approx((2.0, 2.0, 2.0))
     assert skewed.fwd_ms == pytest.approx(clean.fwd_ms) and skewed.bwd_ms == pytest.approx(clean.bwd_ms)
+
+
+def _upload(nbytes: int, start: float, end: float, iteration: int = 1) -> Task:
+    task = Task(
+        ("up", iteration, start), "param_up", "d0.param_up", device=0, iteration=iteration, nbytes=nbytes
+    )
+    task.start_t, task.end_t = start, end
+    return task
+
+
+def test_the_link_reads_at_its_bytes_median_past_stalled_and_small_uploads() -> None:
+    """Four 1 GB uploads at 50 GB/s and one that waited 2 s on the host inside its span read 50,
+    where their summed spans read 14.3; a small upload slowed by its fixed cost weighs its bytes;
+    the first iteration (compiling) does not count, and no upload reads None."""
+    gb = 10**9
+    steady = [_upload(gb, 20.0 * i, 20.0 * i + 20.0) for i in range(4)]
+    stalled = _upload(gb, 80.0, 2100.0)
+    small = [_upload(10**6, 2100.0 + i, 2101.0 + i) for i in range(20)]  # 1 GB/s each
+    first = _upload(gb, -5000.0, -10.0, iteration=0)
+    assert measured_link_gbps(Trace([*steady, stalled, *small, first])) == pytest.approx(50.0)
+    assert measured_link_gbps(Trace([first])) is None and measured_link_gbps(Trace([])) is None
 
 
 def test_a_head_larger_than_half_the_budget_still_leaves_small_stages_beside_it() -> None:
