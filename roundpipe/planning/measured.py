@@ -70,11 +70,11 @@ def measured_link_gbps(trace: Trace, since_iteration: int = 1) -> float | None:
     time on the upload lane; half of the bytes moved at least that fast); None when none ran.
 
     Why a median: an upload's span runs from its start event to its last copy's end, and what the
-    host does between the two lands in it. In the iteration the re-plan reads (the second) some
-    uploads wait there on the interpreter lock while a layer variant compiles, or on the caching
-    allocator growing its pool, for up to seconds. Summed, such spans read E's link (Qwen3-32B on
-    an H100) at 24.5 GB/s, where the uploads of its steady iterations kept the lane busy 2,335 ms
-    for 122.8 GB (52.6); a few stalled uploads move the median by nothing."""
+    host does between the two lands in it (waiting on the interpreter lock while a layer variant
+    compiles, or on the caching allocator growing its pool). Summed over iterations >= 1, the
+    spans of E (Qwen3-32B on an H100) read its link at 24.5 GB/s, where the uploads of its steady
+    iterations took 2,335 ms for 122.8 GB (52.6): a few long spans carried most of the time. They
+    move the median by nothing."""
     rates: list[tuple[float, int]] = []
     for task in trace:
         if task.kind == "param_up" and task.iteration >= since_iteration and task.end_t > task.start_t:
