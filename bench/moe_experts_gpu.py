@@ -116,6 +116,16 @@ def indexed_sort_choices(values: torch.Tensor, routing: Any, inverse: torch.Tens
 PERMUTATIONS = ("gather_rows", "unsort_rows", "sort_choices")
 
 
+def compiled_line(
+    grouped: Any, x: torch.Tensor, repeats: int, compiled: bool, suffix: str
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """The grouped block's line, eager or freshly compiled, and its input gradient in fp32."""
+    torch._dynamo.reset()
+    mlp = torch.compile(grouped) if compiled else grouped
+    line, _, dx = measure("roundpipe_grouped" + ("_compiled" if compiled else "") + suffix, mlp, x, repeats)
+    return line, dx.float()
+
+
 def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
     """The grouped block with gathers as its permutations' gradients against autograd's indexing,
     eager and compiled (module docstring)."""
@@ -126,11 +136,7 @@ def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
         for indexed in (False, True):
             for name, function in zip(PERMUTATIONS, indexing if indexed else gathers, strict=True):
                 setattr(experts_module, name, function)
-            torch._dynamo.reset()
-            mlp = torch.compile(grouped) if compiled else grouped
-            name = "roundpipe_grouped" + ("_compiled" if compiled else "") + ("_indexed" if indexed else "")
-            line, _, dx = measure(name, mlp, x, repeats)
-            grad = dx.float()
+            line, grad = compiled_line(grouped, x, repeats, compiled, "_indexed" if indexed else "")
             reference = grad if reference is None else reference
             line["max_abs_dx_diff_to_first"] = float((grad - reference).abs().max())
             print(json.dumps(line), flush=True)
@@ -144,11 +150,7 @@ def unread(grouped: Any, x: torch.Tensor, repeats: int) -> None:
         reference: torch.Tensor | None = None
         for skip in (False, True):
             grouped.experts.output_unread = skip  # what `frozen_tail.unread_tail` sets on a marked copy
-            torch._dynamo.reset()
-            mlp = torch.compile(grouped) if compiled else grouped
-            name = "roundpipe_grouped" + ("_compiled" if compiled else "") + ("_unread" if skip else "")
-            line, _, dx = measure(name, mlp, x, repeats)
-            grad = dx.float()
+            line, grad = compiled_line(grouped, x, repeats, compiled, "_unread" if skip else "")
             reference = grad if reference is None else reference
             line["max_abs_dx_diff_to_full"] = float((grad - reference).abs().max())
             line["dx_abs_max"] = float(reference.abs().max())

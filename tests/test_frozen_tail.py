@@ -141,17 +141,21 @@ def trained(grain: str, skip: bool) -> tuple[list[float], dict[str, torch.Tensor
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, meta
 
 
+def skipping_recomputes(meta: dict[str, Any], grain: str, steps: int, microbatches: int) -> int:
+    """How many layer recomputes of a run leave out their tail: each backward stage's last layer,
+    or with layer or layer_input grain every layer of it; the embedding (layer 0) has none."""
+    stages = [range(*r) for r in meta["plan"]["bwd_stages"]]
+    ends = [[r.stop - 1] if grain == "stage" else list(r) for r in stages]
+    return steps * microbatches * sum(1 for layers in ends for j in layers if j > 0)
+
+
 @pytest.mark.parametrize("grain", ["stage", "layer", "layer_input"])
 def test_a_pipeline_that_skips_trains_exactly_as_one_that_computes_the_tail(
     grain: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     skips = counting_skips(monkeypatch)
     losses, adapters, meta = trained(grain, skip=True)
-    # Which recomputes skip: each backward stage's last layer, or with layer or layer_input
-    # grain every layer of it; the embedding (layer 0) has no tail. Two steps, four microbatches.
-    stages = [range(*r) for r in meta["plan"]["bwd_stages"]]
-    ends = [[r.stop - 1] if grain == "stage" else list(r) for r in stages]
-    assert len(skips) == 2 * 4 * sum(1 for layers in ends for j in layers if j > 0) > 0
+    assert len(skips) == skipping_recomputes(meta, grain, steps=2, microbatches=4) > 0
     skips.clear()
     expected_losses, expected, _ = trained(grain, skip=False)
     assert not skips
