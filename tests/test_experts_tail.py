@@ -13,7 +13,7 @@ from torch import nn
 from roundpipe.model import experts_tail
 from roundpipe.model.experts import quantize_experts_, use_grouped_experts
 from roundpipe.model.frozen_tail import mark_tail, tails, unread_tail
-from tests.test_frozen_tail import skipping_recomputes
+from tests.test_frozen_tail import coarse_plans, skipping_recomputes
 from tests.test_moe_parity import tiny_gpt_oss
 from tests.test_transformers_parity import lora, pipe_loop, tiny_qwen3_moe, token_data
 
@@ -148,7 +148,10 @@ def trained(grain: str, skip: bool) -> tuple[list[float], dict[str, torch.Tensor
     model = lora(tiny_qwen3_moe())
     options: dict[str, Any] = dict(num_microbatches=2, memory_budget="192KiB", replan=False, devices="cpu:1")
     meta: dict[str, Any] = {}
-    losses = pipe_loop(model, token_data(2), meta, skip_unread_tail=skip, recompute_grain=grain, **options)
+    with coarse_plans():
+        losses = pipe_loop(
+            model, token_data(2), meta, skip_unread_tail=skip, recompute_grain=grain, **options
+        )
     assert meta["plan"]["bwd_stages"], "the budget no longer splits off a backward stage"
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, meta
 
