@@ -13,9 +13,9 @@ from torch import nn
 from roundpipe.model import experts_tail
 from roundpipe.model.experts import quantize_experts_, use_grouped_experts
 from roundpipe.model.frozen_tail import mark_tail, tails, unread_tail
-from tests.test_frozen_tail import coarse_plans, skipping_recomputes
+from tests.test_frozen_tail import Trained, skipping_recomputes, trained_on_one_worker
 from tests.test_moe_parity import tiny_gpt_oss
-from tests.test_transformers_parity import lora, pipe_loop, tiny_qwen3_moe, token_data
+from tests.test_transformers_parity import lora, tiny_qwen3_moe
 
 MODELS = {"qwen3-moe": tiny_qwen3_moe, "gpt-oss": tiny_gpt_oss}
 
@@ -142,18 +142,9 @@ def test_a_compiled_layer_skips_the_experts_output_in_its_own_graph() -> None:
     torch._dynamo.reset()
 
 
-def trained(grain: str, skip: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
-    """Two steps of the two-block Qwen3-MoE LoRA model on one CPU worker, under a budget that
-    splits off backward stages (layer 0 is the embedding, 1-2 the blocks, 3 the head)."""
-    model = lora(tiny_qwen3_moe())
-    options: dict[str, Any] = dict(num_microbatches=2, memory_budget="192KiB", replan=False, devices="cpu:1")
-    meta: dict[str, Any] = {}
-    with coarse_plans():
-        losses = pipe_loop(
-            model, token_data(2), meta, skip_unread_tail=skip, recompute_grain=grain, **options
-        )
-    assert meta["plan"]["bwd_stages"], "the budget no longer splits off a backward stage"
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, meta
+def trained(grain: str, skip: bool) -> Trained:
+    """The two-block Qwen3-MoE LoRA model (layer 0 is the embedding, 1-2 the blocks, 3 the head)."""
+    return trained_on_one_worker(lora(tiny_qwen3_moe()), grain, skip, microbatches=2, budget="192KiB")
 
 
 @pytest.mark.parametrize("grain", ["stage", "layer_input"])

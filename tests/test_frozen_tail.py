@@ -132,11 +132,17 @@ def four_block_lora() -> nn.Module:
     return lora(model, ("q_proj", "v_proj", "o_proj"))
 
 
-def trained(grain: str, skip: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
-    """Two steps of the four-block model on one CPU worker, under a budget that splits off
-    backward stages (layer 0 is the embedding, 1-4 the blocks, 5 the head)."""
-    model = four_block_lora()
-    options: dict[str, Any] = dict(num_microbatches=4, memory_budget="256KiB", replan=False, devices="cpu:1")
+Trained = tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]
+
+
+def trained_on_one_worker(
+    model: nn.Module, grain: str, skip: bool, microbatches: int, budget: str
+) -> Trained:
+    """Losses, trained weights and the trace's meta of two steps of ``model`` on one CPU worker
+    under a ``budget`` that splits off backward stages, in the coarse plan (`coarse_plans`)."""
+    options: dict[str, Any] = dict(
+        num_microbatches=microbatches, memory_budget=budget, replan=False, devices="cpu:1"
+    )
     meta: dict[str, Any] = {}
     with coarse_plans():
         losses = pipe_loop(
@@ -144,6 +150,11 @@ def trained(grain: str, skip: bool) -> tuple[list[float], dict[str, torch.Tensor
         )
     assert meta["plan"]["bwd_stages"], "the budget no longer splits off a backward stage"
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, meta
+
+
+def trained(grain: str, skip: bool) -> Trained:
+    """The four-block model (layer 0 is the embedding, 1-4 the blocks, 5 the head)."""
+    return trained_on_one_worker(four_block_lora(), grain, skip, microbatches=4, budget="256KiB")
 
 
 @contextmanager
