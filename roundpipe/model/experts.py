@@ -112,11 +112,11 @@ def grouped_experts(
     routing = route(top_k_index, int(getattr(experts, "num_experts")))  # noqa: B009
     inverse = inverse_order(routing)
     rows = gather_rows(hidden, routing, inverse, k)
-    shape = {"transposed": layout.transposed, "bias": layout.bias}
-    inner = layout.gate(experts, project(experts, "gate_up_proj", rows, routing, **shape))
+    stored = {"transposed": layout.transposed, "bias": layout.bias}  # how the weights are laid out
+    inner = layout.gate(experts, project(experts, "gate_up_proj", rows, routing, **stored))
     if getattr(experts, "output_unread", False) and torch.is_grad_enabled():  # `experts_tail`
-        return unread_experts(experts, inner, top_k_weights, routing, inverse, hidden, **shape)
-    out = project(experts, "down_proj", inner, routing, **shape)
+        return unread_experts(experts, inner, top_k_weights, routing, inverse, hidden, **stored)
+    out = project(experts, "down_proj", inner, routing, **stored)
     out = out * sort_choices(top_k_weights, routing, inverse).unsqueeze(-1).to(out.dtype)
     # Back to (token, choice) order, then the k choices of a token summed: a fixed order, unlike
     # an index_add_ whose float atomics on CUDA add in a different order every run (the

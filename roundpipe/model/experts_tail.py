@@ -105,13 +105,13 @@ def unread_experts(
     nothing reads it: zeros, whose backward gives ``inner`` [rows, I] (the gated rows in expert
     order) and ``top_k_weights`` [tokens, k] the full path's gradients (module docstring)."""
     weight, nf4 = weight_form(experts, "down_proj")
+    absmax: torch.Tensor | None
     if nf4 is not None:
         down, absmax, meta, compiled = nf4
-        how = _DownProduct(meta, compiled, transposed, bool(getattr(experts, "dispatch_products", False)))
     else:
         assert weight is not None
-        down, absmax = weight, None
-        how = _DownProduct(None, False, transposed, bool(getattr(experts, "dispatch_products", False)))
+        down, absmax, meta, compiled = weight, None, None, False
+    how = _DownProduct(meta, compiled, transposed, bool(getattr(experts, "dispatch_products", False)))
     down_bias: torch.Tensor | None = getattr(experts, "down_proj_bias") if bias else None  # noqa: B009
     weights = sort_choices(top_k_weights, routing, inverse)
     args = (inner, weights, hidden, routing.token, routing.offsets, routing.expert, down, absmax, down_bias)

@@ -8,6 +8,7 @@ functions only read a trace's public fields; they never plan and never touch a d
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 from roundpipe.plan import LayerCosts
@@ -75,17 +76,16 @@ def measured_link_gbps(trace: Trace, since_iteration: int = 1) -> float | None:
     spans of E (Qwen3-32B on an H100) read its link at 24.5 GB/s, where the uploads of its steady
     iterations took 2,335 ms for 122.8 GB (52.6): a few long spans carried most of the time. They
     move the median by nothing."""
-    rates: list[tuple[float, int]] = []
-    for task in trace:
-        if task.kind == "param_up" and task.iteration >= since_iteration and task.end_t > task.start_t:
-            if task.nbytes > 0:
-                rates.append((task.nbytes / ((task.end_t - task.start_t) * 1e6), int(task.nbytes)))
+    rates = sorted(
+        (task.nbytes / ((task.end_t - task.start_t) * 1e6), int(task.nbytes))
+        for task in trace
+        if task.kind == "param_up"
+        and task.iteration >= since_iteration
+        and task.end_t > task.start_t
+        and task.nbytes > 0
+    )
     if not rates:
         return None
-    rates.sort()
-    half, moved = sum(nbytes for _, nbytes in rates) / 2, 0
-    for rate, nbytes in rates:
-        moved += nbytes
-        if moved >= half:
-            return rate
-    return rates[-1][0]
+    half = sum(nbytes for _, nbytes in rates) / 2
+    moved = itertools.accumulate(nbytes for _, nbytes in rates)
+    return next(rate for (rate, _), total in zip(rates, moved, strict=True) if total >= half)
