@@ -192,6 +192,26 @@ def test_a_pipeline_that_skips_trains_exactly_as_one_that_computes_the_tail(
         assert torch.equal(adapters[name], expected[name]), name
 
 
+def test_layer_grain_recomputes_a_stage_without_gradients_up_to_its_last_layer_only() -> None:
+    """A backward stage at layer grain needs every layer's input, not its last output: its pass
+    without gradients stops before its last layer, so against stage grain (one recompute with
+    gradients, then the backward) it calls each stage's layers but the last once more."""
+
+    def counted_run(grain: str) -> tuple[int, list[range]]:
+        model, calls = four_block_lora(), [0]
+        for block in model.get_submodule("base_model.model.model.layers"):
+            block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        _, _, meta = trained_on_one_worker(model, grain, True, microbatches=4, budget="256KiB")
+        return calls[0], [range(*r) for r in meta["plan"]["bwd_stages"]]
+
+    stage_calls, stage_stages = counted_run("stage")
+    calls, stages = counted_run("layer")
+    assert stages == stage_stages and max(len(r) for r in stages) > 1  # a stage on the layer-grain path
+    blocks = range(1, 5)  # layer 0 is the embedding, 5 the head
+    once_more = sum(j in blocks for r in stages for j in r[:-1])
+    assert calls - stage_calls == 2 * 4 * once_more > 0  # two steps of four microbatches
+
+
 def test_every_layer_from_its_saved_input_trains_as_the_stage_recompute() -> None:
     losses, adapters, meta = trained("layer_input", skip=True)
     assert any(len(range(*r)) > 1 for r in meta["plan"]["bwd_stages"])  # a stage of several inputs

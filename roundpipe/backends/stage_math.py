@@ -141,12 +141,12 @@ def recompute_stage(
                 layers.append((differentiable_leaves(out), leaves))
         return Recomputed(layers=layers)
     if grain == "layer" and len(task.layers) > 1:
-        inputs = []
-        x = act
+        # Only the layers' inputs are kept: the last layer's output would be read by nothing (its
+        # backward recomputes it with gradients), so the pass stops before that layer.
+        inputs = [act]
         with torch.no_grad():
-            for layer in task.layers:
-                inputs.append(x)
-                x = call(task, layer, params, x)
+            for layer in task.layers[:-1]:
+                inputs.append(call(task, layer, params, inputs[-1]))
         return Recomputed(inputs=inputs)
     x, leaves = with_leaves(act) if task.layers.start > 0 else (act, [])
     last = task.layers.stop - 1
