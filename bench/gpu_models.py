@@ -133,8 +133,7 @@ def build_layerwise(
 def _to_host(module: nn.Module, pinned: bool) -> None:
     """Move ``module``'s tensors to the host, each straight into its own pinned buffer when a GPU
     will read it: the run then uses them as its compute copy instead of copying the whole base
-    into one pinned arena beside them (twice the base on the host, and one allocation that the
-    pinned allocator rounds up to a power of two). One tensor at a time rounds far less."""
+    into pinned arenas beside them (twice the base on the host while it copies)."""
     if not pinned:
         module.to("cpu")
         return

@@ -26,6 +26,10 @@ class ModelError(RoundPipeError, ValueError):
     """The model cannot be turned into a layer sequence."""
 
 
+class HostMemoryError(RoundPipeError, MemoryError):
+    """The host lacks the memory for the copies of the model a run must allocate; says what to change."""
+
+
 class CheckpointError(RoundPipeError, ValueError):
     """A checkpoint is missing, incomplete, damaged, from another model, or cannot be written there."""
 

@@ -30,6 +30,7 @@ from roundpipe.errors import ModelError
 from roundpipe.optim.defaults import LossScaler as LossScaler
 from roundpipe.optim.defaults import default_optimizer
 from roundpipe.optim.defaults import host_adamw as host_adamw
+from roundpipe.optim.host_room import Arenas
 from roundpipe.optim.lr_ramp import scaled_lr
 from roundpipe.optim.prediction import WeightPredictor
 
@@ -37,14 +38,6 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _aligned(numel: int, dtype: torch.dtype) -> int:
-    """Elements that keep the next tensor of an arena 64-byte aligned (so a byte tensor holding
-    fp32 scales can be viewed as fp32)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    step = max(1, 64 // size)
-    return -(-numel // step) * step
 
 
 def trainable_units(
@@ -133,16 +126,15 @@ class HostModel:
         Frozen parameters never change, so they live on the host once, in the format they travel
         in: the module's own parameter is made to hold its compute copy (a frozen 14B base costs
         its bf16 bytes, not those plus an fp32 original; a 4-bit base its packed bytes). Compute
-        copies that must be made are laid out layer by layer in one arena per dtype, pinned when a
-        GPU reads them: one allocation each (pinned allocations are rounded up to a power of two
-        each, which per tensor wastes up to half)."""
+        copies that must be made are laid out layer by layer in arenas per dtype, pinned when a GPU
+        reads them, in few pieces that torch's pinned allocator rounds up little
+        (`roundpipe.optim.host_room`, which first checks that the host has room for them)."""
         unique: dict[int, nn.Parameter] = {}
         for named in self.layer_params:
             for _, param in named:
                 unique.setdefault(id(param), param)
         made = [p for p in unique.values() if p.requires_grad or not self._usable_as_is(p)]
-        arenas = self._arenas(made)
-        offsets = dict.fromkeys(arenas, 0)
+        arenas = Arenas(made, self.layer_params, self.compute_dtype, self.pin_memory)  # checks the room
         for param in unique.values():
             if param.requires_grad:
                 master: torch.Tensor
@@ -152,10 +144,7 @@ class HostModel:
                     master = param.detach().to("cpu", torch.float32).clone()
                 self.master[id(param)] = master
             if param.requires_grad or not self._usable_as_is(param):
-                dtype = self.compute_dtype(param)
-                offset = offsets[dtype]
-                offsets[dtype] = offset + _aligned(param.numel(), dtype)
-                view = arenas[dtype][offset : offset + param.numel()].view(param.shape)
+                view = arenas.view(param)
                 with torch.no_grad():
                     view.copy_(param.detach())
                 self.compute[id(param)] = view
@@ -163,16 +152,6 @@ class HostModel:
                     param.data = view  # the frozen original is dropped: one host copy
             else:
                 self.compute[id(param)] = param.detach()
-
-    def _arenas(self, made: list[nn.Parameter]) -> dict[torch.dtype, torch.Tensor]:
-        sizes: dict[torch.dtype, int] = {self.dtype: 0}
-        for param in made:
-            dtype = self.compute_dtype(param)
-            sizes[dtype] = sizes.get(dtype, 0) + _aligned(param.numel(), dtype)
-        return {
-            dtype: torch.empty(size, dtype=dtype, pin_memory=self.pin_memory and size > 0)
-            for dtype, size in sizes.items()
-        }
 
     def compute_dtype(self, param: torch.Tensor) -> torch.dtype:
         """The dtype ``param`` is held and uploaded in: the run's precision, except integer tensors
