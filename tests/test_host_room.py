@@ -146,3 +146,16 @@ def test_views_of_a_pinned_layout_hold_each_weight(monkeypatch: pytest.MonkeyPat
         view.copy_(param.detach())
     for param, view in zip(params, views, strict=True):
         assert view.shape == param.shape and torch.equal(view, param.detach().to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compute_copies_are_pinned_pieces_holding_each_weight() -> None:
+    model = frozen_except_last(mlp(0, width=256, depth=8))
+    host = HostModel(list(model.children()), model, precision="bf16", pin_memory=True)
+    storages = set()
+    for param in model.parameters():
+        copy = host.compute[id(param)]
+        assert copy.is_pinned() and torch.equal(copy, param.detach().to(torch.bfloat16))
+        storages.add(copy.untyped_storage().data_ptr())
+    assert 1 < len(storages) < len(list(model.parameters()))  # pieces: fewer than one per tensor
