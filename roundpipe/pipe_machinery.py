@@ -34,8 +34,10 @@ from roundpipe.optim.host import HostModel, LossScaler
 from roundpipe.pending import LossLedger, PendingLoss
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.memory import saved_inputs
+from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_meta import record_device_plan
 from roundpipe.planning.device_plan import DevicePlan
+from roundpipe.planning.host_activations import check_activation_room
 from roundpipe.planning.replan import Replan, RunPlanner
 from roundpipe.retention import Retention
 from roundpipe.sched.engine import Engine
@@ -196,6 +198,11 @@ class PipeMachinery:
         assert plan is not None
         if long:
             self._trace.meta["long_row_slicing"] = slicing.level
+        rounds = round_sizes(self.config.num_microbatches, self.num_devices, self._planner.config.round_size)
+        # Before the first iteration, while the host holds no activation (a lower bound: one round).
+        check_activation_room(
+            plan.plan.slots, plan.memory, self.config.recompute_grain, max(rounds), pinned=plan.kind == "cuda"
+        )
         self._use_device_plan(plan)
 
     def _profile(self, sample: Any, target: Any, loss_fn: Any) -> DevicePlan:

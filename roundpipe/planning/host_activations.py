@@ -1,0 +1,67 @@
+"""Whether the host has room for the activations that one round of a plan saves there.
+
+Why: a forward stage saves the input of every backward stage (with ``recompute_grain=
+"layer_input"``, of every layer of one) to host memory, for each microbatch of a round, until that
+backward stage reads it again: one 262,144-token sequence of an 8B shape saves 32 inputs of 2 GiB.
+A host that lacks them ends the process at the first forward's downloads (the kernel's
+out-of-memory killer), with nothing said, after the profile and the plan were made. So the plan's
+first use counts them, as the downloads will hold them (from a GPU each lands in its own pinned
+allocation, which torch rounds up to a power of two), and compares them with what the kernel says
+is available (`roundpipe.optim.host_room.available_host_bytes`): past it, `HostMemoryError` says
+how much, where from, and what to change.
+
+What holds: the count is a lower bound, so the check never refuses a run that could fit: one
+round's microbatches (never two iterations' at once), the tensors each activation carries beside
+its hidden state (rotary tables, masks) left out. It runs before the first iteration, while the
+host holds no activation; unknown availability passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from roundpipe.errors import HostMemoryError
+from roundpipe.optim.host_room import MEMINFO, available_host_bytes, pinned_bytes
+from roundpipe.plan.memory import LayerMemory, saved_inputs
+from roundpipe.plan.sizes import format_bytes
+
+
+def saved_activation_bytes(
+    slots: Sequence[Any], memory: LayerMemory, grain: Any, microbatches: int, pinned: bool
+) -> tuple[int, int]:
+    """(bytes, activations) a round of ``microbatches`` saves on the host under ``slots``: each
+    saved layer input's own bytes (pinned: rounded as the pinned allocator holds them); layer 0's
+    input is the data, held anyway."""
+    layers = sorted(j for j in saved_inputs(slots, grain) if j > 0)
+    own = [memory.boundary_bytes[j] - memory.carried_bytes[j] for j in layers]
+    held = sum(pinned_bytes(n) if pinned else n for n in own)
+    return held * microbatches, len(layers) * microbatches
+
+
+def check_activation_room(
+    slots: Sequence[Any],
+    memory: LayerMemory,
+    grain: Any,
+    microbatches: int,
+    pinned: bool,
+    available: int | None = None,
+) -> None:
+    """Raise `HostMemoryError` when one round's saved activations exceed the host's available
+    memory (``available``, else what the kernel says)."""
+    nbytes, count = saved_activation_bytes(slots, memory, grain, microbatches, pinned)
+    available = available_host_bytes() if available is None else available
+    if available is None or nbytes <= available:
+        return
+    fixes = ["shorter sequences or fewer tokens per microbatch"]
+    if grain == "layer_input":
+        fixes.insert(0, "recompute_grain='stage' (only each backward stage's input is saved)")
+    fixes.append("a larger memory_budget (larger stages save fewer layer inputs)")
+    fixes.append("free host memory that other processes hold")
+    raise HostMemoryError(
+        f"the plan saves {count} layer inputs on the host per round ({microbatches} microbatches, "
+        f"recompute_grain={grain!r}), {format_bytes(nbytes)}"
+        f"{' as pinned downloads' if pinned else ''}, but the host has {format_bytes(available)} "
+        f"available (MemAvailable in {MEMINFO}); the first forward would run out of host memory. "
+        "To fit: " + "; or ".join(fixes)
+    )
