@@ -27,7 +27,8 @@ class ModelError(RoundPipeError, ValueError):
 
 
 class HostMemoryError(RoundPipeError, MemoryError):
-    """The host lacks the memory for the copies of the model a run must allocate; says what to change."""
+    """The host lacks memory a run must hold (the model's host copies, or the layer inputs one round
+    saves), found before it is allocated; says how much, where from, and what to change."""
 
 
 class CheckpointError(RoundPipeError, ValueError):
