@@ -101,3 +101,19 @@ def test_a_run_with_room_trains(monkeypatch: pytest.MonkeyPatch) -> None:
     assert loss > 0 and plan.bwd_stages  # a split plan, whose backward stages read saved inputs
     ((nbytes, count),) = counted
     assert count > 0 and nbytes == count * 4 * 64 * 4  # 4 rows of 64 fp32 per microbatch
+
+
+def test_a_run_s_trace_counts_the_activation_bytes_each_transfer_moved() -> None:
+    """The graph of a real run knows no activation sizes (its ``act_bytes`` is a cost model's);
+    each transfer records the bytes it moved, so a trace's link figures count them."""
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, memory_budget="64KiB", replan=False)
+    (x, y), *_ = batches(1, batch=16)
+    with roundpipe.RoundPipe(mlp(0, width=64, depth=6), optimizer=sgd, config=config) as pipe:
+        pipe.forward_backward(x, y, nn.functional.mse_loss)
+        pipe.synchronize()
+        tasks = [t for t in pipe.trace() if t.iteration == 0]
+    row = 4 * 64 * 4  # a microbatch of 4 rows of 64 fp32
+    moved = {kind: {t.nbytes for t in tasks if t.kind == kind} for kind in ("act_up", "grad_up", "act_down")}
+    assert moved["grad_up"] == {row}
+    assert moved["act_up"] <= {row, 4 * 32 * 4} and row in moved["act_up"]  # layer 0's input: the data
+    assert moved["act_down"] <= {row, 0} and row in moved["act_down"]  # the last run downloads nothing

@@ -43,6 +43,7 @@ from roundpipe.backends.stage_math import (
     fused_stage,
     recompute_stage,
 )
+from roundpipe.backends.storages import record_moved
 from roundpipe.backends.tensors import (
     TransientPool,
     cast_floating,
@@ -257,6 +258,7 @@ class Runtime(OptimizerLane):
         else:
             value = self._saved_input(t, start, mb)
         self.inbox[SlotKey(t, task.slot, mb)] = to_device(value, device, device.type == "cuda")
+        record_moved(task, value)
         if self.defer_release:
             self.hold(task, value)  # the host tensors the copy reads
 
@@ -271,6 +273,7 @@ class Runtime(OptimizerLane):
         device = self.device(task.device)
         grad = self.gradients.pop(BoundaryKey(t, task.layers.stop, mb))
         self.grad_inbox[SlotKey(t, task.slot, mb)] = to_device(grad, device, device.type == "cuda")
+        record_moved(task, grad)
         if self.defer_release:
             self.hold(task, grad)  # the host tensors the copy reads
 
@@ -280,6 +283,7 @@ class Runtime(OptimizerLane):
         if produced is None:
             return
         kind, payload = produced
+        record_moved(task, payload)
         if self.defer_release:
             self.hold(task, payload)  # computed on the compute stream, read by this copy
         for layer, value in payload.items():

@@ -55,6 +55,14 @@ def activation_bytes(obj: Any) -> tuple[int, int]:
     return sum(every.values()), sum(constants.values())
 
 
+def record_moved(task: Any, value: Any) -> None:
+    """Give a transfer task whose graph left its bytes unknown (a real run's activations: the
+    graph's ``act_bytes`` is a cost model's) the bytes it moves, every distinct storage of
+    ``value``, so a trace counts what crossed the link."""
+    if not task.nbytes:
+        task.nbytes = activation_bytes(value)[0]
+
+
 @contextmanager
 def recording_saved(
     exclude: set[int], param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] | None = None
