@@ -115,5 +115,6 @@ def test_a_run_s_trace_counts_the_activation_bytes_each_transfer_moved() -> None
     row = 4 * 64 * 4  # a microbatch of 4 rows of 64 fp32
     moved = {kind: {t.nbytes for t in tasks if t.kind == kind} for kind in ("act_up", "grad_up", "act_down")}
     assert moved["grad_up"] == {row}
-    assert moved["act_up"] <= {row, 4 * 32 * 4} and row in moved["act_up"]  # layer 0's input: the data
+    data = 4 * 8 * 4  # layer 0's input: the microbatch's 4 rows of 8 (a slice: not its batch's storage)
+    assert moved["act_up"] <= {row, data} and row in moved["act_up"]
     assert moved["act_down"] <= {row, 0} and row in moved["act_down"]  # the last run downloads nothing

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 def collect_storages(
@@ -57,10 +58,13 @@ def activation_bytes(obj: Any) -> tuple[int, int]:
 
 def record_moved(task: Any, value: Any) -> None:
     """Give a transfer task whose graph left its bytes unknown (a real run's activations: the
-    graph's ``act_bytes`` is a cost model's) the bytes it moves, every distinct storage of
-    ``value``, so a trace counts what crossed the link."""
+    graph's ``act_bytes`` is a cost model's) the bytes it moves, so a trace counts what crossed
+    the link: every tensor of ``value``, as the copy moves each one (a constant that several layer
+    inputs share crosses once per input), in one pass over the structure."""
     if not task.nbytes:
-        task.nbytes = activation_bytes(value)[0]
+        task.nbytes = sum(
+            t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor)
+        )
 
 
 @contextmanager
