@@ -149,7 +149,7 @@ def test_copies_are_counted_as_allocated_and_fit_a_roomy_host(monkeypatch: pytes
     (copies,) = counted
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad) * 2
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert copies.frozen_copied == frozen and copies.trainable == trainable
+    assert copies.frozen_copied == frozen
     assert copies.masters == 0 and copies.gradients == 4 * trainable  # the module's fp32 is the master
     assert copies.compute["bf16"] >= frozen + 2 * trainable
     for param in model.parameters():  # every compute copy holds its weight

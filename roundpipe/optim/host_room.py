@@ -106,7 +106,6 @@ class HostCopies:
     gradients: int = 0
     pinned: bool = False
     frozen_copied: int = 0  # bytes of the compute copies that copy frozen weights
-    trainable: int = 0  # trainable parameters (elements)
 
     @property
     def total(self) -> int:
@@ -179,9 +178,7 @@ def _count(
     )
     trainable = [p for named in layer_params for _, p in named if p.requires_grad]
     gradients = sum(held(p.numel() * 4) for p in trainable)
-    return HostCopies(
-        compute, masters, gradients, pinned, frozen, sum(p.numel() for p in made if p.requires_grad)
-    )
+    return HostCopies(compute, masters, gradients, pinned, frozen)
 
 
 def check_host_room(copies: HostCopies, available: int | None) -> None:
