@@ -1,19 +1,19 @@
 """Workload F's stage runs on the fake stream backend: how often a run's first compute goes in
-before the last of the run before it, and what keeping runs in order, or cutting smaller stages,
-costs an iteration.
+before the last of the run before it, and what each way of keeping runs in order costs an
+iteration.
 
 Why: a stage run that dequantizes its 4-bit weights once (`roundpipe.backends.dense_runs`) holds
-their dense copies from its first compute to its last. The engine may start a forward run's first
-microbatch while the run before waits for its next input, so two runs' copies would meet. The
-runtime defers the next run's copies until the run before has dropped its own (its first computes
-dequantize in their calls); the alternatives weighed here: a run's first compute waiting for the
-last of the run before (built by adding that dependency to each graph), or stages small enough
-for two runs' copies (``--sizes``).
+their dense copies from its first compute to its last, so two runs' copies meet where the device
+starts a forward run's first microbatch while the run before waits for its next input. Three
+graphs: ``free``, uploads issued as soon as their dependencies are (`ScheduleOptions.
+uploads_in_run_order` off); ``computes``, that graph with each run's first compute after the
+device's previous run's last (built here by adding the dependency); ``uploads``, the default, each
+run's uploads issued after the previous run's (`roundpipe.sched.forward_run` says why).
 
 F as an H100 measured it (per decoder layer and microbatch 10.7 ms forward, 14.0 backward; 483 MB
 uploaded a decoder layer at 45 GB/s; 4 x 4096 tokens, activations 64 MiB; the host's issue time of
 a compute task 2.5 ms plus 3.0 a layer), one device, async, one round, stages of ``--sizes``
-decoder layers. Prints one JSON line per stage size and order: milliseconds per iteration once
+decoder layers. Prints one JSON line per stage size and graph: milliseconds per iteration once
 settled (iterations 2 to 5) and the runs that overlapped. Run: ``python bench/run_overlap.py``
 (CPU, about a minute). The fake backend models who waits for whom, not tokens/s.
 """
@@ -58,7 +58,10 @@ class InOrder(GraphBuilder):
         return graph
 
 
-def measure(size: int, in_order: bool, link_gbps: float, decoders: int = DECODER_LAYERS) -> dict[str, Any]:
+ORDERS = ("free", "computes", "uploads")
+
+
+def measure(size: int, order: str, link_gbps: float, decoders: int = DECODER_LAYERS) -> dict[str, Any]:
     upload = (1_050_000_000, *[483_000_000] * decoders, 2_100_000_000)
     layers = len(upload)
     costs = LayerCosts((1.0, *[10.7] * decoders, 20.0), (0.5, *[14.0] * decoders, 30.0), upload)
@@ -67,8 +70,10 @@ def measure(size: int, in_order: bool, link_gbps: float, decoders: int = DECODER
     spec = ModelSpec(param_bytes=upload, owners=owners, act_bytes=4096 * 8192 * 2, grad_bytes=grads)
     stages = tuple(range(i, min(i + size, layers - 2)) for i in range(0, layers - 2, size))
     plan = Plan.from_stages(stages, range(layers - 2, layers), stages[::-1], costs, 1, MICROBATCHES)
-    options = ScheduleOptions(round_size=MICROBATCHES, chunk_bytes=64 << 20)
-    builder = (InOrder if in_order else GraphBuilder)(plan, spec, 1, options)
+    options = ScheduleOptions(
+        round_size=MICROBATCHES, chunk_bytes=64 << 20, uploads_in_run_order=order == "uploads"
+    )
+    builder = (InOrder if order == "computes" else GraphBuilder)(plan, spec, 1, options)
     backend = FakeStreamBackend(
         FakeCostModel(costs, link_gbps=link_gbps), shared_link=True, issue_ms=issue_ms
     )
@@ -81,7 +86,7 @@ def measure(size: int, in_order: bool, link_gbps: float, decoders: int = DECODER
         and before.part != before.num_parts - 1
     )
     ms = settled_iteration_ms(trace, ITERATIONS)
-    row = {"bench": "run_overlap", "stage_layers": size, "slots": plan.num_slots, "in_order": in_order}
+    row = {"bench": "run_overlap", "stage_layers": size, "slots": plan.num_slots, "order": order}
     return row | {"ms_per_iteration": round(ms, 1), "runs_overlapped": overlapped}
 
 
@@ -91,8 +96,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="5,4,3")
     args = parser.parse_args()
     for size in (int(s) for s in args.sizes.split(",")):
-        for in_order in (False, True):
-            print(json.dumps(measure(size, in_order, args.link_gbps)), flush=True)
+        for order in ORDERS:
+            print(json.dumps(measure(size, order, args.link_gbps)), flush=True)
 
 
 if __name__ == "__main__":

@@ -905,6 +905,9 @@ static PyObject *build(PyObject *self, PyObject *args) {
     i64 *last_g_copy = malloc(sizeof(i64) * layers);
     i64 *hist_last = malloc(sizeof(i64) * n), *hist_before = malloc(sizeof(i64) * n);
     i64 *hist_count = calloc(n, sizeof(i64));
+    /* One device: its previous run's last uploads (act_up, and a backward run's grad_up), which
+       every upload of the next run waits for (`forward_run`'s `uploads_after`). */
+    i64 last_up[2] = {-1, -1};
     i64 *act_down = malloc(sizeof(i64) * S * m), *act_up = malloc(sizeof(i64) * S * m);
     i64 *last_grad_down = malloc(sizeof(i64) * S);
     /* The growing lists keep their blocks from one build to the next: a 20-iteration graph's are
@@ -947,7 +950,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
                         g.failed |= vpush(&params, key) | vpush(&readers[layer * V + version], key);
                     }
                     chain.len = 0;
-                    i64 last;
+                    i64 last, run_up = -1, run_grad = -1;
                     if (kind[slot] == KIND_BWD) { /* `_backward_chains` */
                         i64 previous = hist_count[device] && n == 1 ? hist_last[device] : -1;
                         for (i64 mb = mb0, pos = 0; mb < mb0 + sizes[r]; mb++, pos++) {
@@ -956,6 +959,8 @@ static PyObject *build(PyObject *self, PyObject *args) {
                             if (ahead >= 0) deps[nd++] = ahead;
                             if (saved_by[slot] >= 0) deps[nd++] = act_down[saved_by[slot] * m + mb];
                             if (read_by[slot] >= 0) deps[nd++] = act_up[read_by[slot] * m + mb];
+                            for (int u = 0; u < 2 && n == 1; u++)
+                                if (last_up[u] >= 0) deps[nd++] = last_up[u];
                             i64 up = act_up[slot * m + mb] = gadd(&g, d + H2D_RES, HIGH, 0.0, deps, nd);
                             g.tmp.len = 0;
                             g.failed |= vpush(&g.tmp, up);
@@ -971,6 +976,8 @@ static PyObject *build(PyObject *self, PyObject *args) {
                             nd = 0;
                             deps[nd++] = act_down[(slot - 1) * m + mb];
                             if (ahead >= 0) deps[nd++] = ahead;
+                            for (int u = 0; u < 2 && n == 1; u++)
+                                if (last_up[u] >= 0) deps[nd++] = last_up[u];
                             i64 grad = gadd(&g, d + H2D_RES, HIGH, 0.0, deps, nd);
                             deps[0] = recompute;
                             deps[1] = grad;
@@ -978,6 +985,8 @@ static PyObject *build(PyObject *self, PyObject *args) {
                             deps[0] = backward;
                             act_down[slot * m + mb] = gadd(&g, d + D2H_RES, HIGH, 0.0, deps, 1);
                             g.failed |= vpush(&chain, backward);
+                            run_up = up;
+                            run_grad = grad;
                         }
                     } else { /* `_chains` */
                         for (i64 mb = mb0, pos = 0; mb < mb0 + sizes[r]; mb++, pos++) {
@@ -985,7 +994,10 @@ static PyObject *build(PyObject *self, PyObject *args) {
                             if (slot > 0) deps[nd++] = act_down[(slot - 1) * m + mb];
                             i64 ahead = pos >= 2 ? chain.items[pos - 2] : two_back;
                             if (ahead >= 0) deps[nd++] = ahead;
+                            for (int u = 0; u < 2 && n == 1; u++)
+                                if (last_up[u] >= 0) deps[nd++] = last_up[u];
                             i64 up = act_up[slot * m + mb] = gadd(&g, d + H2D_RES, HIGH, 0.0, deps, nd);
+                            run_up = up;
                             g.tmp.len = 0;
                             g.failed |= vpush(&g.tmp, up);
                             if (!pos || !lean)
@@ -1004,6 +1016,8 @@ static PyObject *build(PyObject *self, PyObject *args) {
                     hist_before[device] = hist_last[device];
                     hist_last[device] = last;
                     hist_count[device]++;
+                    last_up[0] = run_up;
+                    last_up[1] = run_grad;
                     if (kind[slot] != KIND_FWD && gradients) { /* `_grad_download` */
                         g.tmp.len = 0;
                         g.failed |= vpush(&g.tmp, last);

@@ -13,7 +13,8 @@ recomputes while the gradient is still on its way. Per microbatch:
                                        backward; on one device the first one also the device's
                                        previous run's last compute
   grad_up    the incoming gradient  <- the previous slot's act_down (critical path); flow
-             (act_up lane)             control as act_up
+             (act_up lane)             control as act_up; both, on one device, the previous
+                                       run's last uploads (issued; `forward_run` says why)
   backward   compute lane           <- recompute, grad_up   (a `COMPUTE` task: its key, its
                                        act_down and the run's grad_down are as for any stage)
   act_down   the input gradient     <- backward
@@ -59,6 +60,7 @@ class BackwardRunContext:
     previous_run_done: Key | None = None  # one device: the previous run's last compute
     flow_depth: int = 2  # microbatches of flow control (`ScheduleOptions.flow_depth`; 1 without inputs ahead)
     inputs: int = 1  # activations its act_up brings (every layer's with `ScheduleOptions.layer_inputs`)
+    uploads_after: tuple[Key, ...] = ()  # one device: its previous run's last uploads (`forward_run`)
 
 
 def backward_chains(
@@ -81,13 +83,14 @@ def backward_chains(
             up_deps.append(ActDownKey(t, context.saved_by, mb))
         if context.read_by is not None:
             up_deps.append(ActUpKey(t, context.read_by, mb))
+        up_deps += context.uploads_after
         recompute_key, backward_key = RecomputeKey(t, slot, mb), ComputeKey(t, slot, mb)
         recompute_deps = [up_key, *param_keys]
         if backwards:
             recompute_deps.append(backwards[-1])
         elif context.previous_run_done is not None:
             recompute_deps.append(context.previous_run_done)
-        grad_deps = [previous_act_down(last_down, run, mb), *flow]
+        grad_deps = [previous_act_down(last_down, run, mb), *flow, *context.uploads_after]
         down_key = ActDownKey(t, slot, mb)
         count = len(run.microbatches)
         built.tasks += (

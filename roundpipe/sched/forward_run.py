@@ -9,9 +9,21 @@ run kind lives in one small module each. Per microbatch of a forward or fused ru
                                    (completed); a run's first inputs only once the device's run
                                    two before has completed, as its weights (without that, every
                                    run whose input was ready would upload it, and a device would
-                                   hold many runs' activations)
+                                   hold many runs' activations); on one device also the previous
+                                   run's last uploads (issued: `uploads_after`)
   compute  compute lane         <- act_up, every parameter upload, the previous microbatch
   act_down the output           <- compute
+
+A device's uploads run in the order they are issued (CUDA: one stream). Issued early, a run's
+upload waits on the device for the activation its previous slot is still computing, and every
+upload issued after it waits too: on one H100, workload E's next run's inputs, issued while the
+flow control still held the current run's last ones, stopped some of those behind them 7-23 ms a
+microbatch, and the device, given the next run's first compute before the current run's last,
+kept two runs' weights and started the following upload late (up to 54 ms idle a forward run;
+`bench/upload_order.py` replays it on the fake stream backend). So on one device a run's uploads
+wait for the previous run's last ones to be issued: the device then takes runs in their order.
+Several devices keep no such dependency: a run's input comes from another device there, which the
+host waits for before issuing its upload, so it cannot stop a stream.
 
 This module must never hold tensors or decide anything but these tasks and their dependencies.
 """
@@ -32,8 +44,10 @@ def forward_chains(
     down_bytes: int,
     two_runs_back: Key | None,
     flow_depth: int = 2,
+    uploads_after: list[Key] | tuple[Key, ...] = (),
 ) -> Key:
-    """Append the run's per-microbatch tasks to ``built``; return the run's last compute."""
+    """Append the run's per-microbatch tasks to ``built``; return the run's last compute.
+    ``uploads_after``: the device's previous run's last uploads (one device; module docstring)."""
     fused = run.kind == SlotKind.FUSED
     last_down = built.last_act_down
     computes: list[Key] = []
@@ -48,6 +62,7 @@ def forward_chains(
         if ahead is not None:
             up_sync.append(ahead)
             up_deps.append(ahead)
+        up_deps += uploads_after
         compute_key = ComputeKey(run.iteration, run.slot, mb)
         compute_deps = [up_key, *param_keys]
         if computes:

@@ -11,7 +11,8 @@ What one iteration contains, per stage run (a slot of a round on a device):
                                                   (completed: one stage prefetched)
   per microbatch                  act_up       <- the previous slot's act_down (critical path),
                                                   and compute two microbatches back (completed:
-                                                  one microbatch ahead)
+                                                  one microbatch ahead); on one device after the
+                                                  previous run's last uploads (issued)
                                   compute      <- act_up, all param_up chunks, previous microbatch
                                   act_down     <- compute
   (the chains: `sched/forward_run.py`; a backward run splits compute into recompute and
@@ -37,17 +38,10 @@ from roundpipe.plan.partition import Plan
 from roundpipe.sched import rules
 from roundpipe.sched.backward_run import BackwardRunContext, backward_chains
 from roundpipe.sched.forward_run import forward_chains
-from roundpipe.sched.keys import (
-    GCopyKey,
-    GradDownKey,
-    GradNormKey,
-    ParamUpKey,
-    PCopyKey,
-    StepKey,
-)
+from roundpipe.sched.keys import GCopyKey, GradDownKey, GradNormKey, ParamUpKey, PCopyKey, StepKey
 from roundpipe.sched.rules import UnitLedger
 from roundpipe.sched.spec import ModelSpec, ScheduleOptions
-from roundpipe.sched.stage_run import IterationInProgress, StageRun
+from roundpipe.sched.stage_run import IterationInProgress, StageRun, last_uploads
 from roundpipe.sched.task import (
     G_COPY,
     GRAD_DOWN,
@@ -109,6 +103,7 @@ class GraphBuilder:
         self.options = options
         self.ledgers: dict[int, UnitLedger] = {u: UnitLedger() for u in spec.units}
         self._device_runs: dict[int, list[Key]] = {}
+        self._device_uploads: dict[int, list[Key]] = {}  # one device: its last run's last uploads
         self._lanes: dict[int, dict[str, str]] = {}  # device -> lane kind -> lane name
         self._first_device = 0
         self._iterations_of_step: dict[int, list[int]] = {}
@@ -171,15 +166,18 @@ class GraphBuilder:
         for slot_run in runs:
             run = self._stage_run(slot_run, built)
             param_keys = self._param_uploads(run, built)
+            in_order = self.num_devices == 1 and self.options.uploads_in_run_order
+            after = self._device_uploads.get(run.device, []) if in_order else []
             if run.kind == SlotKind.BWD:
-                last_compute = backward_chains(run, param_keys, built, self._backward_context(run))
+                last_compute = backward_chains(run, param_keys, built, self._backward_context(run, after))
             else:
                 history = self._device_runs.get(run.device, ())
                 two_back = history[-2] if len(history) >= 2 else None
                 down_bytes = self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0
-                chains = (self.spec.act_bytes, down_bytes, two_back, self.options.flow_depth)
+                chains = (self.spec.act_bytes, down_bytes, two_back, self.options.flow_depth, after)
                 last_compute = forward_chains(run, param_keys, built, *chains)
             self._remember_on_device(run.device, last_compute)
+            self._device_uploads[run.device] = last_uploads(run)
             self._grad_download(run, last_compute, built)
         done_keys: list[Key] = list(built.last_grad_down.values())
         done_keys += self._g_copies(built)
@@ -255,7 +253,7 @@ class GraphBuilder:
                     ledgers[unit].readers.setdefault(version, []).append(key)
         return param_keys
 
-    def _backward_context(self, run: StageRun) -> BackwardRunContext:
+    def _backward_context(self, run: StageRun, uploads_after: list[Key]) -> BackwardRunContext:
         """What a backward run's chains wait for outside the run (see `backward_run`)."""
         start = run.layers.stop - 1 if self.options.layer_inputs else run.layers.start  # deepest saved last
         saved_by = read_by = None
@@ -273,6 +271,7 @@ class GraphBuilder:
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
             flow_depth=self.options.flow_depth if self.options.inputs_ahead else 1,
             inputs=len(run.layers) if self.options.layer_inputs else 1,
+            uploads_after=tuple(uploads_after),
         )
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:

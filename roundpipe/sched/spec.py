@@ -103,6 +103,10 @@ class ScheduleOptions:
     # the device's run two before). Each is one more activation on the device (`predict_peak`'s
     # ``act_in_flight``); deeper lets the host issue more computes before a stage's weights land.
     flow_depth: int = 2
+    # One device: a run's uploads wait for the previous run's last ones to be issued, so the
+    # device's copy stream takes runs in order (`sched.forward_run` says why). False is the
+    # graph without that order, for `bench/upload_order.py`'s comparison.
+    uploads_in_run_order: bool = True
     # A backward stage's act_up brings every one of its layers' inputs, saved by the forward slots
     # (RunConfig.recompute_grain="layer_input"), not only the one entering it.
     layer_inputs: bool = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from roundpipe.plan.kinds import SlotKind
-from roundpipe.sched.keys import ActDownKey
+from roundpipe.sched.keys import ActDownKey, ActUpKey, GradUpKey
 from roundpipe.sched.kinds import TaskKind
 from roundpipe.sched.task import Key, Task
 
@@ -89,3 +89,13 @@ def previous_act_down(last_down: dict[int, ActDownKey], run: StageRun, microbatc
     if key is None or key.slot != run.slot - 1:
         key = ActDownKey(run.iteration, run.slot - 1, microbatch)
     return key
+
+
+def last_uploads(run: StageRun) -> list[Key]:
+    """The uploads of ``run``'s last microbatch (its input; a backward run's gradient too): the
+    next run on the device issues its own after them (`forward_run` says why)."""
+    t, slot, mb = run.iteration, run.slot, run.microbatches[-1]
+    keys: list[Key] = [ActUpKey(t, slot, mb)]
+    if run.kind == SlotKind.BWD:
+        keys.append(GradUpKey(t, slot, mb))
+    return keys
