@@ -1,4 +1,4 @@
-"""The ``trace`` subcommand: check, summarise, replay, draw, convert or merge a saved trace.
+"""The ``trace`` subcommand: check, summarise, replay, explain gaps, draw, convert or merge a saved trace.
 
 Why apart from `roundpipe.cli.plan_commands`: ``plan`` and ``simulate`` make a schedule, this
 reads one that was saved (by ``roundpipe simulate --trace``, ``pipe.trace().save()`` or a run of
@@ -33,6 +33,7 @@ def add_parser(subparsers: Any) -> None:
         "summary": "print tasks, makespan, bubble ratio and, for a GPU run, what paces the compute lanes",
         "replay": "re-run on the fake backend and compare the per-lane order (exit 1 if it differs)",
         "grid": "print an ASCII timeline of the compute lanes",
+        "gaps": "list the compute lanes' idle gaps, longest first, and why the next compute waited",
         "perfetto": "convert to Perfetto/Chrome trace-event JSON",
         "png": "draw the timeline as a PNG (needs matplotlib)",
     }
@@ -41,6 +42,8 @@ def add_parser(subparsers: Any) -> None:
         a.add_argument("trace_path", metavar="TRACE.json")
         if action in ("perfetto", "png"):
             a.add_argument("-o", "--output", metavar="OUT", help="output file (default: next to TRACE)")
+        if action == "gaps":
+            a.add_argument("--top", type=positive_int, default=20, help="gaps listed (default 20)")
         if action == "grid":
             a.add_argument("--width", type=positive_int, default=100, help="columns (default 100)")
             a.add_argument("--all-lanes", action="store_true", help="show transfer and host lanes too")
@@ -122,6 +125,11 @@ def run_trace(args: argparse.Namespace) -> int:
         return 0
     if action == "replay":
         return _replay(trace)
+    if action == "gaps":
+        from roundpipe.sched.gaps import gaps_report
+
+        print(gaps_report(trace, top=args.top))
+        return 0
     if action == "grid":
         lanes = None if args.all_lanes else ("compute",)
         print(format_grid(trace, width=args.width, lanes=lanes))
