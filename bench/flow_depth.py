@@ -40,9 +40,17 @@ def issue_ms(task: Task) -> float:
 
 
 def iteration_ms(
-    plan: Plan, costs: LayerCosts, spec: ModelSpec, depth: int, link_gbps: float, issue: bool
+    plan: Plan,
+    costs: LayerCosts,
+    spec: ModelSpec,
+    depth: int,
+    link_gbps: float,
+    issue: bool,
+    parts_ahead: int | None = None,
 ) -> float:
-    options = ScheduleOptions(round_size=MICROBATCHES, chunk_bytes=64 << 20, flow_depth=depth)
+    options = ScheduleOptions(
+        round_size=MICROBATCHES, chunk_bytes=64 << 20, flow_depth=depth, upload_parts_ahead=parts_ahead
+    )
     builder = GraphBuilder(plan, spec, 1, options)
     model = FakeCostModel(costs, link_gbps=link_gbps)
     backend = FakeStreamBackend(model, shared_link=True, issue_ms=issue_ms if issue else 0.0)
@@ -54,6 +62,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link-gbps", type=float, default=52.0)
     parser.add_argument("--stage-layers", type=int, default=2)
+    parser.add_argument(
+        "--parts-ahead", type=int, help="ScheduleOptions.upload_parts_ahead (default: no limit)"
+    )
     args = parser.parse_args()
     upload = (620_000_000, *[1_240_000_000] * DECODER_LAYERS, 1_240_000_000)
     layers = len(upload)
@@ -70,8 +81,12 @@ def main() -> None:
             "bench": "flow_depth",
             "flow_depth": depth,
             "slots": plan.num_slots,
-            "ms_per_iteration": round(iteration_ms(plan, costs, spec, depth, args.link_gbps, True), 1),
-            "without_issue_ms": round(iteration_ms(plan, costs, spec, depth, args.link_gbps, False), 1),
+            "ms_per_iteration": round(
+                iteration_ms(plan, costs, spec, depth, args.link_gbps, True, args.parts_ahead), 1
+            ),
+            "without_issue_ms": round(
+                iteration_ms(plan, costs, spec, depth, args.link_gbps, False, args.parts_ahead), 1
+            ),
         }
         print(json.dumps(row), flush=True)
 

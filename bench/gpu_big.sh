@@ -78,6 +78,10 @@ declare -A VARIANT=(
   # every recompute skips its frozen down projection without more slots (design.md); on D, D16
   # and D2 the experts' down products and the sum of the choices (model/experts_tail.py).
   [inputs]="--recompute-grain layer_input"
+  # Eight parameter parts at most on the link per run, so an input waits behind fewer of them
+  # (roundpipe/sched/param_uploads.py); E-parts8, D-parts8, E-inputs then E-inputs8 for both
+  [parts8]="--upload-parts-ahead 8"
+  [inputs8]="--recompute-grain layer_input --upload-parts-ahead 8"
   # Every recompute computes its last layer's frozen down projection (RunConfig.skip_unread_tail).
   [fulltail]="--skip-unread-tail false"
   # Fewer kernel launches per compiled layer: inductor's horizontal fusion of independent kernels,

@@ -182,6 +182,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(roundpipe.planning.device_plan.FLOW_DEPTH, default 2)",
     )
     p.add_argument(
+        "--upload-parts-ahead",
+        type=int,
+        help="parameter upload parts a run keeps on the link at once "
+        "(roundpipe.assembly.UPLOAD_PARTS_AHEAD; default: no limit)",
+    )
+    p.add_argument(
         "--compile",
         choices=("auto", "true", "false"),
         help="RunConfig.compile (default: its default, auto); false runs the layers eagerly",
@@ -355,6 +361,7 @@ def run_roundpipe(
     inductor_options = parse_inductor_options(getattr(args, "inductor", []))
     with (
         mock.patch.multiple("roundpipe.planning.device_plan", **planner),
+        upload_window(getattr(args, "upload_parts_ahead", None)),
         settings_everywhere(inductor_config, inductor_options),  # the lanes compile on their own threads
         # roundpipe holds the C++ wrapper on CUDA unless the environment chose: --inductor
         # cpp_wrapper=False is the Python wrapper's A/B
@@ -495,6 +502,7 @@ def run_roundpipe(
         "sdpa_first": getattr(args, "sdpa_first", None),
         "attention_backend": attention,
         "flow_depth": flow_depth,
+        "upload_parts_ahead": trace.meta.get("upload_parts_ahead"),
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
         **({"memory_snapshot": memory_snapshot} if memory_snapshot is not None else {}),
     }
@@ -596,6 +604,14 @@ def planner_settings(args: argparse.Namespace) -> dict[str, Any]:
             device_plan.BACKWARD_STAGE_LAYERS if backward is None else backward
         )
     return settings
+
+
+def upload_window(parts: int | None) -> contextlib.AbstractContextManager[Any]:
+    """``roundpipe.assembly.UPLOAD_PARTS_AHEAD`` for one run (--upload-parts-ahead), set back after
+    it; nothing where not given (an older tree, `gpu_regress.sh`, has no such setting)."""
+    if parts is None:
+        return contextlib.nullcontext()
+    return mock.patch("roundpipe.assembly.UPLOAD_PARTS_AHEAD", parts)
 
 
 MAX_SETTLING_STEPS = 3

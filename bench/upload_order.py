@@ -1,4 +1,5 @@
-"""Workload E on the fake stream backend, its uploads issued in run order or not.
+"""Workload E on the fake stream backend, its uploads issued in run order or not, its parameter
+parts all at once or eight at a time.
 
 Workload E (Qwen3-32B shape, LoRA, 4 x 4096 tokens, one device) as an H100 measured it
 (`gpu_big.sh E` and `E-inputs`): per microbatch a decoder layer's forward 6.86 ms and backward
@@ -7,9 +8,10 @@ decoder layer, 1.56 GB the embedding and the head; 40 MiB a hidden state. The pl
 those runs chose (17 slots at stage grain; 19 with every layer's input saved). Runs six
 iterations (async, one round) on the fake stream backend, which issues ahead and runs each lane's
 work in issue order as CUDA streams do, with the host's issuing charged (2 ms a compute task plus
-1.5 ms a layer, 0.1 ms a transfer), and prints one JSON line per grain, link model and
-`ScheduleOptions.uploads_in_run_order`: milliseconds per settled iteration, tokens/s and the
-compute lane's bubble. Link models: ``separate``, every copy stream at the full 52 GB/s (an
+1.5 ms a layer, 0.1 ms a transfer), and prints one JSON line per grain, link model and graph
+(``free``: `ScheduleOptions.uploads_in_run_order` off; ``in_order``: the default; ``window``: in
+order, and `ScheduleOptions.upload_parts_ahead` 8): milliseconds per settled iteration, tokens/s
+and the compute lane's bubble. Link models: ``separate``, every copy stream at the full 52 GB/s (an
 optimistic bound); ``shared``, one queue for all uploads in issue order (a pessimistic one: an
 H100 interleaves the copy streams). Run: ``python bench/upload_order.py`` (CPU, a few seconds).
 
@@ -51,7 +53,10 @@ def _stages(bounds: tuple[int, ...], last: int) -> tuple[range, ...]:
     return tuple(range(a, b) for a, b in zip(bounds, (*bounds[1:], last), strict=True))
 
 
-def simulate(grain: str, link: str, in_order: bool, link_gbps: float) -> dict[str, object]:
+GRAPHS = ("free", "in_order", "window")
+
+
+def simulate(grain: str, link: str, graph: str, link_gbps: float) -> dict[str, object]:
     layers = DECODER_LAYERS + 2
     costs = LayerCosts(
         (1.12, *[6.86] * DECODER_LAYERS, 12.98),
@@ -72,7 +77,8 @@ def simulate(grain: str, link: str, in_order: bool, link_gbps: float) -> dict[st
         round_size=MICROBATCHES,
         chunk_bytes=64 << 20,
         layer_inputs=grain == "layer_input",
-        uploads_in_run_order=in_order,
+        uploads_in_run_order=graph != "free",
+        upload_parts_ahead=8 if graph == "window" else None,
     )
     model = FakeCostModel(costs, link_gbps=link_gbps)
     backend = FakeStreamBackend(model, shared_link=link == "shared", issue_ms=issue_ms)
@@ -82,7 +88,7 @@ def simulate(grain: str, link: str, in_order: bool, link_gbps: float) -> dict[st
         "bench": "upload_order",
         "grain": grain,
         "link": link,
-        "uploads_in_run_order": in_order,
+        "graph": graph,
         "slots": plan.num_slots,
         "ms_per_iteration": round(ms, 1),
         "tokens_per_s": round(TOKENS / ms * 1e3, 1),
@@ -96,8 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     for grain in PLANS:
         for link in ("separate", "shared"):
-            for in_order in (False, True):
-                print(json.dumps(simulate(grain, link, in_order, args.link_gbps)), flush=True)
+            for graph in GRAPHS:
+                print(json.dumps(simulate(grain, link, graph, args.link_gbps)), flush=True)
 
 
 if __name__ == "__main__":

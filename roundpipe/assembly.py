@@ -29,6 +29,11 @@ from roundpipe.sched.spec import ScheduleOptions, fresh_layer_set, fresh_units_a
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
 
+UPLOAD_PARTS_AHEAD: int | None = None
+"""`ScheduleOptions.upload_parts_ahead` of every run of the process: None until a GPU has measured
+a limit (`roundpipe.sched.param_uploads`; `bench/gpu_throughput.py --upload-parts-ahead` sets it
+for one run)."""
+
 
 def make_host(
     sequence: LayerSequence,
@@ -105,6 +110,7 @@ def schedule_options(
         sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
         fresh_units=fresh_units(config, owners, one_fused_stage=one_fused_stage),
         layer_inputs=config.recompute_grain == "layer_input",
+        upload_parts_ahead=UPLOAD_PARTS_AHEAD,
     )
 
 

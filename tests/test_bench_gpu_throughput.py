@@ -365,17 +365,29 @@ def test_compile_flag_reaches_run_config(flag: str | None, setting: object) -> N
 
 def test_planner_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[str]) -> None:
     """--one-device-stages and --flow-depth plan the run so (the graph runs the depth the plan
-    counted) and set the planner's process-wide choices back afterwards."""
+    counted), --upload-parts-ahead reaches its graph, and the process-wide choices are set back
+    afterwards."""
+    from roundpipe import assembly
     from roundpipe.planning import device_plan
 
     argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
-    planner = ["--one-device-stages", "balanced", "--flow-depth", "4", "--microbatches", "4"]
+    planner = [
+        "--one-device-stages",
+        "balanced",
+        "--flow-depth",
+        "4",
+        "--microbatches",
+        "4",
+        "--upload-parts-ahead",
+        "3",
+    ]
     bench.main([*argv, "--async", "--no-plain", "--budget", "4MiB", *planner, "--backward-stage-layers", "1"])
     (line,) = _json_lines(capsys.readouterr().out)
     assert line["roundpipe"]["one_device_stages"] == "balanced" and line["roundpipe"]["tokens_per_s"] > 0
     assert line["roundpipe"]["flow_depth"] == 4 and line["roundpipe"]["backward_stage_layers"] == 1
     assert (device_plan.STAGES_ON_ONE_DEVICE, device_plan.FLOW_DEPTH) == ("coarse", 2)
     assert device_plan.BACKWARD_STAGE_LAYERS is None
+    assert line["roundpipe"]["upload_parts_ahead"] == 3 and assembly.UPLOAD_PARTS_AHEAD is None
 
 
 def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,13 +19,20 @@ from roundpipe.backends.fake import FakeCostModel
 from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.planning.simulate import run_graphs, settled_iteration_ms
+from roundpipe.sched.breakdown import breakdown
+from roundpipe.sched.gaps import find_gaps
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.task import ACT_UP, PARAM_UP
 from roundpipe.sched.trace import Trace
 
 DECODER_LAYERS, MICROBATCHES, ITERATIONS = 12, 4, 5
 
 
-def _run(in_order: bool, layer_inputs: bool = False) -> tuple[Trace, float]:
+def _run(
+    in_order: bool, layer_inputs: bool = False, parts_ahead: int | None = None, shared_link: bool = False
+) -> tuple[Trace, float]:
+    """The scenario on the fake stream backend (``shared_link``: every upload in one queue, in
+    issue order, as a GPU's copy engine serves them); its trace and settled ms per iteration."""
     layers = DECODER_LAYERS + 2
     costs = LayerCosts(
         (1.0, *[6.9] * DECODER_LAYERS, 13.0), (0.1, *[9.4] * DECODER_LAYERS, 2.1), (1 << 30,) * layers
@@ -43,10 +50,11 @@ def _run(in_order: bool, layer_inputs: bool = False) -> tuple[Trace, float]:
         chunk_bytes=64 << 20,
         uploads_in_run_order=in_order,
         layer_inputs=layer_inputs,
+        upload_parts_ahead=parts_ahead,
     )
     backend = FakeStreamBackend(
         FakeCostModel(costs, link_gbps=52.0),
-        shared_link=False,
+        shared_link=shared_link,
         issue_ms=lambda t: 2.0 + 1.5 * len(t.layers) if t.kind in ("compute", "recompute") else 0.1,
     )
     _, trace = run_graphs(backend, GraphBuilder(plan, spec, 1, options), ITERATIONS, MICROBATCHES)
@@ -85,3 +93,20 @@ def test_every_lane_takes_the_runs_in_dispatch_order(layer_inputs: bool) -> None
     for lane in (".compute", ".act_up"):
         order = _run_order(trace, lane)
         assert not _interleaved(order), lane
+
+
+def test_with_one_queue_for_all_uploads_a_few_parts_ahead_let_the_inputs_through() -> None:
+    whole, whole_ms = _run(in_order=True, shared_link=True)
+    windowed, windowed_ms = _run(in_order=True, shared_link=True, parts_ahead=8)
+    behind_weights = [
+        late
+        for gap in find_gaps(whole)
+        for late in gap.late
+        if late.task.kind == ACT_UP
+        and late.why == "behind on the link"
+        and late.cause is not None
+        and late.cause.kind == PARAM_UP
+    ]
+    assert behind_weights  # a run's whole upload queued ahead of the inputs
+    assert windowed_ms < whole_ms * 0.97
+    assert breakdown(windowed, range(2, ITERATIONS)).bubble < 0.01

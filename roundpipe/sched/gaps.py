@@ -17,6 +17,9 @@ classified by what F waited for:
   - ``behind``: F started when the task before it on its lane ended, later than F's own
     dependencies ended: it was queued behind that task (named, with why that task was late);
   - ``waited for``: F started when one of its own dependencies ended (named);
+  - ``behind on the link``: F started when another transfer of its device and direction ended,
+    later than its dependencies and its lane allowed (named): a GPU's copy engine serves the
+    copies of all streams about in the order they reach it;
   - ``moving``: F had started before the gap began and was still moving its bytes.
 A dependency that is itself a compute task (the previous microbatch) is not a cause: the gap
 follows it.
@@ -26,12 +29,24 @@ It reads tasks only through their public fields and must never import torch.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from roundpipe.sched.task import COMPUTE_KINDS, PARAM_UP, Key, Task
+from roundpipe.sched.task import (
+    ACT_DOWN,
+    ACT_UP,
+    COMPUTE_KINDS,
+    GRAD_DOWN,
+    GRAD_UP,
+    PARAM_UP,
+    Key,
+    Task,
+)
 
+UPLOADS = frozenset({ACT_UP, GRAD_UP, PARAM_UP})
+DOWNLOADS = frozenset({ACT_DOWN, GRAD_DOWN})
 SLACK_MS = 0.05
 """Two times this close are the same instant (device timing events are ~microsecond-exact)."""
 
@@ -41,7 +56,7 @@ class Late:
     """One dependency of a gap's next compute that ended after the gap began."""
 
     task: Task
-    why: str  # "issued late", "behind", "waited for" or "moving"
+    why: str  # "issued late", "behind", "waited for", "behind on the link" or "moving"
     cause: Task | None  # the lane predecessor ("behind") or the dependency ("waited for")
     cause_why: str = ""  # for "behind": why that predecessor was late, in words
 
@@ -77,6 +92,7 @@ def find_gaps(
     before = {
         t.key: lane_tasks[i - 1] for lane_tasks in lanes.values() for i, t in enumerate(lane_tasks) if i
     }
+    link = _Link(tasks)
     gaps: list[Gap] = []
     computes = [t for t in tasks if t.kind in COMPUTE_KINDS]  # any iteration's fills a gap
     for device in sorted({t.device for t in computes}):
@@ -85,7 +101,7 @@ def find_gaps(
             if task.iteration not in wanted or task.start_t - previous.end_t < min_ms:
                 continue
             late = tuple(
-                _why(dep, previous.end_t, by_key, before)
+                _why(dep, previous.end_t, by_key, before, link)
                 for key in task.deps
                 if (dep := by_key.get(key)) is not None
                 and dep.kind not in COMPUTE_KINDS
@@ -103,7 +119,35 @@ def _iterations(tasks: list[Task], iterations: Iterable[int] | None) -> set[int]
     return set(present[-2:])
 
 
-def _why(task: Task, gap_start: float, by_key: dict[Key, Task], before: dict[Key, Task]) -> Late:
+class _Link:
+    """Per device and direction (host to device, device to host), the transfers by end time: which
+    one a transfer that started late began as it ended (a GPU's copy engine serves the copies of
+    all its streams about in the order they reach it)."""
+
+    def __init__(self, tasks: list[Task]) -> None:
+        self.ends: dict[tuple[int, bool], list[tuple[float, int, Task]]] = {}
+        for task in tasks:
+            if task.kind in UPLOADS or task.kind in DOWNLOADS:
+                self.ends.setdefault((task.device, task.kind in UPLOADS), []).append(
+                    (task.end_t, task.seq, task)
+                )
+        for ends in self.ends.values():
+            ends.sort(key=lambda e: (e[0], e[1]))
+
+    def ended_at(self, task: Task, after: float) -> Task | None:
+        """A transfer of ``task``'s device and direction that ended when ``task`` started, later than
+        ``after`` (what else ``task`` waited for)."""
+        ends = self.ends.get((task.device, task.kind in UPLOADS), [])
+        i = bisect.bisect_left(ends, task.start_t - SLACK_MS, key=lambda e: e[0])
+        for end, _, other in ends[i:]:
+            if end > task.start_t + SLACK_MS:
+                break
+            if other is not task and end > after + SLACK_MS:
+                return other
+        return None
+
+
+def _why(task: Task, gap_start: float, by_key: dict[Key, Task], before: dict[Key, Task], link: _Link) -> Late:
     """What ``task``, which ended after ``gap_start``, waited for."""
     if task.issue_t >= 0 and task.issue_t > gap_start + SLACK_MS:
         return Late(task, "issued late", None)
@@ -117,16 +161,20 @@ def _why(task: Task, gap_start: float, by_key: dict[Key, Task], before: dict[Key
         and abs(ahead.end_t - task.start_t) <= SLACK_MS
         and ahead.end_t > deps_end + SLACK_MS
     ):
-        return Late(task, "behind", ahead, _ahead_why(ahead, by_key))
+        return Late(task, "behind", ahead, _ahead_why(ahead, by_key, link))
     waited = max(deps, key=lambda d: d.end_t, default=None)
     if waited is not None and abs(waited.end_t - task.start_t) <= SLACK_MS:
         return Late(task, "waited for", waited)
+    lane_end = ahead.end_t if ahead is not None else float("-inf")
+    other = link.ended_at(task, max(deps_end, lane_end, task.issue_t))
+    if other is not None:
+        return Late(task, "behind on the link", other)
     return Late(task, "moving", None)
 
 
-def _ahead_why(task: Task, by_key: dict[Key, Task]) -> str:
-    """When the task a late transfer queued behind was issued and what it waited for: the facts,
-    on the task's own clock (its start)."""
+def _ahead_why(task: Task, by_key: dict[Key, Task], link: _Link) -> str:
+    """When the task a late transfer queued behind was issued, what it waited for, and what held
+    it on the link after that: the facts, on the task's own clock (its start)."""
     deps = [d for key in task.deps if (d := by_key.get(key)) is not None]
     waited = max(deps, key=lambda d: d.end_t, default=None)
     bits = []
@@ -134,6 +182,9 @@ def _ahead_why(task: Task, by_key: dict[Key, Task]) -> str:
         bits.append(f"issued {task.issue_t - task.start_t:+.2f} ms from its start")
     if waited is not None:
         bits.append(f"its last dependency, {waited.describe()}, ended {waited.end_t - task.start_t:+.2f}")
+    other = link.ended_at(task, max(waited.end_t if waited else float("-inf"), task.issue_t))
+    if other is not None:
+        bits.append(f"then behind {other.describe()} on the link")
     return "; ".join(bits)
 
 

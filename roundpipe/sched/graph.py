@@ -7,8 +7,9 @@ one prefetched stage. The builder keeps exactly that bookkeeping (per unit: a `U
 device: its recent stage runs) and nothing else, so the engine can stay a plain executor.
 
 What one iteration contains, per stage run (a slot of a round on a device):
-  per layer (chunked when large)  param_up     <- rule 2, and the run two before on the device
-                                                  (completed: one stage prefetched)
+  per layer (chunked when large)  param_up     <- rule 2, the run two before on the device
+                                                  (completed: one stage prefetched); optionally
+                                                  the part N before (completed: `param_uploads`)
   per microbatch                  act_up       <- the previous slot's act_down (critical path),
                                                   and compute two microbatches back (completed:
                                                   one microbatch ahead); on one device after the
@@ -38,7 +39,8 @@ from roundpipe.plan.partition import Plan
 from roundpipe.sched import rules
 from roundpipe.sched.backward_run import BackwardRunContext, backward_chains
 from roundpipe.sched.forward_run import forward_chains
-from roundpipe.sched.keys import GCopyKey, GradDownKey, GradNormKey, ParamUpKey, PCopyKey, StepKey
+from roundpipe.sched.keys import GCopyKey, GradDownKey, GradNormKey, PCopyKey, StepKey
+from roundpipe.sched.param_uploads import param_uploads
 from roundpipe.sched.rules import UnitLedger
 from roundpipe.sched.spec import ModelSpec, ScheduleOptions
 from roundpipe.sched.stage_run import IterationInProgress, StageRun, last_uploads
@@ -49,7 +51,6 @@ from roundpipe.sched.task import (
     HOST_OPTIMIZER_LANE,
     LANE_OF_KIND,
     P_COPY,
-    PARAM_UP,
     STEP,
     Key,
     Task,
@@ -133,6 +134,8 @@ class GraphBuilder:
             "inputs_ahead": self.options.inputs_ahead,
             "prefetch_stages": self.options.prefetch_stages,
             "flow_depth": self.options.flow_depth,
+            "uploads_in_run_order": self.options.uploads_in_run_order,
+            "upload_parts_ahead": self.options.upload_parts_ahead,
         }
 
     @property
@@ -165,13 +168,14 @@ class GraphBuilder:
         built = IterationInProgress(iteration, step, version)
         for slot_run in runs:
             run = self._stage_run(slot_run, built)
-            param_keys = self._param_uploads(run, built)
+            history = self._device_runs.get(run.device, [])
+            versions = (self.base_version, self.fresh_base_version)
+            param_keys = param_uploads(run, built, self.spec, self.options, self.ledgers, history, versions)
             in_order = self.num_devices == 1 and self.options.uploads_in_run_order
             after = self._device_uploads.get(run.device, []) if in_order else []
             if run.kind == SlotKind.BWD:
                 last_compute = backward_chains(run, param_keys, built, self._backward_context(run, after))
             else:
-                history = self._device_runs.get(run.device, ())
                 two_back = history[-2] if len(history) >= 2 else None
                 down_bytes = self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0
                 chains = (self.spec.act_bytes, down_bytes, two_back, self.options.flow_depth, after)
@@ -210,48 +214,6 @@ class GraphBuilder:
             lanes,
             slot_run.microbatches,
         )
-
-    def _param_uploads(self, run: StageRun, built: IterationInProgress) -> list[Key]:
-        """One upload per layer (per chunk of a large layer), each after the run two before on the
-        device (one stage of prefetch; ``prefetch_stages`` + 1 before) and the P-copy that wrote
-        the version it reads (rule 2)."""
-        spec, ledgers, fresh = self.spec, self.ledgers, self.options.fresh_units
-        history = self._device_runs.get(run.device, ())
-        back = self.options.prefetch_stages + 1
-        prefetch_dep = [history[-back]] if len(history) >= back else []
-        chunk = self.options.chunk_bytes
-        param_keys: list[Key] = []
-        for layer in run.layers:
-            nbytes, owners = spec.param_bytes[layer], spec.owners[layer]
-            if nbytes <= 0 and not owners:
-                continue  # nothing to upload and no weight version to wait for
-            parts = 1 if not chunk else max(1, -(-nbytes // chunk))
-            deps: list[Key] = list(prefetch_dep)
-            is_fresh = bool(owners) and owners[0] in fresh  # all owners or none (checked at init)
-            version = built.step if is_fresh else built.version  # fresh: the step's own weights
-            base = self.fresh_base_version if is_fresh else self.base_version
-            for unit in owners:
-                deps += rules.no_torn_weights(ledgers[unit], version, base)
-            for part in range(parts):
-                key = ParamUpKey(run.iteration, run.round, run.slot, layer, part)
-                part_bytes = nbytes // parts + (1 if part < nbytes % parts else 0)
-                built.tasks.append(
-                    run.task(
-                        key,
-                        PARAM_UP,
-                        deps,
-                        layers=range(layer, layer + 1),
-                        step=version,
-                        part=part,
-                        num_parts=parts,
-                        nbytes=part_bytes,
-                        sync_deps=prefetch_dep,
-                    )
-                )
-                param_keys.append(key)
-                for unit in owners:
-                    ledgers[unit].readers.setdefault(version, []).append(key)
-        return param_keys
 
     def _backward_context(self, run: StageRun, uploads_after: list[Key]) -> BackwardRunContext:
         """What a backward run's chains wait for outside the run (see `backward_run`)."""

@@ -107,6 +107,10 @@ class ScheduleOptions:
     # device's copy stream takes runs in order (`sched.forward_run` says why). False is the
     # graph without that order, for `bench/upload_order.py`'s comparison.
     uploads_in_run_order: bool = True
+    # Parameter upload parts a run has on the link at once: part i waits for part i - this to
+    # complete (`sched.param_uploads` says why); None, the default until a GPU has measured it:
+    # no limit (`assembly.UPLOAD_PARTS_AHEAD` sets it for a run).
+    upload_parts_ahead: int | None = None
     # A backward stage's act_up brings every one of its layers' inputs, saved by the forward slots
     # (RunConfig.recompute_grain="layer_input"), not only the one entering it.
     layer_inputs: bool = False
@@ -115,6 +119,10 @@ class ScheduleOptions:
         if self.prefetch_stages < 1:
             raise ValueError(
                 f"prefetch_stages must be >= 1 (stages uploaded ahead), not {self.prefetch_stages}"
+            )
+        if self.upload_parts_ahead is not None and self.upload_parts_ahead < 1:
+            raise ValueError(
+                f"upload_parts_ahead must be >= 1 or None (no limit), not {self.upload_parts_ahead}"
             )
         if self.flow_depth < 1:
             raise ValueError(f"flow_depth must be >= 1 (microbatches uploaded ahead), not {self.flow_depth}")
