@@ -344,6 +344,7 @@ def run_roundpipe(
     import roundpipe
     from roundpipe.backends.compiling import settings_everywhere
     from roundpipe.sched.breakdown import breakdown
+    from roundpipe.sched.gaps import find_gaps, gap_causes
 
     indices = cuda_indices(args.devices)
     config = make_config(workload, mode, args)
@@ -413,6 +414,8 @@ def run_roundpipe(
         trace = pipe.trace()
         flow_depth = trace.meta.get("flow_depth")  # the depth the run's graph used
         report = breakdown(trace, range(first, pipe.iteration_count))
+        measured = range(first, pipe.iteration_count)
+        causes = gap_causes(find_gaps(trace, measured)) if len(measured) else {}
         if args.save_trace is not None:
             trace.save(args.save_trace / f"{workload.name}-{mode}.trace.json.gz")
         predicted = predicted_memory(pipe)
@@ -503,6 +506,8 @@ def run_roundpipe(
         "attention_backend": attention,
         "flow_depth": flow_depth,
         "upload_parts_ahead": trace.meta.get("upload_parts_ahead"),
+        # the measured iterations' idle gaps by cause (`roundpipe trace gaps` lists each), per iteration
+        "gap_causes_ms": {k: round(v / max(1, len(measured)), 2) for k, v in causes.items()},
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
         **({"memory_snapshot": memory_snapshot} if memory_snapshot is not None else {}),
     }

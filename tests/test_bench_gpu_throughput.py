@@ -388,6 +388,7 @@ def test_planner_settings_hold_for_the_run_only(capsys: pytest.CaptureFixture[st
     assert (device_plan.STAGES_ON_ONE_DEVICE, device_plan.FLOW_DEPTH) == ("coarse", 2)
     assert device_plan.BACKWARD_STAGE_LAYERS is None
     assert line["roundpipe"]["upload_parts_ahead"] == 3 and assembly.UPLOAD_PARTS_AHEAD is None
+    assert all(ms >= 0 for ms in line["roundpipe"]["gap_causes_ms"].values())
 
 
 def test_under_torchrun_the_plain_loop_is_left_to_a_one_process_run(monkeypatch: pytest.MonkeyPatch) -> None:

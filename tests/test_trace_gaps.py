@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from roundpipe.cli.main import main
-from roundpipe.sched.gaps import find_gaps, format_gaps
+from roundpipe.sched.gaps import find_gaps, format_gaps, gap_causes
 from roundpipe.sched.task import ACT_DOWN, ACT_UP, COMPUTE, PARAM_UP, Task
 from tests.test_upload_order import _run
 
@@ -57,6 +57,12 @@ def test_each_gap_names_what_its_next_compute_waited_for() -> None:
     assert waited.why == "waited for" and waited.cause is not None and waited.cause.key == ("down3",)
     (moving,) = gaps["c4"].late
     assert moving.why == "moving"
+    assert gap_causes(list(gaps.values())) == {
+        "act_up: issued late": 10.0,
+        "act_up: behind": 10.0,
+        "act_up: waited for": 10.0,
+        "weights": 10.0,
+    }
     text = format_gaps(list(gaps.values()), _hand_made(), window_ms=90.0)
     assert text.startswith("4 gaps, 40.0 ms of 90.0 ms (44.4%)")
     assert "its stage's weights, 1 of 1 parts late: the upload ran -5.00 to +10.00 ms" in text

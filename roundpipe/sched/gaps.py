@@ -256,6 +256,25 @@ def _upload_line(gap: Gap, members: list[Late], runs: dict[tuple[int, int, int, 
     return line
 
 
+def gap_causes(gaps: list[Gap]) -> dict[str, float]:
+    """Milliseconds of the gaps by cause: each gap counted once, under what the dependency that
+    ended last waited for ("weights" for a stage's parameter upload; "compute issued late" when the
+    next compute was issued after the gap began and no dependency ended later; "other" when
+    neither explains it)."""
+    causes: dict[str, float] = {}
+    for gap in gaps:
+        last = max(gap.late, key=lambda late: late.task.end_t, default=None)
+        task = gap.next_task
+        if last is not None:
+            label = "weights" if last.task.kind == PARAM_UP else f"{last.task.kind}: {last.why}"
+        elif task.issue_t >= 0 and task.issue_t > gap.start_ms + SLACK_MS:
+            label = "compute issued late"
+        else:
+            label = "other"
+        causes[label] = causes.get(label, 0.0) + gap.ms
+    return dict(sorted(causes.items(), key=lambda kv: -kv[1]))
+
+
 def gaps_report(trace: Iterable[Task], top: int = 20, min_ms: float = 0.5) -> str:
     """`format_gaps` of the trace's last two iterations, against their window (the first of their
     computes' starts to the last one's end): what ``roundpipe trace gaps`` prints."""
