@@ -6,6 +6,7 @@
 #   OLD=.oldrp OUT=/path bash bench/gpu_regress.sh          # .oldrp: `git archive REV | tar -x -C .oldrp`
 #   WORKLOADS="B C" OLD=.oldrp bash bench/gpu_regress.sh     # other workloads (default: A long)
 #   PAIRS=1 WORKLOADS="long B C" OLD=.oldrp bash bench/gpu_regress.sh   # one old/new pair each
+#   PAIRS=1 WORKLOADS=E OLD=.oldrp558 bash bench/gpu_regress.sh         # a change to one device's schedule on E
 #
 # Each workload runs old, new, old, new (PAIRS pairs, default 2) while the call's time lasts (on
 # an H100 A took ~1.5 min a run; long ~2, B ~1, C ~2 estimated), with the arguments
@@ -29,6 +30,8 @@ declare -A ARGS=(
   [B]="70|--workload B --budget 12GiB --steps 3 --warmup 2"
   [C]="130|--workload C --steps 3 --warmup 2"
   [long]="150|--workload long --recompute-grain stage --steps 1 --warmup 1"
+  [E]="200|--workload E --warmup 2 --steps 3"  # 32B LoRA, 24 GiB (gpu_big.sh's E); pins ~70 GiB of host
+  [E-inputs]="230|--workload E --warmup 2 --steps 3 --recompute-grain layer_input"
   [tiny]="20|--workload tiny --steps 1 --warmup 1"  # WORKLOADS=tiny DEVICES=cpu:1 OLD=.: a smoke run
 )
 RUNS=()
