@@ -8,13 +8,13 @@ reason, and the builder only relates runs. Each part waits for:
   - with ``ScheduleOptions.upload_parts_ahead`` set, the part that many before it in the run
     (completed). Off by default until a GPU has measured it.
 
-The last is flow control on the link. A GPU's copy engine serves the host-to-device copies of all
-streams about in the order they reach it, so an activation upload that becomes ready waits behind
+The last is flow control on the link. If a GPU's copy engine serves the host-to-device copies of
+all streams about in the order they reach it, an activation upload that becomes ready waits behind
 every parameter part already handed over. In traces of workload E on one H100 (`roundpipe trace
 gaps`, the traces of `gpu_big.sh E` and `E-inputs`), every input or gradient upload that started
 more than 2 ms after it could (65 of 448, and 50 of 400) did so while parameter parts were on the
-link for 99.8% of that wait, up to 44 ms. A run's upload issued whole put ~100 parts of 64 MiB in
-that queue; with eight in flight an activation waits behind at most ~10 ms of them, while the
+link for 99.7-99.8% of that wait, up to 44 ms (in those forward runs the link is that busy anyway).
+A run's upload issued whole puts ~100 parts of 64 MiB in that queue; with eight in flight an activation waits behind at most ~10 ms of them, while the
 host has as long to issue the next part. On the fake stream backend with all uploads in one queue
 (`python bench/upload_order.py`), E's remaining 5.6% bubble goes to 0 and D's iteration (`python
 bench/flow_depth.py` with eight parts ahead) from 2,973 to 2,506 ms. Not yet measured on a GPU,
