@@ -61,15 +61,15 @@ def _run(
     return trace, settled_iteration_ms(trace, ITERATIONS)
 
 
-def _run_order(trace: Trace, lane_suffix: str) -> list[tuple[int, int]]:
-    """(iteration, slot) of each task of the lane, in the order the device started them."""
+def _run_order(trace: Trace, lane_suffix: str) -> list[tuple[int, int, int]]:
+    """(iteration, round, slot) of each task of the lane, in the order the device started them."""
     tasks = sorted((t for t in trace if t.lane.endswith(lane_suffix)), key=lambda t: t.start_t)
-    return [(t.iteration, t.slot) for t in tasks]
+    return [(t.iteration, t.round, t.slot) for t in tasks]
 
 
-def _interleaved(order: list[tuple[int, int]]) -> bool:
+def _interleaved(order: list[tuple[int, int, int]]) -> bool:
     """Whether a run reappears after another run has started: runs not taken one after another."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, int]] = set()
     for previous, current in itertools.pairwise(order):
         if current != previous:
             if current in seen:
@@ -110,3 +110,54 @@ def test_with_one_queue_for_all_uploads_a_few_parts_ahead_let_the_inputs_through
     assert behind_weights  # a run's whole upload queued ahead of the inputs
     assert windowed_ms < whole_ms * 0.97
     assert breakdown(windowed, range(2, ITERATIONS)).bubble < 0.01
+
+
+@pytest.mark.parametrize(
+    "microbatches,round_size,prefetch,inputs_ahead,layer_inputs,flow_depth,parts_ahead",
+    [
+        (1, None, 1, True, False, 2, None),
+        (2, None, 2, True, True, 1, 3),
+        (3, None, 1, False, False, 3, None),
+        (4, 2, 1, True, True, 2, 3),
+        (4, 2, 2, False, True, 3, None),
+        (4, None, 2, True, False, 1, 3),
+    ],
+)
+def test_one_device_graphs_with_the_order_finish_and_keep_the_rules(
+    microbatches: int,
+    round_size: int | None,
+    prefetch: int,
+    inputs_ahead: bool,
+    layer_inputs: bool,
+    flow_depth: int,
+    parts_ahead: int | None,
+) -> None:
+    """Whatever else the graph holds (rounds, deeper prefetch, inputs not ahead, every layer's
+    input, other flow depths, a parts window), the added order neither stalls it nor breaks a rule."""
+    layers = 8
+    costs = LayerCosts(
+        (1.0, *[2.0] * (layers - 2), 3.0), (0.2, *[3.0] * (layers - 2), 1.0), (1 << 26,) * layers
+    )
+    forward = (range(0, 2), range(2, 4), range(4, 6))
+    plan = Plan.from_stages(forward, range(6, layers), forward[::-1], costs, 1, microbatches)
+    spec = ModelSpec(
+        param_bytes=(1 << 26,) * layers, owners=tuple((i,) for i in range(layers)), act_bytes=1 << 20
+    )
+    options = ScheduleOptions(
+        round_size=round_size,
+        chunk_bytes=1 << 24,
+        prefetch_stages=prefetch,
+        inputs_ahead=inputs_ahead,
+        layer_inputs=layer_inputs,
+        flow_depth=flow_depth,
+        upload_parts_ahead=parts_ahead,
+    )
+    backend = FakeStreamBackend(
+        FakeCostModel(costs, link_gbps=20.0),
+        shared_link=True,
+        issue_ms=lambda t: 0.3 if t.kind in ("compute", "recompute") else 0.05,
+    )
+    engine, trace = run_graphs(backend, GraphBuilder(plan, spec, 1, options), 3, microbatches)
+    assert engine.statistics().waiting == 0
+    trace.check_rules()
+    assert not _interleaved(_run_order(trace, ".act_up"))
