@@ -93,3 +93,5 @@ def test_the_command_prints_the_report(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["trace", "gaps", str(path), "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("iterations 3, 4: ") and " ms on device 0 before " in out
+    assert main(["trace", "summary", str(path)]) == 0
+    assert "idle gaps of the last two iterations by cause: " in capsys.readouterr().out

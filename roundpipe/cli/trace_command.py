@@ -122,6 +122,7 @@ def run_trace(args: argparse.Namespace) -> int:
         paced = pacing(trace)  # traces of a backend that issues ahead (CUDA)
         if paced is not None:
             print(paced)
+        print(_idle_line(trace))
         return 0
     if action == "replay":
         return _replay(trace)
@@ -143,6 +144,17 @@ def run_trace(args: argparse.Namespace) -> int:
         print(f"wrote {trace.plot(out)}")
         return 0
     raise ValueError(f"unknown trace action {action!r}")  # pragma: no cover - argparse prevents it
+
+
+def _idle_line(trace: Trace) -> str:
+    """One line: the last two iterations' compute-lane gaps by cause (`trace gaps` lists them)."""
+    from roundpipe.sched.gaps import find_gaps, gap_causes
+
+    causes = gap_causes(find_gaps(trace))
+    if not causes:
+        return "idle gaps of 0.5 ms or more in the last two iterations: none"
+    parts = ", ".join(f"{cause} {ms:.1f} ms" for cause, ms in causes.items())
+    return f"idle gaps of the last two iterations by cause: {parts} (`roundpipe trace gaps` lists them)"
 
 
 def _replay(trace: Trace) -> int:
