@@ -3,10 +3,11 @@ that was late.
 
 Why: the breakdown (`roundpipe.sched.breakdown`) says how much of a step the GPU idled and how much
 of it a transfer was running; it does not say why the transfer was late. On a backend that issues
-ahead (CUDA) a transfer can be late three ways, and each has its own remedy: the host issued it
+ahead (CUDA) a transfer can be late in several ways, each with its own remedy: the host issued it
 late (the host is the bound), it moved its bytes while the GPU waited (the link is the bound, or
-the upload started late), or it sat on its stream behind another task, which was itself waiting
-for something (the order in which the host issued work). This module walks the dependencies of
+the upload started late), it sat on its stream behind another task, which was itself waiting for
+something (the order in which the host issued work), or it waited for another stream's copy to
+leave the link. This module walks the dependencies of
 the task after each gap back to that cause, from the trace alone.
 
 For each gap of at least ``min_ms`` between two compute tasks of one device, within the chosen
@@ -18,8 +19,9 @@ classified by what F waited for:
     dependencies ended: it was queued behind that task (named, with why that task was late);
   - ``waited for``: F started when one of its own dependencies ended (named);
   - ``behind on the link``: F started when another transfer of its device and direction ended,
-    later than its dependencies and its lane allowed (named): a GPU's copy engine serves the
-    copies of all streams about in the order they reach it;
+    later than its dependencies and its lane allowed (named): as if the copy engine served the
+    copies of all streams in the order they reached it (the fake stream backend's shared link
+    does; on a GPU, a coincidence of times is what this reads);
   - ``moving``: F had started before the gap began and was still moving its bytes.
 A dependency that is itself a compute task (the previous microbatch) is not a cause: the gap
 follows it.
@@ -57,7 +59,8 @@ class Late:
 
     task: Task
     why: str  # "issued late", "behind", "waited for", "behind on the link" or "moving"
-    cause: Task | None  # the lane predecessor ("behind") or the dependency ("waited for")
+    cause: Task | None  # the lane predecessor ("behind"), the dependency ("waited for") or the
+    # other transfer ("behind on the link")
     cause_why: str = ""  # for "behind": why that predecessor was late, in words
 
 
