@@ -94,4 +94,4 @@ def test_the_command_prints_the_report(tmp_path: Path, capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert out.startswith("iterations 3, 4: ") and " ms on device 0 before " in out
     assert main(["trace", "summary", str(path)]) == 0
-    assert "idle gaps of the last two iterations by cause: " in capsys.readouterr().out
+    assert "idle gaps per iteration (the last two) by cause: " in capsys.readouterr().out

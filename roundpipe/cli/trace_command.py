@@ -148,13 +148,14 @@ def run_trace(args: argparse.Namespace) -> int:
 
 def _idle_line(trace: Trace) -> str:
     """One line: the last two iterations' compute-lane gaps by cause (`trace gaps` lists them)."""
-    from roundpipe.sched.gaps import find_gaps, gap_causes
+    from roundpipe.sched.gaps import find_gaps, gap_causes, last_iterations
 
-    causes = gap_causes(find_gaps(trace))
+    iterations = last_iterations(trace)
+    causes = gap_causes(find_gaps(trace, iterations))
     if not causes:
         return "idle gaps of 0.5 ms or more in the last two iterations: none"
-    parts = ", ".join(f"{cause} {ms:.1f} ms" for cause, ms in causes.items())
-    return f"idle gaps of the last two iterations by cause: {parts} (`roundpipe trace gaps` lists them)"
+    parts = ", ".join(f"{cause} {ms / len(iterations):.1f} ms" for cause, ms in causes.items())
+    return f"idle gaps per iteration (the last two) by cause: {parts} (`roundpipe trace gaps` lists them)"
 
 
 def _replay(trace: Trace) -> int:

@@ -221,15 +221,16 @@ def _busy_per_kind(tasks: list[Task], wanted: set[int]) -> dict[str, float]:
 
 def pacing(trace: Iterable[Task]) -> str | None:
     """One line on what paces the compute lanes: per compute kind and iteration, the host's time
-    issuing against the devices' time running, over every iteration but the first (it compiles);
-    None for a trace from a backend that completes tasks as it issues them (no task issued
-    before it ended), where the question does not arise."""
+    issuing against the devices' time running, over the last two iterations (of two, the second:
+    the first compiles; a short run's re-plan compiles again, so earlier ones may too); None for a
+    trace from a backend that completes tasks as it issues them (no task issued before it
+    ended), where the question does not arise."""
     tasks = list(trace)
     computes = [t for t in tasks if t.kind in COMPUTE_KINDS and t.issue_t >= 0 and t.iteration >= 0]
     if not any(t.issue_t < t.end_t for t in computes):
         return None
     iterations = sorted({t.iteration for t in computes})
-    measured = iterations[1:] or iterations
+    measured = iterations[-2:] if len(iterations) > 2 else (iterations[1:] or iterations)
     report = breakdown(tasks, measured)
     issued = report.issue_ms_per_iteration
     ran = {kind: report.busy_ms_per_iteration.get(kind, 0.0) for kind in issued}

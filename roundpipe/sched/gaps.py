@@ -116,10 +116,14 @@ def find_gaps(
 
 
 def _iterations(tasks: list[Task], iterations: Iterable[int] | None) -> set[int]:
-    if iterations is not None:
-        return set(iterations)
-    present = sorted({t.iteration for t in tasks if t.kind in COMPUTE_KINDS and t.iteration >= 0})
-    return set(present[-2:])
+    return set(iterations) if iterations is not None else last_iterations(tasks)
+
+
+def last_iterations(trace: Iterable[Task], count: int = 2) -> set[int]:
+    """The last ``count`` iterations with compute tasks in the trace (what `find_gaps` reads by
+    default)."""
+    present = sorted({t.iteration for t in trace if t.kind in COMPUTE_KINDS and t.iteration >= 0})
+    return set(present[-count:])
 
 
 class _Link:
