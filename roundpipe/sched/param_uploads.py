@@ -8,21 +8,21 @@ reason, and the builder only relates runs. Each part waits for:
   - with ``ScheduleOptions.upload_parts_ahead`` set, the part that many before it in the run
     (completed). Off by default until a GPU has measured it.
 
-The last is flow control on the link. If a GPU's copy engine serves the host-to-device copies of
-all streams about in the order they reach it, an activation upload that becomes ready waits behind
-every parameter part already handed over. In traces of workload E on one H100 (`roundpipe trace
-gaps`, the traces of `gpu_big.sh E` and `E-inputs`), every input or gradient upload that started
-more than 2 ms after it could (65 of 448, and 50 of 400) did so while parameter parts were on the
-link for 99.7-99.8% of that wait, up to 44 ms (in those forward runs the link is that busy anyway).
-A run's upload issued whole puts ~100 parts of 64 MiB in that queue; with eight in flight an activation waits behind at most ~10 ms of them, while the
-host has as long to issue the next part. On the fake stream backend with all uploads in one queue
-(`python bench/upload_order.py`), E's remaining 5.6% bubble goes to 0 and D's iteration (`python
-bench/flow_depth.py` with eight parts ahead) from 2,973 to 2,506 ms. Not yet measured on a GPU,
-where the cost is the host's: each part is issued only once the one eight before has completed,
-so a host late to issue leaves the link idle, and D's link is busy 97% of its step. One doubt:
-in those traces an input upload that started late ran beside a parameter part, not after one,
-so the copy engine may not be strictly first come, first served (`bench/gpu_big.sh E-parts8`
-measures it).
+The last is flow control on the link. If a GPU's copy engine serves the host-to-device copies of all
+streams about in the order they reach it, an activation upload that becomes ready waits behind every
+parameter part already handed over. In traces of workload E on one H100 (`roundpipe trace gaps`, the
+traces of `gpu_big.sh E` and `E-inputs`), every input or gradient upload that started more than 2 ms
+after it could (65 of 448, and 50 of 400) did so while parameter parts were on the link for
+99.7-99.8% of that wait, up to 44 ms (in those forward runs the link is that busy anyway). A run's
+upload issued whole puts ~100 parts of 64 MiB in that queue; with eight in flight an activation
+waits behind at most ~10 ms of them, while the host has as long to issue the next part. On the fake
+stream backend with all uploads in one queue (`python bench/upload_order.py`), E's remaining 5.6%
+bubble goes to 0 and D's iteration (`python bench/flow_depth.py --parts-ahead 8`) from 2,973
+to 2,506 ms. Not yet measured on a GPU, where the cost is the host's: each part is issued only once
+the one eight before has completed, so a host late to issue leaves the link idle, and D's link is
+busy 97% of its step. One doubt: in those traces an input upload that started late ran beside a
+parameter part, not after one, so the copy engine may not be strictly first come, first served
+(`bench/gpu_big.sh E-parts8` measures it).
 
 This module must never hold tensors or decide anything but these tasks and their dependencies.
 """
