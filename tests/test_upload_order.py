@@ -12,6 +12,7 @@ runs in dispatch order and the step is shorter.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import pytest
 
@@ -22,7 +23,7 @@ from roundpipe.planning.simulate import run_graphs, settled_iteration_ms
 from roundpipe.sched.breakdown import breakdown
 from roundpipe.sched.gaps import find_gaps
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
-from roundpipe.sched.task import ACT_UP, PARAM_UP
+from roundpipe.sched.task import ACT_UP, PARAM_UP, Task
 from roundpipe.sched.trace import Trace
 
 DECODER_LAYERS, MICROBATCHES, ITERATIONS = 12, 4, 5
@@ -61,7 +62,7 @@ def _run(
     return trace, settled_iteration_ms(trace, ITERATIONS)
 
 
-def _run_order(trace: Trace, lane_suffix: str) -> list[tuple[int, int, int]]:
+def _run_order(trace: Iterable[Task], lane_suffix: str) -> list[tuple[int, int, int]]:
     """(iteration, round, slot) of each task of the lane, in the order the device started them."""
     tasks = sorted((t for t in trace if t.lane.endswith(lane_suffix)), key=lambda t: t.start_t)
     return [(t.iteration, t.round, t.slot) for t in tasks]
