@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 
@@ -114,24 +115,27 @@ def test_with_one_queue_for_all_uploads_a_few_parts_ahead_let_the_inputs_through
 
 
 @pytest.mark.parametrize(
-    "microbatches,round_size,prefetch,inputs_ahead,layer_inputs,flow_depth,parts_ahead",
+    "microbatches,options",
     [
-        (1, None, 1, True, False, 2, None),
-        (2, None, 2, True, True, 1, 3),
-        (3, None, 1, False, False, 3, None),
-        (4, 2, 1, True, True, 2, 3),
-        (4, 2, 2, False, True, 3, None),
-        (4, None, 2, True, False, 1, 3),
+        (1, {}),
+        (2, {"prefetch_stages": 2, "layer_inputs": True, "flow_depth": 1, "upload_parts_ahead": 3}),
+        (3, {"inputs_ahead": False, "flow_depth": 3}),
+        (4, {"round_size": 2, "layer_inputs": True, "upload_parts_ahead": 3}),
+        (
+            4,
+            {
+                "round_size": 2,
+                "prefetch_stages": 2,
+                "inputs_ahead": False,
+                "layer_inputs": True,
+                "flow_depth": 3,
+            },
+        ),
+        (4, {"prefetch_stages": 2, "flow_depth": 1, "upload_parts_ahead": 3}),
     ],
 )
 def test_one_device_graphs_with_the_order_finish_and_keep_the_rules(
-    microbatches: int,
-    round_size: int | None,
-    prefetch: int,
-    inputs_ahead: bool,
-    layer_inputs: bool,
-    flow_depth: int,
-    parts_ahead: int | None,
+    microbatches: int, options: dict[str, Any]
 ) -> None:
     """Whatever else the graph holds (rounds, deeper prefetch, inputs not ahead, every layer's
     input, other flow depths, a parts window), the added order neither stalls it nor breaks a rule."""
@@ -141,24 +145,15 @@ def test_one_device_graphs_with_the_order_finish_and_keep_the_rules(
     )
     forward = (range(0, 2), range(2, 4), range(4, 6))
     plan = Plan.from_stages(forward, range(6, layers), forward[::-1], costs, 1, microbatches)
-    spec = ModelSpec(
-        param_bytes=(1 << 26,) * layers, owners=tuple((i,) for i in range(layers)), act_bytes=1 << 20
-    )
-    options = ScheduleOptions(
-        round_size=round_size,
-        chunk_bytes=1 << 24,
-        prefetch_stages=prefetch,
-        inputs_ahead=inputs_ahead,
-        layer_inputs=layer_inputs,
-        flow_depth=flow_depth,
-        upload_parts_ahead=parts_ahead,
-    )
-    backend = FakeStreamBackend(
-        FakeCostModel(costs, link_gbps=20.0),
-        shared_link=True,
-        issue_ms=lambda t: 0.3 if t.kind in ("compute", "recompute") else 0.05,
-    )
-    engine, trace = run_graphs(backend, GraphBuilder(plan, spec, 1, options), 3, microbatches)
+    spec = ModelSpec.uniform(layers, param_bytes=1 << 26, act_bytes=1 << 20)
+    graph = GraphBuilder(plan, spec, 1, ScheduleOptions(chunk_bytes=1 << 24, **options))
+    backend = FakeStreamBackend(FakeCostModel(costs, link_gbps=20.0), shared_link=True, issue_ms=_quick_issue)
+    engine, trace = run_graphs(backend, graph, 3, microbatches)
     assert engine.statistics().waiting == 0
     trace.check_rules()
     assert not _interleaved(_run_order(trace, ".act_up"))
+
+
+def _quick_issue(task: Task) -> float:
+    """A host that issues a compute task in 0.3 ms and a transfer in 0.05."""
+    return 0.3 if task.kind in ("compute", "recompute") else 0.05
