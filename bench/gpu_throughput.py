@@ -413,8 +413,8 @@ def run_roundpipe(
         profiling.close()
         trace = pipe.trace()
         flow_depth = trace.meta.get("flow_depth")  # the depth the run's graph used
-        report = breakdown(trace, range(first, pipe.iteration_count))
         measured = range(first, pipe.iteration_count)
+        report = breakdown(trace, measured)
         causes = gap_causes(find_gaps(trace, measured)) if len(measured) else {}
         if args.save_trace is not None:
             trace.save(args.save_trace / f"{workload.name}-{mode}.trace.json.gz")

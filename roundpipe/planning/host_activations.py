@@ -23,12 +23,12 @@ from typing import Any
 
 from roundpipe.errors import HostMemoryError
 from roundpipe.optim.host_room import MEMINFO, available_host_bytes, pinned_bytes
-from roundpipe.plan.memory import LayerMemory, saved_inputs
+from roundpipe.plan.memory import Grain, LayerMemory, saved_inputs
 from roundpipe.plan.sizes import format_bytes
 
 
 def saved_activation_bytes(
-    slots: Sequence[Any], memory: LayerMemory, grain: Any, microbatches: int, pinned: bool
+    slots: Sequence[Any], memory: LayerMemory, grain: Grain, microbatches: int, pinned: bool
 ) -> tuple[int, int]:
     """(bytes, activations) a round of ``microbatches`` saves on the host under ``slots``: each
     saved layer input's own bytes (pinned: rounded as the pinned allocator holds them); layer 0's
@@ -42,7 +42,7 @@ def saved_activation_bytes(
 def check_activation_room(
     slots: Sequence[Any],
     memory: LayerMemory,
-    grain: Any,
+    grain: Grain,
     microbatches: int,
     pinned: bool,
     available: int | None = None,

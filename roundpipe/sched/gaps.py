@@ -86,7 +86,7 @@ def find_gaps(
     the trace), longest first; see the module docstring."""
     tasks = list(trace)
     by_key: dict[Key, Task] = {t.key: t for t in tasks}
-    wanted = _iterations(tasks, iterations)
+    wanted = set(iterations) if iterations is not None else last_iterations(tasks)
     lanes: dict[str, list[Task]] = {}
     for task in tasks:
         lanes.setdefault(task.lane, []).append(task)
@@ -115,10 +115,6 @@ def find_gaps(
     return gaps
 
 
-def _iterations(tasks: list[Task], iterations: Iterable[int] | None) -> set[int]:
-    return set(iterations) if iterations is not None else last_iterations(tasks)
-
-
 def last_iterations(trace: Iterable[Task], count: int = 2) -> set[int]:
     """The last ``count`` iterations with compute tasks in the trace (what `find_gaps` reads by
     default)."""
@@ -128,8 +124,7 @@ def last_iterations(trace: Iterable[Task], count: int = 2) -> set[int]:
 
 class _Link:
     """Per device and direction (host to device, device to host), the transfers by end time: which
-    one a transfer that started late began as it ended (a GPU's copy engine serves the copies of
-    all its streams about in the order they reach it)."""
+    one a transfer that started late began as it ended (``behind on the link``, module docstring)."""
 
     def __init__(self, tasks: list[Task]) -> None:
         self.ends: dict[tuple[int, bool], list[tuple[float, int, Task]]] = {}
@@ -156,12 +151,12 @@ class _Link:
 
 def _why(task: Task, gap_start: float, by_key: dict[Key, Task], before: dict[Key, Task], link: _Link) -> Late:
     """What ``task``, which ended after ``gap_start``, waited for."""
-    if task.issue_t >= 0 and task.issue_t > gap_start + SLACK_MS:
+    if _issued_after(task, gap_start):
         return Late(task, "issued late", None)
     if task.start_t <= gap_start + SLACK_MS:
         return Late(task, "moving", None)
-    deps = [d for key in task.deps if (d := by_key.get(key)) is not None]
-    deps_end = max((d.end_t for d in deps), default=float("-inf"))
+    waited = _last_dependency(task, by_key)
+    deps_end = waited.end_t if waited is not None else float("-inf")
     ahead = before.get(task.key)
     if (
         ahead is not None
@@ -169,7 +164,6 @@ def _why(task: Task, gap_start: float, by_key: dict[Key, Task], before: dict[Key
         and ahead.end_t > deps_end + SLACK_MS
     ):
         return Late(task, "behind", ahead, _ahead_why(ahead, by_key, link))
-    waited = max(deps, key=lambda d: d.end_t, default=None)
     if waited is not None and abs(waited.end_t - task.start_t) <= SLACK_MS:
         return Late(task, "waited for", waited)
     lane_end = ahead.end_t if ahead is not None else float("-inf")
@@ -179,11 +173,22 @@ def _why(task: Task, gap_start: float, by_key: dict[Key, Task], before: dict[Key
     return Late(task, "moving", None)
 
 
+def _issued_after(task: Task, at: float) -> bool:
+    """Whether the host finished issuing ``task`` after ``at`` (only a backend that issues ahead
+    records when; elsewhere ``issue_t`` is -1)."""
+    return task.issue_t >= 0 and task.issue_t > at + SLACK_MS
+
+
+def _last_dependency(task: Task, by_key: dict[Key, Task]) -> Task | None:
+    """The dependency of ``task`` in the trace that ended last."""
+    deps = [d for key in task.deps if (d := by_key.get(key)) is not None]
+    return max(deps, key=lambda d: d.end_t, default=None)
+
+
 def _ahead_why(task: Task, by_key: dict[Key, Task], link: _Link) -> str:
     """When the task a late transfer queued behind was issued, what it waited for, and what held
     it on the link after that: the facts, on the task's own clock (its start)."""
-    deps = [d for key in task.deps if (d := by_key.get(key)) is not None]
-    waited = max(deps, key=lambda d: d.end_t, default=None)
+    waited = _last_dependency(task, by_key)
     bits = []
     if task.issue_t >= 0:  # a backend that issues ahead records it
         bits.append(f"issued {task.issue_t - task.start_t:+.2f} ms from its start")
@@ -240,7 +245,7 @@ def _late_lines(gap: Gap, runs: dict[tuple[int, int, int, int], list[Task]]) -> 
             what += f" ({first.cause_why})"
         lines.append(f"{name}: {span}, {what}")
     task = gap.next_task
-    if task.issue_t >= 0 and task.issue_t > gap.start_ms + SLACK_MS:
+    if _issued_after(task, gap.start_ms):
         lines.insert(0, f"the compute itself issued late by the host: {task.issue_t - gap.start_ms:+.2f} ms")
     return lines or ["no dependency ended late and it was issued in time (a host task held it?)"]
 
@@ -271,10 +276,9 @@ def gap_causes(gaps: list[Gap]) -> dict[str, float]:
     causes: dict[str, float] = {}
     for gap in gaps:
         last = max(gap.late, key=lambda late: late.task.end_t, default=None)
-        task = gap.next_task
         if last is not None:
             label = "weights" if last.task.kind == PARAM_UP else f"{last.task.kind}: {last.why}"
-        elif task.issue_t >= 0 and task.issue_t > gap.start_ms + SLACK_MS:
+        elif _issued_after(gap.next_task, gap.start_ms):
             label = "compute issued late"
         else:
             label = "other"
@@ -286,7 +290,7 @@ def gaps_report(trace: Iterable[Task], top: int = 20, min_ms: float = 0.5) -> st
     """`format_gaps` of the trace's last two iterations, against their window (the first of their
     computes' starts to the last one's end): what ``roundpipe trace gaps`` prints."""
     tasks = list(trace)
-    wanted = _iterations(tasks, None)
+    wanted = last_iterations(tasks)
     computes = [t for t in tasks if t.kind in COMPUTE_KINDS and t.iteration in wanted]
     if not computes:
         return "no compute tasks in the trace"

@@ -166,12 +166,12 @@ class GraphBuilder:
         )
         version = rules.weight_version(step, self.options.async_optimizer, self.options.sync_steps)
         built = IterationInProgress(iteration, step, version)
+        in_order = self.num_devices == 1 and self.options.uploads_in_run_order
+        versions = (self.base_version, self.fresh_base_version)
         for slot_run in runs:
             run = self._stage_run(slot_run, built)
             history = self._device_runs.get(run.device, [])
-            versions = (self.base_version, self.fresh_base_version)
             param_keys = param_uploads(run, built, self.spec, self.options, self.ledgers, history, versions)
-            in_order = self.num_devices == 1 and self.options.uploads_in_run_order
             after = self._device_uploads.get(run.device, []) if in_order else []
             if run.kind == SlotKind.BWD:
                 last_compute = backward_chains(run, param_keys, built, self._backward_context(run, after))
