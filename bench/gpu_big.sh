@@ -56,6 +56,10 @@ declare -A JOB=(
   # Qwen3-1.7B under a 4 GiB budget (workload A of gpu_regress.sh), for its variants below (A and
   # A-balanced cut the same 19-slot plan on an H100: 27,164 and 27,072 tok/s).
   [A]="150|90|--workload A --budget 4GiB --steps 3 --warmup 2"
+  # Qwen3-1.7B, all weights trained, 32 x 2048 under 12 GiB (workload B of gpu_regress.sh), for
+  # B-inputs: does every layer from its saved input cost B (33,235 against 34,646 tok/s while
+  # inputs queued behind the next run's)?
+  [B]="120|70|--workload B --budget 12GiB --steps 3 --warmup 2"
 )
 # NAME-VARIANT runs NAME's job (above) with the variant's arguments: D16-python, A-balanced, ...
 declare -A VARIANT=(
