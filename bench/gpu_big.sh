@@ -60,6 +60,8 @@ declare -A JOB=(
   # B-inputs: does every layer from its saved input cost B (33,235 against 34,646 tok/s while
   # inputs queued behind the next run's)?
   [B]="120|70|--workload B --budget 12GiB --steps 3 --warmup 2"
+  # Qwen3-14B, LoRA r16, 4 x 4096 under 24 GiB (workload C of gpu_regress.sh), for C-inputs.
+  [C]="200|130|--workload C --steps 3 --warmup 2"
 )
 # NAME-VARIANT runs NAME's job (above) with the variant's arguments: D16-python, A-balanced, ...
 declare -A VARIANT=(
