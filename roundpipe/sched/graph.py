@@ -104,7 +104,7 @@ class GraphBuilder:
         self.options = options
         self.ledgers: dict[int, UnitLedger] = {u: UnitLedger() for u in spec.units}
         self._device_runs: dict[int, list[Key]] = {}
-        self._device_uploads: dict[int, list[Key]] = {}  # one device: its last run's last uploads
+        self._device_uploads: dict[int, list[Key]] = {}  # in run order: the device's last run's last uploads
         self._lanes: dict[int, dict[str, str]] = {}  # device -> lane kind -> lane name
         self._first_device = 0
         self._iterations_of_step: dict[int, list[int]] = {}
@@ -172,7 +172,7 @@ class GraphBuilder:
             run = self._stage_run(slot_run, built)
             history = self._device_runs.get(run.device, [])
             param_keys = param_uploads(run, built, self.spec, self.options, self.ledgers, history, versions)
-            after = self._device_uploads.get(run.device, []) if in_order else []
+            after = self._device_uploads.get(run.device, [])
             if run.kind == SlotKind.BWD:
                 last_compute = backward_chains(run, param_keys, built, self._backward_context(run, after))
             else:
@@ -181,7 +181,8 @@ class GraphBuilder:
                 chains = (self.spec.act_bytes, down_bytes, two_back, self.options.flow_depth, after)
                 last_compute = forward_chains(run, param_keys, built, *chains)
             self._remember_on_device(run.device, last_compute)
-            self._device_uploads[run.device] = last_uploads(run)
+            if in_order:
+                self._device_uploads[run.device] = last_uploads(run)
             self._grad_download(run, last_compute, built)
         done_keys: list[Key] = list(built.last_grad_down.values())
         done_keys += self._g_copies(built)
