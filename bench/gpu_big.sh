@@ -84,6 +84,9 @@ declare -A VARIANT=(
   # every recompute skips its frozen down projection without more slots (design.md); on D, D16
   # and D2 the experts' down products and the sum of the choices (model/experts_tail.py).
   [inputs]="--recompute-grain layer_input"
+  # Each backward stage recomputed from its own input only: what "auto" (the default) chooses
+  # where a condition of roundpipe/planning/grain.py fails; E-stage, C-stage against E, C.
+  [stage]="--recompute-grain stage"
   # Eight parameter parts at most on the link per run, so an input waits behind fewer of them
   # (roundpipe/sched/param_uploads.py); E-parts8, D-parts8, E-inputs then E-inputs8 for both
   [parts8]="--upload-parts-ahead 8"

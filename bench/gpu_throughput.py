@@ -96,7 +96,9 @@ WORKLOADS = {
     "long": Workload("long", QWEN3_1_7B, 1, 131072, 1, budget="24GiB", recompute_grain="layer"),
     "E": big("E", QWEN3_32B, 4, 4096, 4),
     "E-nf4": big("E-nf4", QWEN3_32B, 4, 4096, 4, base_format="nf4"),
-    "F": big("F", LLAMA_70B, 4, 4096, 4, base_format="nf4"),
+    # Stage grain, as "auto" runs F on a host of 64 GiB (its target): on a larger host it would save
+    # its 20 GiB of layer inputs there too (roundpipe/planning/grain.py; F-inputs runs that).
+    "F": big("F", LLAMA_70B, 4, 4096, 4, base_format="nf4", recompute_grain="stage"),
     "G": big("G", LLAMA_8B, 1, G_SEQ, 1, recompute_grain="layer"),
     "G-nf4": big("G-nf4", LLAMA_8B, 1, G_SEQ, 1, recompute_grain="layer", base_format="nf4"),
     "D": big("D", QWEN3_30B_A3B, 4, 4096, 4),
@@ -159,7 +161,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int)
     p.add_argument("--microbatches", type=int)
     p.add_argument("--budget", help='per-device memory budget, e.g. "24GiB" ("none" lifts a default)')
-    p.add_argument("--recompute-grain", choices=("stage", "layer", "layer_input"))
+    p.add_argument("--recompute-grain", choices=("auto", "stage", "layer", "layer_input"))
     p.add_argument(
         "--profile", choices=("every_layer", "one_per_kind"), help="RunConfig.profile (default: its default)"
     )
@@ -482,6 +484,7 @@ def run_roundpipe(
         "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long
         "prefetch_stages": trace.meta.get("prefetch_stages"),  # stages uploaded ahead, as last planned
         "dense_weights": trace.meta.get("dense_weights"),  # 4-bit weights dense once a stage run
+        "recompute_grain": trace.meta.get("recompute_grain"),  # the grain the device plan was made at
         # Each layer's forward and backward ms as the profile measured them and as the re-plan
         # scaled them to the device's timing: a layer timed compiling stands out here.
         "layer_ms": layer_ms(trace.meta),

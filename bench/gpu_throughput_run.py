@@ -62,7 +62,7 @@ class Workload:
     microbatches: int
     lora_r: int = 0
     budget: str | None = None
-    recompute_grain: str = "stage"
+    recompute_grain: str = "auto"  # RunConfig's default; the grain it chose is in the JSON
     base_format: str = "bf16"  # "nf4": each decoder layer's frozen linears held and moved in 4 bits
     layerwise: bool = False  # build one layer at a time on the device (`gpu_models.build_layerwise`)
 

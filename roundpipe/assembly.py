@@ -24,6 +24,7 @@ from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.optim.lr_ramp import ramp_factor
 from roundpipe.plan import LayerCosts
+from roundpipe.planning.grain import initial_grain
 from roundpipe.sched.spec import ScheduleOptions, fresh_layer_set, fresh_units_at
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def make_runtime(
         host,
         sequence.names,
         computes_loss=sequence.computes_loss,
-        recompute_grain=config.recompute_grain,
+        recompute_grain=initial_grain(config),
         seed=config.seed,
         max_grad_norm=config.max_grad_norm,
         scaler=scaler,
@@ -109,7 +110,7 @@ def schedule_options(
         ordered_steps=runtime.collectives.active,
         sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
         fresh_units=fresh_units(config, owners, one_fused_stage=one_fused_stage),
-        layer_inputs=config.recompute_grain == "layer_input",
+        layer_inputs=initial_grain(config) == "layer_input",
         upload_parts_ahead=UPLOAD_PARTS_AHEAD,
     )
 

@@ -254,12 +254,15 @@ class RunConfig(BaseModel):
     )
     round_size: int | None = Field(None, ge=1, description="microbatches per round (>= number of devices)")
     chunk_bytes: int | None = Field(64 << 20, ge=1, description="split parameter uploads larger than this")
-    recompute_grain: Literal["stage", "layer", "layer_input"] = Field(
-        "stage",
+    recompute_grain: Literal["auto", "stage", "layer", "layer_input"] = Field(
+        "auto",
         description='backward recompute granularity: "stage" recomputes a backward stage from its input; '
         '"layer" one layer at a time, deepest first (the least memory); "layer_input" every layer from '
         "its own input, which the forward stage saved to the host (more host memory and link bytes; "
-        "every layer's recompute then skips its unread tail, skip_unread_tail)",
+        "every layer's recompute then skips its unread tail, skip_unread_tail); "
+        '"auto", on CUDA, "layer_input" where every decoder layer ends in a frozen dense down_proj (LoRA, QLoRA), a plan '
+        "fits with it and one round's saved inputs take at most half the host's available memory, "
+        'else "stage" (roundpipe.planning.grain)',
     )
     skip_unread_tail: bool = Field(
         True,

@@ -127,7 +127,7 @@ class PipeMachinery:
             )
         iteration = self._iteration
         scale = self._scaler.scale if self._scaler is not None else 1.0
-        saved = saved_inputs(self.plan.slots, self.config.recompute_grain)  # kept for backward stages
+        saved = saved_inputs(self.plan.slots, self.runtime.recompute_grain)  # kept for backward stages
         self.runtime.begin_iteration(
             iteration,
             IterationData(input_parts, target_parts, weights, loss_fn, scale, saved),
@@ -201,7 +201,7 @@ class PipeMachinery:
         rounds = round_sizes(self.config.num_microbatches, self.num_devices, self._planner.config.round_size)
         # Before the first iteration, while the host holds no activation (a lower bound: one round).
         check_activation_room(
-            plan.plan.slots, plan.memory, self.config.recompute_grain, max(rounds), pinned=plan.kind == "cuda"
+            plan.plan.slots, plan.memory, plan.grain, max(rounds), pinned=plan.kind == "cuda"
         )
         self._use_device_plan(plan)
 
@@ -219,7 +219,10 @@ class PipeMachinery:
             "inputs_ahead": prediction.inputs_ahead,
             "prefetch_stages": prediction.prefetch,
             "flow_depth": prediction.act_in_flight,
+            "layer_inputs": device_plan.grain == "layer_input",
         }
+        self.runtime.recompute_grain = device_plan.grain  # the grain the plan was made at
+        self._trace.meta["recompute_grain"] = device_plan.grain
         changed = {k: v for k, v in counted.items() if getattr(self._options, k) != v}
         if changed:
             self._options = replace(self._options, **changed)  # type: ignore[arg-type]

@@ -352,7 +352,7 @@ def test_budget_reaches_memory_budget_where_run_config_has_it(
     assert bench.budget_route(workload) == {"budget_field": "memory_budget"}
     config = bench.make_config(workload, "async", args)
     assert config.memory_budget == ("24GiB" if field_type is str else 24 << 30)
-    assert config.mem_limit_bytes is None and config.recompute_grain == "stage"
+    assert config.mem_limit_bytes is None and config.recompute_grain == "auto"
 
 
 @pytest.mark.parametrize("flag,setting", [(None, "auto"), ("false", False), ("true", True), ("auto", "auto")])

@@ -133,7 +133,7 @@ def test_the_cuda_replan_takes_the_even_cut_for_coarse_stages_only(
     choice's stages) as chosen."""
     from roundpipe.plan.link import link_report
     from roundpipe.planning import device_plan as device_plans
-    from roundpipe.planning import link_plan
+    from roundpipe.planning import link_plan, link_refine
     from roundpipe.planning.simulate import simulate
 
     greedy = greedy_plan()
@@ -152,7 +152,7 @@ def test_the_cuda_replan_takes_the_even_cut_for_coarse_stages_only(
         param_bytes=list(UPLOAD),
         round_size=MICROBATCHES,
     )
-    chosen = device_plans.with_link(device_plan(greedy, 26 << 30), config(), run.trace, UPLOAD)
+    chosen = link_refine.with_link(device_plan(greedy, 26 << 30), config(), run.trace, UPLOAD)
     assert chosen.plan == (evenly_cut(greedy, COSTS) if stages == "coarse" else greedy)
     assert chosen.link == report
 

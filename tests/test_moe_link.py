@@ -123,7 +123,8 @@ def test_the_replan_takes_the_link_aware_plan_where_the_measured_link_makes_it_f
     import roundpipe
     from roundpipe.plan.memory import LayerMemory, layer_plan_bytes
     from roundpipe.planning import device_plan
-    from roundpipe.planning.device_plan import plan_from, with_link
+    from roundpipe.planning.device_plan import plan_from
+    from roundpipe.planning.link_refine import with_link
 
     monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "balanced")
     from roundpipe.planning.measured import measured_link_gbps

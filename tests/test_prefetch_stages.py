@@ -4,7 +4,7 @@ A device's run k uploads its weights once its run k - 1 - prefetch_stages has en
 stage ahead a link-bound forward stage idles the GPU and a compute-bound backward stage idles the
 link; further ahead the link goes on with the next stages. The planner takes more stages only on
 CUDA, after measuring the link, where the fake engine finds them faster and the memory model
-finds them under the budget (`planning.device_plan.with_prefetch`). Deterministic: the fake
+finds them under the budget (`planning.link_refine.with_prefetch`). Deterministic: the fake
 engine's virtual clock and CPU workers.
 """
 
@@ -21,8 +21,9 @@ import roundpipe
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.memory import LayerMemory, predict_peak
 from roundpipe.planning import device_plan as device_plans
-from roundpipe.planning.device_plan import DevicePlan, planning_budget, with_prefetch
+from roundpipe.planning.device_plan import DevicePlan, planning_budget
 from roundpipe.planning.link_plan import link_iteration_ms
+from roundpipe.planning.link_refine import MAX_PREFETCH_STAGES, with_prefetch
 from roundpipe.planning.simulate import simulate
 from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.keys import ComputeKey, ParamUpKey
@@ -92,7 +93,7 @@ def test_deeper_prefetch_from_the_next_iteration_on_waits_for_the_runs_before_th
     spec = ModelSpec.uniform(plan.num_layers, param_bytes=1000, act_bytes=100)
     from roundpipe.sched.graph import RUNS_KEPT
 
-    assert device_plans.MAX_PREFETCH_STAGES + 1 <= RUNS_KEPT  # the deepest choice finds its run
+    assert MAX_PREFETCH_STAGES + 1 <= RUNS_KEPT  # the deepest choice finds its run
     builder = GraphBuilder(plan, spec, 1, ScheduleOptions())
     builder.forward_backward(0, 0, 1)
     builder.options = ScheduleOptions(prefetch_stages=3)

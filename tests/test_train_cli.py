@@ -57,6 +57,7 @@ def test_run_writes_files_and_json(
     assert summary["steps"] == 3 and summary["out_dir"] == str(tmp_path / "a")
     assert summary["host_bound"] is None  # CPU workers complete each task as they issue it
     assert summary["fresh_layers"] == [1]  # one fused stage: the first block reads fresh weights
+    assert summary["recompute_grain"] == "stage"  # "auto" on CPU workers
     assert summary["final_loss"] != summary["initial_loss"]  # three steps: too few to ask for a fall
     assert out.out.strip().count("\n") == 0  # --json: nothing but the JSON line on stdout
     assert "summary" in out.err  # the table went to stderr

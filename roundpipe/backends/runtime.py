@@ -56,7 +56,7 @@ from roundpipe.errors import DeviceOutOfMemoryError, StageError
 from roundpipe.model.dense_weights import add_dense_slots
 from roundpipe.optim.distributed import LOCAL, Collectives
 from roundpipe.optim.host import HostModel
-from roundpipe.plan.kinds import SlotKind
+from roundpipe.plan.kinds import Grain, SlotKind
 from roundpipe.sched.task import (
     ACT_DOWN,
     ACT_UP,
@@ -82,7 +82,7 @@ class Runtime(OptimizerLane):
         names: list[str],
         *,
         computes_loss: bool,
-        recompute_grain: str = "stage",
+        recompute_grain: Grain = "stage",
         seed: int = 0,
         max_grad_norm: float | None = None,
         scaler: Any = None,

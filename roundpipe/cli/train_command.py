@@ -95,6 +95,13 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "where the plan fits so (auto, the default)",
     ),
     (
+        "--recompute-grain",
+        "recompute_grain",
+        str,
+        "what a backward stage recomputes from: auto (the default: layer_input on GPUs for LoRA on a "
+        "dense model with host room, else stage), stage, layer or layer_input",
+    ),
+    (
         "--profile",
         "profile",
         str,

@@ -37,7 +37,7 @@ tail gives the same gradients up to the order of fp32 sums, not bit for bit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
@@ -191,6 +191,20 @@ def _experts_tail(block: nn.Module) -> nn.Module | None:
     if torch.nn.utils.parametrize.is_parametrized(experts):
         return None
     return experts if not any(p.requires_grad for p in experts.parameters()) else None
+
+
+def dense_tail(layers: Sequence[nn.Module]) -> bool:
+    """Whether ``layers`` (a pipeline's layers, each holding at most a few decoder layers) hold at
+    least one decoder layer and every decoder layer among them ends in a frozen dense (or 4-bit)
+    linear, not in experts."""
+    decoders = [m for layer in layers for m in layer.modules() if _transformers_names(m) & TAIL_LAYERS]
+    if not decoders:
+        return False
+    for layer in decoders:
+        tail = _tail_of(layer)
+        if tail is None or getattr(type(tail), "_roundpipe_grouped", False):
+            return False
+    return True
 
 
 def mark_tail(layer: nn.Module) -> bool:

@@ -10,7 +10,7 @@ moves each microbatch's activation down to the host and up again over the same l
 weights (D at 16 x 4,096 tokens: 1.3 s of activation uploads an iteration against 3.0 s of
 weights). Fewer, larger stages cut both: on an H100 that run trains at 11,500 tok/s in 17
 slots against 7,009 in 70 (docs/performance.md). The cost: larger stages hold more weights on the device,
-so less room is left for uploading further ahead (`roundpipe.planning.device_plan.with_prefetch`).
+so less room is left for uploading further ahead (`roundpipe.planning.link_refine.with_prefetch`).
 
 The plan: a fused stage of the longest tail of layers that fits, then forward stages cut greedily
 from the first layer and backward stages from the fused stage down, each as long as fits. "Fits"

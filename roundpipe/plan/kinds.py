@@ -1,4 +1,5 @@
-"""Names shared by every layer: the three kinds of stage, and the string enum they are made of.
+"""Names shared by every layer: the three kinds of stage, the string enum they are made of, and the
+grains a backward stage recomputes at.
 
 Why here: `plan` is the bottom layer (the scheduler, the backends and the views all read plans),
 so the one spelling of "fwd" / "fused" / "bwd" lives where a slot is defined. The enums are
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
+from typing import Literal
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -32,4 +34,7 @@ class SlotKind(StrEnum):
     BWD = "bwd"
 
 
-__all__ = ["SlotKind", "StrEnum"]
+Grain = Literal["stage", "layer", "layer_input"]
+"""What a backward stage recomputes from: its input, layer by layer from it, or each layer's own."""
+
+__all__ = ["Grain", "SlotKind", "StrEnum"]

@@ -24,11 +24,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, cast
 
 from roundpipe.errors import PlanError
+from roundpipe.plan.kinds import Grain
 from roundpipe.plan.layer_memory import LayerMemory
 from roundpipe.plan.sizes import format_bytes
 
 StageKind = Literal["fwd", "fused", "bwd"]
-Grain = Literal["stage", "layer", "layer_input"]
 
 
 def _check_stage(mem: LayerMemory, layers: range) -> None:

@@ -32,11 +32,9 @@ from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.coarse import coarsest_plan
 from roundpipe.plan.link import LinkReport
-from roundpipe.plan.memory import LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
+from roundpipe.plan.memory import Grain, LayerMemory, MemoryPrediction, layer_plan_bytes, plan_within_budget
 from roundpipe.plan.shape import RunShape
-from roundpipe.planning.measured import measured_link_gbps
 from roundpipe.planning.ranking import choose_for_shape
-from roundpipe.sched.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -50,6 +48,7 @@ class DevicePlan:
     budget_bytes: int | None
     kind: str  # the devices' kind ("cuda", "cpu", "fake")
     link: LinkReport | None = None  # the host link's share of an iteration, once measured (`with_link`)
+    grain: Grain = "stage"  # the recompute grain it was planned at (`roundpipe.planning.grain`)
 
 
 def planning_config(config: RunConfig, kind: str) -> RunConfig:
@@ -152,18 +151,33 @@ def profile_and_plan(
         prepare=prepare,
         one_per_kind=config.profile == "one_per_kind",
     )
+    from roundpipe.optim.host_room import available_host_bytes
+    from roundpipe.plan.rounds import round_sizes
     from roundpipe.planning.dequantize import plan_dequantizing
+    from roundpipe.planning.grain import choose_grain, host_room
+    from roundpipe.planning.host_activations import saved_activation_bytes
 
-    def plan_with(counted: LayerMemory) -> DevicePlan:
-        costs = LayerCosts(
-            tuple(max(ms, 1e-3) for ms in fwd_ms),
-            tuple(max(ms, 1e-3) for ms in bwd_ms),
-            layer_plan_bytes(counted, config.recompute_grain),
-            tuple(sequence.names),
-        )
-        return plan_from(config, costs, counted, num_devices, budget_bytes, device.type)
+    def plan_at(grain: Grain) -> DevicePlan:
+        at = config.model_copy(update={"recompute_grain": grain})
 
-    return plan_dequantizing(config, memory, plan_with, sequence.layers, dtype)
+        def plan_with(counted: LayerMemory) -> DevicePlan:
+            costs = LayerCosts(
+                tuple(max(ms, 1e-3) for ms in fwd_ms),
+                tuple(max(ms, 1e-3) for ms in bwd_ms),
+                layer_plan_bytes(counted, grain),
+                tuple(sequence.names),
+            )
+            return plan_from(at, costs, counted, num_devices, budget_bytes, device.type)
+
+        return plan_dequantizing(at, memory, plan_with, sequence.layers, dtype)
+
+    def saved_bytes(device_plan: DevicePlan) -> int:
+        round_microbatches = max(round_sizes(config.num_microbatches, num_devices, config.round_size))
+        slots, grain, pinned = device_plan.plan.slots, device_plan.grain, device_plan.kind == "cuda"
+        return saved_activation_bytes(slots, device_plan.memory, grain, round_microbatches, pinned)[0]
+
+    room = host_room(available_host_bytes()) if config.recompute_grain == "auto" else None
+    return choose_grain(config, sequence.layers, device.type, plan_at, saved_bytes, room)
 
 
 FLOW_DEPTH = 2
@@ -199,6 +213,7 @@ def plan_from(
 ) -> DevicePlan:
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
     from roundpipe.plan.memory import in_flight_microbatches, predict_peak
+    from roundpipe.planning.grain import initial_grain
 
     shape = RunShape(
         num_devices, config.num_microbatches, config.async_optimizer, config.round_size, config.loss_lag
@@ -207,12 +222,12 @@ def plan_from(
     def make_plan(limit: int | None) -> Plan:
         return choose_for_shape(_capped(costs, limit), shape, limit)
 
-    grain = config.recompute_grain
+    grain = initial_grain(config)
     in_flight = in_flight_microbatches(config.num_microbatches, FLOW_DEPTH)
     if budget_bytes is None:
         plan = make_plan(None)
         prediction = predict_peak(plan, memory, grain, num_devices=num_devices, act_in_flight=in_flight)
-        return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
+        return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind, grain=grain)
     budget = planning_budget(budget_bytes, kind)
     fit = functools.partial(
         _within_budget, memory=memory, budget=budget, grain=grain, num_devices=num_devices
@@ -229,7 +244,7 @@ def plan_from(
         fewer = coarse is not None and coarse[0].num_slots < plan.num_slots
         if coarse is not None and (fewer or BACKWARD_STAGE_LAYERS is not None):
             plan, prediction = coarse
-    return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind)
+    return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind, grain=grain)
 
 
 def _coarse_within_budget(
@@ -297,104 +312,3 @@ def _within_budget(
             )
         except PlanError:
             raise uploading_ahead from None
-
-
-def with_link(
-    device_plan: DevicePlan, config: RunConfig, trace: Trace, param_bytes: tuple[int, ...]
-) -> DevicePlan:
-    """``device_plan``, or the plan made on link-aware costs where that one runs faster with the
-    measured link (`roundpipe.planning.link_plan.choose_link_plan`), one device's coarse stages
-    cut evenly where that runs faster (`roundpipe.planning.even_stages`), with the link's report;
-    unchanged when no upload was timed. Its costs stay the compute times."""
-    from roundpipe.planning.even_stages import even_cut
-    from roundpipe.planning.link_plan import choose_link_plan
-
-    gbps = measured_link_gbps(trace)
-    if gbps is None or len(param_bytes) != device_plan.costs.num_layers:
-        return device_plan
-    made: dict[str, DevicePlan] = {}
-
-    def make(costs: LayerCosts) -> Plan:
-        if costs is device_plan.costs:
-            return device_plan.plan
-        args = (device_plan.memory, device_plan.plan.num_devices, device_plan.budget_bytes, device_plan.kind)
-        made["aware"] = plan_from(config, costs, *args)
-        return made["aware"].plan
-
-    choice = choose_link_plan(
-        make,
-        device_plan.costs,
-        param_bytes,
-        gbps,
-        device_plan.plan.num_devices,
-        config.num_microbatches,
-        async_optimizer=config.async_optimizer,
-        round_size=config.round_size,
-    )
-    chosen = device_plan
-    if choice.plan != device_plan.plan:
-        chosen = replace(made["aware"], costs=device_plan.costs)
-    iteration_ms = choice.iteration_ms
-    if STAGES_ON_ONE_DEVICE != "balanced":  # the remainder stages' exposed uploads (`even_stages`)
-        budget = None if chosen.budget_bytes is None else planning_budget(chosen.budget_bytes, chosen.kind)
-        even = even_cut(chosen, budget, config, (gbps, param_bytes), iteration_ms)
-        if even is not None:
-            chosen, iteration_ms = (
-                replace(chosen, plan=even.plan, prediction=even.prediction),
-                even.iteration_ms,
-            )
-    # Only where uploads outlast compute: the fake engine there moves weights, not activations.
-    if choice.report.link_bound_layers:
-        chosen = with_prefetch(chosen, config, gbps, param_bytes, iteration_ms)
-    return replace(chosen, link=choice.report)
-
-
-MAX_PREFETCH_STAGES = 3
-"""The most stages a device uploads ahead (`ScheduleOptions.prefetch_stages`)."""
-PREFETCH_GAIN = 0.005
-"""The share of the iteration one more stage ahead must save, on the fake engine with the link
-on, to be taken: it holds one more stage's parameters on the device."""
-
-
-def with_prefetch(
-    device_plan: DevicePlan,
-    config: RunConfig,
-    link_gbps: float,
-    param_bytes: tuple[int, ...],
-    iteration_ms: float,
-) -> DevicePlan:
-    """``device_plan`` with its parameters uploaded more stages ahead where that is faster.
-
-    Why: with one stage ahead, an upload overlaps only the stage before it. In a run whose
-    forward stages are link-bound and whose backward stages are compute-bound (GPT-OSS-20B at
-    4 x 4096 tokens) the link idles while a backward stage finishes; uploading further ahead lets
-    it go on with the next stages, the next iteration's forward ones included. Each further
-    stage is taken while the predicted peak with it fits the budget and the fake engine, on this
-    plan's costs, bytes and link (``iteration_ms``: its time one stage ahead), runs at least
-    `PREFETCH_GAIN` faster; the prediction that counts it says how many (``prefetch``). Without
-    a budget the run keeps one: more would take memory the user did not offer."""
-    from roundpipe.plan.memory import predict_like
-    from roundpipe.planning.link_plan import link_iteration_ms
-
-    if device_plan.budget_bytes is None:
-        return device_plan
-    plan, budget = device_plan.plan, planning_budget(device_plan.budget_bytes, device_plan.kind)
-    best, best_ms = device_plan, iteration_ms
-    for depth in range(device_plan.prediction.prefetch + 1, MAX_PREFETCH_STAGES + 1):
-        prediction = predict_like(device_plan.prediction, plan, device_plan.memory, prefetch=depth)
-        if not prediction.fits(budget):
-            break
-        ms = link_iteration_ms(
-            plan,
-            device_plan.costs,
-            param_bytes,
-            link_gbps,
-            config.num_microbatches,
-            async_optimizer=config.async_optimizer,
-            round_size=config.round_size,
-            prefetch_stages=depth,
-        )
-        if ms > best_ms * (1 - PREFETCH_GAIN):
-            break
-        best, best_ms = replace(device_plan, prediction=prediction), ms
-    return best

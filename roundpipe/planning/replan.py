@@ -26,8 +26,8 @@ from roundpipe.planning.device_plan import (
     planning_config,
     profile_and_plan,
     resolve_budget,
-    with_link,
 )
+from roundpipe.planning.link_refine import with_link
 from roundpipe.planning.measured import REPLAN_AFTER_ITERATIONS, refined_costs
 from roundpipe.planning.ranking import choose_evaluated_plan, submission_lag
 
@@ -123,6 +123,8 @@ class RunPlanner:
             self.budget,
             prepare=prepare,
         )
+        # A re-plan keeps the grain this plan chose ("auto" chooses once, here).
+        self.config = self.config.model_copy(update={"recompute_grain": self.device_plan.grain})
         return self.device_plan
 
     def replan_due(self, iteration: int) -> bool:

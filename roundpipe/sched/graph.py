@@ -61,7 +61,7 @@ FRESH_CHAIN_PRIORITY = 13
 """A fresh unit's G-copy, step and P-copy: above every other task of the optimizer lane (P-copies
 12, the rest 10; `sched.task.PRIORITY`)."""
 RUNS_KEPT = 4
-"""Stage runs remembered per device: enough for `planning.device_plan.MAX_PREFETCH_STAGES`."""
+"""Stage runs remembered per device: enough for `planning.link_refine.MAX_PREFETCH_STAGES`."""
 
 
 @dataclass

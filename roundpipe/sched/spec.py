@@ -95,7 +95,7 @@ class ScheduleOptions:
     # run k wait for its run k - 1 - prefetch_stages to end. One hides an upload behind the stage
     # before; a run whose forward stages are link-bound and backward ones compute-bound leaves the
     # link idle in the backward, which further stages ahead fill (up to three, chosen by
-    # `planning.device_plan.with_prefetch`), each one more stage of parameters on the device
+    # `planning.link_refine.with_prefetch`), each one more stage of parameters on the device
     # (`plan.memory.predict_peak`'s ``prefetch``).
     prefetch_stages: int = 1
     # Microbatches a stage run's inputs are uploaded ahead of its computes: the input of its

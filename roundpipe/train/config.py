@@ -109,6 +109,9 @@ class TrainConfig(BaseModel):
     profile: Literal["every_layer", "one_per_kind"] = Field(
         default="every_layer", description="RunConfig.profile: the device profile's layers before planning"
     )
+    recompute_grain: Literal["auto", "stage", "layer", "layer_input"] = Field(
+        default="auto", description="RunConfig.recompute_grain: what a backward stage recomputes from"
+    )
     async_optimizer: bool = Field(default=True, description="staleness-1 optimizer overlapping the next step")
     async_warmup_steps: int = Field(
         default=DEFAULT_ASYNC_WARMUP_STEPS,
@@ -258,6 +261,7 @@ class TrainConfig(BaseModel):
             base_format=self.base_format,
             dequantize=self.dequantize,
             profile=self.profile,
+            recompute_grain=self.recompute_grain,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
             distributed={"timeout_s": self.dist_timeout},

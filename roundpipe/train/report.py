@@ -128,6 +128,8 @@ class RichReporter:
         table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
         if result.fresh_layers:
             table.add_row("fresh layers", ", ".join(map(str, result.fresh_layers)) + " (staleness 0)")
+        if result.recompute_grain == "layer_input":  # every recompute leaves out its frozen tail
+            table.add_row("recompute", "every layer from its saved input (recompute_grain layer_input)")
         if result.host_bound is not None:
             # GPU time spent running kernels as the host issued them: larger microbatches help
             table.add_row("GPU waiting on host", f"{result.host_bound:.1%}")

@@ -46,6 +46,8 @@ class TrainResult:
     # Layers that read the newest weights (`RoundPipe.fresh_units`): which ones depends on the
     # plan for `TrainConfig.fresh_at_if_fused`, so the run says which it got.
     fresh_layers: tuple[int, ...] = ()
+    # What a backward stage recomputed from (`RunConfig.recompute_grain`; "auto" chose one).
+    recompute_grain: str = "stage"
     # Real tokens over token slots (padding included) of this call's steps: ``tokens_per_s``
     # counts real tokens only, so a run of half-empty rows shows both figures.
     fill: float | None = None
@@ -86,6 +88,7 @@ class TrainResult:
             "bubble_ratio": self.bubble_ratio,
             "host_bound": self.host_bound,
             "fresh_layers": list(self.fresh_layers),
+            "recompute_grain": self.recompute_grain,
             "steps": self.steps,
             "start_step": self.start_step,
             "elapsed_s": self.elapsed_s,

@@ -199,7 +199,7 @@ def _run(
         elapsed = time.perf_counter() - progress.t0
         metrics.close()
         bubble, notes = _write_trace_files(pipe, out_dir, files, ranks)
-        host_bound = _host_bound(pipe)
+        facts = _pipe_facts(pipe)
         last_good = progress.last_good() if progress.non_finite else progress.save() or progress.last_good()
         if last_good is not None:
             files["checkpoint"] = last_good
@@ -217,8 +217,7 @@ def _run(
         fill=progress.fill(),
         steady_tokens_per_s=progress.steady_tokens_per_s(),
         bubble_ratio=bubble,
-        host_bound=host_bound,
-        fresh_layers=tuple(sorted(pipe.fresh_units)),
+        **facts,
         elapsed_s=elapsed,
         checkpoint=last_good,
         files=files,
@@ -233,14 +232,21 @@ def _run(
     return result
 
 
-def _host_bound(pipe: RoundPipe) -> float | None:
-    """The trace's host-bound share (None when no task was issued ahead of its completion)."""
+def _pipe_facts(pipe: RoundPipe) -> dict[str, Any]:
+    """What the pipe chose and saw, for `TrainResult`: the layers that read fresh weights, the
+    recompute grain, and the trace's host-bound share (None when no task was issued ahead of its
+    completion)."""
     from roundpipe.sched.breakdown import breakdown
 
+    facts: dict[str, Any] = {
+        "fresh_layers": tuple(sorted(pipe.fresh_units)),
+        "recompute_grain": pipe.runtime.recompute_grain,
+        "host_bound": None,
+    }
     trace = pipe.trace()
-    if not any(t.issue_t >= 0 and t.kind in ("compute", "recompute") for t in trace):
-        return None
-    return breakdown(trace).host_bound
+    if any(t.issue_t >= 0 and t.kind in ("compute", "recompute") for t in trace):
+        facts["host_bound"] = breakdown(trace).host_bound
+    return facts
 
 
 def _write_trace_files(

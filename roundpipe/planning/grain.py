@@ -1,0 +1,90 @@
+"""Which recompute grain a run with ``RunConfig.recompute_grain="auto"`` takes.
+
+Why a choice of the planner: a backward stage recomputes its layers' forward before its backward.
+From the stage's input ("stage") only its last layer's recompute can leave out the frozen product
+that ends a decoder layer (`roundpipe.model.frozen_tail`); from every layer's own input, which the
+forward stage saved to the host ("layer_input"), every layer's recompute leaves it out: on a
+Llama-style LoRA or QLoRA model that is a quarter of the recompute's matrix work, paid for with one
+more download and upload of each layer's input a microbatch, and those inputs held on the host
+for the round. On one H100 under 24 GiB that bought 5% on a Qwen3-32B shape (3,001 tok/s against
+2,858, `bash bench/gpu_big.sh E-inputs`) and 3.4% on a Qwen3-14B shape (6,752 against 6,533:
+`bash bench/gpu_big.sh C-inputs`, C in `bench/gpu_regress.sh`), computing 99.98-99.99% of the
+step either way.
+
+The rule, in order:
+
+- only on CUDA: a CPU worker's device memory is the host's, and it has no link to overlap the
+  extra transfers with (there "auto" is "stage");
+- only where every decoder layer ends in a frozen dense ``down_proj`` (`frozen_tail.dense_tail`):
+  a layer whose ``down_proj`` trains has no product to leave out, and a mixture of experts' tail
+  is small beside its routing, where the extra transfers cost more than they save (Qwen3-30B-A3B
+  at 16 x 4096, two H100 machines: 12,348 tok/s with "layer_input" against 12,979 with "stage");
+- only where a plan at that grain fits the memory budget;
+- only where the layer inputs one round saves on the host (`host_activations`) take at most
+  `HOST_SHARE` of what the host has available when the plan is made (the model's weights are
+  already there), divided among the processes torchrun starts on the host (``LOCAL_WORLD_SIZE``:
+  each sees the same available memory): a long sequence saves a layer input of gigabytes per layer
+  (262,144 tokens of an 8B shape: 2 GiB each), and the rest of the host serves the run's other
+  growth.
+
+What holds: the choice reads shapes and the plans' predictions, never a tensor's value, and
+changes what is computed only as ``recompute_grain`` itself does (the same gradients up to the
+order of float sums, `tests/test_frozen_tail.py`); "stage" where any condition fails or is unknown.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+from torch import nn
+
+from roundpipe.config import RunConfig
+from roundpipe.errors import PlanError
+from roundpipe.model.frozen_tail import dense_tail
+from roundpipe.plan.memory import Grain
+
+Planned = TypeVar("Planned")
+
+HOST_SHARE = 0.5
+"""The most of the host's available bytes that "auto" lets one round's saved layer inputs take."""
+
+CHOOSES_ON = frozenset({"cuda"})
+"""The device kinds on which "auto" may choose "layer_input" (elsewhere it is "stage")."""
+
+
+def initial_grain(config: RunConfig) -> Grain:
+    """The grain a run uses until a plan made on its device chooses ("auto": "stage")."""
+    return "stage" if config.recompute_grain == "auto" else config.recompute_grain
+
+
+def host_room(available: int | None, environ: Mapping[str, str] | None = None) -> int | None:
+    """What one process may let its saved layer inputs take of ``available`` host bytes."""
+    env = os.environ if environ is None else environ
+    processes = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return None if available is None else int(HOST_SHARE * available) // processes
+
+
+def choose_grain(
+    config: RunConfig,
+    layers: Sequence[nn.Module],
+    kind: str,
+    plan_at: Callable[[Grain], Planned],
+    saved_bytes: Callable[[Planned], int],
+    room: int | None,
+) -> Planned:
+    """The plan ``plan_at`` makes at the grain ``config.recompute_grain`` names, or for "auto" at
+    the one the rule in the module docstring picks. ``saved_bytes(plan)`` counts what one round of
+    ``plan`` saves on the host; ``room`` is what it may take (`host_room`; None: unknown)."""
+    if config.recompute_grain != "auto":
+        return plan_at(config.recompute_grain)
+    if kind not in CHOOSES_ON or room is None or not dense_tail(layers):
+        return plan_at("stage")
+    try:
+        planned = plan_at("layer_input")
+    except PlanError:
+        return plan_at("stage")
+    if saved_bytes(planned) > room:
+        return plan_at("stage")
+    return planned

@@ -1,0 +1,155 @@
+"""``recompute_grain="auto"`` takes "layer_input" only where every decoder layer ends in a frozen
+dense product, on a device kind that chooses, where a plan fits with it and the host has room;
+"stage" otherwise. A pipe that chose trains exactly as one told the grain it chose."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe.errors import PlanError
+from roundpipe.model.frozen_tail import dense_tail
+from roundpipe.model.sequence import to_layer_sequence
+from roundpipe.planning import grain as grain_choice
+from roundpipe.planning.grain import choose_grain, host_room, initial_grain
+from tests.helpers import tiny_causal_lm
+from tests.test_frozen_tail import four_block_lora, trained_on_one_worker
+from tests.test_transformers_parity import VOCAB, lora, tiny_qwen3_moe
+
+
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    return list(to_layer_sequence(model).layers)
+
+
+def test_dense_tail_holds_for_lora_and_not_for_full_training_or_experts() -> None:
+    assert dense_tail(layers_of(four_block_lora()))
+    down_too = lora(tiny_causal_lm("llama", vocab=VOCAB, attn="sdpa"), ("q_proj", "down_proj"))
+    assert dense_tail(layers_of(down_too))  # peft's LoRA keeps the frozen base product
+    assert not dense_tail(layers_of(tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa")))  # trains it
+    assert not dense_tail(layers_of(lora(tiny_qwen3_moe(), ("q_proj", "v_proj"))))
+    assert not dense_tail([nn.Linear(4, 4)])  # no decoder layer at all
+
+
+def test_one_trained_down_proj_is_enough_to_keep_stage() -> None:
+    model = four_block_lora()
+    model.get_submodule("base_model.model.model.layers.2.mlp.down_proj").weight.requires_grad_(True)
+    assert not dense_tail(layers_of(model))
+
+
+class Planned:
+    """What a plan stands for here: its grain, and the bytes it saves on the host."""
+
+    def __init__(self, grain: str, saved: int) -> None:
+        self.grain, self.saved = grain, saved
+
+
+def choose(
+    config_grain: str = "auto",
+    kind: str = "cuda",
+    available: int | None = 1000,
+    saved: int = 400,
+    fits: bool = True,
+    model: nn.Module | None = None,
+) -> tuple[str, list[str]]:
+    asked: list[str] = []
+
+    def plan_at(grain: str) -> Planned:
+        asked.append(grain)
+        if grain == "layer_input" and not fits:
+            raise PlanError("does not fit")
+        return Planned(grain, saved if grain == "layer_input" else 0)
+
+    config = roundpipe.RunConfig(recompute_grain=config_grain)
+    layers = layers_of(model if model is not None else four_block_lora())
+    room = host_room(available, environ={})
+    chosen = choose_grain(config, layers, kind, plan_at, lambda p: p.saved, room)
+    return chosen.grain, asked
+
+
+def test_auto_takes_layer_input_on_cuda_for_a_lora_model_with_host_room() -> None:
+    assert choose() == ("layer_input", ["layer_input"])
+    assert choose(saved=500) == ("layer_input", ["layer_input"])  # exactly half the host
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(kind="cpu"),
+        dict(kind="fake"),
+        dict(available=None),  # the host does not say
+        dict(saved=501),  # more than half the host
+        dict(fits=False),  # no plan fits the budget with it
+        dict(model=tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa")),  # every weight trains
+    ],
+    ids=["cpu", "fake", "host-unknown", "host-short", "budget", "full-training"],
+)
+def test_auto_keeps_stage_where_a_condition_fails(case: dict[str, Any]) -> None:
+    grain, asked = choose(**case)
+    assert grain == "stage" and asked[-1] == "stage"
+
+
+def test_processes_on_one_host_share_its_room() -> None:
+    assert host_room(1000, environ={}) == 500
+    assert host_room(1000, environ={"LOCAL_WORLD_SIZE": "4"}) == 125  # each sees the whole host
+    assert host_room(None, environ={"LOCAL_WORLD_SIZE": "4"}) is None
+
+
+@pytest.mark.parametrize("named", ["stage", "layer", "layer_input"])
+def test_a_named_grain_is_planned_as_named(named: str) -> None:
+    assert choose(named, kind="cpu", available=None) == (named, [named])
+    assert initial_grain(roundpipe.RunConfig(recompute_grain=named)) == named
+
+
+def test_auto_runs_at_stage_until_a_device_plan_chooses() -> None:
+    assert roundpipe.RunConfig().recompute_grain == "auto"
+    assert initial_grain(roundpipe.RunConfig()) == "stage"
+
+
+def run(grain: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
+    return trained_on_one_worker(four_block_lora(), grain, True, microbatches=4, budget="256KiB")
+
+
+def test_a_pipe_that_chose_layer_input_trains_exactly_as_one_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grain_choice, "CHOOSES_ON", frozenset({"cpu"}))  # the CUDA rule, on a CPU worker
+    losses, adapters, meta = run("auto")
+    assert meta["recompute_grain"] == "layer_input"
+    told_losses, told, told_meta = run("layer_input")
+    stages = [k for k in meta["plan"] if k.endswith("stages") or k == "fused"]
+    assert "bwd_stages" in stages
+    assert told_meta["recompute_grain"] == "layer_input"
+    assert [meta["plan"][k] for k in stages] == [told_meta["plan"][k] for k in stages]
+    assert losses == told_losses
+    for name in told:
+        assert torch.equal(adapters[name], told[name]), name
+
+
+def test_a_pipe_short_of_host_room_keeps_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grain_choice, "CHOOSES_ON", frozenset({"cpu"}))
+    monkeypatch.setattr(grain_choice, "HOST_SHARE", 1e-12)
+    losses, adapters, meta = run("auto")
+    assert meta["recompute_grain"] == "stage"
+    stage_losses, stage, _ = run("stage")
+    assert losses == stage_losses
+    for name in stage:
+        assert torch.equal(adapters[name], stage[name]), name
+
+
+def test_the_train_command_passes_the_grain_through() -> None:
+    import argparse
+
+    from roundpipe.cli.train_command import add_parser, options
+    from roundpipe.train.config import TrainConfig, make_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--recompute-grain", "layer_input"])
+    assert make_config(options(args)).run_config().recompute_grain == "layer_input"
+    assert TrainConfig().run_config().recompute_grain == "auto"
+    with pytest.raises(
+        roundpipe.ConfigError, match=r"--recompute-grain: .* or .layer_input. \(got .layers.\)"
+    ):
+        make_config({"recompute_grain": "layers"})
