@@ -260,9 +260,9 @@ class RunConfig(BaseModel):
         '"layer" one layer at a time, deepest first (the least memory); "layer_input" every layer from '
         "its own input, which the forward stage saved to the host (more host memory and link bytes; "
         "every layer's recompute then skips its unread tail, skip_unread_tail); "
-        '"auto", on CUDA, "layer_input" where every decoder layer ends in a frozen dense down_proj (LoRA, QLoRA), a plan '
-        "fits with it and one round's saved inputs take at most half the host's available memory, "
-        'else "stage" (roundpipe.planning.grain)',
+        '"auto", on CUDA, "layer_input" where every decoder layer ends in a frozen dense down_proj (LoRA, '
+        "QLoRA) of a model at least 4,096 wide, a plan fits with it and one round's saved inputs take at "
+        'most half the host\'s available memory, else "stage" (roundpipe.planning.grain)',
     )
     skip_unread_tail: bool = Field(
         True,

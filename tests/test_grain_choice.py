@@ -12,7 +12,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe.errors import PlanError
-from roundpipe.model.frozen_tail import dense_tail
+from roundpipe.model.frozen_tail import dense_tail_width
 from roundpipe.model.sequence import to_layer_sequence
 from roundpipe.planning import grain as grain_choice
 from roundpipe.planning.grain import choose_grain, host_room, initial_grain
@@ -25,19 +25,25 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
     return list(to_layer_sequence(model).layers)
 
 
-def test_dense_tail_holds_for_lora_and_not_for_full_training_or_experts() -> None:
-    assert dense_tail(layers_of(four_block_lora()))
+@pytest.fixture
+def narrow_models_choose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test models are 32 wide: let "auto" choose for them as for a 4,096-wide one."""
+    monkeypatch.setattr(grain_choice, "MIN_WIDTH", 1)
+
+
+def test_the_tail_width_is_the_hidden_size_for_lora_and_0_for_full_training_or_experts() -> None:
+    assert dense_tail_width(layers_of(four_block_lora())) == 32
     down_too = lora(tiny_causal_lm("llama", vocab=VOCAB, attn="sdpa"), ("q_proj", "down_proj"))
-    assert dense_tail(layers_of(down_too))  # peft's LoRA keeps the frozen base product
-    assert not dense_tail(layers_of(tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa")))  # trains it
-    assert not dense_tail(layers_of(lora(tiny_qwen3_moe(), ("q_proj", "v_proj"))))
-    assert not dense_tail([nn.Linear(4, 4)])  # no decoder layer at all
+    assert dense_tail_width(layers_of(down_too)) == 32  # peft's LoRA keeps the frozen base product
+    assert dense_tail_width(layers_of(tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa"))) == 0  # trains it
+    assert dense_tail_width(layers_of(lora(tiny_qwen3_moe(), ("q_proj", "v_proj")))) == 0
+    assert dense_tail_width([nn.Linear(4, 4)]) == 0  # no decoder layer at all
 
 
 def test_one_trained_down_proj_is_enough_to_keep_stage() -> None:
     model = four_block_lora()
     model.get_submodule("base_model.model.model.layers.2.mlp.down_proj").weight.requires_grad_(True)
-    assert not dense_tail(layers_of(model))
+    assert dense_tail_width(layers_of(model)) == 0
 
 
 class Planned:
@@ -70,6 +76,12 @@ def choose(
     return chosen.grain, asked
 
 
+def test_a_model_narrower_than_the_floor_keeps_stage() -> None:
+    assert grain_choice.MIN_WIDTH == 4096
+    assert choose() == ("stage", ["stage"])  # 32 wide
+
+
+@pytest.mark.usefixtures("narrow_models_choose")
 def test_auto_takes_layer_input_on_cuda_for_a_lora_model_with_host_room() -> None:
     assert choose() == ("layer_input", ["layer_input"])
     assert choose(saved=500) == ("layer_input", ["layer_input"])  # exactly half the host
@@ -87,6 +99,7 @@ def test_auto_takes_layer_input_on_cuda_for_a_lora_model_with_host_room() -> Non
     ],
     ids=["cpu", "fake", "host-unknown", "host-short", "budget", "full-training"],
 )
+@pytest.mark.usefixtures("narrow_models_choose")
 def test_auto_keeps_stage_where_a_condition_fails(case: dict[str, Any]) -> None:
     grain, asked = choose(**case)
     assert grain == "stage" and asked[-1] == "stage"
@@ -113,6 +126,7 @@ def run(grain: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any
     return trained_on_one_worker(four_block_lora(), grain, True, microbatches=4, budget="256KiB")
 
 
+@pytest.mark.usefixtures("narrow_models_choose")
 def test_a_pipe_that_chose_layer_input_trains_exactly_as_one_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(grain_choice, "CHOOSES_ON", frozenset({"cpu"}))  # the CUDA rule, on a CPU worker
     losses, adapters, meta = run("auto")
@@ -127,6 +141,7 @@ def test_a_pipe_that_chose_layer_input_trains_exactly_as_one_told_so(monkeypatch
         assert torch.equal(adapters[name], told[name]), name
 
 
+@pytest.mark.usefixtures("narrow_models_choose")
 def test_a_pipe_short_of_host_room_keeps_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(grain_choice, "CHOOSES_ON", frozenset({"cpu"}))
     monkeypatch.setattr(grain_choice, "HOST_SHARE", 1e-12)

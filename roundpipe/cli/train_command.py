@@ -99,7 +99,7 @@ _OPTIONS: tuple[tuple[str, str, Any, str], ...] = (
         "recompute_grain",
         str,
         "what a backward stage recomputes from: auto (the default: layer_input on GPUs for LoRA on a "
-        "dense model with host room, else stage), stage, layer or layer_input",
+        "dense model at least 4,096 wide with host room, else stage), stage, layer or layer_input",
     ),
     (
         "--profile",

@@ -193,18 +193,18 @@ def _experts_tail(block: nn.Module) -> nn.Module | None:
     return experts if not any(p.requires_grad for p in experts.parameters()) else None
 
 
-def dense_tail(layers: Sequence[nn.Module]) -> bool:
-    """Whether ``layers`` (a pipeline's layers, each holding at most a few decoder layers) hold at
-    least one decoder layer and every decoder layer among them ends in a frozen dense (or 4-bit)
-    linear, not in experts."""
+def dense_tail_width(layers: Sequence[nn.Module]) -> int:
+    """The narrowest output of the frozen dense (or 4-bit) linears that end the decoder layers within
+    ``layers`` (a pipeline's layers, each holding at most a few), or 0 when there is no decoder
+    layer or one ends otherwise (a trained projection, experts, a class not listed)."""
     decoders = [m for layer in layers for m in layer.modules() if _transformers_names(m) & TAIL_LAYERS]
-    if not decoders:
-        return False
+    widths = []
     for layer in decoders:
         tail = _tail_of(layer)
         if tail is None or getattr(type(tail), "_roundpipe_grouped", False):
-            return False
-    return True
+            return 0
+        widths.append(int(getattr(tail, "out_features", 0)))
+    return min(widths, default=0)
 
 
 def mark_tail(layer: nn.Module) -> bool:

@@ -15,10 +15,15 @@ The rule, in order:
 
 - only on CUDA: a CPU worker's device memory is the host's, and it has no link to overlap the
   extra transfers with (there "auto" is "stage");
-- only where every decoder layer ends in a frozen dense ``down_proj`` (`frozen_tail.dense_tail`):
+- only where every decoder layer ends in a frozen dense ``down_proj`` (`frozen_tail.dense_tail_width`):
   a layer whose ``down_proj`` trains has no product to leave out, and a mixture of experts' tail
   is small beside its routing, where the extra transfers cost more than they save (Qwen3-30B-A3B
   at 16 x 4096, two H100 machines: 12,348 tok/s with "layer_input" against 12,979 with "stage");
+- only for a hidden size of at least `MIN_WIDTH`: a layer input crosses the link twice, 4 bytes a
+  token per unit of width, while the compute it rides on grows with the width squared. E (5,120)
+  spent 5% more of its step on the link for it; the same arithmetic puts a 2,048-wide model near a
+  quarter of an H100's step and a 1,024-wide one near half, on top of its weights' uploads, where
+  the link may become the bound and no gain has been measured;
 - only where a plan at that grain fits the memory budget;
 - only where the layer inputs one round saves on the host (`host_activations`) take at most
   `HOST_SHARE` of what the host has available when the plan is made (the model's weights are
@@ -42,13 +47,16 @@ from torch import nn
 
 from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
-from roundpipe.model.frozen_tail import dense_tail
+from roundpipe.model.frozen_tail import dense_tail_width
 from roundpipe.plan.memory import Grain
 
 Planned = TypeVar("Planned")
 
 HOST_SHARE = 0.5
 """The most of the host's available bytes that "auto" lets one round's saved layer inputs take."""
+
+MIN_WIDTH = 4096
+"""The narrowest hidden size for which "auto" may choose "layer_input" (the rule's third point)."""
 
 CHOOSES_ON = frozenset({"cuda"})
 """The device kinds on which "auto" may choose "layer_input" (elsewhere it is "stage")."""
@@ -79,7 +87,7 @@ def choose_grain(
     ``plan`` saves on the host; ``room`` is what it may take (`host_room`; None: unknown)."""
     if config.recompute_grain != "auto":
         return plan_at(config.recompute_grain)
-    if kind not in CHOOSES_ON or room is None or not dense_tail(layers):
+    if kind not in CHOOSES_ON or room is None or dense_tail_width(layers) < MIN_WIDTH:
         return plan_at("stage")
     try:
         planned = plan_at("layer_input")
