@@ -104,7 +104,8 @@ class RoundPipe(PipeMachinery):
         self._broken: str | None = None
         self._runner = LoopRunner()
         self._backend = make_backend(device_spec.kind, device_spec.indices, self.runtime, self.costs)
-        self._trace = Trace(meta=self._builder.meta())
+        # The grain until a plan made on the device chooses ("auto"): `pipe_machinery._use_device_plan`.
+        self._trace = Trace(meta=self._builder.meta() | {"recompute_grain": self.runtime.recompute_grain})
         self._engine = Engine(self._backend, trace=self._trace, stall_timeout_s=config.stall_timeout_s)
         self._losses = LossLedger(self._engine, self.runtime)
         release = budget_release(device_spec, self._planner.budget)

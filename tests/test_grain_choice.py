@@ -120,6 +120,9 @@ def test_a_named_grain_is_planned_as_named(named: str) -> None:
 def test_auto_runs_at_stage_until_a_device_plan_chooses() -> None:
     assert roundpipe.RunConfig().recompute_grain == "auto"
     assert initial_grain(roundpipe.RunConfig()) == "stage"
+    config = roundpipe.RunConfig(devices="cpu:1", async_optimizer=False)
+    with roundpipe.RoundPipe(four_block_lora(), config=config) as pipe:  # no budget: no device plan
+        assert pipe.trace().meta["recompute_grain"] == pipe.runtime.recompute_grain == "stage"
 
 
 def run(grain: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, Any]]:
