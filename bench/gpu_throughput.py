@@ -485,6 +485,7 @@ def run_roundpipe(
         "prefetch_stages": trace.meta.get("prefetch_stages"),  # stages uploaded ahead, as last planned
         "dense_weights": trace.meta.get("dense_weights"),  # 4-bit weights dense once a stage run
         "recompute_grain": trace.meta.get("recompute_grain"),  # the grain the device plan was made at
+        "recompute_grain_why": trace.meta.get("recompute_grain_why"),  # and why ("auto" chose, or named)
         # Each layer's forward and backward ms as the profile measured them and as the re-plan
         # scaled them to the device's timing: a layer timed compiling stands out here.
         "layer_ms": layer_ms(trace.meta),

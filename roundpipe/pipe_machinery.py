@@ -223,6 +223,7 @@ class PipeMachinery:
         }
         self.runtime.recompute_grain = device_plan.grain  # the grain the plan was made at
         self._trace.meta["recompute_grain"] = device_plan.grain
+        self._trace.meta.setdefault("recompute_grain_why", device_plan.grain_why)  # the first plan chose
         changed = {k: v for k, v in counted.items() if getattr(self._options, k) != v}
         if changed:
             self._options = replace(self._options, **changed)  # type: ignore[arg-type]

@@ -60,7 +60,8 @@ def choose(
     saved: int = 400,
     fits: bool = True,
     model: nn.Module | None = None,
-) -> tuple[str, list[str]]:
+) -> tuple[str, list[str], str]:
+    """The grain chosen, the grains planned on the way (in order) and the reason given."""
     asked: list[str] = []
 
     def plan_at(grain: str) -> Planned:
@@ -72,37 +73,43 @@ def choose(
     config = roundpipe.RunConfig(recompute_grain=config_grain)
     layers = layers_of(model if model is not None else four_block_lora())
     room = host_room(available, environ={})
-    chosen = choose_grain(config, layers, kind, plan_at, lambda p: p.saved, room)
-    return chosen.grain, asked
+    chosen, why = choose_grain(config, layers, kind, plan_at, lambda p: p.saved, room)
+    return chosen.grain, asked, why
 
 
 def test_a_model_narrower_than_the_floor_keeps_stage() -> None:
     assert grain_choice.MIN_WIDTH == 4096
-    assert choose() == ("stage", ["stage"])  # 32 wide
+    assert choose() == ("stage", ["stage"], "auto: 32 wide, under 4096")
 
 
 @pytest.mark.usefixtures("narrow_models_choose")
 def test_auto_takes_layer_input_on_cuda_for_a_lora_model_with_host_room() -> None:
-    assert choose() == ("layer_input", ["layer_input"])
-    assert choose(saved=500) == ("layer_input", ["layer_input"])  # exactly half the host
+    grain, asked, why = choose()
+    assert (grain, asked) == ("layer_input", ["layer_input"])
+    assert why == "auto: one round's layer inputs (400 B) fit the host room (500 B)"
+    assert choose(saved=500)[:2] == ("layer_input", ["layer_input"])  # exactly half the host
 
 
 @pytest.mark.parametrize(
-    "case",
+    "case,reason",
     [
-        dict(kind="cpu"),
-        dict(kind="fake"),
-        dict(available=None),  # the host does not say
-        dict(saved=501),  # more than half the host
-        dict(fits=False),  # no plan fits the budget with it
-        dict(model=tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa")),  # every weight trains
+        (dict(kind="cpu"), "cpu devices recompute each backward stage from its input"),
+        (dict(kind="fake"), "fake devices recompute each backward stage from its input"),
+        (dict(available=None), "the host's available memory is unknown"),
+        (dict(saved=501), "one round's layer inputs (501 B) exceed the host room (500 B)"),
+        (dict(fits=False), "no plan fits the memory budget at layer_input"),
+        (
+            dict(model=tiny_causal_lm("qwen3", vocab=VOCAB, attn="sdpa")),  # every weight trains
+            "not every decoder layer ends in a frozen dense down_proj",
+        ),
     ],
     ids=["cpu", "fake", "host-unknown", "host-short", "budget", "full-training"],
 )
 @pytest.mark.usefixtures("narrow_models_choose")
-def test_auto_keeps_stage_where_a_condition_fails(case: dict[str, Any]) -> None:
-    grain, asked = choose(**case)
+def test_auto_keeps_stage_where_a_condition_fails(case: dict[str, Any], reason: str) -> None:
+    grain, asked, why = choose(**case)
     assert grain == "stage" and asked[-1] == "stage"
+    assert why == "auto: " + reason
 
 
 def test_processes_on_one_host_share_its_room() -> None:
@@ -113,7 +120,7 @@ def test_processes_on_one_host_share_its_room() -> None:
 
 @pytest.mark.parametrize("named", ["stage", "layer", "layer_input"])
 def test_a_named_grain_is_planned_as_named(named: str) -> None:
-    assert choose(named, kind="cpu", available=None) == (named, [named])
+    assert choose(named, kind="cpu", available=None) == (named, [named], "named in RunConfig.recompute_grain")
     assert initial_grain(roundpipe.RunConfig(recompute_grain=named)) == named
 
 
@@ -134,6 +141,7 @@ def test_a_pipe_that_chose_layer_input_trains_exactly_as_one_told_so(monkeypatch
     monkeypatch.setattr(grain_choice, "CHOOSES_ON", frozenset({"cpu"}))  # the CUDA rule, on a CPU worker
     losses, adapters, meta = run("auto")
     assert meta["recompute_grain"] == "layer_input"
+    assert meta["recompute_grain_why"].startswith("auto: one round's layer inputs")
     told_losses, told, told_meta = run("layer_input")
     stages = [k for k in meta["plan"] if k.endswith("stages") or k == "fused"]
     assert "bwd_stages" in stages
@@ -149,7 +157,7 @@ def test_a_pipe_short_of_host_room_keeps_stage(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(grain_choice, "CHOOSES_ON", frozenset({"cpu"}))
     monkeypatch.setattr(grain_choice, "HOST_SHARE", 1e-12)
     losses, adapters, meta = run("auto")
-    assert meta["recompute_grain"] == "stage"
+    assert meta["recompute_grain"] == "stage" and "exceed the host room" in meta["recompute_grain_why"]
     stage_losses, stage, _ = run("stage")
     assert losses == stage_losses
     for name in stage:

@@ -49,6 +49,7 @@ class DevicePlan:
     kind: str  # the devices' kind ("cuda", "cpu", "fake")
     link: LinkReport | None = None  # the host link's share of an iteration, once measured (`with_link`)
     grain: Grain = "stage"  # the recompute grain it was planned at (`roundpipe.planning.grain`)
+    grain_why: str = ""  # why that grain (`roundpipe.planning.grain.choose_grain`)
 
 
 def planning_config(config: RunConfig, kind: str) -> RunConfig:
@@ -177,7 +178,8 @@ def profile_and_plan(
         return saved_activation_bytes(slots, device_plan.memory, grain, round_microbatches, pinned)[0]
 
     room = host_room(available_host_bytes()) if config.recompute_grain == "auto" else None
-    return choose_grain(config, sequence.layers, device.type, plan_at, saved_bytes, room)
+    chosen, why = choose_grain(config, sequence.layers, device.type, plan_at, saved_bytes, room)
+    return replace(chosen, grain_why=why)
 
 
 FLOW_DEPTH = 2

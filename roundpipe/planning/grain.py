@@ -49,6 +49,7 @@ from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
 from roundpipe.model.frozen_tail import dense_tail_width
 from roundpipe.plan.memory import Grain
+from roundpipe.plan.sizes import format_bytes
 
 Planned = TypeVar("Planned")
 
@@ -81,18 +82,31 @@ def choose_grain(
     plan_at: Callable[[Grain], Planned],
     saved_bytes: Callable[[Planned], int],
     room: int | None,
-) -> Planned:
+) -> tuple[Planned, str]:
     """The plan ``plan_at`` makes at the grain ``config.recompute_grain`` names, or for "auto" at
-    the one the rule in the module docstring picks. ``saved_bytes(plan)`` counts what one round of
-    ``plan`` saves on the host; ``room`` is what it may take (`host_room`; None: unknown)."""
+    the one the rule in the module docstring picks, and why that grain. ``saved_bytes(plan)``
+    counts what one round of ``plan`` saves on the host; ``room`` is what it may take
+    (`host_room`; None: unknown)."""
     if config.recompute_grain != "auto":
-        return plan_at(config.recompute_grain)
-    if kind not in CHOOSES_ON or room is None or dense_tail_width(layers) < MIN_WIDTH:
-        return plan_at("stage")
+        return plan_at(config.recompute_grain), "named in RunConfig.recompute_grain"
+    width = dense_tail_width(layers)
+    if kind not in CHOOSES_ON:
+        return plan_at("stage"), f"auto: {kind} devices recompute each backward stage from its input"
+    if room is None:
+        return plan_at("stage"), "auto: the host's available memory is unknown"
+    if width == 0:
+        return plan_at("stage"), "auto: not every decoder layer ends in a frozen dense down_proj"
+    if width < MIN_WIDTH:
+        return plan_at("stage"), f"auto: {width} wide, under {MIN_WIDTH}"
     try:
         planned = plan_at("layer_input")
     except PlanError:
-        return plan_at("stage")
-    if saved_bytes(planned) > room:
-        return plan_at("stage")
-    return planned
+        return plan_at("stage"), "auto: no plan fits the memory budget at layer_input"
+    saved = saved_bytes(planned)
+    if saved > room:
+        why = f"auto: one round's layer inputs ({format_bytes(saved)}) exceed the host room ({format_bytes(room)})"
+        return plan_at("stage"), why
+    return (
+        planned,
+        f"auto: one round's layer inputs ({format_bytes(saved)}) fit the host room ({format_bytes(room)})",
+    )
