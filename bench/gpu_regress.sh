@@ -30,7 +30,7 @@ declare -A ARGS=(
   [B]="70|--workload B --budget 12GiB --steps 3 --warmup 2"
   [C]="130|--workload C --steps 3 --warmup 2"
   [long]="150|--workload long --recompute-grain stage --steps 1 --warmup 1"
-  [E]="200|--workload E --warmup 2 --steps 3"  # 32B LoRA, 24 GiB (gpu_big.sh's E); pins ~70 GiB of host
+  [E]="200|--workload E --warmup 2 --steps 3"  # 32B LoRA, 24 GiB (gpu_big.sh's E); ~82 GiB of host (layer inputs too)
   [E-inputs]="230|--workload E --warmup 2 --steps 3 --recompute-grain layer_input"
   [tiny]="20|--workload tiny --steps 1 --warmup 1"  # WORKLOADS=tiny DEVICES=cpu:1 OLD=.: a smoke run
 )
