@@ -110,7 +110,7 @@ def schedule_options(
         ordered_steps=runtime.collectives.active,
         sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
         fresh_units=fresh_units(config, owners, one_fused_stage=one_fused_stage),
-        layer_inputs=initial_grain(config) == "layer_input",
+        layer_inputs=runtime.recompute_grain == "layer_input",
         upload_parts_ahead=UPLOAD_PARTS_AHEAD,
     )
 

@@ -82,6 +82,12 @@ def parse_devices(value: str) -> DeviceSpec:
     raise ConfigError(f"devices={value!r} is not understood; use {_DEVICES_HELP}")
 
 
+def local_processes(environ: Mapping[str, str] | None = None) -> int:
+    """How many processes torchrun started on this machine (``LOCAL_WORLD_SIZE``; 1 without it)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+
+
 def local_share(count: int, value: str, environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
     """This process's GPUs among ``count`` visible ones: all of them, or, under torchrun with
     ``LOCAL_WORLD_SIZE`` > 1 processes on this machine, the ``LOCAL_RANK``-th of that many equal,
@@ -89,7 +95,7 @@ def local_share(count: int, value: str, environ: Mapping[str, str] | None = None
     machine, and two processes driving the same GPUs would share their memory and compute while
     each plans as if it had them alone."""
     env = os.environ if environ is None else environ
-    processes = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    processes = local_processes(env)
     if processes <= 1:
         return tuple(range(count))
     rank = int(env.get("LOCAL_RANK", "0") or 0)

@@ -39,13 +39,12 @@ order of float sums, `tests/test_frozen_tail.py`); "stage" where any condition f
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from torch import nn
 
-from roundpipe.config import RunConfig
+from roundpipe.config import RunConfig, local_processes
 from roundpipe.errors import PlanError
 from roundpipe.model.frozen_tail import dense_tail_width
 from roundpipe.plan.memory import Grain
@@ -70,8 +69,7 @@ def initial_grain(config: RunConfig) -> Grain:
 
 def host_room(available: int | None, environ: Mapping[str, str] | None = None) -> int | None:
     """What one process may let its saved layer inputs take of ``available`` host bytes."""
-    env = os.environ if environ is None else environ
-    processes = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
+    processes = max(1, local_processes(environ))
     return None if available is None else int(HOST_SHARE * available) // processes
 
 
@@ -89,11 +87,11 @@ def choose_grain(
     (`host_room`; None: unknown)."""
     if config.recompute_grain != "auto":
         return plan_at(config.recompute_grain), "named in RunConfig.recompute_grain"
-    width = dense_tail_width(layers)
     if kind not in CHOOSES_ON:
         return plan_at("stage"), f"auto: {kind} devices recompute each backward stage from its input"
     if room is None:
         return plan_at("stage"), "auto: the host's available memory is unknown"
+    width = dense_tail_width(layers)  # walks every module: only where the rest allows the choice
     if width == 0:
         return plan_at("stage"), "auto: not every decoder layer ends in a frozen dense down_proj"
     if width < MIN_WIDTH:
