@@ -103,6 +103,9 @@ declare -A VARIANT=(
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
   [flow4]="--flow-depth 4"
+  # Each token's expert rows summed by the Triton kernels of roundpipe.model.choice_sum (forward
+  # combine, its backward, the gather's backward) instead of inductor's fused torch ops.
+  [choicesum]="--choice-sum"
   # torch's flash attention kernel instead of cuDNN's, which torch 2.11 with cuDNN 9.19 runs by
   # default on Hopper cards (bench/gpu_attention.py times both kernels alone)
   [flash]="--sdpa-first flash"

@@ -184,6 +184,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(roundpipe.planning.device_plan.FLOW_DEPTH, default 2)",
     )
     p.add_argument(
+        "--choice-sum",
+        action="store_true",
+        help="sum each token's expert rows by the Triton kernels (roundpipe.model.choice_sum.ENABLED)",
+    )
+    p.add_argument(
         "--upload-parts-ahead",
         type=int,
         help="parameter upload parts a run keeps on the link at once "
@@ -365,6 +370,7 @@ def run_roundpipe(
     with (
         mock.patch.multiple("roundpipe.planning.device_plan", **planner),
         upload_window(getattr(args, "upload_parts_ahead", None)),
+        choice_sum_kernels(getattr(args, "choice_sum", False)),
         settings_everywhere(inductor_config, inductor_options),  # the lanes compile on their own threads
         # roundpipe holds the C++ wrapper on CUDA unless the environment chose: --inductor
         # cpp_wrapper=False is the Python wrapper's A/B
@@ -510,6 +516,7 @@ def run_roundpipe(
         "attention_backend": attention,
         "flow_depth": flow_depth,
         "upload_parts_ahead": trace.meta.get("upload_parts_ahead"),
+        "choice_sum": getattr(args, "choice_sum", False),
         # the measured iterations' idle gaps by cause (`roundpipe trace gaps` lists each), per iteration
         "gap_causes_ms": {k: round(v / max(1, len(measured)), 2) for k, v in causes.items()},
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
@@ -621,6 +628,13 @@ def upload_window(parts: int | None) -> contextlib.AbstractContextManager[Any]:
     if parts is None:
         return contextlib.nullcontext()
     return mock.patch("roundpipe.assembly.UPLOAD_PARTS_AHEAD", parts)
+
+
+def choice_sum_kernels(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """``roundpipe.model.choice_sum.ENABLED`` for one run (--choice-sum), set back after it."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return mock.patch("roundpipe.model.choice_sum.ENABLED", True)
 
 
 MAX_SETTLING_STEPS = 3

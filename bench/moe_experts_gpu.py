@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 import roundpipe.model.experts as experts_module
+from roundpipe.model import choice_sum
 from roundpipe.model.experts import dequantized_experts, quantize_experts_, use_grouped_experts
 
 
@@ -158,6 +159,59 @@ def unread(grouped: Any, x: torch.Tensor, repeats: int) -> None:
     grouped.experts.output_unread = False
 
 
+def choice_sums(grouped: Any, x: torch.Tensor, repeats: int) -> None:
+    """The grouped block with its choices summed by the Triton kernels (`roundpipe.model.choice_sum`)
+    against inductor's fused torch ops, eager and compiled; then the sum alone at the block's size,
+    its forward and its backward, the kernel against the compiled torch formula."""
+    for compiled in (False, True):
+        reference: torch.Tensor | None = None
+        for enabled in (False, True):
+            choice_sum.ENABLED = enabled
+            line, grad = compiled_line(grouped, x, repeats, compiled, "_choice_sum" if enabled else "")
+            reference = grad if reference is None else reference
+            line["max_abs_dx_diff_to_torch"] = float((grad - reference).abs().max())
+            line["dx_abs_max"] = float(reference.abs().max())
+            print(json.dumps(line), flush=True)
+    choice_sum.ENABLED = False
+    k, width = 8, x.shape[-1]
+    tokens = x.numel() // width
+    rows = torch.randn(tokens * k, width, device="cuda", dtype=torch.bfloat16)
+    inverse = torch.randperm(tokens * k, device="cuda")
+    weights = torch.rand(tokens, k, device="cuda")
+    grad = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    formula = torch.compile(choice_sum.reference)
+    backward = torch.compile(choice_sum._reference_backward)
+    runs = {
+        "sum_torch_compiled": lambda: formula(rows, inverse, weights, k),
+        "sum_kernel": lambda: choice_sum.launch_sum(rows, inverse, weights, k),
+        "gather_sum_torch_compiled": lambda: formula(rows, inverse, None, k),
+        "gather_sum_kernel": lambda: choice_sum.launch_sum(rows, inverse, None, k),
+        "sum_backward_torch_compiled": lambda: backward(grad, rows, inverse, weights, k),
+        "sum_backward_kernel": lambda: choice_sum.launch_backward(grad, rows, inverse, weights, k),
+    }
+    for name, run in runs.items():
+        run()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        moved = rows.numel() * 2 * (2 if "backward" in name else 1) + grad.numel() * 2
+        ms = statistics.median(times)
+        print(
+            json.dumps({"bench": "choice_sum", "impl": name, "ms": ms, "gb_per_s": moved / ms / 1e6}),
+            flush=True,
+        )
+    got, want = choice_sum.launch_sum(rows, inverse, weights, k), formula(rows, inverse, weights, k)
+    print(
+        json.dumps({"bench": "choice_sum", "max_abs_diff": float((got.float() - want.float()).abs().max())})
+    )
+
+
 def expert_bytes(mlp: Any) -> int:
     return sum(p.numel() * p.element_size() for n, p in mlp.named_parameters() if "experts." in n)
 
@@ -180,6 +234,7 @@ def main() -> None:
     parser.add_argument("--train-experts", action="store_true")
     parser.add_argument("--permutations", action="store_true", help="the permutations' A/B only")
     parser.add_argument("--unread", action="store_true", help="the unread output's A/B only")
+    parser.add_argument("--choice-sum", action="store_true", help="the Triton choice sums' A/B only")
     args = parser.parse_args()
     eager = block(args)
     grouped = copy.deepcopy(eager)
@@ -191,6 +246,9 @@ def main() -> None:
         return
     if args.unread:
         unread(grouped, x, args.repeats)
+        return
+    if args.choice_sum:
+        choice_sums(grouped, x, args.repeats)
         return
     reference: torch.Tensor | None = None
     for name, mlp in (("eager", eager), ("roundpipe_grouped", grouped)):

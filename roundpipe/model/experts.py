@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from roundpipe.model import choice_sum
 from roundpipe.model.expert_products import NF4Meta, dense_weight, project
 from roundpipe.model.experts_tail import unread_experts
 from roundpipe.model.nf4 import quantize_nf4
@@ -117,6 +118,8 @@ def grouped_experts(
     if getattr(experts, "output_unread", False) and torch.is_grad_enabled():  # `experts_tail`
         return unread_experts(experts, inner, top_k_weights, routing, inverse, hidden, **stored)
     out = project(experts, "down_proj", inner, routing, **stored)
+    if choice_sum.ENABLED:  # one kernel reads the k rows of a token and weighs and sums them
+        return choice_sum.choice_sum(out, inverse, top_k_weights, k).to(hidden.dtype)
     out = out * sort_choices(top_k_weights, routing, inverse).unsqueeze(-1).to(out.dtype)
     # Back to (token, choice) order, then the k choices of a token summed: a fixed order, unlike
     # an index_add_ whose float atomics on CUDA add in a different order every run (the

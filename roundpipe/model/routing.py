@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from roundpipe.model import choice_sum
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -59,6 +61,8 @@ class _RowsByExpert(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         (inverse,) = ctx.saved_tensors
+        if choice_sum.ENABLED:
+            return choice_sum.choice_sum(grad, inverse, None, ctx.k), None, None, None
         return grad[inverse].view(ctx.tokens, ctx.k, -1).sum(dim=1), None, None, None
 
 
