@@ -179,10 +179,13 @@ def test_a_grouped_block_with_the_ops_is_the_block_without(
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
 def test_a_block_compiled_by_inductor_calls_the_ops_and_computes_the_same(
-    monkeypatch: pytest.MonkeyPatch,
+    cpp_wrapper: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Both of inductor's wrappers call the ops (roundpipe compiles layers with the C++ one on CUDA)."""
     import torch._dynamo
+    import torch._inductor.config
 
     _, grouped = mlp_pair(MODELS[0])
     x = torch.randn(3, 11, grouped.experts.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(1))
@@ -195,7 +198,8 @@ def test_a_block_compiled_by_inductor_calls_the_ops_and_computes_the_same(
         choice_sum, "_reference_backward", counted(choice_sum._reference_backward, calls, "backward")
     )
     torch._dynamo.reset()
-    compiled = run_block(torch.compile(grouped), x, weight)
+    with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
+        compiled = run_block(torch.compile(grouped), x, weight)
     torch._dynamo.reset()
     assert sorted(set(calls)) == ["backward", "sum"], calls
     for ours, theirs in zip(compiled, eager, strict=True):

@@ -207,17 +207,29 @@ def _kernels_here(t: torch.Tensor) -> bool:
     return t.is_cuda and available()
 
 
+# Two ops, not one with an optional weight: no argument that may be None reaches inductor's C++
+# wrapper, which calls these ops from compiled layers.
 @torch.library.custom_op("roundpipe::choice_sum", mutates_args=())
-def _choice_sum(
-    rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, k: int
-) -> torch.Tensor:
+def _choice_sum(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
     if _kernels_here(rows):
         return launch_sum(rows, inverse, weights, k)
     return reference(rows, inverse, weights, k)
 
 
+@torch.library.custom_op("roundpipe::gather_sum", mutates_args=())
+def _gather_sum(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    if _kernels_here(rows):
+        return launch_sum(rows, inverse, None, k)
+    return reference(rows, inverse, None, k)
+
+
 @_choice_sum.register_fake
-def _(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:
+def _(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0] // k, rows.shape[1])
+
+
+@_gather_sum.register_fake
+def _(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     return rows.new_empty(rows.shape[0] // k, rows.shape[1])
 
 
@@ -237,23 +249,32 @@ def _(
     return rows.new_empty(rows.shape), weights.new_empty(weights.shape)
 
 
-def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    rows, inverse, weights, k = inputs
-    ctx.k, ctx.rows_dtype = k, rows.dtype
-    # The rows' values are read only for the weights' gradient.
-    ctx.save_for_backward(rows if weights is not None else None, inverse, weights)
+def _setup_weighted(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    rows, inverse, weights, ctx.k = inputs
+    ctx.save_for_backward(rows, inverse, weights)
 
 
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, Any, None]:
+def _backward_weighted(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor, None]:
     rows, inverse, weights = ctx.saved_tensors
-    if weights is None:  # a gather-sum's gradient: each row its token's, written once by index
-        spread = _spread(grad, ctx.k, ctx.rows_dtype)
-        return torch.empty_like(spread).index_copy_(0, inverse, spread), None, None, None
     grad_rows, grad_weights = torch.ops.roundpipe.choice_sum_backward(grad, rows, inverse, weights, ctx.k)
     return grad_rows, None, grad_weights, None
 
 
-_choice_sum.register_autograd(_backward, setup_context=_setup)
+def _setup_gather(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    rows, inverse, ctx.k = inputs
+    ctx.rows_dtype = rows.dtype  # the rows' values are not read again
+    ctx.save_for_backward(inverse)
+
+
+def _backward_gather(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    """Each row its token's gradient, written once by index (``inverse`` is a permutation)."""
+    (inverse,) = ctx.saved_tensors
+    spread = _spread(grad, ctx.k, ctx.rows_dtype)
+    return torch.empty_like(spread).index_copy_(0, inverse, spread), None, None
+
+
+_choice_sum.register_autograd(_backward_weighted, setup_context=_setup_weighted)
+_gather_sum.register_autograd(_backward_gather, setup_context=_setup_gather)
 
 
 def choice_sum(
@@ -262,5 +283,8 @@ def choice_sum(
     """``rows`` [tokens * k, H] sorted by expert, summed per token through ``inverse`` (the sorted
     position of each (token, choice) pair), each row times its ``weights`` [tokens, k] entry
     where given: `reference`'s value, by the Triton kernel on CUDA."""
+    if weights is None:
+        gathered: torch.Tensor = torch.ops.roundpipe.gather_sum(rows, inverse, k)
+        return gathered
     out: torch.Tensor = torch.ops.roundpipe.choice_sum(rows, inverse, weights, k)
     return out
