@@ -42,7 +42,8 @@ declare -A JOB=(
   [F]="300|200|--workload F --warmup 2 --steps 2"             # ~4 min: 12 s/step, build ~25 s; two
   # measured steps: with one, its final drain (~1% of it) counted against 1.4K (1,369 wall, 1,385 trace)
   [E-nf4]="200|110|--workload E-nf4 --warmup 2 --steps 2"     # ~2.5 min
-  [E]="200|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; ~82 GiB of host, inputs too
+  [E]="300|150|--workload E --warmup 2 --steps 3"             # ~2.5 min; over 200 s first on a cold
+  # machine (building the layer-input variants' kernels); ~82 GiB of host, inputs too
   [G]="570|300|--workload G --warmup 0 --steps 1 --profile one_per_kind"  # ~4-6 min at 262,144 tokens
   [G-nf4]="570|300|--workload G-nf4 --warmup 0 --steps 1 --profile one_per_kind"
   [G131]="300|200|--workload G --seq 131072 --warmup 1 --steps 1 --profile one_per_kind"  # ~3 min
