@@ -11,10 +11,10 @@ backward of the weighted sum writes every row's gradient once (the inverse is a 
 atomics) and the weight's gradient as each row's dot product with the token's gradient, in the
 same program.
 
-What holds: the forward is the reference's sum (`reference`: ``rows[inverse] * weights`` rounded
-to the rows' dtype, then the ``k`` products summed in fp32 and rounded once), with the ``k``
-additions in the order ``0 .. k-1``; the gradients are the reference's up to the order of their
-fp32 additions (`tests/test_choice_sum.py` runs the kernels in Triton's interpreter on CPU).
+What holds: the kernels compute `reference`'s value, each product rounded to the rows' dtype as
+it rounds them and the ``k`` products added in fp32 (in the order ``0 .. k-1``, where torch's sum
+may take another) and rounded once; the gradients likewise, up to the order of their fp32
+additions (`tests/test_choice_sum.py` runs the kernels in Triton's interpreter on CPU).
 Where Triton or CUDA is absent the custom ops run the reference in torch, so a CPU pipe exercises
 the same ops and autograd.
 
@@ -40,19 +40,24 @@ NUM_WARPS = 4
 
 tl: Any = None
 _kernels: dict[str, Any] = {}
+_available: bool | None = None
 
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the kernels can run here: Triton importable and a CUDA device present."""
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    """Whether the kernels can run here: Triton importable and a CUDA device present. Found once
+    (each eager call asks), and taken as a constant by dynamo."""
+    global _available
+    if _available is None:
+        _available = importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    return _available
 
 
 def reference(
     rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, k: int
 ) -> torch.Tensor:
-    """``rows`` [tokens * k, H] in expert order summed per token [tokens, H]: what
-    `roundpipe.model.experts.grouped_experts` computed in torch ops before these kernels."""
+    """``rows`` [tokens * k, H] in expert order summed per token [tokens, H]: the torch formula
+    `roundpipe.model.experts.grouped_experts` runs while ``ENABLED`` is off."""
     picked = rows[inverse]
     if weights is not None:
         picked = picked * weights.reshape(-1, 1).to(rows.dtype)
