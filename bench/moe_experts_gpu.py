@@ -34,6 +34,7 @@ import warnings
 from typing import Any
 
 import torch
+from gpu_kernels import timed
 
 import roundpipe.model.experts as experts_module
 from roundpipe.model import choice_sum
@@ -191,17 +192,8 @@ def choice_sums(grouped: Any, x: torch.Tensor, repeats: int) -> None:
         "sum_backward_kernel": lambda: choice_sum.launch_backward(grad, rows, inverse, weights, k),
     }
     for name, run in runs.items():
-        run()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
         moved = rows.numel() * 2 * (2 if "backward" in name else 1) + grad.numel() * 2
-        ms = statistics.median(times)
+        ms = timed(run, repeat=repeats)
         print(
             json.dumps({"bench": "choice_sum", "impl": name, "ms": ms, "gb_per_s": moved / ms / 1e6}),
             flush=True,
