@@ -20,7 +20,10 @@ import torch
 
 from roundpipe.model import choice_sum
 from roundpipe.model.routing import inverse_order, route, sort_choices, unsort_rows
-from tests.test_moe_experts import IDS, MODELS, mlp_pair, run_block
+from tests.test_moe_experts import IDS, MODELS, eager, mlp_pair, run_block
+from tests.test_moe_parity import padded_data
+from tests.test_transformers_parity import assert_same_weights, pipe_loop
+from tests.test_transformers_parity import lora as qkvo_lora
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
@@ -212,3 +215,20 @@ def counted(function: Any, calls: list[str], name: str) -> Any:
         return function(*args)
 
     return call
+
+
+@pytest.mark.parametrize("make", MODELS, ids=IDS)
+def test_a_pipe_with_the_ops_trains_as_without(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA on q/k/v/o with the router loss, through the stages, their recomputes and the optimizer:
+    the same losses and weights with the ops on as off (on CPU they compute the torch formula)."""
+    data = padded_data(2)
+    runs = []
+    for enabled in (False, True):
+        monkeypatch.setattr(choice_sum, "ENABLED", enabled)
+        calls: list[str] = []
+        monkeypatch.setattr(choice_sum, "reference", counted(choice_sum.reference, calls, "sum"))
+        model = qkvo_lora(eager(make(router_logits=True)))
+        runs.append((pipe_loop(model, data), model, bool(calls)))
+    assert runs[0][2] is False and runs[1][2] is True
+    assert runs[1][0] == runs[0][0]
+    assert_same_weights(runs[1][1], runs[0][1])
