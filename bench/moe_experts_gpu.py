@@ -31,6 +31,7 @@ import copy
 import json
 import statistics
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,34 +147,41 @@ def permutations(grouped: Any, x: torch.Tensor, repeats: int) -> None:
         setattr(experts_module, name, function)
 
 
-def unread(grouped: Any, x: torch.Tensor, repeats: int) -> None:
-    """The grouped block with its output unread against the full block, eager and compiled."""
+def switched_lines(
+    grouped: Any, x: torch.Tensor, repeats: int, switch: Callable[[bool], None], suffix: str, diff_key: str
+) -> None:
+    """The grouped block with ``switch(False)`` then ``switch(True)``, eager and compiled; each
+    line carries its largest input-gradient difference to the switched-off line (``diff_key``)."""
     for compiled in (False, True):
         reference: torch.Tensor | None = None
-        for skip in (False, True):
-            grouped.experts.output_unread = skip  # what `frozen_tail.unread_tail` sets on a marked copy
-            line, grad = compiled_line(grouped, x, repeats, compiled, "_unread" if skip else "")
+        for on in (False, True):
+            switch(on)
+            line, grad = compiled_line(grouped, x, repeats, compiled, suffix if on else "")
             reference = grad if reference is None else reference
-            line["max_abs_dx_diff_to_full"] = float((grad - reference).abs().max())
+            line[diff_key] = float((grad - reference).abs().max())
             line["dx_abs_max"] = float(reference.abs().max())
             print(json.dumps(line), flush=True)
-    grouped.experts.output_unread = False
+    switch(False)
+
+
+def unread(grouped: Any, x: torch.Tensor, repeats: int) -> None:
+    """The grouped block with its output unread against the full block, eager and compiled."""
+
+    def switch(skip: bool) -> None:
+        grouped.experts.output_unread = skip  # what `frozen_tail.unread_tail` sets on a marked copy
+
+    switched_lines(grouped, x, repeats, switch, "_unread", "max_abs_dx_diff_to_full")
 
 
 def choice_sums(grouped: Any, x: torch.Tensor, repeats: int) -> None:
     """The grouped block with its choices summed by the Triton kernels (`roundpipe.model.choice_sum`)
     against inductor's fused torch ops, eager and compiled; then the sum alone at the block's size,
     its forward and its backward, the kernel against the compiled torch formula."""
-    for compiled in (False, True):
-        reference: torch.Tensor | None = None
-        for enabled in (False, True):
-            choice_sum.ENABLED = enabled
-            line, grad = compiled_line(grouped, x, repeats, compiled, "_choice_sum" if enabled else "")
-            reference = grad if reference is None else reference
-            line["max_abs_dx_diff_to_torch"] = float((grad - reference).abs().max())
-            line["dx_abs_max"] = float(reference.abs().max())
-            print(json.dumps(line), flush=True)
-    choice_sum.ENABLED = False
+
+    def switch(enabled: bool) -> None:
+        choice_sum.ENABLED = enabled
+
+    switched_lines(grouped, x, repeats, switch, "_choice_sum", "max_abs_dx_diff_to_torch")
     k, width = 8, x.shape[-1]
     tokens = x.numel() // width
     rows = torch.randn(tokens * k, width, device="cuda", dtype=torch.bfloat16)

@@ -26,10 +26,11 @@ measurement to say (`bench/moe_experts_gpu.py --choice-sum`, `gpu_big.sh D16-cho
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from typing import Any
 
 import torch
+
+from roundpipe.model import nf4_triton
 
 # Set by a caller that wants the kernels (the benchmarks' ``--choice-sum``); read at trace time.
 ENABLED = False
@@ -40,17 +41,9 @@ NUM_WARPS = 4
 
 tl: Any = None
 _kernels: dict[str, Any] = {}
-_available: bool | None = None
 
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the kernels can run here: Triton importable and a CUDA device present. Found once
-    (each eager call asks), and taken as a constant by dynamo."""
-    global _available
-    if _available is None:
-        _available = importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
-    return _available
+# Triton importable and a CUDA device present, found once: the NF4 kernel's own check.
+available = nf4_triton.available
 
 
 def reference(
