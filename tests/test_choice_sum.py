@@ -131,6 +131,19 @@ def interpreter_checks() -> None:
             # A dot product of ``width`` rounded products, each of whose roundings may differ.
             scale = tolerance * float((grad.float().abs() @ rows.float().abs().T).max())
             torch.testing.assert_close(got_weights, expected_weights, rtol=tolerance, atol=scale)
+    # The ops themselves with the kernels chosen (the CUDA path of their bodies), forward and backward.
+    choice_sum._kernels_here = lambda t: True  # type: ignore[assignment]
+    case = routed(tokens=5, k=3, width=40, experts=6, dtype=torch.float32, seed=3)
+    rows, weights = case["rows"].clone().requires_grad_(True), case["weights"].clone().requires_grad_(True)
+    out = choice_sum.choice_sum(rows, case["inverse"], weights, case["k"])
+    out.backward(case["grad"])
+    expected_rows, expected_weights = choice_sum._reference_backward(
+        case["grad"], case["rows"], case["inverse"], case["weights"], case["k"]
+    )
+    expected = choice_sum.reference(case["rows"], case["inverse"], case["weights"], case["k"])
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows.grad, expected_rows, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weights.grad, expected_weights, rtol=1e-5, atol=1e-5)
     print("kernels checked")
 
 
@@ -160,6 +173,34 @@ def test_the_kernels_on_cuda_round_as_the_reference() -> None:
     got_rows, got_weights = choice_sum.launch_backward(grad, rows, inverse, weights, 8)
     assert torch.equal(got_rows, expected_rows)
     assert torch.allclose(got_weights, expected_weights, rtol=1e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not choice_sum.available(), reason="needs Triton and CUDA")
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
+def test_inductor_launches_the_kernels_itself_on_cuda(cpp_wrapper: bool) -> None:
+    """Compiled, the ops' kernels are launched from inductor's code, not called back as ops."""
+    import torch._dynamo
+    import torch._inductor.config
+    from torch._inductor.utils import run_and_get_code
+
+    case = routed(tokens=300, k=8, width=2048, experts=128, dtype=torch.bfloat16)
+    rows, inverse, weights, grad = (case[n].cuda() for n in ("rows", "inverse", "weights", "grad"))
+
+    def step(rows: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = choice_sum.choice_sum(rows, inverse, weights, 8) * 2
+        return (out, *torch.autograd.grad(out, (rows, weights), grad))
+
+    inputs = (rows.clone().requires_grad_(True), weights.clone().requires_grad_(True))
+    expected = step(*inputs)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
+        got, code = run_and_get_code(torch.compile(step), *inputs)
+    torch._dynamo.reset()
+    text = "\n".join(code)
+    assert "_sum_kernel" in text and "roundpipe.choice_sum" not in text
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("make", MODELS, ids=IDS)

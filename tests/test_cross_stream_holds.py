@@ -70,3 +70,54 @@ def test_a_backward_holds_its_whole_uploaded_activation(monkeypatch: pytest.Monk
         pipe.synchronize()
     assert len(checked) == 2 * 2 * 2  # 2 iterations x 2 backward stages x 2 microbatches
     assert not pipe.runtime._holds  # every hold was let go once its task had run
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_backward_runs_frozen_weights_go_at_its_last_compute(
+    monkeypatch: pytest.MonkeyPatch, deferred: bool
+) -> None:
+    """A fused or backward run's frozen weights are let go by its last compute (held for it where
+    releases are deferred, so they go once the device has run it), not by its gradient download,
+    which on CUDA queues behind the run's outgoing gradients; the adapters and their gradients
+    stay for that download, and every gradient still lands."""
+    from tests.test_transformers_parity import lora
+
+    monkeypatch.setattr(roundpipe.planning.replan, "choose_evaluated_plan", split_plan)
+    at_download: list[tuple[int, int, int]] = []  # (slot, frozen left, adapters left)
+    frozen_held: list[int] = []
+    compute, grad_down = runtime_module.Runtime.compute, runtime_module.Runtime.grad_down
+
+    def checking_compute(self: runtime_module.Runtime, task: Task) -> None:
+        compute(self, task)
+        if task.stage_kind != "fwd" and task.part == task.num_parts - 1:
+            held = [
+                t for t in _tensors(self._holds.get(task.key, [])) if t.dim() == 2 and not t.requires_grad
+            ]
+            frozen_held.append(len(held))
+
+    def checking_grad_down(self: runtime_module.Runtime, task: Task) -> None:
+        run = runtime_module.RunKey(task.device, task.iteration, task.round, task.slot)
+        tensors = [t for named in self.transient.get(run, {}).values() for t in named.values()]
+        at_download.append(
+            (task.slot, sum(not t.requires_grad for t in tensors), sum(t.requires_grad for t in tensors))
+        )
+        grad_down(self, task)
+
+    handlers = {**runtime_module._HANDLERS, "compute": checking_compute, "grad_down": checking_grad_down}
+    monkeypatch.setattr(runtime_module, "_HANDLERS", handlers)
+    model = lora(tiny_causal_lm("qwen3", vocab=64))
+    config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=2, async_optimizer=False, replan=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    with roundpipe.RoundPipe(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), config=config) as pipe:
+        pipe.runtime.defer_release = deferred
+        ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+        pipe.forward_backward({"input_ids": ids, "labels": ids.clone()})
+        pipe.step()
+        pipe.synchronize()
+    assert {slot for slot, _, adapters in at_download if adapters} == {1, 2}  # fused, first decoder's
+    assert all(frozen == 0 for _, frozen, _ in at_download), at_download
+    # Deferred: the frozen matrices of both decoder runs were held by their last computes.
+    assert (sum(frozen_held) > 0) == deferred
+    moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert len(moved) == len(before)  # every adapter's gradient landed and was applied
+    assert not pipe.runtime._holds

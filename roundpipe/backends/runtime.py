@@ -50,6 +50,7 @@ from roundpipe.backends.tensors import (
     chunk_spans,
     download,
     download_fp32,
+    pop_frozen,
     to_device,
 )
 from roundpipe.errors import DeviceOutOfMemoryError, StageError
@@ -154,16 +155,8 @@ class Runtime(OptimizerLane):
 
     def _stores(self) -> tuple[dict[Any, Any], ...]:
         """The per-iteration tensor stores; every key of them has an ``iteration``."""
-        return (
-            self.activations,
-            self.gradients,
-            self.inbox,
-            self.grad_inbox,
-            self.recomputed,
-            self.outbox,
-            self.transient,
-            self.dense.runs,
-        )
+        moving = (self.activations, self.gradients, self.inbox, self.grad_inbox, self.recomputed, self.outbox)
+        return (*moving, self.transient, self.dense.runs)
 
     def end_iteration(self, iteration: int) -> None:
         self.iterations.pop(iteration, None)
@@ -193,6 +186,9 @@ class Runtime(OptimizerLane):
             raise
         if task.kind == COMPUTE:
             self.dense.drop(task)
+            if task.part == task.num_parts - 1:  # frozen weights go now, what trains at grad_down
+                run = RunKey(task.device, task.iteration, task.round, task.slot)
+                self._release(task, pop_frozen(self.transient.get(run, {})))
         if self.compile_garbage is not None and task.kind in (COMPUTE, RECOMPUTE):
             self.compile_garbage.collect_if_compiled()
 

@@ -200,3 +200,15 @@ class TransientPool:
                     tensor.grad = None
                     key = (tensor.device, tensor.shape, tensor.dtype)
                     self._free.setdefault(key, []).append(tensor.detach_())
+
+
+def pop_frozen(params: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The tensors without a gradient of a run's transient copy (layer -> name -> tensor), taken
+    out of it. A fused or backward run lets them go at its last compute; what trains stays for its
+    gradient's download, which on CUDA queues behind the run's outgoing boundary gradients: held
+    until then, a 32B base's frozen stage (7.3 GiB) was still on the device at the next stage's
+    peak, 2 GiB above the memory model (docs/memory.md, "the draining stage")."""
+    return {
+        layer: {name: named.pop(name) for name in [n for n, t in named.items() if not t.requires_grad]}
+        for layer, named in params.items()
+    }

@@ -18,9 +18,11 @@ additions (`tests/test_choice_sum.py` runs the kernels in Triton's interpreter o
 Where Triton or CUDA is absent the custom ops run the reference in torch, so a CPU pipe exercises
 the same ops and autograd.
 
-Off unless ``ENABLED`` is set: the kernels are an opaque custom op to inductor, which then cannot
-fuse the sum with what follows it (the residual add), so whether a layer gains is for a GPU
-measurement to say (`bench/moe_experts_gpu.py --choice-sum`, `gpu_big.sh D16-choicesum`).
+Off unless ``ENABLED`` is set. As opaque custom operators they gained 5.9% on D16 (one H100) but
+raised D's host-bound share from 9.9% to 28-42% (inductor's C++ wrapper calls such an operator
+back through Python: the likely cause). As `torch.library.triton_op`s their launches trace into the compiled layer, for inductor
+to issue; whether that keeps D's host share is for a GPU run to say
+(`gpu_big.sh D-choicesum D D16-choicesum D16`).
 """
 
 from __future__ import annotations
@@ -120,7 +122,10 @@ def _jit(name: str) -> Any:
         import triton.language
 
         tl = triton.language
-        _kernels[name] = triton.jit({"sum": _sum_kernel, "backward": _sum_backward_kernel}[name])
+        kernel = triton.jit({"sum": _sum_kernel, "backward": _sum_backward_kernel}[name])
+        # Wrapped, the launch traces into a compiled layer's graph (the ops are `triton_op`s), and
+        # inductor issues it from its own code: no Python op call per launch from the C++ wrapper.
+        _kernels[name] = torch.library.wrap_triton(kernel)
     return _kernels[name]
 
 
@@ -205,46 +210,31 @@ def _kernels_here(t: torch.Tensor) -> bool:
     return t.is_cuda and available()
 
 
-# Two ops, not one with an optional weight: no argument that may be None reaches inductor's C++
-# wrapper, which calls these ops from compiled layers.
-@torch.library.custom_op("roundpipe::choice_sum", mutates_args=())
+# Two ops, not one with an optional weight, so that no argument may be None. Each is a
+# `triton_op`: under torch.compile its body traces into the layer's graph, the torch formula on
+# CPU (fused by inductor like any other) and the wrapped kernel launch on CUDA; its body is also
+# its fake implementation.
+@torch.library.triton_op("roundpipe::choice_sum", mutates_args=())
 def _choice_sum(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
     if _kernels_here(rows):
         return launch_sum(rows, inverse, weights, k)
     return reference(rows, inverse, weights, k)
 
 
-@torch.library.custom_op("roundpipe::gather_sum", mutates_args=())
+@torch.library.triton_op("roundpipe::gather_sum", mutates_args=())
 def _gather_sum(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     if _kernels_here(rows):
         return launch_sum(rows, inverse, None, k)
     return reference(rows, inverse, None, k)
 
 
-@_choice_sum.register_fake
-def _(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0] // k, rows.shape[1])
-
-
-@_gather_sum.register_fake
-def _(rows: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0] // k, rows.shape[1])
-
-
-@torch.library.custom_op("roundpipe::choice_sum_backward", mutates_args=())
+@torch.library.triton_op("roundpipe::choice_sum_backward", mutates_args=())
 def _choice_sum_backward(
     grad: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _kernels_here(rows):
         return launch_backward(grad, rows, inverse, weights, k)
     return _reference_backward(grad, rows, inverse, weights, k)
-
-
-@_choice_sum_backward.register_fake
-def _(
-    grad: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return rows.new_empty(rows.shape), weights.new_empty(weights.shape)
 
 
 def _setup_weighted(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -109,9 +109,9 @@ class SlotMemory:
     """One slot's predicted peak: its stage, the prefetched stages' parameters, activations in flight,
     and the device's previous fused or backward stage, whose weights and gradients stay until the
     gradients' download completes (while this stage's first microbatch already runs; when those
-    gradients are small, only the part that exceeds this stage's activations and the farthest
-    prefetched stage's parameters: it overlaps the stage's start, before that upload begins, not
-    its peak), and, for a backward stage, its last recomputed microbatch, which may still await
+    gradients are small, its frozen weights go at its last compute: only the part that exceeds this
+    stage's activations and the farthest prefetched stage's parameters, as it overlaps the stage's
+    start, before that upload begins, not its peak), and, for a backward stage, its last recomputed microbatch, which may still await
     its gradient."""
 
     index: int
@@ -211,9 +211,9 @@ def _in_flight(
 
 SMALL_GRADIENTS_RATIO = 20
 """A stage whose gradients are at most 1/20 of its parameters (frozen base weights, adapters
-trained) downloads them at once: measured on the 14B LoRA benchmark (docs/performance.md), its
-weights were gone before the next stage's peak, while a fully trained stage's (20 ms of
-gradient download on the 1.7B benchmark) were still there."""
+trained) drains over the next stage's start only: its frozen weights go at its last compute
+(`roundpipe.backends.tensors.pop_frozen`) and its adapters' gradients download at once (the 14B
+LoRA benchmark, docs/performance.md); a fully trained stage's stay for their download."""
 
 
 def saved_inputs(slots: Sequence[Any], grain: Grain) -> frozenset[int]:
