@@ -20,9 +20,9 @@ the same ops and autograd.
 
 Off unless ``ENABLED`` is set. As opaque custom operators they gained 5.9% on D16 (one H100) but
 raised D's host-bound share from 9.9% to 28-42% (inductor's C++ wrapper calls such an operator
-back through Python: the likely cause). As `torch.library.triton_op`s their launches trace into the compiled layer, for inductor
-to issue; whether that keeps D's host share is for a GPU run to say
-(`gpu_big.sh D-choicesum D D16-choicesum D16`).
+back through Python: the likely cause). As `torch.library.triton_op`s their launches trace into
+the compiled layer, for inductor to issue; whether that keeps D's host share is for a GPU run to
+say (`gpu_big.sh D-choicesum D D16-choicesum D16`).
 """
 
 from __future__ import annotations
