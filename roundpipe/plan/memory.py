@@ -111,8 +111,8 @@ class SlotMemory:
     gradients' download completes (while this stage's first microbatch already runs; when those
     gradients are small, its frozen weights go at its last compute: only the part that exceeds this
     stage's activations and the farthest prefetched stage's parameters, as it overlaps the stage's
-    start, before that upload begins, not its peak), and, for a backward stage, its last recomputed microbatch, which may still await
-    its gradient."""
+    start, before that upload begins, not its peak), and, for a backward stage, its last
+    recomputed microbatch, which may still await its gradient."""
 
     index: int
     kind: str
