@@ -224,10 +224,11 @@ def test_a_grouped_block_with_the_ops_is_the_block_without(
 
 
 @pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
-def test_a_block_compiled_by_inductor_calls_the_ops_and_computes_the_same(
+def test_a_block_compiled_by_inductor_goes_through_the_ops_and_computes_the_same(
     cpp_wrapper: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both of inductor's wrappers call the ops (roundpipe compiles layers with the C++ one on CUDA)."""
+    """Under both of inductor's wrappers (roundpipe compiles layers with the C++ one on CUDA) the
+    block's graph is built through the ops: on CPU their bodies, the torch formula, trace into it."""
     import torch._dynamo
     import torch._inductor.config
 
