@@ -382,6 +382,7 @@ def run_roundpipe(
         warm_peaks: dict[str, float] = {}
         retries_before = alloc_retries(indices)
         pinned_before = pinned_host_growth()
+        compile_before = compile_seconds()
         first, measured_start = 0, time.perf_counter()
         warmup = args.warmup
         i = 0
@@ -397,6 +398,7 @@ def run_roundpipe(
                 reset_peaks(indices)
                 retries_before = alloc_retries(indices)
                 pinned_before = pinned_host_growth()
+                compile_before = compile_seconds()
                 first, measured_start = pipe.iteration_count, time.perf_counter()
                 if getattr(args, "torch_profile", False):
                     torch_profile = profiling.enter_context(profiled(args.steps))
@@ -418,6 +420,7 @@ def run_roundpipe(
         losses += [pending.result() for pending in waiting]
         pipe.synchronize()
         wall = time.perf_counter() - measured_start
+        compiled_s = compile_seconds() - compile_before
         profiling.close()
         trace = pipe.trace()
         flow_depth = trace.meta.get("flow_depth")  # the depth the run's graph used
@@ -470,6 +473,8 @@ def run_roundpipe(
         "run_peak_gib": {d: round(max(v, warm_peaks.get(d, 0.0)), 3) for d, v in peaks.items()},
         "alloc_retries": retries,  # whole process: profiling and warm-up included
         "alloc_retries_measured": {d: n - retries_before[d] for d, n in retries.items()},
+        # torch.compile's time inside the measured steps: above 0, their figures paid for it.
+        "compile_s_measured": round(compiled_s, 3),
         # Pinned host blocks the measured steps had to create (activation downloads land in them).
         "pinned_host_growth": {k: round(v - pinned_before[k], 3) for k, v in pinned_host_growth().items()},
         **predicted,
@@ -668,6 +673,18 @@ def pinned_host_growth() -> dict[str, float]:
         "alloc_ms": float(stats.get("host_alloc_time.total", 0)) / 1000,
         "allocated_gib": float(stats.get("allocated_bytes.allocated", 0)) / (1 << 30),
     }
+
+
+# torch.compile's outermost timers: a frame's compile (its forward's inductor build included) and
+# a backward's, which inductor builds at its first call.
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process, on any thread."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(sum(compilation_time_metrics.get(name, ())) for name in COMPILE_TIMERS))
 
 
 def alloc_retries(indices: tuple[int, ...]) -> dict[str, int]:

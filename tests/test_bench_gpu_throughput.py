@@ -79,6 +79,7 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
         assert line["tokens_per_step"] == 4 * 16 and line["budget_field"] is None
         assert ours["model_dtype"] == "float32" and ours["build_s"] >= 0 and ours["elapsed_s"] > 0
         assert ours["host_bound"] == 0.0  # CPU workers complete on return: nothing issued ahead
+        assert ours["compile_s_measured"] == 0.0  # nothing compiles on CPU by default
         saved_path = tmp_path / "traces" / f"tiny-{line['mode']}.trace.json.gz"
         with gzip.open(saved_path, "rt") as fh:
             json.load(fh)  # gzipped JSON
@@ -234,6 +235,20 @@ def test_workloads_flags_and_overrides() -> None:
         bench.parse_args(["--workload", "Z"])
     with pytest.raises(ValueError, match="not understood"):
         bench.parse_args(["--budget", "lots"])
+
+
+def test_compile_seconds_count_a_compile_and_its_backward() -> None:
+    import torch._dynamo
+
+    before = bench.compile_seconds()
+    x = torch.ones(3, requires_grad=True)
+    compiled = torch.compile(lambda t: (t * 2).sum(), backend="aot_eager")
+    compiled(x)
+    after_forward = bench.compile_seconds()
+    compiled(x).backward()  # the backward is built at its first call
+    after_backward = bench.compile_seconds()
+    torch._dynamo.reset()
+    assert before < after_forward < after_backward
 
 
 def test_parse_size() -> None:
