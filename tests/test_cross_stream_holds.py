@@ -84,16 +84,18 @@ def test_a_backward_runs_frozen_weights_go_at_its_last_compute(
 
     monkeypatch.setattr(roundpipe.planning.replan, "choose_evaluated_plan", split_plan)
     at_download: list[tuple[int, int, int]] = []  # (slot, frozen left, adapters left)
-    frozen_held: list[int] = []
-    compute, grad_down = runtime_module.Runtime.compute, runtime_module.Runtime.grad_down
+    frozen_held: list[tuple[int, int]] = []  # per fused or backward run: (frozen tensors, held of them)
+    run_task, grad_down = runtime_module.Runtime.run, runtime_module.Runtime.grad_down
 
-    def checking_compute(self: runtime_module.Runtime, task: Task) -> None:
-        compute(self, task)
-        if task.stage_kind != "fwd" and task.part == task.num_parts - 1:
-            held = [
-                t for t in _tensors(self._holds.get(task.key, [])) if t.dim() == 2 and not t.requires_grad
-            ]
-            frozen_held.append(len(held))
+    def checking_run(self: runtime_module.Runtime, task: Task) -> None:
+        last = task.kind == "compute" and task.stage_kind != "fwd" and task.part == task.num_parts - 1
+        run = runtime_module.RunKey(task.device, task.iteration, task.round, task.slot)
+        named = self.transient.get(run, {}).values() if last else ()
+        frozen = {id(t) for params in named for t in params.values() if not t.requires_grad}
+        run_task(self, task)
+        if last:
+            held = {id(t) for t in _tensors(self._holds.get(task.key, []))}
+            frozen_held.append((len(frozen), len(frozen & held)))
 
     def checking_grad_down(self: runtime_module.Runtime, task: Task) -> None:
         run = runtime_module.RunKey(task.device, task.iteration, task.round, task.slot)
@@ -103,8 +105,10 @@ def test_a_backward_runs_frozen_weights_go_at_its_last_compute(
         )
         grad_down(self, task)
 
-    handlers = {**runtime_module._HANDLERS, "compute": checking_compute, "grad_down": checking_grad_down}
-    monkeypatch.setattr(runtime_module, "_HANDLERS", handlers)
+    monkeypatch.setattr(runtime_module.Runtime, "run", checking_run)
+    monkeypatch.setattr(
+        runtime_module, "_HANDLERS", {**runtime_module._HANDLERS, "grad_down": checking_grad_down}
+    )
     model = lora(tiny_causal_lm("qwen3", vocab=64))
     config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=2, async_optimizer=False, replan=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -116,8 +120,9 @@ def test_a_backward_runs_frozen_weights_go_at_its_last_compute(
         pipe.synchronize()
     assert {slot for slot, _, adapters in at_download if adapters} == {1, 2}  # fused, first decoder's
     assert all(frozen == 0 for _, frozen, _ in at_download), at_download
-    # Deferred: the frozen matrices of both decoder runs were held by their last computes.
-    assert (sum(frozen_held) > 0) == deferred
+    # Deferred: every frozen tensor of the fused and backward runs was held by their last computes.
+    assert frozen_held and all(count > 0 for count, _ in frozen_held), frozen_held
+    assert all(held == (count if deferred else 0) for count, held in frozen_held), frozen_held
     moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert len(moved) == len(before)  # every adapter's gradient landed and was applied
     assert not pipe.runtime._holds

@@ -186,9 +186,13 @@ class Runtime(OptimizerLane):
             raise
         if task.kind == COMPUTE:
             self.dense.drop(task)
-            if task.part == task.num_parts - 1:  # frozen weights go now, what trains at grad_down
+            if task.part == task.num_parts - 1:  # a run's last compute: a forward run's weights go,
+                # a fused or backward run's frozen ones (what trains waits for grad_down)
                 run = RunKey(task.device, task.iteration, task.round, task.slot)
-                self._release(task, pop_frozen(self.transient.get(run, {})))
+                forward = task.stage_kind == SlotKind.FWD
+                self._release(
+                    task, self.transient.pop(run, {}) if forward else pop_frozen(self.transient.get(run, {}))
+                )
         if self.compile_garbage is not None and task.kind in (COMPUTE, RECOMPUTE):
             self.compile_garbage.collect_if_compiled()
 
@@ -350,8 +354,6 @@ class Runtime(OptimizerLane):
             on_cpu = task.device >= 0 and self.device(task.device).type == "cpu"
             record = self.times.add if on_cpu else None
             self.outbox[key] = ("act", forward_stage(self._call, data, task, params, value, record))
-            if task.part == task.num_parts - 1:  # last microbatch of the run: free the transient copy
-                self._release(task, self.transient.pop(run, {}))
         else:
             device = self.device(task.device)
             fused = fused_stage(
