@@ -155,6 +155,7 @@ shown["issue_ms_per_iteration"] = r.get("breakdown", {}).get("issue_ms_per_itera
 shown["slowest_compute_ms"] = [(c["ms"], c["iteration"]) for c in r.get("slowest_computes", [])[:3]]
 shown["param_up_gbps"] = r.get("param_up_gbps")  # per iteration: the planner's median, summed spans, union
 print("  ", json.dumps(shown))
+print("   host", json.dumps(d.get("host")))  # the CPU and its issue speed: host-bound shares differ by machine
 if "torch_profile" in r:  # a -profile variant: device time per step by kernel kind
     print("   kernels", json.dumps(r["torch_profile"].get("kernels_by_kind")))
 if "memory_snapshot" in r:  # a -snapshot variant: the peak's bytes by task, the runtime's holdings

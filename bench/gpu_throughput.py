@@ -69,6 +69,7 @@ from gpu_throughput_run import (
     run_plain,
     versions,
 )
+from host_probe import host_probe
 from torch_profile import profiled
 
 QWEN3_1_7B = Shape(28, 2048, 6144, 16, 8, 128, 151936, True)
@@ -861,6 +862,7 @@ def _line(
         "plain": plain,
         "ratio": ratio,
         "versions": versions(),
+        "host": getattr(args, "host", None),  # this host's CPU and issue speed (bench/host_probe.py)
     }
 
 
@@ -923,6 +925,7 @@ def main(argv: list[str] | None = None) -> None:
     indices = cuda_indices(args.devices)
     if indices:  # models are built on the current device: this process's first GPU
         torch.cuda.set_device(indices[0])
+    args.host = host_probe()  # before any workload: its threads and compile workers not yet there
     lines: list[dict[str, Any]] = []
     for workload in args.workloads:
         for line in run_workload(workload, args):

@@ -80,6 +80,9 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
         assert ours["model_dtype"] == "float32" and ours["build_s"] >= 0 and ours["elapsed_s"] > 0
         assert ours["host_bound"] == 0.0  # CPU workers complete on return: nothing issued ahead
         assert ours["compile_s_measured"] == 0.0  # nothing compiles on CPU by default
+        host = line["host"]  # the host's CPU and issue speed, measured once for the process
+        assert host == lines[0]["host"] and host["cpus"] >= 1
+        assert host["python_loop_ms"] > 0 and host["torch_op_us"] > 0
         saved_path = tmp_path / "traces" / f"tiny-{line['mode']}.trace.json.gz"
         with gzip.open(saved_path, "rt") as fh:
             json.load(fh)  # gzipped JSON
@@ -722,3 +725,15 @@ def test_sdpa_first_puts_the_backend_ahead_for_the_run_only(capsys: pytest.Captu
     assert [line["sdpa_first"] for line in lines] == ["cudnn", "flash"]
     # the backend torch picked under the run's order: no cuDNN kernel on a CPU, so flash both times
     assert [line["attention_backend"] for line in lines] == ["flash_attention", "flash_attention"]
+
+
+def test_the_cpu_model_is_read_from_cpuinfo_or_left_out(tmp_path: Path) -> None:
+    host_probe = sys.modules["host_probe"]
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    )
+    assert host_probe.cpu_model(info) == "Intel(R) Xeon(R) Platinum 8480+"
+    info.write_text("processor\t: 0\n")
+    assert host_probe.cpu_model(info) is None
+    assert host_probe.cpu_model(tmp_path / "missing") is None

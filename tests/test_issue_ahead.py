@@ -17,6 +17,7 @@ from roundpipe.backends.fake_streams import FakeStreamBackend
 from roundpipe.plan import LayerCosts, partition
 from roundpipe.planning.simulate import run_graphs
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
+from roundpipe.sched.task import TaskKind
 
 LAYERS = 10
 
@@ -138,3 +139,42 @@ def test_stream_waits_keeps_the_last_issued_dependency_of_each_other_lane() -> N
     assert sorted(stream_waits(deps, issued, "d0.compute")) == ["a0", "p1", "x0"]
     assert sorted(stream_waits(deps, issued, "d0.param_up")) == ["a0", "c0", "x0"]
     assert stream_waits([], issued, "d0.compute") == []
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_first_recompute_after_a_heavier_run_waits_for_it_to_end_on_one_device(devices: int) -> None:
+    """The run before's frozen weights go once its last compute has run on the device; the memory
+    model counts them gone before this run builds its activations, with the farthest stage's upload
+    in their place. Where the run before uploads more than that stage (the fused stage, with the
+    head here), a host issuing ahead would build them beside it: that first recompute waits for
+    completion. Elsewhere, and on several devices (whose model counts the overlap), it does not."""
+    costs = LayerCosts.uniform(LAYERS, fwd_ms=1.0, bwd_ms=2.0, head_factor=3.0, mem_bytes=1 << 20)
+    plan = partition(costs, devices, 4, mem_limit_bytes=8 << 20)  # stages of at most four layers
+    spec = ModelSpec(
+        param_bytes=(4 << 20,) * (LAYERS - 1) + (16 << 20,), owners=((),) * LAYERS, act_bytes=1 << 20
+    )
+    builder = GraphBuilder(plan, spec, devices, ScheduleOptions(chunk_bytes=1 << 20))
+    _, trace = run_graphs(_stream_backend(issue_ms=0.05), builder, 2, 4)
+    by_key = {t.key: t for t in trace}
+
+    def uploaded(slot: int) -> int:
+        return sum(spec.param_bytes[layer] for layer in plan.slots[slot % plan.num_slots].layers)
+
+    waited = []
+    for recompute in (t for t in trace if t.kind == TaskKind.RECOMPUTE and t.part == 0):
+        if devices > 1 or uploaded(recompute.slot - 1) <= uploaded(recompute.slot + 1):
+            assert recompute.sync_deps == (), recompute.describe()
+            continue
+        (before,) = recompute.sync_deps
+        done = by_key[before]
+        assert (
+            done.kind == TaskKind.COMPUTE
+            and done.part == done.num_parts - 1
+            and done.slot == recompute.slot - 1
+        )
+        assert recompute.issue_t >= done.end_t - 1e-9, (recompute.describe(), done.describe())
+        waited.append(recompute.slot)
+    if devices == 1:
+        assert waited and set(waited) == {plan.num_slots - len(plan.bwd_stages)}, (
+            waited
+        )  # after the fused run

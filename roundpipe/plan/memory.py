@@ -212,8 +212,8 @@ def _in_flight(
 SMALL_GRADIENTS_RATIO = 20
 """A stage whose gradients are at most 1/20 of its parameters (frozen base weights, adapters
 trained) drains over the next stage's start only: its frozen weights go at its last compute
-(`roundpipe.backends.tensors.pop_frozen`) and its adapters' gradients download at once (the 14B
-LoRA benchmark, docs/performance.md); a fully trained stage's stay for their download."""
+(`pop_frozen`), before the next run's first recompute (`sched/backward_run.py`), and its adapters'
+gradients download at once (the 14B LoRA C); a fully trained stage's stay for their download."""
 
 
 def saved_inputs(slots: Sequence[Any], grain: Grain) -> frozenset[int]:

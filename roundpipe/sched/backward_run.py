@@ -11,7 +11,7 @@ recomputes while the gradient is still on its way. Per microbatch:
                                        microbatches back (completed: flow control)
   recompute  compute lane           <- act_up, every param_up of the run, the run's previous
                                        backward; on one device the first one also the device's
-                                       previous run's last compute
+                                       previous run's last compute (completed)
   grad_up    the incoming gradient  <- the previous slot's act_down (critical path); flow
              (act_up lane)             control as act_up; both, on one device, the previous
                                        run's last uploads (issued; `forward_run` says why)
@@ -32,7 +32,19 @@ activations stayed on the device through all of it (an H200 ran out of memory so
 the previous run's last backward, not just its last recompute, means the two runs' recomputed
 activations never meet, so the memory model counts one. It costs nothing on one device: the
 previous run's last gradient came from the run before it, long done (the fake engine's iteration
-times were unchanged on every 1-device plan tried). On several devices the next run's gradient
+times were unchanged on every 1-device plan tried).
+
+Where the previous run uploads more than the stage uploaded farthest ahead (a fused stage with the
+LM head before a plain backward stage), that first recompute waits for the previous run's last
+backward to *complete*, not only to be issued: the previous run's frozen weights are released once
+that compute has run on the device (`Runtime.run`), and the memory model counts them gone before
+this run builds its activations, with the farthest stage's upload in their place (that upload
+waits for the same completion). Issued ahead, a 32B base's recompute was built beside its fused
+stage's 8 GiB of frozen weights: 0.8 GiB over the model on an H100. Elsewhere the farthest upload
+is at least as large, so the overlap stays within the count and no wait is made: a wait costs the
+device the host's time to issue the run's first kernels (made at every run, the fake engine's
+E-proportioned plan with a host issuing 2-5 ms a compute had 2.8% of bubble, `tests/test_upload_order.py`,
+within 1% as made). On several devices the next run's gradient
 comes from another device: waiting there raised the asynchronous steady bubble of 28-64-layer LLM
 profiles (8 devices, 16 microbatches) from about 2% to 5-10%, so several devices keep no such
 dependency and the memory model counts the previous run's last recompute beside the current one.
@@ -61,6 +73,9 @@ class BackwardRunContext:
     flow_depth: int = 2  # microbatches of flow control (`ScheduleOptions.flow_depth`; 1 without inputs ahead)
     inputs: int = 1  # activations its act_up brings (every layer's with `ScheduleOptions.layer_inputs`)
     uploads_after: tuple[Key, ...] = ()  # one device: its previous run's last uploads (`forward_run`)
+    # One device: the first recompute waits for ``previous_run_done`` to complete, not only to be
+    # issued, where the previous run uploads more than the stage uploaded farthest ahead.
+    previous_run_sync: bool = False
 
 
 def backward_chains(
@@ -85,11 +100,7 @@ def backward_chains(
             up_deps.append(ActUpKey(t, context.read_by, mb))
         up_deps += context.uploads_after
         recompute_key, backward_key = RecomputeKey(t, slot, mb), ComputeKey(t, slot, mb)
-        recompute_deps = [up_key, *param_keys]
-        if backwards:
-            recompute_deps.append(backwards[-1])
-        elif context.previous_run_done is not None:
-            recompute_deps.append(context.previous_run_done)
+        recompute_deps, recompute_sync = _recompute_waits(up_key, param_keys, backwards, context)
         grad_deps = [previous_act_down(last_down, run, mb), *flow, *context.uploads_after]
         down_key = ActDownKey(t, slot, mb)
         count = len(run.microbatches)
@@ -102,7 +113,15 @@ def backward_chains(
                 nbytes=context.act_bytes * context.inputs,
                 sync_deps=flow,
             ),
-            run.task(recompute_key, RECOMPUTE, recompute_deps, microbatch=mb, part=position, num_parts=count),
+            run.task(
+                recompute_key,
+                RECOMPUTE,
+                recompute_deps,
+                microbatch=mb,
+                part=position,
+                num_parts=count,
+                sync_deps=recompute_sync,
+            ),
             run.task(grad_key, GRAD_UP, grad_deps, microbatch=mb, nbytes=context.act_bytes, sync_deps=flow),
             run.task(
                 backward_key,
@@ -117,3 +136,16 @@ def backward_chains(
         last_down[mb] = down_key
         backwards.append(backward_key)
     return backwards[-1]
+
+
+def _recompute_waits(
+    up_key: Key, param_keys: list[Key], backwards: list[Key], context: BackwardRunContext
+) -> tuple[list[Key], list[Key]]:
+    """A recompute's dependencies and those of them it waits for to complete."""
+    deps = [up_key, *param_keys]
+    if backwards:
+        return [*deps, backwards[-1]], []
+    if context.previous_run_done is None:
+        return deps, []
+    deps.append(context.previous_run_done)
+    return deps, [context.previous_run_done] if context.previous_run_sync else []

@@ -232,10 +232,23 @@ class GraphBuilder:
             read_by=read_by,
             flow_run=history[-runs_back] if len(history) >= runs_back else None,
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
+            previous_run_sync=self.num_devices == 1
+            and self._uploads_more_than_farthest(run.slot - 1, run.slot),
             flow_depth=self.options.flow_depth if self.options.inputs_ahead else 1,
             inputs=len(run.layers) if self.options.layer_inputs else 1,
             uploads_after=tuple(uploads_after),
         )
+
+    def _uploads_more_than_farthest(self, before: int, slot: int) -> bool:
+        """Whether slot ``before`` uploads more bytes than the slot a one-device run of ``slot``
+        uploads farthest ahead (``prefetch_stages`` on, cyclically): `backward_run` says why."""
+        slots = self.plan.slots
+        farthest = (slot + self.options.prefetch_stages) % len(slots)
+
+        def uploaded(index: int) -> int:
+            return sum(self.spec.param_bytes[layer] for layer in slots[index % len(slots)].layers)
+
+        return uploaded(before) > uploaded(farthest)
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
         """Keep a device's latest runs: a run's uploads wait for the one ``prefetch_stages`` + 1
