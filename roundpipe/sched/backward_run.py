@@ -11,7 +11,8 @@ recomputes while the gradient is still on its way. Per microbatch:
                                        microbatches back (completed: flow control)
   recompute  compute lane           <- act_up, every param_up of the run, the run's previous
                                        backward; on one device the first one also the device's
-                                       previous run's last compute (completed)
+                                       previous run's last compute (completed after a run that
+                                       uploads more than the farthest stage ahead, below)
   grad_up    the incoming gradient  <- the previous slot's act_down (critical path); flow
              (act_up lane)             control as act_up; both, on one device, the previous
                                        run's last uploads (issued; `forward_run` says why)
@@ -42,12 +43,14 @@ this run builds its activations, with the farthest stage's upload in their place
 waits for the same completion). Issued ahead, a 32B base's recompute was built beside its fused
 stage's 8 GiB of frozen weights: 0.8 GiB over the model on an H100. Elsewhere the farthest upload
 is at least as large, so the overlap stays within the count and no wait is made: a wait costs the
-device the host's time to issue the run's first kernels (made at every run, the fake engine's
-E-proportioned plan with a host issuing 2-5 ms a compute had 2.8% of bubble, `tests/test_upload_order.py`,
-within 1% as made). On several devices the next run's gradient
-comes from another device: waiting there raised the asynchronous steady bubble of 28-64-layer LLM
-profiles (8 devices, 16 microbatches) from about 2% to 5-10%, so several devices keep no such
-dependency and the memory model counts the previous run's last recompute beside the current one.
+device the host's time to issue the run's first kernels. Made at every run, it gave the fake
+engine's E-proportioned plan, whose host takes 2-5 ms to issue a compute, 2.8% of bubble where
+`tests/test_upload_order.py` asks under 1%, which the plan keeps as made here.
+
+On several devices the next run's gradient comes from another device: waiting there raised the
+asynchronous steady bubble of 28-64-layer LLM profiles (8 devices, 16 microbatches) from about 2%
+to 5-10%, so several devices keep no such dependency and the memory model counts the previous
+run's last recompute beside the current one.
 This module must never hold tensors or decide anything but these tasks and their dependencies.
 """
 
