@@ -14,7 +14,8 @@ import pytest
 
 from roundpipe.backends.fake import FakeBackend, FakeCostModel
 from roundpipe.backends.fake_streams import FakeStreamBackend
-from roundpipe.plan import LayerCosts, partition
+from roundpipe.plan import LayerCosts, Plan, partition
+from roundpipe.plan.kinds import SlotKind
 from roundpipe.planning.simulate import run_graphs
 from roundpipe.sched.graph import GraphBuilder, ModelSpec, ScheduleOptions
 from roundpipe.sched.task import TaskKind
@@ -141,40 +142,53 @@ def test_stream_waits_keeps_the_last_issued_dependency_of_each_other_lane() -> N
     assert stream_waits([], issued, "d0.compute") == []
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_a_first_recompute_after_a_heavier_run_waits_for_it_to_end_on_one_device(devices: int) -> None:
-    """The run before's frozen weights go once its last compute has run on the device; the memory
-    model counts them gone before this run builds its activations, with the farthest stage's upload
-    in their place. Where the run before uploads more than that stage (the fused stage, with the
-    head here), a host issuing ahead would build them beside it: that first recompute waits for
-    completion. Elsewhere, and on several devices (whose model counts the overlap), it does not."""
-    costs = LayerCosts.uniform(LAYERS, fwd_ms=1.0, bwd_ms=2.0, head_factor=3.0, mem_bytes=1 << 20)
-    plan = partition(costs, devices, 4, mem_limit_bytes=8 << 20)  # stages of at most four layers
-    spec = ModelSpec(
-        param_bytes=(4 << 20,) * (LAYERS - 1) + (16 << 20,), owners=((),) * LAYERS, act_bytes=1 << 20
-    )
+def _first_waits(devices: int, plan: Plan, param_bytes: tuple[int, ...]) -> list[int]:
+    """The slots whose fused or backward runs' first compute (recompute) waited for the previous
+    run's last compute to complete, after checking each wait is there exactly where that run uploads
+    more than the run's farthest stage ahead, on one device only, and that it held on the trace."""
+    spec = ModelSpec(param_bytes=param_bytes, owners=((),) * LAYERS, act_bytes=1 << 20)
     builder = GraphBuilder(plan, spec, devices, ScheduleOptions(chunk_bytes=1 << 20))
     _, trace = run_graphs(_stream_backend(issue_ms=0.05), builder, 2, 4)
     by_key = {t.key: t for t in trace}
 
     def uploaded(slot: int) -> int:
-        return sum(spec.param_bytes[layer] for layer in plan.slots[slot % plan.num_slots].layers)
+        return sum(param_bytes[layer] for layer in plan.slots[slot % plan.num_slots].layers)
 
     waited = []
-    for recompute in (t for t in trace if t.kind == TaskKind.RECOMPUTE and t.part == 0):
-        if devices > 1 or uploaded(recompute.slot - 1) <= uploaded(recompute.slot + 1):
-            assert recompute.sync_deps == (), recompute.describe()
+    for first in trace:
+        opens_run = first.kind == TaskKind.RECOMPUTE or (
+            first.kind == TaskKind.COMPUTE and first.stage_kind == SlotKind.FUSED
+        )
+        if not opens_run or first.part != 0:
             continue
-        (before,) = recompute.sync_deps
+        if devices > 1 or uploaded(first.slot - 1) <= uploaded(first.slot + 1):
+            assert first.sync_deps == (), first.describe()
+            continue
+        (before,) = first.sync_deps
         done = by_key[before]
         assert (
-            done.kind == TaskKind.COMPUTE
-            and done.part == done.num_parts - 1
-            and done.slot == recompute.slot - 1
+            done.kind == TaskKind.COMPUTE and done.part == done.num_parts - 1 and done.slot == first.slot - 1
         )
-        assert recompute.issue_t >= done.end_t - 1e-9, (recompute.describe(), done.describe())
-        waited.append(recompute.slot)
-    if devices == 1:
-        assert waited and set(waited) == {plan.num_slots - len(plan.bwd_stages)}, (
-            waited
-        )  # after the fused run
+        assert first.issue_t >= done.end_t - 1e-9, (first.describe(), done.describe())
+        waited.append(first.slot)
+    return sorted(set(waited))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_run_after_a_heavier_one_starts_once_it_has_ended_on_one_device(devices: int) -> None:
+    """The run before's frozen weights go once its last compute has run on the device; the memory
+    model counts them gone before this run builds its activations, with the farthest stage's upload
+    in their place. Where the run before uploads more than that stage, a host issuing ahead would
+    build them beside it: a fused or backward run's first compute then waits for completion (after
+    the fused stage with the head; after a forward stage longer than the first backward one).
+    Elsewhere, and on several devices (whose model counts the overlap), it does not."""
+    costs = LayerCosts.uniform(LAYERS, fwd_ms=1.0, bwd_ms=2.0, head_factor=3.0, mem_bytes=1 << 20)
+    plan = partition(costs, devices, 4, mem_limit_bytes=8 << 20)  # stages of at most four layers
+    with_head = (4 << 20,) * (LAYERS - 1) + (16 << 20,)
+    assert _first_waits(devices, plan, with_head) == (
+        [plan.num_slots - len(plan.bwd_stages)] if devices == 1 else []
+    )
+    if devices == 1:  # a last forward stage of four layers before a first backward stage of two
+        forward, backward = (range(0, 4), range(4, 8)), (range(6, 8), range(3, 6), range(0, 3))
+        uneven = Plan.from_stages(forward, range(8, LAYERS), backward, costs, 1, 4)
+        assert _first_waits(devices, uneven, (4 << 20,) * LAYERS) == [2]  # the fused run

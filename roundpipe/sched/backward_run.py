@@ -37,7 +37,8 @@ times were unchanged on every 1-device plan tried).
 
 Where the previous run uploads more than the stage uploaded farthest ahead (a fused stage with the
 LM head before a plain backward stage), that first recompute waits for the previous run's last
-backward to *complete*, not only to be issued: the previous run's frozen weights are released once
+backward to *complete*, not only to be issued (and a fused run's first compute likewise after a
+forward stage longer than the first backward stage, `forward_run`): the previous run's frozen weights are released once
 that compute has run on the device (`Runtime.run`), and the memory model counts them gone before
 this run builds its activations, with the farthest stage's upload in their place (that upload
 waits for the same completion). Issued ahead, a 32B base's recompute was built beside its fused

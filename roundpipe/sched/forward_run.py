@@ -11,7 +11,10 @@ run kind lives in one small module each. Per microbatch of a forward or fused ru
                                    run whose input was ready would upload it, and a device would
                                    hold many runs' activations); on one device also the previous
                                    run's last uploads (issued: `uploads_after`)
-  compute  compute lane         <- act_up, every parameter upload, the previous microbatch
+  compute  compute lane         <- act_up, every parameter upload, the previous microbatch;
+                                   a fused run's first one, on one device after a run that
+                                   uploads more than its farthest stage ahead, that run's last
+                                   compute (completed: `backward_run` says why)
   act_down the output           <- compute
 
 A device's uploads run in the order they are issued (CUDA: one stream). Issued early, a run's
@@ -45,9 +48,12 @@ def forward_chains(
     two_runs_back: Key | None,
     flow_depth: int = 2,
     uploads_after: list[Key] | tuple[Key, ...] = (),
+    first_after: Key | None = None,
 ) -> Key:
     """Append the run's per-microbatch tasks to ``built``; return the run's last compute.
-    ``uploads_after``: the device's previous run's last uploads (one device; module docstring)."""
+    ``uploads_after``: the device's previous run's last uploads (one device; module docstring);
+    ``first_after``: a compute the first one waits to complete (a fused run after a heavier
+    forward run on one device, as `backward_run` makes a first recompute wait)."""
     fused = run.kind == SlotKind.FUSED
     last_down = built.last_act_down
     computes: list[Key] = []
@@ -65,8 +71,8 @@ def forward_chains(
         up_deps += uploads_after
         compute_key = ComputeKey(run.iteration, run.slot, mb)
         compute_deps = [up_key, *param_keys]
-        if computes:
-            compute_deps.append(computes[-1])
+        compute_sync = [first_after] if first_after is not None and not computes else []
+        compute_deps += computes[-1:] or compute_sync
         down_key = ActDownKey(run.iteration, run.slot, mb)
         built.tasks += (
             run.task(up_key, ACT_UP, up_deps, microbatch=mb, nbytes=act_bytes, sync_deps=up_sync),
@@ -77,6 +83,7 @@ def forward_chains(
                 microbatch=mb,
                 part=position,
                 num_parts=len(run.microbatches),
+                sync_deps=compute_sync,
             ),
             run.task(down_key, ACT_DOWN, [compute_key], microbatch=mb, nbytes=down_bytes),
         )

@@ -178,7 +178,16 @@ class GraphBuilder:
             else:
                 two_back = history[-2] if len(history) >= 2 else None
                 down_bytes = self.spec.act_bytes if run.slot < self.plan.num_slots - 1 else 0
-                chains = (self.spec.act_bytes, down_bytes, two_back, self.options.flow_depth, after)
+                heavier_before = run.kind == SlotKind.FUSED and self._waits_for_previous(run.slot)
+                first_after = history[-1] if history and heavier_before else None  # `backward_run`
+                chains = (
+                    self.spec.act_bytes,
+                    down_bytes,
+                    two_back,
+                    self.options.flow_depth,
+                    after,
+                    first_after,
+                )
                 last_compute = forward_chains(run, param_keys, built, *chains)
             self._remember_on_device(run.device, last_compute)
             if in_order:
@@ -232,23 +241,24 @@ class GraphBuilder:
             read_by=read_by,
             flow_run=history[-runs_back] if len(history) >= runs_back else None,
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
-            previous_run_sync=self.num_devices == 1
-            and self._uploads_more_than_farthest(run.slot - 1, run.slot),
+            previous_run_sync=self._waits_for_previous(run.slot),
             flow_depth=self.options.flow_depth if self.options.inputs_ahead else 1,
             inputs=len(run.layers) if self.options.layer_inputs else 1,
             uploads_after=tuple(uploads_after),
         )
 
-    def _uploads_more_than_farthest(self, before: int, slot: int) -> bool:
-        """Whether slot ``before`` uploads more bytes than the slot a one-device run of ``slot``
-        uploads farthest ahead (``prefetch_stages`` on, cyclically): `backward_run` says why."""
+    def _waits_for_previous(self, slot: int) -> bool:
+        """Whether a one-device fused or backward run of ``slot`` starts only once the previous
+        run's last compute has completed: where that run uploads more bytes than the stage this one
+        uploads farthest ahead (``prefetch_stages`` on, cyclically). `backward_run` says why."""
         slots = self.plan.slots
-        farthest = (slot + self.options.prefetch_stages) % len(slots)
+        if self.num_devices != 1:
+            return False
 
         def uploaded(index: int) -> int:
             return sum(self.spec.param_bytes[layer] for layer in slots[index % len(slots)].layers)
 
-        return uploaded(before) > uploaded(farthest)
+        return uploaded(slot - 1) > uploaded(slot + self.options.prefetch_stages)
 
     def _remember_on_device(self, device: int, last_compute: Key) -> None:
         """Keep a device's latest runs: a run's uploads wait for the one ``prefetch_stages`` + 1
