@@ -19,7 +19,8 @@
 #   OUT=/path bash bench/gpu_big.sh F-snapshot           # where a measured step's peak bytes were
 #   OUT=/path bash bench/gpu_big.sh D16-python D16          # a workload and one of its VARIANTs
 #
-# Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log, and prints a summary line
+# Writes $OUT/big.jsonl (one JSON line per workload), $OUT/<name>.log (progress lines on stderr as
+# the run goes: model built, pipe open, each step; then its JSON line), and prints a summary line
 # per workload. DEADLINE_S (default 530) bounds the whole call; EXTRA adds arguments to every
 # workload (EXTRA="--save-trace $OUT/traces": each run's trace, for `roundpipe trace`); LIMIT_S
 # replaces every workload's own limit (building the mixture-of-experts layers' C++ wrappers on a

@@ -380,6 +380,7 @@ def run_roundpipe(
         RssSampler() as rss,
         roundpipe.RoundPipe(model, optimizer=adamw(optimizers), config=config) as pipe,
     ):
+        progress(f"{workload.name} {mode}: pipe open, {pipe.plan.num_slots} slots")
         warm_peaks: dict[str, float] = {}
         retries_before = alloc_retries(indices)
         pinned_before = pinned_host_growth()
@@ -418,6 +419,10 @@ def run_roundpipe(
                 gc.collect()
             times.append(time.perf_counter() - start)
             i += 1
+            progress(
+                f"{workload.name} {mode}: step {i}/{warmup + args.steps} in {times[-1]:.1f} s"
+                + " (warm-up)" * (i <= warmup)
+            )
         losses += [pending.result() for pending in waiting]
         pipe.synchronize()
         wall = time.perf_counter() - measured_start
@@ -821,6 +826,7 @@ def _models(workload: Workload, args: argparse.Namespace) -> Iterator[tuple[str,
             traceback.print_exc()
             original = None
     build = {"build_s": round(time.perf_counter() - started, 1), "build_rss_gib": rss.report()}
+    progress(f"{workload.name}: model built in {build['build_s']} s")
     for k, mode in enumerate(args.modes):
         last = k == len(args.modes) - 1
         if last or original is None:
@@ -864,6 +870,12 @@ def _line(
         "versions": versions(),
         "host": getattr(args, "host", None),  # this host's CPU and issue speed (bench/host_probe.py)
     }
+
+
+def progress(message: str) -> None:
+    """One line on stderr as a run goes (model built, pipe open, each step), so the log of a run
+    killed at its time limit shows where the time went; the JSON line comes only at the end."""
+    print(f"[gpu_throughput {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _release_memory() -> None:

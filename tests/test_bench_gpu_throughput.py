@@ -54,9 +54,16 @@ def test_smoke_run_gives_both_modes_both_sides_and_the_file(
     out = tmp_path / "runs.jsonl"
     argv = ["--devices", "cpu:2", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
     bench.main([*argv, "--out", str(out), "--save-trace", str(tmp_path / "traces")])
-    stdout = capsys.readouterr().out
+    captured = capsys.readouterr()
+    stdout = captured.out
     lines = _json_lines(stdout)
     assert [(line["workload"], line["mode"]) for line in lines] == [("tiny", "sync"), ("tiny", "async")]
+    # Progress on stderr as each run goes: a run killed at its limit still shows where it was.
+    for expected in ("tiny: model built in", "tiny sync: pipe open, ", "tiny async: pipe open, "):
+        assert expected in captured.err, captured.err
+    steps = [line for line in captured.err.splitlines() if "tiny async: step" in line]
+    assert len(steps) == 2 and "1/2" in steps[0] and "(warm-up)" in steps[0]  # --warmup 1 --steps 1
+    assert "2/2" in steps[1] and "(warm-up)" not in steps[1]
     assert _json_lines(out.read_text()) == lines
     for line in lines:
         ours, plain = line["roundpipe"], line["plain"]
