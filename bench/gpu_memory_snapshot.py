@@ -70,10 +70,19 @@ def _code_of(frames: list[dict]) -> str:
     return _frame_of(frames)
 
 
+def allocations_so_far() -> int:
+    """The allocator's count of allocations on device 0 since the process began: the ordinal of
+    the latest one, which ties a host-side record to the history's allocations."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats(0).get("allocation.all.allocated", 0))
+
+
 class TaskLog:
     """Which task issued what: every `Runtime.run` and `Runtime.finish` with the device's allocated
     bytes before and after (issue order on the host is stream order on the device), and which
-    task's upload made each uploaded tensor (by address), to name the uploads alive at the peak."""
+    task's upload made each uploaded tensor (by address, with the allocator's allocation count
+    then: an address serves many blocks in turn), to name the uploads alive at the peak."""
 
     def __init__(self) -> None:
         import threading
@@ -82,7 +91,8 @@ class TaskLog:
         from roundpipe.backends.holdings import device_holdings
 
         self.events: list[tuple[str, str, str, int, int]] = []
-        self.uploads: dict[int, str] = {}
+        self.uploads: dict[int, list[tuple[int, str]]] = {}
+        self.first_allocation = 0  # the count when the history began (`recorded`)
         # The runtime's own account (`device_holdings`) each time a task left the device at a new
         # high: whose weights, activations and recomputes were alive, by run, at the highest point.
         self.high = 0
@@ -122,7 +132,8 @@ class TaskLog:
             while stack:
                 item = stack.pop()
                 if isinstance(item, torch.Tensor):
-                    self.uploads[item.data_ptr()] = getattr(log._local, "task", "?")
+                    label = getattr(log._local, "task", "?")
+                    self.uploads.setdefault(item.data_ptr(), []).append((allocations_so_far(), label))
                 elif isinstance(item, dict):
                     stack.extend(item.values())
                 elif isinstance(item, list | tuple):
@@ -149,17 +160,30 @@ class TaskLog:
         ]
 
 
-def live_at_peak(snapshot: dict, uploads: dict[int, str] | None = None) -> dict[str, object]:
+def live_at_peak(
+    snapshot: dict,
+    uploads: dict[int, list[tuple[int, str]]] | None = None,
+    first_allocation: int = 0,
+    last_allocation: int | None = None,
+) -> dict[str, object]:
     """Replay the device trace; at the peak of live bytes, group the live blocks by the task kind
-    that made them, by roundpipe frame, and by the innermost line outside torch."""
-    live: dict[int, tuple[int, list[dict]]] = {}
+    that made them, by roundpipe frame, and by the innermost line outside torch. ``uploads``: per
+    address, (allocation count, task) for each uploaded tensor found there; the history's k-th
+    allocation is count ``first_allocation + k``, so a live block is named by the first upload
+    recorded at its address from its own allocation on and before the next one there (a history
+    cut short by its entry limit, its allocations fewer than ``last_allocation`` says, names none)."""
+    live: dict[int, tuple[int, list[dict], int]] = {}
     total = peak = 0
-    at_peak: dict[int, tuple[int, list[dict]]] = {}
+    at_peak: dict[int, tuple[int, list[dict], int]] = {}
+    allocated_at: dict[int, list[int]] = {}  # per address, its allocations' counts
+    count = first_allocation
     for device_trace in snapshot.get("device_traces", []):
         for event in device_trace:
             action, addr, size = event.get("action"), event.get("addr"), event.get("size", 0)
             if action == "alloc":
-                live[addr] = (size, event.get("frames", []))
+                count += 1
+                allocated_at.setdefault(addr, []).append(count)
+                live[addr] = (size, event.get("frames", []), count)
                 total += size
                 if total > peak:
                     peak, at_peak = total, dict(live)
@@ -168,16 +192,21 @@ def live_at_peak(snapshot: dict, uploads: dict[int, str] | None = None) -> dict[
 
     def grouped(key) -> dict[str, float]:  # type: ignore[no-untyped-def]
         groups: dict[str, int] = {}
-        for size, frames in at_peak.values():
+        for size, frames, _made in at_peak.values():
             k = key(frames)
             groups[k] = groups.get(k, 0) + size
         top = sorted(groups.items(), key=lambda kv: -kv[1])[:30]
         return {k: round(v / 2**30, 3) for k, v in top}
 
     by_upload: dict[str, int] = {}
-    for addr, (size, _frames) in at_peak.items():
-        if uploads and addr in uploads:
-            by_upload[uploads[addr]] = by_upload.get(uploads[addr], 0) + size
+    complete = last_allocation is None or count == last_allocation
+    upload_log = uploads if uploads and complete else {}
+    for addr, (size, _frames, made) in at_peak.items():
+        later = [c for c in allocated_at[addr] if c > made]
+        until = later[0] if later else float("inf")
+        named = [label for seen, label in upload_log.get(addr, ()) if made <= seen < until]
+        if named:
+            by_upload[named[0]] = by_upload.get(named[0], 0) + size
     return {
         "peak_live_gib": peak / 2**30,
         "uploads_alive_mib": {k: round(v / 2**20, 1) for k, v in sorted(by_upload.items())},
@@ -202,14 +231,16 @@ def recorded(
     runtime's holdings and the allocator's figures are absolute)."""
     log = TaskLog()
     torch.cuda.memory._record_memory_history(max_entries=max_entries, context="alloc", stacks="python")
+    log.first_allocation = allocations_so_far()
     short: dict[str, Any] = {}
     try:
         yield short
     finally:
+        last_allocation = allocations_so_far()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         log.restore()
-        live = live_at_peak(snapshot, log.uploads)
+        live = live_at_peak(snapshot, log.uploads, log.first_allocation, last_allocation)
         summary = dict(facts or {}) | {
             "measured_peak_gib": torch.cuda.max_memory_allocated(0) / 2**30,
             "live_at_peak": live,

@@ -50,7 +50,7 @@ HISTORY = {
 
 
 def test_the_peak_is_replayed_and_its_bytes_named_by_task_frame_and_line() -> None:
-    live = live_at_peak(HISTORY, uploads={1: "param_up (0, 1)"})
+    live = live_at_peak(HISTORY, uploads={1: [(1, "param_up (0, 1)")], 4: [(4, "act_up (0, 2)")]})
     assert live["peak_live_gib"] == 5.0
     assert live["by_task_gib"] == {"runtime.compute": 3.0, "runtime.upload": 2.0}
     assert live["by_code_gib"] == {
@@ -58,6 +58,27 @@ def test_the_peak_is_replayed_and_its_bytes_named_by_task_frame_and_line() -> No
         "backends/runtime.py:250 upload": 2.0,
     }
     assert live["uploads_alive_mib"] == {"param_up (0, 1)": 2048.0}
+
+
+def test_an_upload_alive_at_the_peak_is_named_by_its_own_block_not_a_later_one_at_its_address() -> None:
+    """An address serves many blocks in turn: the upload named is the one recorded from the live
+    block's allocation on and before the address's next allocation; a history whose allocations
+    fall short of the count (cut by its entry limit) names none rather than the wrong ones."""
+    history = {
+        "device_traces": [
+            [
+                alloc(1, 2 * GIB, UPLOAD),  # allocation 11 (the history began after 10)
+                alloc(3, 3 * GIB, COMPUTE),  # 12: the peak, 1 and 3
+                free(1),
+                alloc(1, 2 * GIB, UPLOAD),  # 13: a later upload at the same address
+                free(3),
+            ]
+        ]
+    }
+    uploads = {1: [(11, "act_up slot 9"), (13, "act_up slot 16")], 3: [(9, "made before the history")]}
+    live = live_at_peak(history, uploads, first_allocation=10, last_allocation=13)
+    assert live["peak_live_gib"] == 5.0 and live["uploads_alive_mib"] == {"act_up slot 9": 2048.0}
+    assert live_at_peak(history, uploads, first_allocation=10, last_allocation=20)["uploads_alive_mib"] == {}
 
 
 def test_recorded_writes_the_summary_and_restores_the_runtime(
