@@ -71,8 +71,12 @@ def forward_chains(
         up_deps += uploads_after
         compute_key = ComputeKey(run.iteration, run.slot, mb)
         compute_deps = [up_key, *param_keys]
-        compute_sync = [first_after] if first_after is not None and not computes else []
-        compute_deps += computes[-1:] or compute_sync
+        compute_sync: list[Key] = []
+        if computes:
+            compute_deps.append(computes[-1])
+        elif first_after is not None:
+            compute_deps.append(first_after)
+            compute_sync.append(first_after)
         down_key = ActDownKey(run.iteration, run.slot, mb)
         built.tasks += (
             run.task(up_key, ACT_UP, up_deps, microbatch=mb, nbytes=act_bytes, sync_deps=up_sync),

@@ -251,9 +251,9 @@ class GraphBuilder:
         """Whether a one-device fused or backward run of ``slot`` starts only once the previous
         run's last compute has completed: where that run uploads more bytes than the stage this one
         uploads farthest ahead (``prefetch_stages`` on, cyclically). `backward_run` says why."""
-        slots = self.plan.slots
         if self.num_devices != 1:
             return False
+        slots = self.plan.slots
 
         def uploaded(index: int) -> int:
             return sum(self.spec.param_bytes[layer] for layer in slots[index % len(slots)].layers)
