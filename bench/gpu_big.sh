@@ -54,7 +54,6 @@ declare -A JOB=(
   [D]="300|150|--workload D --warmup 2 --steps 2"             # ~1.7-3 min; a cold D-choicesum over 240 s
   [D16]="270|180|--workload D16 --warmup 2 --steps 2"         # ~2.7 min
   [D2]="270|180|--workload D2 --warmup 2 --steps 2"           # ~2.7 min
-  [D-256MiB]="170|90|--workload D --warmup 2 --steps 2 --chunk-bytes 256MiB"  # 4x fewer upload pieces
   # Qwen3-1.7B under a 4 GiB budget (workload A of gpu_regress.sh), for its variants below (A and
   # A-balanced cut the same 19-slot plan on an H100: 27,164 and 27,072 tok/s).
   [A]="150|90|--workload A --budget 4GiB --steps 3 --warmup 2"
@@ -105,6 +104,10 @@ declare -A VARIANT=(
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
   [flow4]="--flow-depth 4"
+  # Upload pieces of 256 MiB, not 64 (RunConfig.chunk_bytes): 4x fewer param_up tasks (D16 issued
+  # 1,721 an iteration, each on the host's lanes, which the compute lane's issuing shares the
+  # interpreter with), each holding the link 4x longer ahead of an input (D-256MiB, D16-256MiB)
+  [256MiB]="--chunk-bytes 256MiB"
   # Each token's expert rows summed by the Triton kernels of roundpipe.model.choice_sum (forward
   # combine, its backward, the gather's backward) instead of inductor's fused torch ops.
   [choicesum]="--choice-sum"
