@@ -42,7 +42,7 @@ forward stage longer than the first backward stage, `forward_run`): the previous
 that compute has run on the device (`Runtime.run`), and the memory model counts them gone before
 this run builds its activations, with the farthest stage's upload in their place (that upload
 waits for the same completion). Issued ahead, a 32B base's recompute was built beside its fused
-stage's 8 GiB of frozen weights: 0.8 GiB over the model on an H100. Elsewhere the farthest upload
+stage's 7.8 GiB of frozen weights: 0.8 GiB over the model on an H100. Elsewhere the farthest upload
 is at least as large, so the overlap stays within the count and no wait is made: a wait costs the
 device the host's time to issue the run's first kernels. Made at every run, it gave the fake
 engine's E-proportioned plan, whose host takes 2-5 ms to issue a compute, 2.8% of bubble where
