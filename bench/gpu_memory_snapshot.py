@@ -128,12 +128,13 @@ class TaskLog:
 
         def to_device(obj, device, non_blocking=False):  # type: ignore[no-untyped-def]
             out = original_to_device(obj, device, non_blocking)
+            # One count for the call: every tensor it made was allocated by now (and none freed).
+            seen, label = allocations_so_far(), getattr(log._local, "task", "?")
             stack = [out]
             while stack:
                 item = stack.pop()
                 if isinstance(item, torch.Tensor):
-                    label = getattr(log._local, "task", "?")
-                    self.uploads.setdefault(item.data_ptr(), []).append((allocations_so_far(), label))
+                    self.uploads.setdefault(item.data_ptr(), []).append((seen, label))
                 elif isinstance(item, dict):
                     stack.extend(item.values())
                 elif isinstance(item, list | tuple):
