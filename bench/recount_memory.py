@@ -11,7 +11,9 @@ stage's last compute. A slot breakdown holds the prefetched stages' bytes as one
 prefetched one stage is recounted exactly (that stage is the farthest); a run that prefetched more
 is recounted where its draining slots, even counted as recorded, stay below a slot that does not
 drain (then its peak is unchanged); others are reported as not recounted. A record made by the
-model as it counts now says so (``drain_apart``) and is kept as it is. The drain of a fully
+model as it counts now says so (``drain_apart``) and is kept as it is. The next run's first
+inputs, which the model counts in flight beside a run (`roundpipe.plan.in_flight`), are not added
+to a record: it holds no per-layer boundary bytes to count them from. The drain of a fully
 trained stage (large gradients) is not reduced by the model, and a line does not say which a slot
 had: a full fine-tune (``lora_r`` 0) is left as it was.
 

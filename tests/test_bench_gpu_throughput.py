@@ -744,3 +744,64 @@ def test_the_cpu_model_is_read_from_cpuinfo_or_left_out(tmp_path: Path) -> None:
     info.write_text("processor\t: 0\n")
     assert host_probe.cpu_model(info) is None
     assert host_probe.cpu_model(tmp_path / "missing") is None
+
+
+# --------------------------------------------------------------------- compiles in the measured steps
+
+
+def test_a_compile_inside_the_measured_steps_makes_them_run_again(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.compile's timers (read at the start, at the window's start and at its end) say the
+    first window compiled 2.5 s: it is run again, and the line keeps what the first one paid."""
+    readings = iter([0.0, 0.0, 2.5])
+    monkeypatch.setattr(bench, "compile_seconds", lambda: next(readings, 2.5))
+    argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "2", "--warmup", "1"]
+    bench.main([*argv, "--async", "--no-plain"])
+    captured = capsys.readouterr()
+    (line,) = _json_lines(captured.out)
+    ours = line["roundpipe"]
+    (first,) = ours["remeasured_after_compile"]
+    assert first["compile_s"] == 2.5 and first["tokens_per_s_wall"] > 0 and first["compiles"] == []
+    assert ours["compile_s_measured"] == 0.0 and ours["warmup_steps"] == 3  # one, then the first window
+    assert len(ours["losses"]) == 5 and ours["breakdown"]["iterations"] == [3, 4]
+    assert "2.5 s compiling in the measured steps, measured again" in captured.err
+
+
+def test_a_window_without_compiles_is_measured_once(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--devices", "cpu:1", "--workload", "tiny", "--seq", "16", "--steps", "1", "--warmup", "1"]
+    bench.main([*argv, "--async", "--no-plain"])
+    (line,) = _json_lines(capsys.readouterr().out)
+    assert (
+        line["roundpipe"]["remeasured_after_compile"] == [] and line["roundpipe"]["compiles_measured"] == []
+    )
+    assert line["roundpipe"]["warmup_steps"] == 1
+
+
+def test_compile_events_name_the_traced_frame_and_the_failed_guard() -> None:
+    compile_log = sys.modules["compile_log"]
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(scaled, backend="eager")
+    with compile_log.compile_events() as events:
+        start = compile_log.time.perf_counter()
+        compiled(torch.ones(3))
+        compiled(torch.ones(3, dtype=torch.float64))  # a dtype guard fails: recompiled
+        compiled(torch.ones(3))  # cached: no event
+    found = events.since(start)
+    torch._dynamo.reset()
+    whats = [event["what"] for event in found]
+    assert len(whats) == 3 and all("scaled" in what for what in whats), whats
+    assert "start tracing" in whats[0] and whats[1].startswith("Recompiling function scaled")
+    assert "dtype" in whats[1] and "start tracing" in whats[2]
+    assert all(event["s"] >= 0 for event in found)
+    assert compile_log.summarize("something else entirely") is None
+
+
+def test_a_profiled_window_is_not_measured_again() -> None:
+    assert bench.profiled_window(SimpleNamespace(torch_profile=True, memory_snapshot=None))
+    assert bench.profiled_window(SimpleNamespace(torch_profile=False, memory_snapshot=Path("snap")))
+    assert not bench.profiled_window(SimpleNamespace(torch_profile=False, memory_snapshot=None))

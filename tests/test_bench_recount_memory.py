@@ -42,11 +42,11 @@ def test_a_record_of_one_prefetched_stage_recounts_to_todays_prediction() -> Non
 def test_deeper_prefetch_recounts_only_where_the_peak_does_not_drain() -> None:
     plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),))
     now = predict_peak(plan, FROZEN, "stage", prefetch=2).to_dict()
-    # Slot totals 6366 (F1), 6874 (FB, the peak), 6572 (B1): B1 recorded with a drain of 300 still
+    # Slot totals 6456 (F1), 7044 (FB, the peak), 6572 (B1): B1 recorded with a drain of 300 still
     # stays below FB, which does not drain, so the peak is FB's whatever B1's farthest upload was.
-    assert recount(as_recorded_before(now, [0, 0, 300]), adapters_only=True) == 6874
-    # With a drain of 400 B1 may or may not pass FB (6972 recorded): not recounted.
-    assert recount(as_recorded_before(now, [0, 0, 400]), adapters_only=True) is None
+    assert recount(as_recorded_before(now, [0, 0, 300]), adapters_only=True) == 7044
+    # With a drain of 500 B1 may or may not pass FB (7072 recorded): not recounted.
+    assert recount(as_recorded_before(now, [0, 0, 500]), adapters_only=True) is None
 
 
 def test_the_command_prints_a_line_per_recorded_run(

@@ -15,7 +15,8 @@ import pytest
 
 import roundpipe
 from roundpipe.plan.costs import LayerCosts
-from roundpipe.plan.memory import in_flight_microbatches, layer_plan_bytes, predict_peak
+from roundpipe.plan.in_flight import in_flight_microbatches
+from roundpipe.plan.memory import layer_plan_bytes, predict_peak
 from roundpipe.planning.device_plan import plan_from
 
 ROOT = Path(__file__).resolve().parents[1]

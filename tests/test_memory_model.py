@@ -213,13 +213,16 @@ def test_predict_peak_one_device() -> None:
         (s.stage_bytes, s.prefetch_bytes, s.in_flight_bytes, s.draining_bytes) for s in prediction.slots
     ]
     # F1 prefetches FB's params, FB prefetches B1's, B1 the next iteration's F1; two microbatches
-    # of stage inputs and outputs are in flight besides the computing one; the device's previous
-    # fused or backward stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20;
-    # FB before B1: 30 + 40 + 0 + 40; F1 before FB has no gradients). On one device B1's last
-    # recompute is gone by then: the next run's first recompute waits for B1's last backward.
-    assert totals == [(156, 70, 2 * 120, 60), (854, 30, 2 * 70, 0), (382, 30, 2 * 120, 110)]
-    assert prediction.peak_bytes == 854 + 30 + 140 and prediction.peak_slot.index == 1
-    assert not prediction.fits(1023) and prediction.fits(1024) and prediction.fits(None)
+    # of stage inputs and outputs are in flight besides the computing one (F1: 50 + 70, FB: 70,
+    # B1: 50 + 70); once a run's last input is issued, one of its own ahead gives way to the next
+    # run's first two (F1: 240 - 50 + 2 * 70 for FB's; FB: 140 - 70 + 2 * 120 for B1's input and
+    # gradient; B1: F1's 2 * 50 are fewer than its own); the device's previous fused or backward
+    # stage drains its weights and gradients (B1 before F1: 10 + 20 + 10 + 20; FB before B1:
+    # 30 + 40 + 0 + 40; F1 before FB has no gradients). On one device B1's last recompute is gone
+    # by then: the next run's first recompute waits for B1's last backward.
+    assert totals == [(156, 70, 330, 60), (854, 30, 310, 0), (382, 30, 2 * 120, 110)]
+    assert prediction.peak_bytes == 854 + 30 + 310 and prediction.peak_slot.index == 1
+    assert not prediction.fits(1193) and prediction.fits(1194) and prediction.fits(None)
     assert "slot 1 (fused, layers [2, 4))" in prediction.describe()
     assert prediction.describe(2) == (
         "predicted peak 762 B in slot 2 (bwd, layers [0, 2)): stage 382 B + prefetch 30 B + activations in flight 240 B"
@@ -227,9 +230,9 @@ def test_predict_peak_one_device() -> None:
     )
     d = json.loads(json.dumps(prediction.to_dict()))
     assert (
-        d["peak_bytes"] == 1024 and d["slots"][1]["total_bytes"] == 1024 and d["slots"][1]["layers"] == [2, 4]
+        d["peak_bytes"] == 1194 and d["slots"][1]["total_bytes"] == 1194 and d["slots"][1]["layers"] == [2, 4]
     )
-    assert predict_peak(plan.slots, MEM).peak_bytes == 1024  # the slots alone work too
+    assert predict_peak(plan.slots, MEM).peak_bytes == 1194  # the slots alone work too
 
 
 def test_on_several_devices_a_backward_stage_drains_with_its_last_recompute() -> None:
@@ -237,6 +240,25 @@ def test_on_several_devices_a_backward_stage_drains_with_its_last_recompute() ->
     # FB's device ran B1 two slots before it (cyclically): its weights and gradients (60) and its
     # last recompute (saved 100 + 200), which may still await a gradient from the other device.
     assert predict_peak(plan, MEM, "stage", num_devices=2).slots[1].draining_bytes == 60 + 300
+
+
+def test_a_run_counts_the_next_runs_first_inputs_uploaded_beside_it() -> None:
+    plan = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),))
+    # The fused run's own input (70) for two microbatches; the backward run after it brings, per
+    # microbatch, every layer's saved input (50 + 60 - 10, the carried 10 once) and the gradient
+    # from above (70). On one device those come once the fused run's last input is issued, so one
+    # of its two gives way to two of them (`roundpipe.plan.in_flight`).
+    fused = predict_peak(plan, MEM, "layer_input").slots[1]
+    assert fused.in_flight_bytes == 2 * 70 - 70 + 2 * (110 + 70)
+    # Without inputs ahead the backward run uploads nothing before the fused run has ended.
+    assert predict_peak(plan, MEM, "layer_input", inputs_ahead=False).slots[1].in_flight_bytes == 2 * 70
+    # On two devices the fused slot's device runs the forward slot next, whose inputs (50) may
+    # come at any time of the run: beside all of its own.
+    two = simple_plan((range(0, 2),), range(2, 4), (range(0, 2),), devices=2)
+    assert predict_peak(two, MEM, "layer_input", num_devices=2).slots[1].in_flight_bytes == 2 * 70 + 2 * 50
+    # One slot: the next run is the same slot's next iteration, whose input is its own.
+    single = simple_plan((), range(0, 4), ())
+    assert predict_peak(single, MEM).slots[0].in_flight_bytes == 2 * 50
 
 
 def test_a_stage_with_small_gradients_drains_only_over_the_next_stages_start_before_its_upload() -> None:
@@ -271,8 +293,9 @@ def test_predict_peak_prefetches_what_the_same_device_runs_next() -> None:
 def test_forward_stage_holds_activations_saved_for_backward_stages_inside_it() -> None:
     plan = simple_plan((range(0, 3),), range(3, 4), (range(1, 3), range(0, 1)))
     first = predict_peak(plan, MEM, act_in_flight=2).slots[0]
-    # edges 50 + 80 for two microbatches; layer 1's own input (60 - 10) for three
-    assert first.in_flight_bytes == 2 * 130 + 3 * 50
+    # edges 50 + 80 for two microbatches; layer 1's own input (60 - 10) for three; in the run's
+    # tail one input of 50 gives way to the fused run's first two (80 each)
+    assert first.in_flight_bytes == 2 * 130 + 3 * 50 - 50 + 2 * 80
 
 
 def test_predict_peak_rejects_a_plan_for_other_layers() -> None:
@@ -336,7 +359,7 @@ def test_plan_within_budget_shrinks_until_the_exact_prediction_fits() -> None:
         limits.append(limit)
         return big if len(limits) == 1 else split  # the per-layer sums let the first one through
 
-    budget = 1100
+    budget = 1200
     assert predict_peak(big, MEM).peak_bytes > budget >= predict_peak(split, MEM).peak_bytes
     plan, prediction = plan_within_budget(make_plan, MEM, budget)
     assert plan is split and prediction.peak_bytes <= budget

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, cast
 
 from roundpipe.errors import PlanError
+from roundpipe.plan.in_flight import boundary_in_flight, held_inputs
 from roundpipe.plan.kinds import Grain
 from roundpipe.plan.layer_memory import LayerMemory
 from roundpipe.plan.sizes import format_bytes
@@ -36,13 +37,6 @@ def _check_stage(mem: LayerMemory, layers: range) -> None:
         raise PlanError(f"a stage is a non-empty range of consecutive layers, got {layers!r}")
     if not 0 <= layers.start < layers.stop <= mem.num_layers:
         raise PlanError(f"stage {layers!r} is outside the {mem.num_layers} layers of this memory table")
-
-
-def _held_inputs(mem: LayerMemory, layers: range) -> int:
-    """Every layer input of a stage kept at once (layer-grain recompute keeps them all); the
-    carried constants are one storage, counted once."""
-    own = sum(mem.boundary_bytes[i] - mem.carried_bytes[i] for i in layers)
-    return own + max(mem.carried_bytes[i] for i in layers)
 
 
 def _io(mem: LayerMemory, layer: int) -> int:
@@ -97,10 +91,10 @@ def stage_bytes(mem: LayerMemory, layers: range, kind: StageKind, grain: Grain =
     if kind == "fused" or (kind == "bwd" and grain == "stage"):
         return params + grads + _backprop_peak(mem, layers)
     if kind == "bwd" and grain == "layer_input":
-        return params + grads + _backprop_peak(mem, layers) + _held_inputs(mem, layers)
+        return params + grads + _backprop_peak(mem, layers) + held_inputs(mem, layers)
     if kind == "bwd" and grain == "layer":
         one = max(_backprop_peak(mem, range(i, i + 1)) for i in layers)
-        return params + grads + _held_inputs(mem, layers) + one
+        return params + grads + held_inputs(mem, layers) + one
     raise PlanError(f"unknown stage kind {kind!r} or recompute grain {grain!r}")
 
 
@@ -175,40 +169,6 @@ class MemoryPrediction:
         return head | {"slots": [s.to_dict() for s in self.slots]}
 
 
-def in_flight_microbatches(num_microbatches: int, act_in_flight: int = 2) -> int:
-    """How many microbatches' boundary activations `predict_peak` counts in flight: ``act_in_flight``
-    (one arriving, one leaving), but never more than the iteration has. With one microbatch only
-    its own edges exist (the next stage's input uploaded ahead, the gradient from above): counting a
-    second pair put 4 GiB on a 262,144-token run of an 8B shape that it never holds."""
-    return max(1, min(act_in_flight, num_microbatches))
-
-
-def _in_flight(
-    mem: LayerMemory,
-    slot: Any,
-    held: frozenset[int],
-    act_in_flight: int,
-    inputs_ahead: bool = True,
-    grain: Grain = "stage",
-) -> int:
-    """Boundary activations besides the computing microbatch's: ``act_in_flight`` microbatches'
-    stage inputs and outputs (for a backward stage the output is the gradient from above, at most
-    the activation's size); a forward stage also holds, per microbatch, the activations it saves
-    for backward stages starting inside it. Without ``inputs_ahead`` a backward stage's next
-    input is uploaded only once its previous backward is done (`ScheduleOptions.inputs_ahead`):
-    beside the computing microbatch's own input (in the stage) only its gradient is there."""
-    r = slot.layers
-    if slot.kind == "bwd" and not inputs_ahead:
-        return mem.boundary_bytes[r.stop] - mem.carried_bytes[r.stop] if r.stop < mem.num_layers else 0
-    edge = mem.boundary_bytes[r.start] + (mem.boundary_bytes[r.stop] if r.stop < mem.num_layers else 0)
-    if slot.kind == "bwd" and grain == "layer_input":  # every layer's input comes up
-        edge += _held_inputs(mem, r) - mem.boundary_bytes[r.start]
-    if slot.kind == "fwd":
-        inner = sum(mem.boundary_bytes[b] - mem.carried_bytes[b] for b in held if r.start < b < r.stop)
-        return act_in_flight * edge + (act_in_flight + 1) * inner
-    return act_in_flight * edge
-
-
 SMALL_GRADIENTS_RATIO = 20
 """A stage whose gradients are at most 1/20 of its parameters (frozen base weights, adapters
 trained) drains over the next stage's start only: its frozen weights go at its last compute
@@ -224,6 +184,31 @@ def saved_inputs(slots: Sequence[Any], grain: Grain) -> frozenset[int]:
     return held
 
 
+def _draining(
+    mem: LayerMemory, slot: Any, before: Any, own: int, farthest: int, grain: Grain, num_devices: int
+) -> int:
+    """What the device's previous run (``before``) still holds while ``slot``'s run (``own``
+    bytes of stage) starts, beside the ``farthest`` stage uploaded ahead (see `SlotMemory`)."""
+    draining = 0
+    if before.kind != "fwd":
+        before_params = sum(mem.param_bytes[j] for j in before.layers)
+        before_grads = sum(mem.grad_bytes[j] for j in before.layers)
+        draining = before_params + before_grads
+        if before_grads * SMALL_GRADIENTS_RATIO <= before_params:
+            # Adapters only: its download ends before this stage has built its activations,
+            # so the drain only overlaps this stage's start (its weights and gradients), and
+            # the farthest stage ahead uploads only once the previous stage's last compute is
+            # done (`sched/graph.py`: a run's uploads wait for the run prefetch + 1 before).
+            weights = _weights(mem, slot.layers)
+            draining = max(0, draining - (own - weights) - farthest)
+    # Its last recompute may still await its gradient, except on one device, where this
+    # stage's first recompute waits for that backward (`sched/backward_run.py`).
+    if before.kind == "bwd" and num_devices > 1:
+        recomputed = sum(mem.saved_bytes[j] for j in before.layers) if grain != "layer" else 0
+        draining += recomputed + (held_inputs(mem, before.layers) if grain != "stage" else 0)
+    return draining
+
+
 def predict_peak(
     plan: Sequence[Any] | Any,
     mem: LayerMemory,
@@ -236,7 +221,8 @@ def predict_peak(
     """The peak device bytes of ``plan`` (a `Plan` or its ``slots``) on the device running each slot.
     Per slot: `stage_bytes` + the parameters of the ``prefetch`` stages that device runs next
     (round-robin: slot ``i + k * num_devices``, cyclically, since the next round and the next
-    iteration continue the same sequence) + boundary activations in flight (`_in_flight`)."""
+    iteration continue the same sequence) + boundary activations in flight, the next run's first
+    inputs among them (`roundpipe.plan.in_flight`)."""
     slots: Sequence[Any] = tuple(getattr(plan, "slots", plan))
     if not slots:
         raise PlanError("a plan needs at least one slot")
@@ -249,26 +235,15 @@ def predict_peak(
     for i, slot in enumerate(slots):
         # The same slot may come back (one slot, or as many devices as slots): another run, another copy.
         ahead = [(i + k * num_devices) % len(slots) for k in range(1, prefetch + 1)]
+        following = slots[(i + num_devices) % len(slots)]  # the device's next run, unless it is this one
+        next_run = None if following is slot else following
+        in_flight = boundary_in_flight(
+            mem, slot, next_run, held, act_in_flight, inputs_ahead, grain, num_devices
+        )
         before = slots[(i - num_devices) % len(slots)]
         own = stage_bytes(mem, slot.layers, slot.kind, grain)  # type: ignore[arg-type]
-        draining = 0
-        if before.kind != "fwd":
-            before_params = sum(mem.param_bytes[j] for j in before.layers)
-            before_grads = sum(mem.grad_bytes[j] for j in before.layers)
-            draining = before_params + before_grads
-            if before_grads * SMALL_GRADIENTS_RATIO <= before_params:
-                # Adapters only: its download ends before this stage has built its activations,
-                # so the drain only overlaps this stage's start (its weights and gradients), and
-                # the farthest stage ahead uploads only once the previous stage's last compute is
-                # done (`sched/graph.py`: a run's uploads wait for the run prefetch + 1 before).
-                weights = _weights(mem, slot.layers)
-                farthest = params[ahead[-1]] if ahead else 0
-                draining = max(0, draining - (own - weights) - farthest)
-        # Its last recompute may still await its gradient, except on one device, where this
-        # stage's first recompute waits for that backward (`sched/backward_run.py`).
-        if before.kind == "bwd" and num_devices > 1:
-            recomputed = sum(mem.saved_bytes[j] for j in before.layers) if grain != "layer" else 0
-            draining += recomputed + (_held_inputs(mem, before.layers) if grain != "stage" else 0)
+        farthest = params[ahead[-1]] if ahead else 0
+        draining = _draining(mem, slot, before, own, farthest, grain, num_devices)
         out.append(
             SlotMemory(
                 i,
@@ -276,7 +251,7 @@ def predict_peak(
                 slot.layers,
                 own,
                 sum(params[j] for j in ahead),
-                _in_flight(mem, slot, held, act_in_flight, inputs_ahead, grain),
+                in_flight,
                 draining,
             )
         )

@@ -214,7 +214,8 @@ def plan_from(
     kind: str = "cpu",
 ) -> DevicePlan:
     """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
-    from roundpipe.plan.memory import in_flight_microbatches, predict_peak
+    from roundpipe.plan.in_flight import in_flight_microbatches
+    from roundpipe.plan.memory import predict_peak
     from roundpipe.planning.grain import initial_grain
 
     shape = RunShape(
