@@ -104,9 +104,10 @@ declare -A VARIANT=(
   # Four microbatches' inputs ahead of their computes (device_plan.FLOW_DEPTH): the host may issue
   # more of a stage's computes before its weights land (the default is two).
   [flow4]="--flow-depth 4"
-  # Upload pieces of 256 MiB, not 64 (RunConfig.chunk_bytes): 4x fewer param_up tasks (D16 issued
-  # 1,721 an iteration, each on the host's lanes, which the compute lane's issuing shares the
-  # interpreter with), each holding the link 4x longer ahead of an input (D-256MiB, D16-256MiB)
+  # Upload pieces of 64 MiB (RunConfig.chunk_bytes; the default is 256): 4x the param_up tasks
+  # (D16 issued 1,721 an iteration so, each on the host's lanes, which the compute lane's issuing
+  # shares the interpreter with), each holding the link a quarter as long ahead of an input
+  [64MiB]="--chunk-bytes 64MiB"
   [256MiB]="--chunk-bytes 256MiB"
   # Each token's expert rows summed by the Triton kernels of roundpipe.model.choice_sum (forward
   # combine, its backward, the gather's backward) instead of inductor's fused torch ops.

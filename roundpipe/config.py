@@ -259,7 +259,7 @@ class RunConfig(BaseModel):
         "dynamic", description='fp16 only: "dynamic" loss scaling, "none", or a fixed scale'
     )
     round_size: int | None = Field(None, ge=1, description="microbatches per round (>= number of devices)")
-    chunk_bytes: int | None = Field(64 << 20, ge=1, description="split parameter uploads larger than this")
+    chunk_bytes: int | None = Field(256 << 20, ge=1, description="split parameter uploads larger than this")
     recompute_grain: Literal["auto", "stage", "layer", "layer_input"] = Field(
         "auto",
         description='backward recompute granularity: "stage" recomputes a backward stage from its input; '

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe.backends.tensors import chunk_spans, download_fp32, element_span, part_range
+from roundpipe.backends.tensors import (
+    chunk_spans,
+    download_fp32,
+    element_span,
+    gradient_chunk_elements,
+    part_range,
+)
 from tests.helpers import assert_weights_equal, batches, mlp, sync_reference, train_steps
 
 mse = nn.functional.mse_loss
@@ -44,6 +50,14 @@ def test_gradients_download_in_chunks() -> None:
     landing = torch.full((7, 5), float("nan"))
     download_fp32(source, landing, chunk_elements=4)
     assert torch.equal(landing, source.to(torch.float32))
+
+
+def test_gradients_convert_64_mib_at_a_time_whatever_the_upload_pieces() -> None:
+    """Weights upload in 256 MiB pieces by default; the fp32 conversion of a gradient on the
+    device, which the memory model leaves out, stays at 64 MiB (smaller pieces make it smaller)."""
+    assert roundpipe.RunConfig().chunk_bytes == 256 << 20
+    assert gradient_chunk_elements(256 << 20) == gradient_chunk_elements(None) == (64 << 20) // 4
+    assert gradient_chunk_elements(1 << 20) == (1 << 20) // 4 and gradient_chunk_elements(3) == 1
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -50,6 +50,7 @@ from roundpipe.backends.tensors import (
     chunk_spans,
     download,
     download_fp32,
+    gradient_chunk_elements,
     pop_frozen,
     to_device,
 )
@@ -106,7 +107,7 @@ class Runtime(OptimizerLane):
         # norm is computed (max_grad_norm) and no loss scaler skips such steps.
         self.non_finite_grad_norm: tuple[int, float] | None = None
         self.scaler = scaler
-        self.chunk_elements = max(1, (chunk_bytes or 64 << 20) // 4)  # fp32 elements per gradient chunk
+        self.chunk_elements = gradient_chunk_elements(chunk_bytes)
         self.iterations: dict[int, IterationData] = {}
         self.activations: dict[BoundaryKey, Any] = {}
         self.gradients: dict[BoundaryKey, list[torch.Tensor | None]] = {}

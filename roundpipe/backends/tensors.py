@@ -94,6 +94,17 @@ def download(obj: Any) -> Any:
     return obj
 
 
+GRADIENT_CHUNK_BYTES = 64 << 20
+"""The most fp32 bytes a gradient converts on the device at once (`download_fp32`): a transient the
+memory model leaves out, so it stays this small whatever size ``RunConfig.chunk_bytes`` uploads the
+weights in."""
+
+
+def gradient_chunk_elements(chunk_bytes: int | None) -> int:
+    """fp32 elements per gradient chunk: ``chunk_bytes`` (None: no split) up to `GRADIENT_CHUNK_BYTES`."""
+    return max(1, min(chunk_bytes or GRADIENT_CHUNK_BYTES, GRADIENT_CHUNK_BYTES) // 4)
+
+
 def download_fp32(source: torch.Tensor, landing: torch.Tensor, chunk_elements: int) -> None:
     """Copy a device tensor into the host fp32 tensor ``landing``, converting on the device one
     chunk at a time (a 600 MB bf16 LM-head gradient never needs 2.4 GB of fp32 on the device)."""
