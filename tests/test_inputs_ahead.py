@@ -173,3 +173,25 @@ def test_serial_uploads_finish_keep_the_rules_and_cost_the_exposed_uploads(
     if (devices, microbatches) == (1, 1):
         backward_runs = 2 * len(plan.bwd_stages)
         assert ahead.makespan_ms < serial.makespan_ms <= ahead.makespan_ms + backward_runs * 2 * 0.1 + 1e-9
+
+
+def test_the_next_runs_first_inputs_come_once_the_current_runs_last_one_is_issued() -> None:
+    """The schedule `roundpipe.plan.in_flight` counts on one device: the backward run after the
+    fused one uploads its first two microbatches' inputs (and gradients) once the device's run two
+    before has completed and the fused run's last input is issued, which itself waits for the fused
+    compute two microbatches before it. So while the fused run computes its third microbatch, its
+    fourth input and the backward run's first two may all be on the device, never more."""
+    plan = Plan((range(0, 2),), range(2, 4), (range(0, 2),), t_max=1.0, num_devices=1, num_microbatches=4)
+    spec = ModelSpec.uniform(plan.num_layers, param_bytes=1000, act_bytes=100)
+    builder = GraphBuilder(plan, spec, 1, ScheduleOptions(round_size=4))
+    tasks = {
+        t.key: t for t in [*builder.forward_backward(0, 0, 4).tasks, *builder.forward_backward(1, 0, 4).tasks]
+    }
+    fused_last = ActUpKey(1, 1, 3)
+    assert tasks[fused_last].sync_deps == (ComputeKey(1, 1, 1),)
+    for key in (ActUpKey(1, 2, 0), ActUpKey(1, 2, 1), GradUpKey(1, 2, 0), GradUpKey(1, 2, 1)):
+        deps = tasks[key].deps
+        assert fused_last in deps and tasks[key].sync_deps == (ComputeKey(1, 0, 3),), (key, deps)
+        assert not any(isinstance(d, ComputeKey) and d.slot == 1 for d in deps)  # no fused compute
+    # The third input waits for the first backward: the flow control within the run.
+    assert ComputeKey(1, 2, 0) in tasks[ActUpKey(1, 2, 2)].sync_deps
