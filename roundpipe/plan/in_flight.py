@@ -59,9 +59,8 @@ def own_in_flight(
 ) -> int:
     """A run's own boundary activations besides its computing microbatch's: ``act_in_flight``
     microbatches' stage inputs and outputs (for a backward stage the output is the gradient from
-    above, at most the activation's size); a forward
-    stage also holds, per microbatch, the activations it saves for backward stages starting inside
-    it. Without ``inputs_ahead`` a backward stage's next input is uploaded only once its previous
+    above, at most the activation's size); a forward stage also holds, per microbatch, the
+    activations it saves for backward stages starting inside it. Without ``inputs_ahead`` a backward stage's next input is uploaded only once its previous
     backward is done (`ScheduleOptions.inputs_ahead`): beside the computing microbatch's own input
     (in the stage) only its gradient is there."""
     r = slot.layers
