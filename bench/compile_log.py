@@ -5,7 +5,7 @@ Why: a benchmark's measured steps must not pay for compiling, and `gpu_throughpu
 ``compile_s_measured`` (torch.compile's own timers), which says how long but not what. On an H100 a
 GPT-OSS-20B run (`gpu_big.sh D2`) compiled 4.6 s inside its measured steps with its plan settled
 (its first forward stage's compute took 5.3 s there); no CPU run of the same shapes compiled after
-its first iteration. The events name the frame and the guard that failed, so the next run says why.
+its first iteration. The events name the frame and the guard that failed, so a run's line says which.
 
 It reads the loggers torch writes to anyway: ``torch._dynamo.symbolic_convert`` (``torchdynamo start
 tracing <frame> <file>:<line>``, at INFO) and dynamo's ``recompiles`` artifact, which it switches

@@ -5,8 +5,8 @@ completes only after everything issued on it before. Of a task's dependencies on
 issued last covers the rest; one on the task's own lane needs no wait at all. The count matters
 on CUDA: each wait is a call that lets go of the GIL and takes it back (`torch.cuda.Event.wait`),
 and taking it back waits for whichever other lane thread holds it. A compute task depends on
-every upload piece of its stage's weights: a Qwen3-30B-A3B layer was 19 pieces of 64 MiB (5 of
-the default 256 MiB now), so a two-layer stage's task waited about 40 times where one wait on the
+every upload piece of its stage's weights: a Qwen3-30B-A3B layer is 19 pieces of 64 MiB (5 of
+the default 256 MiB), so a two-layer stage's task waited about 40 times where one wait on the
 parameter lane, one on the activation lane, suffice.
 
 The fake stream backend chooses through the same function, so the CI tests that check its

@@ -14,8 +14,9 @@ which the flow control allows once the compute ``flow_depth`` microbatches befor
 ended: from then on the current run has one input fewer ahead, and the next run's are there.
 A backward run's input is large under the ``layer_input`` grain (every layer's saved input and
 the gradient from above): on an H100 a Qwen3-32B-shaped plan's fused stage (its own input 42 MiB)
-peaked with the next backward run's first two microbatches up beside it, 584 MiB the count had
-left out (`bench/gpu_big.sh E-snapshot`: 19.77 GiB measured, 19.05 predicted). Several devices
+peaked with the next backward run's first two microbatches up beside it, 584 MiB that a count
+without them leaves out (`bench/gpu_big.sh E-snapshot`: 19.77 GiB measured, 19.05 predicted without
+them, 19.57 with). Several devices
 make no such wait, so there the next run's inputs are counted beside all of the current run's.
 
 Pure arithmetic over integers: never import torch, measure, or touch a device."""
