@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 TRACING_LOGGER = "torch._dynamo.symbolic_convert"
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
-MAX_EVENTS = 200  # a run compiles some tens of frames; a runaway recompile loop is cut here
+MAX_EVENTS = 200  # a run compiles some tens of frames; of a runaway recompile loop the latest are kept
 MAX_CHARS = 240
 
 
@@ -33,7 +34,8 @@ class CompileEvents(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.events: list[tuple[float, str]] = []
+        # The latest events: a measured window comes after the warm-up's compiles.
+        self.events: deque[tuple[float, str]] = deque(maxlen=MAX_EVENTS)
         self._guard = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -41,8 +43,7 @@ class CompileEvents(logging.Handler):
         if text is None:
             return
         with self._guard:
-            if len(self.events) < MAX_EVENTS:
-                self.events.append((time.perf_counter(), text))
+            self.events.append((time.perf_counter(), text))
 
     def since(self, start: float) -> list[dict[str, Any]]:
         """The events from ``start`` (a `time.perf_counter` reading) on, with their second from it."""

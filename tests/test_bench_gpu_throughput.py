@@ -12,6 +12,7 @@ import gzip
 import importlib.util
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -805,3 +806,17 @@ def test_a_profiled_window_is_not_measured_again() -> None:
     assert bench.profiled_window(SimpleNamespace(torch_profile=True, memory_snapshot=None))
     assert bench.profiled_window(SimpleNamespace(torch_profile=False, memory_snapshot=Path("snap")))
     assert not bench.profiled_window(SimpleNamespace(torch_profile=False, memory_snapshot=None))
+
+
+def test_compile_events_keep_the_latest_when_there_are_too_many() -> None:
+    """A measured window comes after the warm-up's compiles: past the cap the oldest go."""
+    compile_log = sys.modules["compile_log"]
+    events = compile_log.CompileEvents()
+    for n in range(compile_log.MAX_EVENTS + 5):
+        record = logging.LogRecord(
+            "t", logging.INFO, __file__, 1, f"torchdynamo start tracing f{n}", None, None
+        )
+        events.emit(record)
+    whats = [event["what"] for event in events.since(0.0)]
+    assert len(whats) == compile_log.MAX_EVENTS
+    assert whats[0].endswith("f5") and whats[-1].endswith(f"f{compile_log.MAX_EVENTS + 4}")

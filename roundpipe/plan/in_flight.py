@@ -59,17 +59,18 @@ def own_in_flight(
     mem: LayerMemory, slot: Any, held: frozenset[int], act_in_flight: int, inputs_ahead: bool, grain: Grain
 ) -> int:
     """A run's own boundary activations besides its computing microbatch's: ``act_in_flight``
-    microbatches' stage inputs and outputs (for a backward stage the output is the gradient from
-    above, at most the activation's size); a forward stage also holds, per microbatch, the
-    activations it saves for backward stages starting inside it. Without ``inputs_ahead`` a backward stage's next input is uploaded only once its previous
-    backward is done (`ScheduleOptions.inputs_ahead`): beside the computing microbatch's own input
-    (in the stage) only its gradient is there."""
+    microbatches' uploads (`uploaded_inputs`: a backward stage's gradient from above among them)
+    and a forward or fused stage's outputs; a forward stage also holds, per microbatch, the
+    activations it saves for backward stages starting inside it. Without ``inputs_ahead`` a
+    backward stage's next input is uploaded only once its previous backward is done
+    (`ScheduleOptions.inputs_ahead`): beside the computing microbatch's own input (in the stage)
+    only its gradient is there."""
     r = slot.layers
     if slot.kind == "bwd" and not inputs_ahead:
         return mem.boundary_bytes[r.stop] - mem.carried_bytes[r.stop] if r.stop < mem.num_layers else 0
-    edge = mem.boundary_bytes[r.start] + (mem.boundary_bytes[r.stop] if r.stop < mem.num_layers else 0)
-    if slot.kind == "bwd" and grain == "layer_input":  # every layer's input comes up
-        edge += held_inputs(mem, r) - mem.boundary_bytes[r.start]
+    edge = uploaded_inputs(mem, slot, grain)
+    if slot.kind != "bwd" and r.stop < mem.num_layers:  # the output going down
+        edge += mem.boundary_bytes[r.stop]
     if slot.kind == "fwd":
         inner = sum(mem.boundary_bytes[b] - mem.carried_bytes[b] for b in held if r.start < b < r.stop)
         return act_in_flight * edge + (act_in_flight + 1) * inner

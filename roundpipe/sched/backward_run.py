@@ -38,15 +38,15 @@ times were unchanged on every 1-device plan tried).
 Where the previous run uploads more than the stage uploaded farthest ahead (a fused stage with the
 LM head before a plain backward stage), that first recompute waits for the previous run's last
 backward to *complete*, not only to be issued (and a fused run's first compute likewise after a
-forward stage longer than the first backward stage, `forward_run`): the previous run's frozen weights are released once
-that compute has run on the device (`Runtime.run`), and the memory model counts them gone before
-this run builds its activations, with the farthest stage's upload in their place (that upload
-waits for the same completion). Issued ahead, a 32B base's recompute was built beside its fused
-stage's 7.8 GiB of frozen weights: 0.8 GiB over the model on an H100. Elsewhere the farthest upload
-is at least as large, so the overlap stays within the count and no wait is made: a wait costs the
-device the host's time to issue the run's first kernels. Made at every run, it gave the fake
-engine's E-proportioned plan, whose host takes 2-5 ms to issue a compute, 2.8% of bubble where
-`tests/test_upload_order.py` asks under 1%, which the plan keeps as made here.
+forward stage longer than the first backward stage, `forward_run`): the previous run's frozen
+weights are released once that compute has run on the device (`Runtime.run`), and the memory model
+counts them gone before this run builds its activations, with the farthest stage's upload in their
+place (that upload waits for the same completion). Issued ahead, a 32B base's recompute was built
+beside its fused stage's 7.8 GiB of frozen weights: 0.8 GiB over the model on an H100. Elsewhere
+the farthest upload is at least as large, so the overlap stays within the count and no wait is
+made: a wait costs the device the host's time to issue the run's first kernels. Made at every run,
+it gave the fake engine's E-proportioned plan, whose host takes 2-5 ms to issue a compute, 2.8% of
+bubble where `tests/test_upload_order.py` asks under 1%, which the plan keeps as made here.
 
 On several devices the next run's gradient comes from another device: waiting there raised the
 asynchronous steady bubble of 28-64-layer LLM profiles (8 devices, 16 microbatches) from about 2%
