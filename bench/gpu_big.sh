@@ -110,8 +110,10 @@ declare -A VARIANT=(
   [64MiB]="--chunk-bytes 64MiB"
   [256MiB]="--chunk-bytes 256MiB"
   # Each token's expert rows summed by the Triton kernels of roundpipe.model.choice_sum (forward
-  # combine, its backward, the gather's backward) instead of inductor's fused torch ops.
-  [choicesum]="--choice-sum"
+  # combine, its backward, the gather's backward; the default on CUDA) or by inductor's fused
+  # torch ops (nochoicesum): the A/B behind that default.
+  [choicesum]="--choice-sum on"
+  [nochoicesum]="--choice-sum off"
   # torch's flash attention kernel instead of cuDNN's, which torch 2.11 with cuDNN 9.19 runs by
   # default on Hopper cards (bench/gpu_attention.py times both kernels alone)
   [flash]="--sdpa-first flash"

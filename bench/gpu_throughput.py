@@ -187,8 +187,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--choice-sum",
-        action="store_true",
-        help="sum each token's expert rows by the Triton kernels (roundpipe.model.choice_sum.ENABLED)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="sum each token's expert rows by the Triton kernels (roundpipe.model.choice_sum.ENABLED; "
+        "auto: where CUDA and Triton are)",
     )
     p.add_argument(
         "--upload-parts-ahead",
@@ -373,7 +375,7 @@ def run_roundpipe(
     with (
         mock.patch.multiple("roundpipe.planning.device_plan", **planner),
         upload_window(getattr(args, "upload_parts_ahead", None)),
-        choice_sum_kernels(getattr(args, "choice_sum", False)),
+        choice_sum_kernels(getattr(args, "choice_sum", "auto")),
         settings_everywhere(inductor_config, inductor_options),  # the lanes compile on their own threads
         # roundpipe holds the C++ wrapper on CUDA unless the environment chose: --inductor
         # cpp_wrapper=False is the Python wrapper's A/B
@@ -554,7 +556,7 @@ def run_roundpipe(
         "attention_backend": attention,
         "flow_depth": flow_depth,
         "upload_parts_ahead": trace.meta.get("upload_parts_ahead"),
-        "choice_sum": getattr(args, "choice_sum", False),
+        "choice_sum": getattr(args, "choice_sum", "auto"),
         # the measured iterations' idle gaps by cause (`roundpipe trace gaps` lists each), per iteration
         "gap_causes_ms": {k: round(v / max(1, len(measured)), 2) for k, v in causes.items()},
         **({"torch_profile": torch_profile} if torch_profile is not None else {}),
@@ -668,11 +670,12 @@ def upload_window(parts: int | None) -> contextlib.AbstractContextManager[Any]:
     return mock.patch("roundpipe.assembly.UPLOAD_PARTS_AHEAD", parts)
 
 
-def choice_sum_kernels(enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    """``roundpipe.model.choice_sum.ENABLED`` for one run (--choice-sum), set back after it."""
-    if not enabled:
+def choice_sum_kernels(choice: str) -> contextlib.AbstractContextManager[Any]:
+    """``roundpipe.model.choice_sum.ENABLED`` for one run (--choice-sum on|off), set back after it;
+    nothing for "auto" (the library's default)."""
+    if choice == "auto":
         return contextlib.nullcontext()
-    return mock.patch("roundpipe.model.choice_sum.ENABLED", True)
+    return mock.patch("roundpipe.model.choice_sum.ENABLED", choice == "on")
 
 
 REMEASURES_AFTER_COMPILE = 1

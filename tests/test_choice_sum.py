@@ -262,3 +262,18 @@ def test_a_pipe_with_the_ops_trains_as_without(make: Any, monkeypatch: pytest.Mo
     assert runs[0][2] is False and runs[1][2] is True
     assert runs[1][0] == runs[0][0]
     assert_same_weights(runs[1][1], runs[0][1])
+
+
+def test_by_default_the_ops_are_used_where_their_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ENABLED`` None: a CPU tensor takes the torch formula inline, a tensor the kernels can take
+    (CUDA, Triton) the ops; True and False force either."""
+    rows = torch.zeros(4, 3)
+    assert choice_sum.ENABLED is None
+    assert choice_sum.in_use(rows) is False
+    monkeypatch.setattr(choice_sum, "_kernels_here", lambda t: t is rows)
+    assert choice_sum.in_use(rows) is True
+    assert choice_sum.in_use(torch.zeros(1)) is False
+    monkeypatch.setattr(choice_sum, "ENABLED", False)
+    assert choice_sum.in_use(rows) is False
+    monkeypatch.setattr(choice_sum, "ENABLED", True)
+    assert choice_sum.in_use(torch.zeros(1)) is True

@@ -237,3 +237,23 @@ def test_layers_with_experts_launch_from_the_cpp_wrapper_through_roundpipes_prod
         LayerCompiler(True, "cuda").prepare(layer)
         dispatched[wants] = [getattr(m, "dispatch_products", False) for m in layer.modules()].count(True)
     assert dispatched == {True: 1, False: 0}
+
+
+def test_rotary_tables_leave_the_embedding_contiguous_as_their_uploaded_copies_arrive() -> None:
+    """A layer compiled for the tables as they cross the link (dense copies) reads the ones its own
+    stage's embedding made in that layout too, not in a second one compiled apart."""
+    from roundpipe.model.attention_masks import rotary_tables
+
+    class TransposedTables(nn.Module):
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            freqs = torch.arange(2 * 4 * 8.0).reshape(2, 4, 8).transpose(1, 2)  # [2, 8, 4], a view
+            return freqs.cos(), freqs.sin().transpose(1, 2).contiguous().transpose(1, 2)
+
+    made = TransposedTables()(torch.zeros(1), torch.zeros(1))
+    assert not made[0].is_contiguous() and not made[1].is_contiguous()
+    tables = rotary_tables(
+        TransposedTables(), torch.zeros(2, 8, 16), torch.arange(8)[None], ["full_attention"]
+    )
+    assert sorted(tables) == ["_cos", "_sin"]
+    for table, original in zip((tables["_cos"], tables["_sin"]), made, strict=True):
+        assert table.is_contiguous() and torch.equal(table, original)

@@ -246,6 +246,28 @@ def test_a_compiled_layer_skips_in_its_own_graph_and_keeps_the_gradients(nf4: bo
     torch._dynamo.reset()
 
 
+def test_a_compiled_tail_set_back_after_a_skip_runs_the_code_compiled_before_it() -> None:
+    """The flag is the copy's own from marking on, so dynamo's guard reads one value before and
+    after a skip: a layer whose tail a plan skips once compiles no third variant."""
+    torch._dynamo.reset()
+    layer = decoder_layer()
+    mark_tail(layer)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    layer.compile(backend=counting)
+    grads_of(layer, skip=False)
+    grads_of(layer, skip=True)
+    compiled = len(graphs)
+    grads_of(layer, skip=False)
+    grads_of(copy.deepcopy(layer), skip=False)  # a copy made after the skip matches too
+    assert compiled > 0 and len(graphs) == compiled
+    torch._dynamo.reset()
+
+
 def test_with_every_layer_input_a_backward_upload_waits_for_the_deepest_saver_and_counts_all() -> None:
     from roundpipe.plan import Plan
     from roundpipe.sched import GraphBuilder, ModelSpec, ScheduleOptions

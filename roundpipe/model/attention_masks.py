@@ -57,14 +57,16 @@ def rotary_per_layer_type(rotary_emb: nn.Module) -> bool:
 def rotary_tables(
     rotary_emb: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, types: list[str]
 ) -> dict[str, torch.Tensor]:
-    """The rotary tables the layers of ``types`` read, under their carried keys."""
+    """The rotary tables the layers of ``types`` read, under their carried keys; contiguous, as
+    every copy of them that crosses the link arrives (a table some transformers versions make as a
+    transposed view would otherwise reach a compiled layer in two layouts, each compiled apart)."""
     if not rotary_per_layer_type(rotary_emb):
         cos, sin = rotary_emb(hidden, position_ids)
-        return {"_cos": cos, "_sin": sin}
+        return {"_cos": cos.contiguous(), "_sin": sin.contiguous()}
     out: dict[str, torch.Tensor] = {}
     for kind in types:
         cos, sin = rotary_emb(hidden, position_ids, kind)
-        out[ROTARY_KEYS[kind][0]], out[ROTARY_KEYS[kind][1]] = cos, sin
+        out[ROTARY_KEYS[kind][0]], out[ROTARY_KEYS[kind][1]] = cos.contiguous(), sin.contiguous()
     return out
 
 

@@ -18,11 +18,13 @@ additions (`tests/test_choice_sum.py` runs the kernels in Triton's interpreter o
 Where Triton or CUDA is absent the custom ops run the reference in torch, so a CPU pipe exercises
 the same ops and autograd.
 
-Off unless ``ENABLED`` is set. As opaque custom operators they gained 5.9% on D16 (one H100) but
-raised D's host-bound share from 9.9% to 28-42% (inductor's C++ wrapper calls such an operator
-back through Python: the likely cause). As `torch.library.triton_op`s their launches trace into
-the compiled layer, for inductor to issue; whether that keeps D's host share is for a GPU run to
-say (`gpu_big.sh D-choicesum D D16-choicesum D16`).
+On by default where the rows are on a CUDA device and Triton is present (``ENABLED`` is None:
+`in_use`); elsewhere, and wherever ``ENABLED`` is False, the MoE path runs the torch formula
+inline. As `torch.library.triton_op`s their launches trace into the compiled layer, for inductor
+to issue from its own code. One H100 host, one call each (`gpu_big.sh D-choicesum D`,
+`gpu_big.sh D16-choicesum D16`): D 6,889 tok/s against 6,646, its host-bound share 36.1% against
+49.3%; D16 (as opaque operators, which inductor's C++ wrapper calls back through Python) 13,955
+against 13,183.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import torch
 
 from roundpipe.model import nf4_triton
 
-# Set by a caller that wants the kernels (the benchmarks' ``--choice-sum``); read at trace time.
-ENABLED = False
+# None: the kernels where `in_use` finds CUDA and Triton; True or False forces the choice (the
+# benchmarks' ``--choice-sum on|off``). Read at trace time.
+ENABLED: bool | None = None
 
 # Columns per program: one 16-byte load per thread of 4 warps in bf16.
 BLOCK = 1024
@@ -208,6 +211,12 @@ def _reference_backward(
 
 def _kernels_here(t: torch.Tensor) -> bool:
     return t.is_cuda and available()
+
+
+def in_use(t: torch.Tensor) -> bool:
+    """Whether the MoE path sums the choices of ``t``'s rows through these ops: ``ENABLED`` when
+    set, else where the kernels run (a CUDA tensor, Triton importable)."""
+    return _kernels_here(t) if ENABLED is None else ENABLED
 
 
 # Two ops, not one with an optional weight, so that no argument may be None. Each is a

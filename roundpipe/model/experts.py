@@ -118,7 +118,7 @@ def grouped_experts(
     if getattr(experts, "output_unread", False) and torch.is_grad_enabled():  # `experts_tail`
         return unread_experts(experts, inner, top_k_weights, routing, inverse, hidden, **stored)
     out = project(experts, "down_proj", inner, routing, **stored)
-    if choice_sum.ENABLED:  # one kernel reads the k rows of a token and weighs and sums them
+    if choice_sum.in_use(out):  # one kernel reads the k rows of a token and weighs and sums them
         return choice_sum.choice_sum(out, inverse, top_k_weights, k).to(hidden.dtype)
     out = out * sort_choices(top_k_weights, routing, inverse).unsqueeze(-1).to(out.dtype)
     # Back to (token, choice) order, then the k choices of a token summed: a fixed order, unlike

@@ -216,6 +216,10 @@ def mark_tail(layer: nn.Module) -> bool:
     if not getattr(type(tail), "_roundpipe_tail", False):
         methods = _experts_methods if getattr(type(tail), "_roundpipe_grouped", False) else _tail_methods
         tail.__class__ = subclass_of(_subclasses, type(tail), "UnreadTail", methods)
+    # An attribute of the copy from the start: torch.compile guards on the flag's value where it is
+    # one, else on its absence, so a tail flagged once and set back would no longer match the code
+    # compiled before (one more compile of the layer, whenever a plan first skips its tail).
+    setattr(tail, "output_unread", False)  # noqa: B010
     return True
 
 
@@ -226,14 +230,16 @@ def tails(module: nn.Module) -> list[nn.Module]:
 
 @contextmanager
 def _flagged(marked: list[nn.Module], unread: bool) -> Iterator[None]:
-    """``output_unread`` set to ``unread`` on the ``marked`` tails while inside, then back."""
+    """``output_unread`` set to ``unread`` on the ``marked`` tails while inside, then back to what
+    each held."""
+    held = [bool(getattr(tail, "output_unread", False)) for tail in marked]
     for tail in marked:
         setattr(tail, "output_unread", unread)  # noqa: B010 (a plain attribute)
     try:
         yield
     finally:
-        for tail in marked:
-            setattr(tail, "output_unread", not unread)  # noqa: B010
+        for tail, was in zip(marked, held, strict=True):
+            setattr(tail, "output_unread", was)  # noqa: B010
 
 
 def unread_tail(marked: list[nn.Module]) -> AbstractContextManager[None]:

@@ -61,7 +61,7 @@ class _RowsByExpert(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         (inverse,) = ctx.saved_tensors
-        if choice_sum.ENABLED:
+        if choice_sum.in_use(grad):
             return choice_sum.choice_sum(grad, inverse, None, ctx.k), None, None, None
         return grad[inverse].view(ctx.tokens, ctx.k, -1).sum(dim=1), None, None, None
 
