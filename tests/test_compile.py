@@ -257,3 +257,21 @@ def test_rotary_tables_leave_the_embedding_contiguous_as_their_uploaded_copies_a
     assert sorted(tables) == ["_cos", "_sin"]
     for table, original in zip((tables["_cos"], tables["_sin"]), made, strict=True):
         assert table.is_contiguous() and torch.equal(table, original)
+
+
+def test_a_compiled_sliding_window_lora_pipe_builds_only_the_variants_its_stages_run(
+    eager_dynamo: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPT-OSS with LoRA in several stages: its decoder layer's graphs are grad mode (2) x attention
+    kind (2), the backward stages' last layers' unread tails (2), the first layer after the frozen
+    embedding with an input that needs no gradient (1), and one more graph for the embedding's
+    stage: 8, whatever the profile called (its calls without grad see the weights as a forward
+    stage binds them) and however often the plan flags a tail."""
+    from tests.test_moe_parity import tiny_gpt_oss
+    from tests.test_transformers_parity import lora
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # count every variant
+    model = lora(tiny_gpt_oss(layers=6))
+    options = dict(devices="cpu:1", num_microbatches=4, memory_budget="200KiB", recompute_grain="stage")
+    pipe_loop(model, token_data(3, seq=16), compile=True, **options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 8

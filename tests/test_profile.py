@@ -3,6 +3,8 @@ budget helpers' arithmetic with CUDA's answers stubbed."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -59,6 +61,31 @@ def test_frozen_parameters_have_no_gradient_bytes_and_user_weights_stay_untouche
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert all(p.grad is None for p in model.parameters())
+
+
+class _SeesItsWeight(nn.Linear):
+    """A linear that records, per call, grad mode and whether its weight requires grad."""
+
+    seen: ClassVar[list[tuple[bool, bool]]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _SeesItsWeight.seen.append((torch.is_grad_enabled(), self.weight.requires_grad))
+        return super().forward(x)
+
+
+def test_calls_without_grad_see_weights_that_require_none_as_a_forward_stage_binds_them(
+    one_torch_thread: None,
+) -> None:
+    """A compiled layer guards on its weights' ``requires_grad``: the profile's calls must come in
+    the stages' combinations only (without grad: none required; with grad: the trained ones)."""
+    _SeesItsWeight.seen = []
+    layers = [_SeesItsWeight(8, 8), _SeesItsWeight(8, 8)]
+    layers[1].requires_grad_(False)
+    measure_layers(layers, torch.randn(BATCH, 8), CPU, computes_loss=False)
+    seen = set(_SeesItsWeight.seen)
+    assert (False, False) in seen and (True, True) in seen
+    assert (False, True) not in seen
+    assert all(p.requires_grad for p in layers[0].parameters())
 
 
 def test_profiling_leaves_the_random_stream_alone(one_torch_thread: None) -> None:

@@ -141,11 +141,15 @@ def _warm_up(
 
 
 def _bound_call(replica: nn.Module, params: dict[str, torch.Tensor]) -> Callable[[Any], Any]:
-    """Call ``replica`` as the runtime calls a layer: its parameter slots bound for the call."""
+    """Call ``replica`` as the runtime calls a layer: its parameter slots bound for the call, and
+    without grad to copies that require none, as a forward stage binds them (a compiled layer
+    guards on each parameter's ``requires_grad``: bound as they are, the profile's calls without
+    grad compiled variants no stage runs)."""
     binder = Binder(replica)
+    detached = {name: p.detach() for name, p in params.items()}
 
     def call(inp: Any) -> Any:
-        binder.bind(params)
+        binder.bind(params if torch.is_grad_enabled() else detached)
         try:
             return replica(inp)
         finally:
