@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -259,22 +260,43 @@ def test_rotary_tables_leave_the_embedding_contiguous_as_their_uploaded_copies_a
         assert table.is_contiguous() and torch.equal(table, original)
 
 
-def test_a_compiled_sliding_window_lora_pipe_builds_only_the_variants_its_stages_run(
-    eager_dynamo: None,
-) -> None:
-    """GPT-OSS with LoRA in several stages: its decoder layer's graphs are grad mode (2) x attention
-    kind (2), the backward stages' last layers' unread tails (2), the first layer after the frozen
-    embedding with an input that needs no gradient (1), and one more graph for the embedding's
-    stage: 8, whatever the profile called (its calls without grad see the weights as a forward
-    stage binds them) and however often the plan flags a tail."""
-    import torch._dynamo.config as dynamo_config
-
+def _lora_gpt_oss() -> nn.Module:
     from tests.test_moe_parity import tiny_gpt_oss
     from tests.test_transformers_parity import lora
 
-    model = lora(tiny_gpt_oss(layers=6))
-    options = dict(devices="cpu:1", num_microbatches=4, memory_budget="200KiB", recompute_grain="stage")
+    return lora(tiny_gpt_oss(layers=6))
+
+
+def _lora_qwen3() -> nn.Module:
+    from tests.helpers import tiny_causal_lm
+    from tests.test_transformers_parity import lora
+
+    return lora(tiny_causal_lm("qwen3", vocab=64, attn="sdpa", layers=8))
+
+
+@pytest.mark.parametrize(
+    ("make", "budget", "grain", "graphs"),
+    [
+        (_lora_gpt_oss, "200KiB", "stage", 8),
+        (_lora_qwen3, "300KiB", "stage", 4),
+        (_lora_qwen3, "300KiB", "layer_input", 4),
+    ],
+    ids=["gpt-oss", "qwen3", "qwen3-layer-input"],
+)
+def test_a_compiled_lora_pipe_builds_only_the_variants_its_stages_run(
+    eager_dynamo: None, make: Any, budget: str, grain: str, graphs: int
+) -> None:
+    """LoRA in several stages on one device. GPT-OSS: its decoder layer's graphs are grad mode (2) x
+    attention kind (2), the backward stages' last layers' unread tails (2), the first layer after
+    the frozen embedding with an input that needs no gradient (1), and one more graph for the
+    embedding's stage: 8. Qwen3, one attention kind: 4. Whatever the profile called (its calls
+    without grad see the weights as a forward stage binds them) and however often the plan flags a
+    tail (before either held: 12, 7 and 6 graphs)."""
+    import torch._dynamo.config as dynamo_config
+
+    model = make()
+    options = dict(devices="cpu:1", num_microbatches=4, memory_budget=budget, recompute_grain=grain)
     # Every variant counted: the limit raised in the lane threads too, where the layers compile.
     with compiling.settings_everywhere(dynamo_config, {"recompile_limit": 64}):
         pipe_loop(model, token_data(3, seq=16), compile=True, **options)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
