@@ -212,6 +212,19 @@ def test_lora_under_a_tiny_budget_reports_both_verdicts(
     assert "tokens_per_s" in line["roundpipe"] or "error" in line["roundpipe"]
 
 
+def test_choice_sum_flag_forces_the_kernels_either_way_or_leaves_the_default() -> None:
+    from roundpipe.model import choice_sum
+
+    assert bench.parse_args(["--workload", "D"]).choice_sum == "auto"
+    for flag, inside in (("auto", None), ("on", True), ("off", False)):
+        args = bench.parse_args(["--workload", "D", "--choice-sum", flag])
+        with bench.choice_sum_kernels(args.choice_sum):
+            assert choice_sum.ENABLED is inside, flag
+        assert choice_sum.ENABLED is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--choice-sum", "yes"])
+
+
 def test_lora_roundpipe_side_trains_adapters_in_bf16() -> None:
     args = bench.parse_args(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4"])
     args.steps, args.warmup = 1, 1
