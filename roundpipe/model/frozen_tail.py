@@ -130,18 +130,13 @@ def _tail_methods(base: type) -> dict[str, Any]:
             return _unread_output(self, x)
         return original(self, x, *args, **kwargs)
 
-    # Off until `unread_tail` turns it on for one call: a class attribute, so copies start off.
-    return {
-        "forward": forward,
-        "output_unread": False,
-        "_roundpipe_tail": True,
-        "__module__": base.__module__,
-    }
+    # The flag itself is the copy's own, off from marking on (`mark_tail`).
+    return {"forward": forward, "_roundpipe_tail": True, "__module__": base.__module__}
 
 
 def _experts_methods(base: type) -> dict[str, Any]:
     """Grouped experts read the flag themselves (`roundpipe.model.experts.grouped_experts`)."""
-    return {"output_unread": False, "_roundpipe_tail": True, "__module__": base.__module__}
+    return {"_roundpipe_tail": True, "__module__": base.__module__}
 
 
 def _plain_lora(wrapper: nn.Module) -> bool:
@@ -216,9 +211,10 @@ def mark_tail(layer: nn.Module) -> bool:
     if not getattr(type(tail), "_roundpipe_tail", False):
         methods = _experts_methods if getattr(type(tail), "_roundpipe_grouped", False) else _tail_methods
         tail.__class__ = subclass_of(_subclasses, type(tail), "UnreadTail", methods)
-    # An attribute of the copy from the start: torch.compile guards on the flag's value where it is
-    # one, else on its absence, so a tail flagged once and set back would no longer match the code
-    # compiled before (one more compile of the layer, whenever a plan first skips its tail).
+    # Off, and an attribute of the copy from the start (`unread_tail` turns it on for one call):
+    # torch.compile guards on the flag's value where it is one, else on its absence, so a tail
+    # flagged once and set back would no longer match the code compiled before (one more compile
+    # of the layer, whenever a plan first skips its tail).
     setattr(tail, "output_unread", False)  # noqa: B010
     return True
 
