@@ -446,7 +446,7 @@ def run_roundpipe(
             discarded.append(
                 {
                     "compile_s": round(compiled_s, 3),
-                    "tokens_per_s_wall": round(processes()[1] * workload.tokens * args.steps / wall, 1),
+                    "tokens_per_s_wall": wall_rate(workload.tokens, args.steps, wall),
                     "compiles": compiles.since(measured_start),
                 }
             )
@@ -493,7 +493,7 @@ def run_roundpipe(
     )
     return {
         "tokens_per_s": round(world * workload.tokens / step_s, 1),
-        "tokens_per_s_wall": round(world * workload.tokens * args.steps / wall, 1),  # + one final synchronize
+        "tokens_per_s_wall": wall_rate(workload.tokens, args.steps, wall),  # + one final synchronize
         # Over the measured iterations' tasks only (first compute start to last compute end): with
         # --warmup 0 the step above also holds the one-time device profile and compiles.
         "tokens_per_s_trace": round(
@@ -676,6 +676,12 @@ def choice_sum_kernels(choice: str) -> contextlib.AbstractContextManager[Any]:
     if choice == "auto":
         return contextlib.nullcontext()
     return mock.patch("roundpipe.model.choice_sum.ENABLED", choice == "on")
+
+
+def wall_rate(tokens_per_step: int, steps: int, wall_s: float) -> float:
+    """Tokens per second of all processes over ``steps`` measured steps taking ``wall_s`` in all
+    (every process trains a step's tokens, and they step together)."""
+    return round(processes()[1] * tokens_per_step * steps / wall_s, 1)
 
 
 REMEASURES_AFTER_COMPILE = 1
