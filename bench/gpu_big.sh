@@ -94,6 +94,12 @@ declare -A VARIANT=(
   [inputs8]="--recompute-grain layer_input --upload-parts-ahead 8"
   # Every recompute computes its last layer's frozen down projection (RunConfig.skip_unread_tail).
   [fulltail]="--skip-unread-tail false"
+  # Under layer_input, each layer's input saved without its post-attention residual, so every
+  # recompute computes o_proj (RunConfig.save_residuals; model/attention_residual.py): E against
+  # E-noresiduals (the trace meta's save_residuals says whether "auto" saved them); named
+  # layer_input saves them wherever the host has the bytes: E-inputs against E-inputsnores
+  [noresiduals]="--save-residuals false"
+  [inputsnores]="--recompute-grain layer_input --save-residuals false"
   # Fewer kernel launches per compiled layer: inductor's horizontal fusion of independent kernels,
   # or its more aggressive fusion.
   [combo]="--inductor combo_kernels=True"

@@ -210,6 +210,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "layer's frozen down projection",
     )
     p.add_argument(
+        "--save-residuals",
+        choices=("true", "false"),
+        help="RunConfig.save_residuals (default: its default, true); false saves each layer's input "
+        "without its post-attention residual under layer_input, so recomputes compute o_proj",
+    )
+    p.add_argument(
         "--inductor",
         action="append",
         default=[],
@@ -335,6 +341,8 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         fields["compile"] = {"auto": "auto", "true": True, "false": False}[args.compile]
     if getattr(args, "skip_unread_tail", None) and "skip_unread_tail" in roundpipe.RunConfig.model_fields:
         fields["skip_unread_tail"] = args.skip_unread_tail == "true"
+    if getattr(args, "save_residuals", None) and "save_residuals" in roundpipe.RunConfig.model_fields:
+        fields["save_residuals"] = args.save_residuals == "true"
     route = budget_route(workload)["budget_field"]
     if route is None:
         return roundpipe.RunConfig(**fields)
@@ -549,6 +557,7 @@ def run_roundpipe(
         "chunk_bytes": config.chunk_bytes,
         "compile": config.compile,
         "skip_unread_tail": getattr(config, "skip_unread_tail", None),
+        "save_residuals": trace.meta.get("save_residuals"),  # whether the plan saved them
         "one_device_stages": planner["STAGES_ON_ONE_DEVICE"],
         "backward_stage_layers": planner.get("BACKWARD_STAGE_LAYERS"),
         "inductor": inductor_options,

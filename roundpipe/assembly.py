@@ -84,6 +84,7 @@ def make_runtime(
     )
     runtime.collectives = make_collectives(config.distributed, host)
     runtime.skip_unread_tail = config.skip_unread_tail
+    runtime.save_residuals = config.save_residuals and config.skip_unread_tail  # until a device plan
     # Until a device plan says otherwise (`record_device_plan`): no budget to decide against. A
     # model may arrive holding 4-bit weights whatever base_format says.
     runtime.dense.enabled = config.dequantize != "call" and runtime.dense.holds_quantized()
@@ -111,6 +112,7 @@ def schedule_options(
         sync_steps=config.async_warmup_steps if config.async_optimizer else 0,
         fresh_units=fresh_units(config, owners, one_fused_stage=one_fused_stage),
         layer_inputs=runtime.recompute_grain == "layer_input",
+        layer_residuals=runtime.recompute_grain == "layer_input" and runtime.save_residuals,
         upload_parts_ahead=UPLOAD_PARTS_AHEAD,
     )
 

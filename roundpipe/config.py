@@ -16,15 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from roundpipe.distributed_config import DistributedConfig
 from roundpipe.errors import ConfigError
@@ -144,7 +137,7 @@ def prediction_factors(value: Any) -> PredictionFactors:
     return factors[0] if len(factors) == 1 else factors
 
 
-WeightPrediction = Annotated[PredictionFactors, BeforeValidator(prediction_factors)]
+WeightPrediction = Annotated[PredictionFactors, pydantic.BeforeValidator(prediction_factors)]
 """The ``weight_prediction`` field of `RunConfig` and `TrainConfig`: any accepted form, stored in one."""
 
 
@@ -172,7 +165,7 @@ def layer_indices(value: Any) -> tuple[int, ...]:
     return tuple(sorted(value))
 
 
-LayerIndices = Annotated[tuple[int, ...], BeforeValidator(layer_indices)]
+LayerIndices = Annotated[tuple[int, ...], pydantic.BeforeValidator(layer_indices)]
 """The ``fresh_at`` field of `RunConfig` and `TrainConfig`: any accepted form, stored sorted."""
 
 
@@ -276,6 +269,14 @@ class RunConfig(BaseModel):
         "last layer (every layer's with recompute_grain 'layer' or 'layer_input'; in a mixture-of-experts "
         "layer its frozen experts' down products and the sum of the choices): the backward never reads its "
         "value, so the gradients are the same (the experts' to fp32 rounding); False computes it",
+    )
+    save_residuals: bool = Field(
+        True,
+        description="with recompute_grain 'layer_input', forward stages also save each decoder layer's "
+        "post-attention residual beside its input, so its recompute leaves out the frozen o_proj product "
+        "too (one hidden state more a layer each way; the gradients equal the full recompute's to rounding); "
+        "under 'auto' only where one round's inputs and residuals fit the host room, else the inputs alone "
+        "(roundpipe.model.attention_residual); needs skip_unread_tail",
     )
     mem_limit_bytes: int | None = Field(
         None,

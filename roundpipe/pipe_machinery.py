@@ -33,7 +33,7 @@ from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.host import HostModel, LossScaler
 from roundpipe.pending import LossLedger, PendingLoss
 from roundpipe.plan import LayerCosts, Plan
-from roundpipe.plan.memory import saved_inputs
+from roundpipe.plan.memory import saved_inputs, saved_residuals
 from roundpipe.plan.rounds import round_sizes
 from roundpipe.plan_meta import record_device_plan
 from roundpipe.planning.device_plan import DevicePlan
@@ -127,10 +127,12 @@ class PipeMachinery:
             )
         iteration = self._iteration
         scale = self._scaler.scale if self._scaler is not None else 1.0
-        saved = saved_inputs(self.plan.slots, self.runtime.recompute_grain)  # kept for backward stages
+        grain, slots = self.runtime.recompute_grain, self.plan.slots
+        saved = saved_inputs(slots, grain)  # kept for backward stages
+        residuals = saved_residuals(slots, grain, self.runtime.save_residuals)
         self.runtime.begin_iteration(
             iteration,
-            IterationData(input_parts, target_parts, weights, loss_fn, scale, saved),
+            IterationData(input_parts, target_parts, weights, loss_fn, scale, saved, residuals=residuals),
         )
         graph = self._builder.forward_backward(iteration, self._step, self.config.num_microbatches)
         self._iteration += 1
@@ -220,9 +222,12 @@ class PipeMachinery:
             "prefetch_stages": prediction.prefetch,
             "flow_depth": prediction.act_in_flight,
             "layer_inputs": device_plan.grain == "layer_input",
+            "layer_residuals": device_plan.residuals,
         }
         self.runtime.recompute_grain = device_plan.grain  # the grain the plan was made at
+        self.runtime.save_residuals = device_plan.residuals
         self._trace.meta["recompute_grain"] = device_plan.grain
+        self._trace.meta["save_residuals"] = device_plan.residuals
         self._trace.meta.setdefault("recompute_grain_why", device_plan.grain_why)  # the first plan chose
         changed = {k: v for k, v in counted.items() if getattr(self._options, k) != v}
         if changed:

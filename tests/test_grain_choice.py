@@ -47,10 +47,11 @@ def test_one_trained_down_proj_is_enough_to_keep_stage() -> None:
 
 
 class Planned:
-    """What a plan stands for here: its grain, and the bytes it saves on the host."""
+    """What a plan stands for here: its grain, the bytes it saves on the host, and whether those
+    include the residuals."""
 
-    def __init__(self, grain: str, saved: int) -> None:
-        self.grain, self.saved = grain, saved
+    def __init__(self, grain: str, saved: int, residuals: bool = False) -> None:
+        self.grain, self.saved, self.residuals = grain, saved, residuals
 
 
 def choose(
@@ -60,21 +61,48 @@ def choose(
     saved: int = 400,
     fits: bool = True,
     model: nn.Module | None = None,
+    residuals: int | None = None,
+    save_residuals: bool = True,
 ) -> tuple[str, list[str], str]:
-    """The grain chosen, the grains planned on the way (in order) and the reason given."""
+    """The grain chosen, the grains planned on the way (in order; "+r" where with residuals) and
+    the reason given. ``residuals``: the bytes the layers' residuals add (None: they keep none)."""
     asked: list[str] = []
 
-    def plan_at(grain: str) -> Planned:
-        asked.append(grain)
+    def plan_at(grain: str, with_residuals: bool) -> Planned:
+        keeps = with_residuals and grain == "layer_input" and residuals is not None
+        asked.append(grain + ("+r" if keeps else ""))
         if grain == "layer_input" and not fits:
             raise PlanError("does not fit")
-        return Planned(grain, saved if grain == "layer_input" else 0)
+        inputs = saved if grain == "layer_input" else 0
+        return Planned(grain, inputs + (residuals or 0 if keeps else 0), keeps)
 
-    config = roundpipe.RunConfig(recompute_grain=config_grain)
+    config = roundpipe.RunConfig(recompute_grain=config_grain, save_residuals=save_residuals)
     layers = layers_of(model if model is not None else four_block_lora())
     room = host_room(available, environ={})
     chosen, why = choose_grain(config, layers, kind, plan_at, lambda p: p.saved, room)
-    return chosen.grain, asked, why
+    return chosen.grain + ("+r" if chosen.residuals else ""), asked, why
+
+
+@pytest.mark.usefixtures("narrow_models_choose")
+def test_auto_saves_the_residuals_where_they_fit_the_host_room_beside_the_inputs() -> None:
+    assert choose(residuals=100) == (
+        "layer_input+r",
+        ["layer_input+r"],
+        "auto: one round's layer inputs and residuals (500 B) fit the host room (500 B)",
+    )
+    # Inputs and residuals too many, the inputs alone fit: those.
+    assert choose(residuals=101) == (
+        "layer_input",
+        ["layer_input+r", "layer_input"],
+        "auto: one round's layer inputs (400 B) fit the host room (500 B)",
+    )
+    assert choose(saved=501, residuals=1) == (
+        "stage",
+        ["layer_input+r", "layer_input", "stage"],
+        "auto: one round's layer inputs (501 B) exceed the host room (500 B)",
+    )
+    assert choose(residuals=100, save_residuals=False)[:2] == ("layer_input", ["layer_input"])
+    assert choose("layer_input", residuals=100, available=None)[0] == "layer_input+r"
 
 
 def test_a_model_narrower_than_the_floor_keeps_stage() -> None:

@@ -118,3 +118,22 @@ def test_a_run_s_trace_counts_the_activation_bytes_each_transfer_moved() -> None
     data = 4 * 8 * 4  # layer 0's input: the microbatch's 4 rows of 8 (a slice: not its batch's storage)
     assert moved["act_up"] <= {row, data} and row in moved["act_up"]
     assert moved["act_down"] <= {row, 0} and row in moved["act_down"]  # the last run downloads nothing
+
+
+def test_with_residuals_each_backward_layer_saves_one_more_download_beside_its_input() -> None:
+    """The residual of every layer of a backward stage (1, 2, 3 here; not the fused stage's 4,
+    whose forward runs again with grad), 40 MiB each, a pinned download of its own."""
+    residuals = LayerMemory(**{**MEM.to_dict(), "residual_bytes": (0, *[40 * MIB] * 5)})
+    plain = saved_activation_bytes(PLAN.slots, MEM, "layer_input", 4, pinned=True)
+    assert saved_activation_bytes(PLAN.slots, residuals, "layer_input", 4, pinned=True) == (
+        plain[0] + 3 * 4 * 64 * MIB,
+        plain[1] + 3 * 4,
+    )
+    # At stage grain nothing is saved beside the inputs, and without residuals the same as before.
+    assert saved_activation_bytes(PLAN.slots, residuals, "stage", 4, pinned=True) == saved_activation_bytes(
+        PLAN.slots, MEM, "stage", 4, pinned=True
+    )
+    assert residuals.without_residuals() == MEM
+    with pytest.raises(roundpipe.HostMemoryError, match="28 layer inputs and residuals") as info:
+        check_activation_room(PLAN.slots, residuals, "layer_input", 4, pinned=True, available=1024 * MIB)
+    assert str(info.value).split("To fit: ")[1].startswith("save_residuals=False")

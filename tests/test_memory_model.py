@@ -391,3 +391,27 @@ def test_plan_within_budget_names_the_stage_when_nothing_fits() -> None:
 
 def refuse(limit: int) -> Plan:
     raise PlanError("no split")
+
+
+def test_residuals_count_beside_each_layer_input_a_layer_input_run_holds() -> None:
+    """A backward stage at layer_input holds each layer's residual beside its input; a forward
+    stage holds those its layers keep (its first layer's too); the partitioner's bound grows by
+    each layer's residual as much as by its own input; stage grain never sees them."""
+    from roundpipe.plan.in_flight import held_inputs, own_in_flight
+
+    with_residuals = replace(MEM, residual_bytes=(0, 7, 9, 11))
+    assert held_inputs(with_residuals, range(1, 4)) - held_inputs(MEM, range(1, 4)) == 7 + 9 + 11
+    plan = simple_plan((range(0, 2), range(2, 3)), range(3, 4), (range(1, 3), range(0, 1)))
+    forward = plan.slots[0]
+    held = frozenset({1, 2, 3})
+    grown = own_in_flight(with_residuals, forward, held, 2, True, "layer_input")
+    assert grown - own_in_flight(MEM, forward, held, 2, True, "layer_input") == 3 * 7  # layer 1, 3 times
+    bound, plain = layer_plan_bytes(with_residuals), layer_plan_bytes(MEM)
+    assert [b - p for b, p in zip(bound, plain, strict=True)] == [0, 3 * 7, 3 * 9, 3 * 11]
+    for grain in ("stage", "layer_input"):
+        peak = predict_peak(plan, with_residuals, grain).peak_bytes
+        base = predict_peak(plan, MEM, grain).peak_bytes
+        assert peak >= base and (peak > base) == (grain == "layer_input")
+    assert with_residuals.without_residuals() == MEM
+    assert with_residuals.scaled(2.0).residual_bytes == (0, 14, 18, 22)
+    assert LayerMemory(**with_residuals.to_dict()) == with_residuals

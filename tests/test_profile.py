@@ -303,3 +303,25 @@ def test_release_budget_lifts_the_cap_it_set(monkeypatch: pytest.MonkeyPatch) ->
     release_budget("cuda", (0,), None)
     release_budget("cpu", (0,), 2**30)
     assert calls == [(1.0, 0), (1.0, 1)]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_profile_for_a_run_that_saves_residuals_measures_them(one_torch_thread: None, keep: bool) -> None:
+    """Its calls without grad keep each decoder layer's post-attention residual, as the run's
+    forward stages will (`roundpipe.model.attention_residual`): a hidden state per block, none
+    for the embedding and the head; without, none anywhere."""
+    from roundpipe.backends.compiling import LayerCompiler
+    from tests.test_transformers_parity import lora
+
+    seq = to_layer_sequence(lora(tiny_causal_lm("qwen3", vocab=64, attn="sdpa")))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    memory, _, _ = profile_layers(
+        seq.layers,
+        {"input_ids": ids, "labels": ids},
+        CPU,
+        computes_loss=True,
+        prepare=LayerCompiler(False, "cpu").prepare,  # roundpipe's copies: the blocks can keep them
+        keep_residuals=keep,
+    )
+    hidden = 2 * 16 * 32 * FP32
+    assert memory.residual_bytes == ((0, hidden, hidden, 0) if keep else (0, 0, 0, 0))

@@ -1,4 +1,5 @@
-"""What the runtime holds on one device, by part and by run: the facts an out-of-memory needs.
+"""What the runtime holds on one device, by part and by run: the facts an out-of-memory needs;
+and `TaskHolds`, which keeps what a task's device work reads alive until the task has run.
 
 Why: when a device runs out of memory under a plan predicted to fit, the prediction is wrong
 about something, and the only witness is the runtime's own state at that moment: whose weights
@@ -16,6 +17,7 @@ the error it explains.
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,6 +28,7 @@ from roundpipe.backends.stage_math import Recomputed
 from roundpipe.backends.storages import storage_bytes, storage_key
 from roundpipe.errors import DeviceOutOfMemoryError
 from roundpipe.plan.sizes import format_bytes
+from roundpipe.sched.task import Task
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -89,6 +92,32 @@ class _Counter:
             total += size
         if total:
             self.bytes[label] = self.bytes.get(label, 0) + total
+
+
+class TaskHolds:
+    """What a task's device work reads on another stream, kept alive until the task has run (the
+    runtime's ``_holds``, by task key, under ``_holds_lock``)."""
+
+    _holds: dict[Any, list[Any]]
+    _holds_lock: threading.Lock
+
+    def hold(self, task: Task, *items: Any) -> None:
+        """Keep ``items`` alive until ``task`` has run; a callable among them runs then (host work
+        on the task's results, such as landing a downloaded gradient)."""
+        with self._holds_lock:
+            self._holds.setdefault(task.key, []).extend(items)
+
+    def finish(self, task: Task, *, failed: bool = False) -> None:
+        """Called by the backend once ``task``'s work has completed (at once on the CPU)."""
+        if not self._holds:
+            return
+        with self._holds_lock:
+            items = self._holds.pop(task.key, ())
+        if failed:
+            return
+        for item in items:
+            if callable(item):
+                item()
 
 
 def _snapshot(container: Any) -> list[tuple[Any, Any]]:

@@ -61,6 +61,9 @@ class IterationData:
     loss_fn: LossFn | None
     loss_scale: float
     boundaries: frozenset[int]  # layers whose input a forward stage must save for a backward stage
+    # layers whose post-attention residual a forward stage saves beside that input
+    # (`roundpipe.model.attention_residual`; recompute_grain="layer_input")
+    residuals: frozenset[int] = frozenset()
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # read once the fused stage is done
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from torch import nn
 
 from roundpipe.backends.meter import Meter as _Meter
 from roundpipe.backends.out_of_memory import is_out_of_memory
+from roundpipe.backends.profile_bytes import allocated_for_backward, dequantized_bytes, gradients_saved_ahead
 from roundpipe.backends.profile_kinds import OnePerKind, warm_up_kind
 from roundpipe.backends.replicas import Binder
 from roundpipe.backends.storages import (
@@ -50,10 +52,12 @@ from roundpipe.backends.storages import (
 )
 from roundpipe.backends.tensors import cast_floating, differentiable_leaves, to_device, with_leaves
 from roundpipe.errors import DeviceOutOfMemoryError, StageError
+from roundpipe.model.attention_residual import ResidualSlot
 from roundpipe.plan.memory import LayerMemory
 from roundpipe.plan.sizes import format_bytes
 
 GiB = 2**30
+ShapedRefs = dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]]  # parameter shape -> saved storages
 Prepare = Callable[[nn.Module], nn.Module]  # readies a layer copy as the run's replicas (compiled or not)
 
 
@@ -79,6 +83,7 @@ class LayerMeasurement:
     boundary_bytes: int
     saved_grad_bytes: int
     carried_bytes: int
+    residual_bytes: int = 0
 
 
 def _device_copy(
@@ -140,59 +145,33 @@ def _warm_up(
         p.grad = None
 
 
-def _bound_call(replica: nn.Module, params: dict[str, torch.Tensor]) -> Callable[[Any], Any]:
+def _bound_call(
+    replica: nn.Module, params: dict[str, torch.Tensor], keep_residual: bool = False
+) -> tuple[Callable[[Any], Any], list[int]]:
     """Call ``replica`` as the runtime calls a layer: its parameter slots bound for the call, and
     without grad to copies that require none, as a forward stage binds them (a compiled layer
     guards on each parameter's ``requires_grad``: bound as they are, the profile's calls without
-    grad compiled variants no stage runs)."""
+    grad compiled variants no stage runs). With ``keep_residual``, a call without grad keeps the
+    layer's post-attention residual as a forward stage that saves them does
+    (`roundpipe.model.attention_residual`); the list returned then holds its bytes."""
     binder = Binder(replica)
     detached = {name: p.detach() for name, p in params.items()}
+    keeping: Any = getattr(replica, "roundpipe_residual", None) if keep_residual else None
+    kept: list[int] = []
 
     def call(inp: Any) -> Any:
-        binder.bind(params if torch.is_grad_enabled() else detached)
+        grad = torch.is_grad_enabled()
+        binder.bind(params if grad else detached)
+        slot = ResidualSlot() if keeping is not None and not grad else None
         try:
-            return replica(inp)
+            with keeping(slot) if slot is not None else nullcontext():
+                return replica(inp)
         finally:
             binder.unbind()
+            if slot is not None:
+                kept[:] = [storage_bytes(slot.value) if slot.value is not None else 0]
 
-    return call
-
-
-def _allocated_for_backward(
-    out: Any, inputs: dict[int, int], saved: dict[int, int], grad_fwd: dict[str, float]
-) -> int:
-    """The allocator's view of what the forward with grad left for the backward: bytes still
-    allocated after it, less its new outputs that autograd did not save, plus saved inputs."""
-    grad_outputs: dict[int, int] = {}
-    collect_storages(out, grad_outputs)
-    unsaved_new = sum(b for k, b in grad_outputs.items() if k not in inputs and k not in saved)
-    saved_inputs = sum(b for k, b in saved.items() if k in inputs)
-    return int(grad_fwd["after"] - grad_fwd["before"]) - unsaved_new + saved_inputs
-
-
-def _gradients_saved_ahead(
-    params: dict[str, torch.Tensor], param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]]
-) -> int:
-    """Bytes of parameter gradients that are saved storages: computed ahead in the forward (a
-    chunked loss), handed on by the backward rather than allocated."""
-    ahead = [s for refs in param_shaped.values() for ref in refs if (s := ref()) is not None]
-    return sum(
-        storage_bytes(p.grad)
-        for p in params.values()
-        if p.grad is not None and any(p.grad.untyped_storage() is s for s in ahead)
-    )
-
-
-def _dequantized_bytes(layer: nn.Module, dtype: torch.dtype | None) -> int:
-    """The largest dense weight a quantized sublayer makes during its call and its backward
-    (`roundpipe.model.quant.NF4Linear`): it lives only inside the call, so it is working set, not
-    parameters, and on a CPU, where no allocator reports a peak, it is the working set's floor."""
-    sizes = [0]
-    for module in layer.modules():
-        measure: Any = getattr(module, "dequantized_bytes", None)
-        if callable(measure):
-            sizes.append(int(measure(dtype or getattr(module, "weight_dtype", torch.float32))))
-    return max(sizes)
+    return call, kept
 
 
 def _measure_layer(
@@ -205,36 +184,36 @@ def _measure_layer(
     loss: Callable[[Any], Any] | None,
     prepare: Prepare | None = None,
     warmed: set[tuple[Any, ...]] | None = None,
+    keep_residual: bool = False,
 ) -> tuple[LayerMeasurement, Any]:
     """Measure one layer on input ``x``; returns the measurement and the layer's output (no grad).
-    ``warmed``: the kinds of layer already warmed up (`profile_kinds.warm_up_kind`); this one's is added."""
+    ``warmed``: the kinds of layer already warmed up (`profile_kinds.warm_up_kind`); this one's is
+    added. ``keep_residual``: its calls without grad keep the residual (`_bound_call`)."""
     replica, params = _device_copy(layer, meter.device, dtype)
     replica = prepare(replica) if prepare is not None else replica
     own = {storage_key(t) for t in [*params.values(), *replica.buffers()]}
-    call = _bound_call(replica, params)
+    call, residual = _bound_call(replica, params, keep_residual)
     boundary, carried = activation_bytes(x)
     inputs: dict[int, int] = {}
     collect_storages(x, inputs)
     _warm_up_once(layer, call, x, index, params, loss, warmed)
     y, fwd, work = _forward_no_grad(call, x, meter, inputs)
     leaf_x, _ = with_leaves(x) if index > 0 else (x, [])
-    param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]] = {
-        p.shape: [] for p in params.values() if p.dim()
-    }
+    param_shaped: ShapedRefs = {p.shape: [] for p in params.values() if p.dim()}
     with recording_saved(own, param_shaped) as saved, torch.enable_grad(), meter.phase() as grad_fwd:
         out = call(leaf_x)
         out = loss(out) if loss is not None else out
     hooks = sum(saved.values())
     alloc: int | None = None
     if meter.cuda:
-        alloc = _allocated_for_backward(out, inputs, saved, grad_fwd)
+        alloc = allocated_for_backward(out, inputs, saved, grad_fwd)
         work = max(work, int(grad_fwd["peak"] - grad_fwd["after"]))  # e.g. a user loss_fn's transients
     grad_bytes = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
     bwd = _backward(meter, out)
-    saved_grad = _gradients_saved_ahead(params, param_shaped)
+    saved_grad = gradients_saved_ahead(params, param_shaped)
     fresh = grad_bytes - saved_grad
     bwd_work = max(0, int(bwd["peak"] - bwd["before"]) - fresh) if meter.cuda else 0
-    dense = _dequantized_bytes(layer, dtype)
+    dense = dequantized_bytes(layer, dtype)
     work, bwd_work = max(work, dense), max(bwd_work, dense)
     measurement = LayerMeasurement(
         index=index,
@@ -252,6 +231,7 @@ def _measure_layer(
         boundary_bytes=boundary,
         carried_bytes=carried,
         saved_grad_bytes=min(saved_grad, max(hooks, alloc or 0)),
+        residual_bytes=residual[0] if residual else 0,
     )
     return measurement, y
 
@@ -311,14 +291,15 @@ def measure_layers(
     names: Sequence[str] | None = None,
     prepare: Prepare | None = None,
     one_per_kind: bool = False,
+    keep_residuals: bool = False,
 ) -> list[LayerMeasurement]:
     """Run each layer once, in order, on ``sample`` (one microbatch: layer 0's input) and measure it.
 
     ``dtype`` is the compute precision (floating parameters and inputs are cast to it; None keeps
     theirs). The last layer's backward starts from its loss: its own (``computes_loss``) or
     ``loss_fn(output in fp32, target)``; without either, from ones for each floating output.
-    ``one_per_kind``: a layer of a kind already measured takes its figures (`profile_kinds`).
-    """
+    ``one_per_kind``: a layer of a kind already measured takes its figures (`profile_kinds`);
+    ``keep_residuals``: calls without grad keep the residuals a run saves (`_bound_call`)."""
     device = torch.device(device)
     meter = _Meter(device)
     labels = list(names) if names is not None else [str(i) for i in range(len(layers))]
@@ -339,8 +320,9 @@ def measure_layers(
             continue
         try:
             with _own_rng(device):  # dropout here must not shift the user's random stream
+                loss = tail if last else None
                 measurement, x = _measure_layer(
-                    i, labels[i], layer, x, meter, dtype, tail if last else None, prepare, warmed
+                    i, labels[i], layer, x, meter, dtype, loss, prepare, warmed, keep_residuals
                 )
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -371,6 +353,7 @@ def profile_layers(
     names: Sequence[str] | None = None,
     prepare: Prepare | None = None,
     one_per_kind: bool = False,
+    keep_residuals: bool = False,
 ) -> tuple[LayerMemory, tuple[float, ...], tuple[float, ...]]:
     """The planner's inputs from `measure_layers`: memory facts, forward ms, backward ms per layer."""
     ms = measure_layers(
@@ -384,6 +367,7 @@ def profile_layers(
         names=names,
         prepare=prepare,
         one_per_kind=one_per_kind,
+        keep_residuals=keep_residuals,
     )
     memory = LayerMemory(
         param_bytes=tuple(m.param_bytes for m in ms),
@@ -395,5 +379,6 @@ def profile_layers(
         carried_bytes=tuple(m.carried_bytes for m in ms),
         names=tuple(m.name for m in ms),
         saved_grad_bytes=tuple(m.saved_grad_bytes for m in ms),
+        residual_bytes=tuple(m.residual_bytes for m in ms),
     )
     return memory, tuple(m.fwd_ms for m in ms), tuple(m.bwd_ms for m in ms)

@@ -22,6 +22,7 @@ from torch.nn.utils import parametrize
 from roundpipe.backends.host_data import ReplicaKey
 from roundpipe.backends.out_of_memory import is_out_of_memory
 from roundpipe.errors import StageError
+from roundpipe.model.attention_residual import ResidualSlot
 from roundpipe.sched.task import Task
 
 OutOfMemory = Callable[[Task, str], Exception]  # the error to raise for an OOM inside a layer
@@ -85,15 +86,23 @@ class Replicas:
         x: Any,
         *,
         output_unread: bool = False,
+        residual: ResidualSlot | None = None,
     ) -> Any:
         """Layer ``layer`` of ``task``'s stage on its device, with the run's transient weights.
         ``output_unread``: the caller only back-propagates from the output (a recompute's root),
-        so a layer that can skip work for that (``roundpipe_output_unread()``, `frozen_tail`) does."""
+        so a layer that can skip work for that (``roundpipe_output_unread()``, `frozen_tail`) does.
+        ``residual``: the call keeps its post-attention residual there, or uses the one there, where
+        the layer can (``roundpipe_residual(slot)``, `attention_residual`)."""
         replica = self.replica(task.device, layer)
         binder = self._binders[ReplicaKey(task.device, layer)]
         skipping: Any = getattr(replica, "roundpipe_output_unread", None) if output_unread else None
+        with_residual: Any = getattr(replica, "roundpipe_residual", None) if residual is not None else None
         try:
-            with self._rng(task.iteration, layer, task.microbatch), skipping() if skipping else nullcontext():
+            with (
+                self._rng(task.iteration, layer, task.microbatch),
+                skipping() if skipping else nullcontext(),
+                with_residual(residual) if with_residual else nullcontext(),
+            ):
                 binder.bind(params.get(layer, {}))
                 binder.forget_cached()
                 try:

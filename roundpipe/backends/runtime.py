@@ -31,13 +31,14 @@ from torch import nn
 
 from roundpipe.backends.compiling import NO_COMPILE, CompileGarbage, LayerCompiler
 from roundpipe.backends.dense_runs import DenseRuns
-from roundpipe.backends.holdings import out_of_memory_error
+from roundpipe.backends.holdings import TaskHolds, out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.optimizer_lane import OptimizerLane
 from roundpipe.backends.out_of_memory import is_out_of_memory
 from roundpipe.backends.replicas import Replicas
 from roundpipe.backends.stage_math import (
     Recomputed,
+    ResidualOf,
     backward_stage,
     forward_stage,
     fused_stage,
@@ -75,8 +76,11 @@ from roundpipe.sched.task import (
 )
 
 
-class Runtime(OptimizerLane):
+class Runtime(OptimizerLane, TaskHolds):
     """Executes tasks on tensors. Shared by every device of a backend; thread-safe per lane."""
+
+    skip_unread_tail = True  # RunConfig.skip_unread_tail (`roundpipe.model.frozen_tail`)
+    save_residuals = False  # beside layer_input's inputs (`roundpipe.model.attention_residual`)
 
     def __init__(
         self,
@@ -102,7 +106,6 @@ class Runtime(OptimizerLane):
         self.predict_from, self.lr_scale = predict_from, lr_scale
         self.layers, self.names, self.computes_loss = host.layers, names, computes_loss
         self.recompute_grain, self.seed, self.max_grad_norm = recompute_grain, seed, max_grad_norm
-        self.skip_unread_tail = True  # RunConfig.skip_unread_tail (`roundpipe.model.frozen_tail`)
         # (1-based step, norm) of the first step whose global gradient norm was NaN/inf, when a
         # norm is computed (max_grad_norm) and no loss scaler skips such steps.
         self.non_finite_grad_norm: tuple[int, float] | None = None
@@ -111,6 +114,7 @@ class Runtime(OptimizerLane):
         self.iterations: dict[int, IterationData] = {}
         self.activations: dict[BoundaryKey, Any] = {}
         self.gradients: dict[BoundaryKey, list[torch.Tensor | None]] = {}
+        self.residuals: dict[BoundaryKey, torch.Tensor] = {}  # beside the inputs (`attention_residual`)
         self.inbox: dict[SlotKey, Any] = {}  # uploaded stage inputs (of a backward stage: its activation)
         self.grad_inbox: dict[SlotKey, Any] = {}  # uploaded gradients entering backward stages
         self.recomputed: dict[SlotKey, Recomputed] = {}  # a backward stage's recompute, until its backward
@@ -135,8 +139,7 @@ class Runtime(OptimizerLane):
         self.defer_release = False
         self.memory_prediction: Any = None  # the plan's, when the layers were measured (OOM messages)
         self.memory_predictions: dict[int, Any] = {}  # first iteration of a plan -> its prediction
-        self._holds: dict[Any, list[Any]] = {}
-        self._holds_lock = threading.Lock()
+        self._holds, self._holds_lock = {}, threading.Lock()  # `TaskHolds`
         self.collectives: Collectives = LOCAL  # gradient averaging across processes, when any
 
     # ------------------------------------------------------------------ setup
@@ -157,7 +160,7 @@ class Runtime(OptimizerLane):
     def _stores(self) -> tuple[dict[Any, Any], ...]:
         """The per-iteration tensor stores; every key of them has an ``iteration``."""
         moving = (self.activations, self.gradients, self.inbox, self.grad_inbox, self.recomputed, self.outbox)
-        return (*moving, self.transient, self.dense.runs)
+        return (*moving, self.residuals, self.transient, self.dense.runs)
 
     def end_iteration(self, iteration: int) -> None:
         self.iterations.pop(iteration, None)
@@ -200,24 +203,6 @@ class Runtime(OptimizerLane):
     def _out_of_memory(self, task: Task, where: str) -> DeviceOutOfMemoryError:
         return out_of_memory_error(self, task, where)
 
-    def hold(self, task: Task, *items: Any) -> None:
-        """Keep ``items`` alive until ``task`` has run; a callable among them runs then (host work
-        on the task's results, such as landing a downloaded gradient)."""
-        with self._holds_lock:
-            self._holds.setdefault(task.key, []).extend(items)
-
-    def finish(self, task: Task, *, failed: bool = False) -> None:
-        """Called by the backend once ``task``'s work has completed (at once on the CPU)."""
-        if not self._holds:
-            return
-        with self._holds_lock:
-            items = self._holds.pop(task.key, ())
-        if failed:
-            return
-        for item in items:
-            if callable(item):
-                item()
-
     # ------------------------------------------------------------------ device lanes
 
     def param_up(self, task: Task) -> None:
@@ -252,8 +237,9 @@ class Runtime(OptimizerLane):
     def act_up(self, task: Task) -> None:
         t, mb, start = task.iteration, task.microbatch, task.layers.start
         device = self.device(task.device)
-        if task.stage_kind == SlotKind.BWD and self.recompute_grain == "layer_input":
-            value: Any = [self._saved_input(t, layer, mb) for layer in task.layers]
+        if task.stage_kind == SlotKind.BWD and self.recompute_grain == "layer_input":  # with residuals
+            keys = [BoundaryKey(t, layer, mb) for layer in task.layers]
+            value: Any = [(self._saved_input(*k), self.residuals.pop(k, None)) for k in keys]
         elif task.stage_kind == SlotKind.FWD and start > 0 and start in self.iterations[t].boundaries:
             value = self.activations[BoundaryKey(t, start, mb)]  # a backward stage reads it again
         else:
@@ -289,7 +275,9 @@ class Runtime(OptimizerLane):
             self.hold(task, payload)  # computed on the compute stream, read by this copy
         for layer, value in payload.items():
             host_value = download(value)
-            if kind == "act":
+            if isinstance(layer, ResidualOf):
+                self.residuals[BoundaryKey(t, layer.layer, mb)] = host_value
+            elif kind == "act":
                 self.activations[BoundaryKey(t, layer, mb)] = host_value
             else:
                 self.gradients[BoundaryKey(t, layer, mb)] = host_value

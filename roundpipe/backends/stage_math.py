@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -25,6 +25,7 @@ from roundpipe.backends.host_data import IterationData
 from roundpipe.backends.out_of_memory import is_out_of_memory
 from roundpipe.backends.tensors import cast_floating, differentiable_leaves, to_device, with_leaves
 from roundpipe.errors import StageError
+from roundpipe.model.attention_residual import ResidualSlot
 from roundpipe.sched.task import Task
 
 Params = dict[int, dict[str, torch.Tensor]]  # layer -> name -> the run's transient tensor
@@ -32,8 +33,22 @@ Params = dict[int, dict[str, torch.Tensor]]  # layer -> name -> the run's transi
 
 class LayerCall(Protocol):
     def __call__(
-        self, task: Task, layer: int, params: Params, x: Any, *, output_unread: bool = False
+        self,
+        task: Task,
+        layer: int,
+        params: Params,
+        x: Any,
+        *,
+        output_unread: bool = False,
+        residual: ResidualSlot | None = None,
     ) -> Any: ...
+
+
+class ResidualOf(NamedTuple):
+    """A forward stage's output key for the post-attention residual of ``layer``'s call, sent down
+    beside that layer's saved input (`roundpipe.model.attention_residual`)."""
+
+    layer: int
 
 
 @dataclass
@@ -58,17 +73,21 @@ def forward_stage(
     params: Params,
     x: Any,
     record: Callable[[int, float], None] | None,
-) -> dict[int, Any]:
+) -> dict[int | ResidualOf, Any]:
     """Run a forward stage without grad; returns the activations to send down by layer (the
-    output, and the input of every layer inside the stage where a backward stage starts).
+    output, and the input of every layer inside the stage where a backward stage starts), and by
+    `ResidualOf` the residuals the layers of ``data.residuals`` kept.
     ``record(layer, ms)``, when given, receives each layer's wall time (host-synchronous devices)."""
-    saved: dict[int, Any] = {}
+    saved: dict[int | ResidualOf, Any] = {}
     with torch.no_grad():
         for layer in task.layers:
             if layer != task.layers.start and layer in data.boundaries:
                 saved[layer] = x
+            slot = ResidualSlot() if layer in data.residuals else None
             started = time.perf_counter()
-            x = call(task, layer, params, x)
+            x = call(task, layer, params, x, residual=slot)
+            if slot is not None and slot.value is not None:
+                saved[ResidualOf(layer)] = slot.value
             if record is not None:
                 record(layer, (time.perf_counter() - started) * 1e3)
     saved[task.layers.stop] = x
@@ -129,15 +148,17 @@ def recompute_stage(
     call: LayerCall, task: Task, params: Params, act: Any, *, grain: str, skip_tail: bool = True
 ) -> Recomputed:
     """A backward stage's forward again from its saved activation (see `Recomputed`); with
-    ``grain="layer_input"``, ``act`` is every layer's input and each layer runs from its own. With
+    ``grain="layer_input"``, ``act`` is every layer's (input, residual or None) and each layer
+    runs from its own, given its residual (`roundpipe.model.attention_residual`). With
     ``skip_tail``, a layer whose output is only the backward's root is told so
     (`roundpipe.model.frozen_tail`): the gradients are the same, for less work."""
     if grain == "layer_input":
         layers = []
         with torch.enable_grad():
-            for layer, layer_input in zip(task.layers, act, strict=True):
+            for layer, (layer_input, residual) in zip(task.layers, act, strict=True):
                 x, leaves = with_leaves(layer_input) if layer > 0 else (layer_input, [])
-                out = call(task, layer, params, x, output_unread=skip_tail)
+                slot = ResidualSlot(residual) if residual is not None and skip_tail else None
+                out = call(task, layer, params, x, output_unread=skip_tail, residual=slot)
                 layers.append((differentiable_leaves(out), leaves))
         return Recomputed(layers=layers)
     if grain == "layer" and len(task.layers) > 1:

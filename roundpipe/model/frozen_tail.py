@@ -122,7 +122,10 @@ def _unread_output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 _subclasses: dict[type, type] = {}
 
 
-def _tail_methods(base: type) -> dict[str, Any]:
+def unread_linear_methods(base: type, marker: str = "_roundpipe_tail") -> dict[str, Any]:
+    """The methods of a frozen linear's subclass that returns `_UnreadProduct` in a call with grad
+    while its ``output_unread`` flag is set; ``marker``, a class attribute, says which kind of tail
+    it is (`tails` lists those of the default one)."""
     original: Any = getattr(base, "forward")  # noqa: B009 (a module class; mypy sees a plain type)
 
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -131,7 +134,7 @@ def _tail_methods(base: type) -> dict[str, Any]:
         return original(self, x, *args, **kwargs)
 
     # The flag itself is the copy's own, off from marking on (`mark_tail`).
-    return {"forward": forward, "_roundpipe_tail": True, "__module__": base.__module__}
+    return {"forward": forward, marker: True, "__module__": base.__module__}
 
 
 def _experts_methods(base: type) -> dict[str, Any]:
@@ -151,7 +154,7 @@ def _plain_lora(wrapper: nn.Module) -> bool:
     return not any(use_dora.values()) if isinstance(use_dora, dict) else not use_dora
 
 
-def _transformers_names(module: nn.Module) -> set[str]:
+def transformers_names(module: nn.Module) -> set[str]:
     return {cls.__name__ for cls in type(module).__mro__ if cls.__module__.startswith("transformers.")}
 
 
@@ -159,22 +162,29 @@ def _tail_of(layer: nn.Module) -> nn.Module | None:
     """The frozen linear, or the frozen grouped experts, at the end of ``layer`` (module
     docstring), else None."""
     mlp = getattr(layer, "mlp", None)
-    if not _transformers_names(layer) & TAIL_LAYERS or not isinstance(mlp, nn.Module):
+    if not transformers_names(layer) & TAIL_LAYERS or not isinstance(mlp, nn.Module):
         return None
-    if _transformers_names(mlp) & TAIL_EXPERT_BLOCKS:
+    if transformers_names(mlp) & TAIL_EXPERT_BLOCKS:
         return _experts_tail(mlp)
     tail = getattr(mlp, "down_proj", None)
-    if not _transformers_names(mlp) & TAIL_MLPS or not isinstance(tail, nn.Module):
+    if not transformers_names(mlp) & TAIL_MLPS or not isinstance(tail, nn.Module):
         return None
-    base = getattr(tail, "base_layer", None)  # peft's LoRA layer wraps the frozen linear
+    return frozen_linear(tail, "_roundpipe_tail")
+
+
+def frozen_linear(module: nn.Module, marker: str) -> nn.Module | None:
+    """The frozen linear that computes ``module``'s product (``module`` itself, or the base of
+    plain peft LoRA around it; one already marked with ``marker`` counts), else None: a weight or
+    bias that trains, a variant of LoRA that reads the base output, or another kind of module."""
+    base = getattr(module, "base_layer", None)  # peft's LoRA layer wraps the frozen linear
     if isinstance(base, nn.Module):
-        if not _plain_lora(tail):
+        if not _plain_lora(module):
             return None
-        tail = base
-    dense_linear = type(tail) is nn.Linear or getattr(type(tail), "_roundpipe_tail", False)
-    if not (dense_linear or isinstance(tail, NF4Linear)) or not _frozen(tail):
+        module = base
+    dense_linear = type(module) is nn.Linear or getattr(type(module), marker, False)
+    if not (dense_linear or isinstance(module, NF4Linear)) or not _frozen(module):
         return None
-    return tail
+    return module
 
 
 def _experts_tail(block: nn.Module) -> nn.Module | None:
@@ -192,7 +202,7 @@ def dense_tail_width(layers: Sequence[nn.Module]) -> int:
     """The narrowest output of the frozen dense (or 4-bit) linears that end the decoder layers within
     ``layers`` (a pipeline's layers, each holding at most a few), or 0 when there is no decoder
     layer or one ends otherwise (a trained projection, experts, a class not listed)."""
-    decoders = [m for layer in layers for m in layer.modules() if _transformers_names(m) & TAIL_LAYERS]
+    decoders = [m for layer in layers for m in layer.modules() if transformers_names(m) & TAIL_LAYERS]
     widths = []
     for layer in decoders:
         tail = _tail_of(layer)
@@ -209,7 +219,9 @@ def mark_tail(layer: nn.Module) -> bool:
     if tail is None:
         return False
     if not getattr(type(tail), "_roundpipe_tail", False):
-        methods = _experts_methods if getattr(type(tail), "_roundpipe_grouped", False) else _tail_methods
+        methods = (
+            _experts_methods if getattr(type(tail), "_roundpipe_grouped", False) else unread_linear_methods
+        )
         tail.__class__ = subclass_of(_subclasses, type(tail), "UnreadTail", methods)
     # Off, and an attribute of the copy from the start (`unread_tail` turns it on for one call):
     # torch.compile guards on the flag's value where it is one, else on its absence, so a tail

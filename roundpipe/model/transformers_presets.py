@@ -25,14 +25,15 @@ pipeline engine; it only knows how to call transformers' modules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from roundpipe.errors import ModelError
+from roundpipe.model import attention_residual
 from roundpipe.model.attention_masks import (
     MASK_KEYS,
     ROTARY_KEYS,
@@ -44,6 +45,7 @@ from roundpipe.model.attention_masks import (
     rotary_tables,
     transformers_masks,
 )
+from roundpipe.model.attention_residual import ResidualSlot
 from roundpipe.model.chunked_layer import chunk_long_attention_layer
 from roundpipe.model.chunked_mlp import chunk_long_sequences
 from roundpipe.model.experts import use_grouped_experts
@@ -204,6 +206,7 @@ class CausalLMBlock(nn.Module):
         self.rotary_keys = rotary_keys
         self.router = router
         self.router_names = router.router_names(layer) if router is not None else []
+        self.residual: ResidualSlot | None = None  # set for one call (`roundpipe_residual`)
 
     def roundpipe_compile(self, compiler: Any) -> None:
         """The original decoder layer, tensors in and out (this wrapper's dicts stay eager). A
@@ -216,8 +219,8 @@ class CausalLMBlock(nn.Module):
         attention with sinks through torch's fused kernels (`sink_attention`), the MLP runs long
         sequences a slice of tokens at a time (not an MLP that returns a tuple, nor one whose
         router logits are caught), and so does everything per token in a standard attention
-        layer (`chunked_layer`); a frozen ``down_proj`` ending the layer can be left out of a
-        recompute (`frozen_tail`)."""
+        layer (`chunked_layer`); a frozen ``down_proj`` ending the layer, and a frozen ``o_proj``
+        given the residual, can be left out of a recompute (`frozen_tail`, `attention_residual`)."""
         use_grouped_experts(self.layer)
         use_sink_attention(self.layer)
         mlp = getattr(self.layer, "mlp", None)
@@ -226,6 +229,16 @@ class CausalLMBlock(nn.Module):
         if not self.router_names:  # and the whole layer, where it has the standard attention layout
             chunk_long_attention_layer(self.layer)
         mark_tail(self.layer)
+        attention_residual.install(self.layer)
+
+    @contextmanager
+    def roundpipe_residual(self, slot: ResidualSlot) -> Iterator[None]:
+        """While inside, a call keeps or uses its residual in ``slot`` (`attention_residual`)."""
+        self.residual = slot
+        try:
+            yield
+        finally:
+            self.residual = None
 
     def roundpipe_output_unread(self) -> AbstractContextManager[None]:
         """While inside, a call with grad leaves out the layer's frozen tail product, whose value
@@ -244,9 +257,9 @@ class CausalLMBlock(nn.Module):
 
     def _layer(self, x: Mapping[str, torch.Tensor]) -> torch.Tensor:
         cos, sin = self.rotary_keys
-        out = self.layer(
-            x["hidden"], attention_mask=x.get(self.mask_key), position_embeddings=(x[cos], x[sin])
-        )
+        hidden, mask = x["hidden"], x.get(self.mask_key)
+        with attention_residual.kept_or_used(self.layer, hidden, self.residual):
+            out = self.layer(hidden, attention_mask=mask, position_embeddings=(x[cos], x[sin]))
         if isinstance(out, tuple):  # transformers < 5 returns (hidden_states, ...)
             out = out[0]
         return out

@@ -30,9 +30,10 @@ from roundpipe.plan.layer_memory import LayerMemory
 
 
 def held_inputs(mem: LayerMemory, layers: range) -> int:
-    """Every layer input of a stage kept at once (layer-grain recompute keeps them all); the
-    carried constants are one storage, counted once."""
-    own = sum(mem.boundary_bytes[i] - mem.carried_bytes[i] for i in layers)
+    """Every layer input of a stage kept at once (layer-grain recompute keeps them all), with the
+    residuals saved beside them (only a layer_input run has any); the carried constants are one
+    storage, counted once."""
+    own = sum(mem.boundary_bytes[i] - mem.carried_bytes[i] + mem.residual_bytes[i] for i in layers)
     return own + max(mem.carried_bytes[i] for i in layers)
 
 
@@ -61,7 +62,8 @@ def own_in_flight(
     """A run's own boundary activations besides its computing microbatch's: ``act_in_flight``
     microbatches' uploads (`uploaded_inputs`: a backward stage's gradient from above among them)
     and a forward or fused stage's outputs; a forward stage also holds, per microbatch, the
-    activations it saves for backward stages starting inside it. Without ``inputs_ahead`` a
+    activations it saves for backward stages starting inside it (under layer_input, with the
+    residuals its layers keep beside them, its first layer's too). Without ``inputs_ahead`` a
     backward stage's next input is uploaded only once its previous backward is done
     (`ScheduleOptions.inputs_ahead`): beside the computing microbatch's own input (in the stage)
     only its gradient is there."""
@@ -73,6 +75,7 @@ def own_in_flight(
         edge += mem.boundary_bytes[r.stop]
     if slot.kind == "fwd":
         inner = sum(mem.boundary_bytes[b] - mem.carried_bytes[b] for b in held if r.start < b < r.stop)
+        inner += sum(mem.residual_bytes[b] for b in held if r.start <= b < r.stop)
         return act_in_flight * edge + (act_in_flight + 1) * inner
     return act_in_flight * edge
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from roundpipe.errors import PlanError
@@ -48,7 +48,10 @@ class LayerMemory:
       instead of allocating them (zeros when unknown);
     - ``dense_bytes``: dense copies of the layer's 4-bit frozen weights that a stage run holds
       from its first compute to its last, when it dequantizes once per run (zeros when the layer
-      dequantizes inside each call, or holds no 4-bit weight).
+      dequantizes inside each call, or holds no 4-bit weight);
+    - ``residual_bytes``: the post-attention residual a forward stage saves beside the layer's
+      input under ``recompute_grain="layer_input"`` (`roundpipe.model.attention_residual`); zeros
+      where the layer keeps none or the run saves none (`without_residuals`).
     """
 
     param_bytes: tuple[int, ...]
@@ -61,6 +64,7 @@ class LayerMemory:
     names: tuple[str, ...] | None = None
     saved_grad_bytes: tuple[int, ...] = ()
     dense_bytes: tuple[int, ...] = ()
+    residual_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         params = _column("param_bytes", self.param_bytes, None)
@@ -70,7 +74,7 @@ class LayerMemory:
         object.__setattr__(self, "param_bytes", params)
         for name in ("grad_bytes", "saved_bytes", "work_bytes", "boundary_bytes"):
             object.__setattr__(self, name, _column(name, getattr(self, name), n))
-        for name in ("bwd_work_bytes", "carried_bytes", "saved_grad_bytes", "dense_bytes"):
+        for name in ("bwd_work_bytes", "carried_bytes", "saved_grad_bytes", "dense_bytes", "residual_bytes"):
             values = getattr(self, name) or (0,) * n
             object.__setattr__(self, name, _column(name, values, n))
         for part, whole in (("carried_bytes", "boundary_bytes"), ("saved_grad_bytes", "saved_bytes")):
@@ -90,6 +94,10 @@ class LayerMemory:
         if self.names is not None and 0 <= index < len(self.names):
             return f"layer {index} ({self.names[index]!r})"
         return f"layer {index}"
+
+    def without_residuals(self) -> LayerMemory:
+        """The same layers in a run that saves no residual."""
+        return replace(self, residual_bytes=(0,) * self.num_layers) if any(self.residual_bytes) else self
 
     def output_bytes(self, layer: int) -> int:
         """The layer's output: the next layer's input (the last layer returns a scalar loss)."""
@@ -115,6 +123,7 @@ class LayerMemory:
             names=self.names,
             saved_grad_bytes=grads_ahead,
             dense_bytes=self.dense_bytes,
+            residual_bytes=s(self.residual_bytes),
         )
 
     def to_dict(self) -> dict[str, Any]:

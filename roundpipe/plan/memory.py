@@ -184,6 +184,14 @@ def saved_inputs(slots: Sequence[Any], grain: Grain) -> frozenset[int]:
     return held
 
 
+def saved_residuals(slots: Sequence[Any], grain: Grain, on: bool) -> frozenset[int]:
+    """Layers whose post-attention residual forward stages save beside their input (``on``: the
+    run saves residuals; only under layer_input, for every bwd layer)."""
+    if not on or grain != "layer_input":
+        return frozenset()
+    return frozenset(j for s in slots if s.kind == "bwd" for j in s.layers)
+
+
 def _draining(
     mem: LayerMemory, slot: Any, before: Any, own: int, farthest: int, grain: Grain, num_devices: int
 ) -> int:
@@ -282,7 +290,7 @@ def layer_plan_bytes(mem: LayerMemory, grain: Grain = "stage", act_in_flight: in
     `stage_bytes` of every kind and grain and a forward stage's held activations.
 
     Per layer: parameters (and dense copies) + gradients + saved + the larger working set + its own
-    input (without the carried constants) ``act_in_flight + 1`` times (a forward stage holds it for a backward
+    input (without the carried constants; with its saved residual) ``act_in_flight + 1`` times (a forward stage holds it for a backward
     stage starting there, for the computing microbatch and those in flight; layer and layer_input
     grain keep it, and layer_input uploads it ahead). The constants are one storage:
     `partition_limit_bytes` sets them aside once.
@@ -291,7 +299,9 @@ def layer_plan_bytes(mem: LayerMemory, grain: Grain = "stage", act_in_flight: in
     out = []
     for i in range(mem.num_layers):
         work = max(mem.work_bytes[i] + mem.output_bytes(i), mem.bwd_work_bytes[i] + mem.grad_bytes[i])
-        own_input = (mem.boundary_bytes[i] - mem.carried_bytes[i]) * (act_in_flight + 1)
+        own_input = (mem.boundary_bytes[i] - mem.carried_bytes[i] + mem.residual_bytes[i]) * (
+            act_in_flight + 1
+        )
         weights = mem.param_bytes[i] + mem.dense_bytes[i] + mem.grad_bytes[i]
         out.append(weights + mem.saved_bytes[i] + work + own_input)
     return tuple(out)

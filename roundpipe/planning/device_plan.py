@@ -50,6 +50,18 @@ class DevicePlan:
     link: LinkReport | None = None  # the host link's share of an iteration, once measured (`with_link`)
     grain: Grain = "stage"  # the recompute grain it was planned at (`roundpipe.planning.grain`)
     grain_why: str = ""  # why that grain (`roundpipe.planning.grain.choose_grain`)
+    residuals: bool = False  # whether its forward stages save residuals (`model.attention_residual`)
+
+
+def may_save_residuals(config: RunConfig, kind: str) -> bool:
+    """Whether a run of ``config`` on ``kind`` devices may save residuals
+    (`roundpipe.model.attention_residual`), so its profile keeps them as its forward stages would:
+    at a named layer_input grain, or one "auto" may choose there (`roundpipe.planning.grain`)."""
+    from roundpipe.planning.grain import CHOOSES_ON
+
+    grain = config.recompute_grain
+    grain_allows = grain == "layer_input" or (grain == "auto" and kind in CHOOSES_ON)
+    return config.save_residuals and config.skip_unread_tail and grain_allows
 
 
 def planning_config(config: RunConfig, kind: str) -> RunConfig:
@@ -151,6 +163,7 @@ def profile_and_plan(
         names=sequence.names,
         prepare=prepare,
         one_per_kind=config.profile == "one_per_kind",
+        keep_residuals=may_save_residuals(config, device.type),
     )
     from roundpipe.optim.host_room import available_host_bytes
     from roundpipe.plan.rounds import round_sizes
@@ -158,7 +171,7 @@ def profile_and_plan(
     from roundpipe.planning.grain import choose_grain, host_room
     from roundpipe.planning.host_activations import saved_activation_bytes
 
-    def plan_at(grain: Grain) -> DevicePlan:
+    def plan_at(grain: Grain, residuals: bool) -> DevicePlan:
         at = config.model_copy(update={"recompute_grain": grain})
 
         def plan_with(counted: LayerMemory) -> DevicePlan:
@@ -170,7 +183,8 @@ def profile_and_plan(
             )
             return plan_from(at, costs, counted, num_devices, budget_bytes, device.type)
 
-        return plan_dequantizing(at, memory, plan_with, sequence.layers, dtype)
+        counted = memory if residuals and grain == "layer_input" else memory.without_residuals()
+        return plan_dequantizing(at, counted, plan_with, sequence.layers, dtype)
 
     def saved_bytes(device_plan: DevicePlan) -> int:
         round_microbatches = max(round_sizes(config.num_microbatches, num_devices, config.round_size))
@@ -213,7 +227,8 @@ def plan_from(
     budget_bytes: int | None,
     kind: str = "cpu",
 ) -> DevicePlan:
-    """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None)."""
+    """The best plan for ``costs`` whose predicted peak fits ``budget_bytes`` (any, when None); it
+    saves residuals where ``memory`` counts them (`LayerMemory.without_residuals` where not)."""
     from roundpipe.plan.in_flight import in_flight_microbatches
     from roundpipe.plan.memory import predict_peak
     from roundpipe.planning.grain import initial_grain
@@ -226,11 +241,12 @@ def plan_from(
         return choose_for_shape(_capped(costs, limit), shape, limit)
 
     grain = initial_grain(config)
+    saves = grain == "layer_input" and any(memory.residual_bytes)  # counted only where saved
     in_flight = in_flight_microbatches(config.num_microbatches, FLOW_DEPTH)
     if budget_bytes is None:
         plan = make_plan(None)
         prediction = predict_peak(plan, memory, grain, num_devices=num_devices, act_in_flight=in_flight)
-        return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind, grain=grain)
+        return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind, grain=grain, residuals=saves)
     budget = planning_budget(budget_bytes, kind)
     fit = functools.partial(
         _within_budget, memory=memory, budget=budget, grain=grain, num_devices=num_devices
@@ -247,7 +263,7 @@ def plan_from(
         fewer = coarse is not None and coarse[0].num_slots < plan.num_slots
         if coarse is not None and (fewer or BACKWARD_STAGE_LAYERS is not None):
             plan, prediction = coarse
-    return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind, grain=grain)
+    return DevicePlan(plan, costs, memory, prediction, budget_bytes, kind, grain=grain, residuals=saves)
 
 
 def _coarse_within_budget(

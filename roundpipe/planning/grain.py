@@ -30,7 +30,9 @@ The rule, in order:
   already there), divided among the processes torchrun starts on the host (``LOCAL_WORLD_SIZE``:
   each sees the same available memory): a long sequence saves a layer input of gigabytes per layer
   (262,144 tokens of an 8B shape: 2 GiB each), and the rest of the host serves the run's other
-  growth.
+  growth. With ``RunConfig.save_residuals`` each layer's post-attention residual is saved beside
+  its input (`roundpipe.model.attention_residual`: the recompute then leaves out ``o_proj`` too)
+  where the inputs and residuals fit so; else the inputs alone, where they fit.
 
 What holds: the choice reads shapes and the plans' predictions, never a tensor's value, and
 changes what is computed only as ``recompute_grain`` itself does (the same gradients up to the
@@ -77,34 +79,46 @@ def choose_grain(
     config: RunConfig,
     layers: Sequence[nn.Module],
     kind: str,
-    plan_at: Callable[[Grain], Planned],
+    plan_at: Callable[[Grain, bool], Planned],
     saved_bytes: Callable[[Planned], int],
     room: int | None,
 ) -> tuple[Planned, str]:
-    """The plan ``plan_at`` makes at the grain ``config.recompute_grain`` names, or for "auto" at
-    the one the rule in the module docstring picks, and why that grain. ``saved_bytes(plan)``
+    """The plan ``plan_at(grain, residuals)`` makes at the grain ``config.recompute_grain`` names,
+    or for "auto" at the one the rule in the module docstring picks, and why that grain.
+    ``residuals``: saved where the run may (``config.save_residuals``); ``saved_bytes(plan)``
     counts what one round of ``plan`` saves on the host; ``room`` is what it may take
     (`host_room`; None: unknown)."""
+    residuals = config.save_residuals
     if config.recompute_grain != "auto":
-        return plan_at(config.recompute_grain), "named in RunConfig.recompute_grain"
+        return plan_at(config.recompute_grain, residuals), "named in RunConfig.recompute_grain"
     if kind not in CHOOSES_ON:
-        return plan_at("stage"), f"auto: {kind} devices recompute each backward stage from its input"
+        return plan_at("stage", False), f"auto: {kind} devices recompute each backward stage from its input"
     if room is None:
-        return plan_at("stage"), "auto: the host's available memory is unknown"
+        return plan_at("stage", False), "auto: the host's available memory is unknown"
     width = dense_tail_width(layers)  # walks every module: only where the rest allows the choice
     if width == 0:
-        return plan_at("stage"), "auto: not every decoder layer ends in a frozen dense down_proj"
+        return plan_at("stage", False), "auto: not every decoder layer ends in a frozen dense down_proj"
     if width < MIN_WIDTH:
-        return plan_at("stage"), f"auto: {width} wide, under {MIN_WIDTH}"
-    try:
-        planned = plan_at("layer_input")
-    except PlanError:
-        return plan_at("stage"), "auto: no plan fits the memory budget at layer_input"
-    saved = saved_bytes(planned)
-    if saved > room:
-        why = f"auto: one round's layer inputs ({format_bytes(saved)}) exceed the host room ({format_bytes(room)})"
-        return plan_at("stage"), why
-    return (
-        planned,
-        f"auto: one round's layer inputs ({format_bytes(saved)}) fit the host room ({format_bytes(room)})",
-    )
+        return plan_at("stage", False), f"auto: {width} wide, under {MIN_WIDTH}"
+    why = "auto: no plan fits the memory budget at layer_input"
+    for with_residuals in dict.fromkeys((residuals, False)):  # with them first, where the run may
+        try:
+            planned = plan_at("layer_input", with_residuals)
+        except PlanError:
+            continue
+        what = "layer inputs and residuals" if saves_residuals(planned) else "layer inputs"
+        saved = saved_bytes(planned)
+        if saved <= room:
+            return (
+                planned,
+                f"auto: one round's {what} ({format_bytes(saved)}) fit the host room ({format_bytes(room)})",
+            )
+        why = f"auto: one round's {what} ({format_bytes(saved)}) exceed the host room ({format_bytes(room)})"
+        if not saves_residuals(planned):
+            break  # without them the same plan
+    return plan_at("stage", False), why
+
+
+def saves_residuals(planned: object) -> bool:
+    """Whether ``planned`` (a `DevicePlan`, or whatever a test plans) saves residuals."""
+    return bool(getattr(planned, "residuals", False))

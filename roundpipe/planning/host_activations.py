@@ -23,20 +23,26 @@ from typing import Any
 
 from roundpipe.errors import HostMemoryError
 from roundpipe.optim.host_room import MEMINFO, available_host_bytes, pinned_bytes
-from roundpipe.plan.memory import Grain, LayerMemory, saved_inputs
+from roundpipe.plan.memory import Grain, LayerMemory, saved_inputs, saved_residuals
 from roundpipe.plan.sizes import format_bytes
 
 
 def saved_activation_bytes(
     slots: Sequence[Any], memory: LayerMemory, grain: Grain, microbatches: int, pinned: bool
 ) -> tuple[int, int]:
-    """(bytes, activations) a round of ``microbatches`` saves on the host under ``slots``: each
-    saved layer input's own bytes (pinned: rounded as the pinned allocator holds them); layer 0's
-    input is the data, held anyway."""
+    """(bytes, downloads) a round of ``microbatches`` saves on the host under ``slots``: each saved
+    layer input's own bytes, and the residual saved beside a backward layer's (layer_input), each a
+    download of its own (pinned: rounded as the pinned allocator holds them); layer 0's input is the
+    data, held anyway."""
     layers = sorted(j for j in saved_inputs(slots, grain) if j > 0)
     own = [memory.boundary_bytes[j] - memory.carried_bytes[j] for j in layers]
+    own += [
+        memory.residual_bytes[j]
+        for j in sorted(saved_residuals(slots, grain, True))
+        if memory.residual_bytes[j]
+    ]
     held = sum(pinned_bytes(n) if pinned else n for n in own)
-    return held * microbatches, len(layers) * microbatches
+    return held * microbatches, len(own) * microbatches
 
 
 def check_activation_room(
@@ -56,10 +62,12 @@ def check_activation_room(
     fixes = ["shorter sequences or fewer tokens per microbatch"]
     if grain == "layer_input":
         fixes.insert(0, "recompute_grain='stage' (only each backward stage's input is saved)")
+        if any(memory.residual_bytes):
+            fixes.insert(0, "save_residuals=False (each layer's input without its residual)")
     fixes.append("a larger memory_budget (larger stages save fewer layer inputs)")
     fixes.append("free host memory that other processes hold")
     raise HostMemoryError(
-        f"the plan saves {count} layer inputs on the host per round ({microbatches} microbatches, "
+        f"the plan saves {count} layer inputs{' and residuals' if any(memory.residual_bytes) else ''} on the host per round ({microbatches} microbatches, "
         f"recompute_grain={grain!r}), {format_bytes(nbytes)}"
         f"{' as pinned downloads' if pinned else ''}, but the host has {format_bytes(available)} "
         f"available (MemAvailable in {MEMINFO}); the first forward would run out of host memory. "

@@ -229,8 +229,10 @@ class GraphBuilder:
         """What a backward run's chains wait for outside the run (see `backward_run`)."""
         start = run.layers.stop - 1 if self.options.layer_inputs else run.layers.start  # deepest saved last
         saved_by = read_by = None
-        if start > 0:
-            stages = self.plan.fwd_stages  # forward slot i holds fwd_stages[i]
+        stages = self.plan.fwd_stages  # forward slot i holds fwd_stages[i]
+        if start > 0 and self.options.layer_residuals:  # the slot computing it saves its residual last
+            saved_by = next(i for i, r in enumerate(stages) if r.start <= start < r.stop)
+        elif start > 0:
             saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
             read_by = saved_by + 1 if stages[saved_by].stop == start else None
         history, runs_back = self._device_runs.get(run.device, ()), 2 if self.options.inputs_ahead else 1
@@ -243,7 +245,7 @@ class GraphBuilder:
             previous_run_done=history[-1] if history and self.num_devices == 1 else None,
             previous_run_sync=self._waits_for_previous(run.slot),
             flow_depth=self.options.flow_depth if self.options.inputs_ahead else 1,
-            inputs=len(run.layers) if self.options.layer_inputs else 1,
+            inputs=len(run.layers) * (1 + self.options.layer_residuals) if self.options.layer_inputs else 1,
             uploads_after=tuple(uploads_after),
         )
 

@@ -114,6 +114,9 @@ class ScheduleOptions:
     # A backward stage's act_up brings every one of its layers' inputs, saved by the forward slots
     # (RunConfig.recompute_grain="layer_input"), not only the one entering it.
     layer_inputs: bool = False
+    # With ``layer_inputs``, each of those layers' post-attention residual too, which the forward
+    # slot computing the layer saves (`roundpipe.model.attention_residual`).
+    layer_residuals: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_stages < 1:
