@@ -557,7 +557,7 @@ def run_roundpipe(
         "chunk_bytes": config.chunk_bytes,
         "compile": config.compile,
         "skip_unread_tail": getattr(config, "skip_unread_tail", None),
-        "save_residuals": trace.meta.get("save_residuals"),  # whether the plan saved them
+        "save_residuals": trace.meta.get("layer_residuals"),  # whether the plan saved them
         "one_device_stages": planner["STAGES_ON_ONE_DEVICE"],
         "backward_stage_layers": planner.get("BACKWARD_STAGE_LAYERS"),
         "inductor": inductor_options,

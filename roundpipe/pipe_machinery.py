@@ -227,7 +227,6 @@ class PipeMachinery:
         self.runtime.recompute_grain = device_plan.grain  # the grain the plan was made at
         self.runtime.save_residuals = device_plan.residuals
         self._trace.meta["recompute_grain"] = device_plan.grain
-        self._trace.meta["save_residuals"] = device_plan.residuals
         self._trace.meta.setdefault("recompute_grain_why", device_plan.grain_why)  # the first plan chose
         changed = {k: v for k, v in counted.items() if getattr(self._options, k) != v}
         if changed:

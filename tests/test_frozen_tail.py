@@ -195,6 +195,7 @@ def test_a_pipeline_that_skips_trains_exactly_as_one_that_computes_the_tail(
     so the weights agree to rounding there, bit for bit elsewhere."""
     skips = counting_skips(monkeypatch)
     losses, adapters, meta = trained(grain, skip=True, residuals=residuals)
+    assert meta["layer_residuals"] is residuals  # the trace says whether the plan saved them
     skipped_per_recompute = 2 if residuals else 1
     recomputes = skipping_recomputes(meta, grain, steps=2, microbatches=4)
     assert len(skips) == skipped_per_recompute * recomputes > 0

@@ -136,6 +136,7 @@ class GraphBuilder:
             "flow_depth": self.options.flow_depth,
             "uploads_in_run_order": self.options.uploads_in_run_order,
             "upload_parts_ahead": self.options.upload_parts_ahead,
+            "layer_residuals": self.options.layer_residuals,
         }
 
     @property
