@@ -12,6 +12,7 @@ from torch import nn
 
 from roundpipe.model import attention_residual
 from roundpipe.model.frozen_tail import mark_tail, tails, unread_tail
+from roundpipe.model.quant import NF4Linear, quantize_frozen_
 from tests.helpers import tiny_causal_lm
 from tests.test_transformers_parity import lora
 
@@ -54,9 +55,17 @@ def _kept(layer: nn.Module, hidden: torch.Tensor, rotary: Any) -> tuple[torch.Te
     return (out[0] if isinstance(out, tuple) else out), kept[0]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_a_recompute_with_the_kept_residual_gives_the_full_recomputes_gradients(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "nf4"),
+    [("qwen3", False), ("llama", False), ("qwen3", True)],
+    ids=["qwen3", "llama", "qwen3-nf4"],
+)
+def test_a_recompute_with_the_kept_residual_gives_the_full_recomputes_gradients(kind: str, nf4: bool) -> None:
+    """Dense or 4-bit (`o_proj`'s input gradient then dequantizes its weight in the backward)."""
     layer, (hidden, rotary) = _layer_and_inputs(kind)
+    if nf4:
+        quantize_frozen_(layer)
+        assert isinstance(layer.self_attn.o_proj.base_layer, NF4Linear)
     mark_tail(layer)
     assert attention_residual.install(layer) and attention_residual.installed(layer)
     out, residual = _kept(layer, hidden, rotary)
