@@ -96,7 +96,7 @@ declare -A VARIANT=(
   [fulltail]="--skip-unread-tail false"
   # Under layer_input, each layer's input saved without its post-attention residual, so every
   # recompute computes o_proj (RunConfig.save_residuals; model/attention_residual.py): E against
-  # E-noresiduals (the trace meta's layer_residuals says whether "auto" saved them); named
+  # E-noresiduals (the line's save_residuals says whether "auto" saved them); a named
   # layer_input saves them wherever the host has the bytes: E-inputs against E-inputsnores
   [noresiduals]="--save-residuals false"
   [inputsnores]="--recompute-grain layer_input --save-residuals false"

@@ -122,12 +122,20 @@ def test_a_run_s_trace_counts_the_activation_bytes_each_transfer_moved() -> None
 
 def test_with_residuals_each_backward_layer_saves_one_more_download_beside_its_input() -> None:
     """The residual of every layer of a backward stage (1, 2, 3 here; not the fused stage's 4,
-    whose forward runs again with grad), 40 MiB each, a pinned download of its own."""
+    whose forward runs again with grad), 40 MiB each, downloaded by the forward stage computing
+    the layer with its inputs: stage [0, 2) inputs 1, 2 and residual 1 (pieces of 40, 40, 40
+    MiB, held as 64 each), stage [2, 4) inputs 3, 4 and residuals 2, 3 (pieces of 120 and 40:
+    128 and 64). Unpinned, the values' own bytes."""
     residuals = LayerMemory(**{**MEM.to_dict(), "residual_bytes": (0, *[40 * MIB] * 5)})
     plain = saved_activation_bytes(PLAN.slots, MEM, "layer_input", 4, pinned=True)
+    assert plain == (4 * 2 * 128 * MIB, 16)
     assert saved_activation_bytes(PLAN.slots, residuals, "layer_input", 4, pinned=True) == (
-        plain[0] + 3 * 4 * 64 * MIB,
+        4 * (3 * 64 + 128 + 64) * MIB,
         plain[1] + 3 * 4,
+    )
+    assert saved_activation_bytes(PLAN.slots, residuals, "layer_input", 4, pinned=False) == (
+        4 * 7 * 40 * MIB,
+        28,
     )
     # At stage grain nothing is saved beside the inputs, and without residuals the same as before.
     assert saved_activation_bytes(PLAN.slots, residuals, "stage", 4, pinned=True) == saved_activation_bytes(
@@ -135,5 +143,59 @@ def test_with_residuals_each_backward_layer_saves_one_more_download_beside_its_i
     )
     assert residuals.without_residuals() == MEM
     with pytest.raises(roundpipe.HostMemoryError, match="28 layer inputs and residuals") as info:
-        check_activation_room(PLAN.slots, residuals, "layer_input", 4, pinned=True, available=1024 * MIB)
+        check_activation_room(PLAN.slots, residuals, "layer_input", 4, pinned=True, available=1500 * MIB)
     assert str(info.value).split("To fit: ")[1].startswith("save_residuals=False")
+
+
+def test_a_forward_stage_s_many_saved_inputs_share_pinned_pieces() -> None:
+    """Eight 40 MiB inputs (layers 1-8) downloaded by one forward stage: pieces of 240, 40 and 40
+    MiB, held as 256, 64 and 64, where eight downloads of their own held 512."""
+    eight = LayerMemory(
+        param_bytes=(0,) * 10,
+        grad_bytes=(0,) * 10,
+        saved_bytes=(0,) * 10,
+        work_bytes=(0,) * 10,
+        boundary_bytes=(MIB, *[40 * MIB] * 9),
+    )
+    plan = Plan((range(0, 8),), range(8, 10), (range(0, 8),), t_max=1.0, num_devices=1, num_microbatches=1)
+    assert saved_activation_bytes(plan.slots, eight, "layer_input", 1, pinned=True) == (
+        (256 + 64 + 64) * MIB,
+        8,
+    )
+
+
+def test_downloads_together_keep_values_and_structure_and_copy_a_shared_tensor_once() -> None:
+    from roundpipe.backends.packed_download import copy_together
+
+    shared = torch.arange(6.0)
+    values = [
+        {"hidden": torch.randn(3, 5), "_cos": shared, "ids": torch.arange(4)},
+        (torch.randn(4, 6).t(), shared),  # not contiguous
+        torch.ones(2, dtype=torch.bfloat16),
+    ]
+    copied = copy_together(values, lambda t: True, pinned=False)
+    assert copied[0].keys() == values[0].keys() and isinstance(copied[1], tuple)
+    flat = [copied[0]["hidden"], copied[0]["_cos"], copied[0]["ids"], *copied[1], copied[2]]
+    expected = [values[0]["hidden"], shared, values[0]["ids"], *values[1], values[2]]
+    for got, want in zip(flat, expected, strict=True):
+        assert torch.equal(got, want) and got.dtype == want.dtype and got is not want
+    assert copied[0]["_cos"] is copied[1][1]  # one copy, as one tensor on the device
+    # Per dtype, one piece (unpinned): the hidden states, the shared table and the transposed one.
+    assert copied[0]["hidden"].untyped_storage().data_ptr() == copied[1][0].untyped_storage().data_ptr()
+    kept = copy_together(values, lambda t: t.dtype == torch.bfloat16, pinned=False)
+    assert kept[0]["hidden"] is values[0]["hidden"] and kept[2] is not values[2]
+
+
+@pytest.mark.gpu
+def test_downloads_from_a_gpu_land_in_shared_pinned_pieces() -> None:
+    from roundpipe.backends.packed_download import download_together
+
+    values = [{"hidden": torch.randn(4096, 320, device="cuda", dtype=torch.bfloat16)} for _ in range(5)]
+    values.append({"hidden": torch.ones(3, device="cpu")})  # a host value stays as it is
+    hosts = download_together(values)
+    torch.cuda.synchronize()
+    pieces = {h["hidden"].untyped_storage().data_ptr() for h in hosts[:5]}
+    assert len(pieces) < 5 and all(h["hidden"].is_pinned() for h in hosts[:5])
+    for got, want in zip(hosts[:5], values[:5], strict=True):
+        assert torch.equal(got["hidden"], want["hidden"].cpu())
+    assert hosts[5]["hidden"] is values[5]["hidden"]

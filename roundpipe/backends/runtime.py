@@ -35,6 +35,7 @@ from roundpipe.backends.holdings import TaskHolds, out_of_memory_error
 from roundpipe.backends.host_data import BoundaryKey, IterationData, LayerTimes, LossFn, RunKey, SlotKey
 from roundpipe.backends.optimizer_lane import OptimizerLane
 from roundpipe.backends.out_of_memory import is_out_of_memory
+from roundpipe.backends.packed_download import download_together
 from roundpipe.backends.replicas import Replicas
 from roundpipe.backends.stage_math import (
     Recomputed,
@@ -273,8 +274,10 @@ class Runtime(OptimizerLane, TaskHolds):
         record_moved(task, payload)
         if self.defer_release:
             self.hold(task, payload)  # computed on the compute stream, read by this copy
-        for layer, value in payload.items():
-            host_value = download(value)
+        values = list(payload.values())
+        # A forward stage's activations into shared pinned pieces, not one rounded allocation each.
+        hosts = download_together(values) if kind == "act" else [download(v) for v in values]
+        for layer, host_value in zip(payload, hosts, strict=True):
             if isinstance(layer, ResidualOf):
                 self.residuals[BoundaryKey(t, layer.layer, mb)] = host_value
             elif kind == "act":

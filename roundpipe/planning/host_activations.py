@@ -5,8 +5,9 @@ Why: a forward stage saves the input of every backward stage (with ``recompute_g
 backward stage reads it again: one 262,144-token sequence of an 8B shape saves 32 inputs of 2 GiB.
 A host that lacks them ends the process at the first forward's downloads (the kernel's
 out-of-memory killer), with nothing said, after the profile and the plan were made. So the plan's
-first use counts them, as the downloads will hold them (from a GPU each lands in its own pinned
-allocation, which torch rounds up to a power of two), and compares them with what the kernel says
+first use counts them, as the downloads will hold them (from a GPU each forward stage's lands in a
+few pinned pieces, which torch rounds up to a power of two: `roundpipe.backends.packed_download`),
+and compares them with what the kernel says
 is available (`roundpipe.optim.host_room.available_host_bytes`): past it, `HostMemoryError` says
 how much, where from, and what to change.
 
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from roundpipe.errors import HostMemoryError
-from roundpipe.optim.host_room import MEMINFO, available_host_bytes, pinned_bytes
+from roundpipe.optim.host_room import MEMINFO, available_host_bytes, layout_pieces, pinned_bytes
 from roundpipe.plan.memory import Grain, LayerMemory, saved_inputs, saved_residuals
 from roundpipe.plan.sizes import format_bytes
 
@@ -31,18 +32,35 @@ def saved_activation_bytes(
     slots: Sequence[Any], memory: LayerMemory, grain: Grain, microbatches: int, pinned: bool
 ) -> tuple[int, int]:
     """(bytes, downloads) a round of ``microbatches`` saves on the host under ``slots``: each saved
-    layer input's own bytes, and the residual saved beside a backward layer's (layer_input), each a
-    download of its own (pinned: rounded as the pinned allocator holds them); layer 0's input is the
-    data, held anyway."""
-    layers = sorted(j for j in saved_inputs(slots, grain) if j > 0)
-    own = [memory.boundary_bytes[j] - memory.carried_bytes[j] for j in layers]
-    own += [
-        memory.residual_bytes[j]
-        for j in sorted(saved_residuals(slots, grain, True))
-        if memory.residual_bytes[j]
-    ]
-    held = sum(pinned_bytes(n) if pinned else n for n in own)
-    return held * microbatches, len(own) * microbatches
+    layer input's own bytes, and the residual saved beside a backward layer's (layer_input). Pinned,
+    as the downloads hold them: each forward stage's laid out together in pinned pieces
+    (`roundpipe.backends.packed_download`), which the pinned allocator rounds up. Layer 0's input
+    is the data, held anyway."""
+    forward = [s.layers for s in slots if s.kind == "fwd"]
+    by_stage: dict[int, list[int]] = {}  # forward stage (or -1: none) -> the bytes it downloads
+
+    def add(nbytes: int, stage: int) -> None:
+        by_stage.setdefault(stage, []).append(nbytes)
+
+    for j in sorted(j for j in saved_inputs(slots, grain) if j > 0):  # sent down by the stage ending there
+        add(
+            memory.boundary_bytes[j] - memory.carried_bytes[j],
+            next((i for i, r in enumerate(forward) if r.start < j <= r.stop), -1),
+        )
+    for j in sorted(saved_residuals(slots, grain, True)):  # by the stage computing the layer
+        if memory.residual_bytes[j]:
+            add(
+                memory.residual_bytes[j],
+                next((i for i, r in enumerate(forward) if r.start <= j < r.stop), -1),
+            )
+    sizes = [n for stage in by_stage.values() for n in stage]
+    if not pinned:
+        return sum(sizes) * microbatches, len(sizes) * microbatches
+    held = 0
+    for stage, stage_sizes in by_stage.items():
+        pieces = layout_pieces(stage_sizes, True)[0] if stage >= 0 else stage_sizes
+        held += sum(pinned_bytes(n) for n in pieces)
+    return held * microbatches, len(sizes) * microbatches
 
 
 def check_activation_room(
