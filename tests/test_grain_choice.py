@@ -207,3 +207,24 @@ def test_the_train_command_passes_the_grain_through() -> None:
         roundpipe.ConfigError, match=r"--recompute-grain: .* or .layer_input. \(got .layers.\)"
     ):
         make_config({"recompute_grain": "layers"})
+
+
+def test_the_profile_keeps_residuals_only_for_a_run_that_may_save_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As its forward stages will call the layers (one compiled variant, not two): at a named
+    layer_input, or where "auto" may take it before a plan is made (CUDA, a frozen dense tail at
+    least `MIN_WIDTH` wide)."""
+    from roundpipe.planning.device_plan import may_save_residuals
+
+    layers = layers_of(four_block_lora())  # 32 wide
+
+    def may(kind: str = "cuda", **fields: Any) -> bool:
+        return may_save_residuals(roundpipe.RunConfig(**fields), kind, layers)
+
+    assert may(recompute_grain="layer_input", kind="cpu")
+    assert not may(recompute_grain="layer_input", save_residuals=False)
+    assert not may(recompute_grain="layer_input", skip_unread_tail=False)
+    assert not may(recompute_grain="stage") and not may()  # "auto": 32 wide, under the floor
+    monkeypatch.setattr(grain_choice, "MIN_WIDTH", 32)
+    assert may() and not may(kind="cpu")

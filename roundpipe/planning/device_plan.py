@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from roundpipe.config import RunConfig
 from roundpipe.errors import PlanError
@@ -53,15 +54,16 @@ class DevicePlan:
     residuals: bool = False  # whether its forward stages save residuals (`model.attention_residual`)
 
 
-def may_save_residuals(config: RunConfig, kind: str) -> bool:
+def may_save_residuals(config: RunConfig, kind: str, layers: Sequence[nn.Module]) -> bool:
     """Whether a run of ``config`` on ``kind`` devices may save residuals
     (`roundpipe.model.attention_residual`), so its profile keeps them as its forward stages would:
-    at a named layer_input grain, or one "auto" may choose there (`roundpipe.planning.grain`)."""
-    from roundpipe.planning.grain import CHOOSES_ON
+    at a named layer_input grain, or where "auto" may choose it (`roundpipe.planning.grain`)."""
+    from roundpipe.planning.grain import auto_may_take_layer_input
 
+    if not (config.save_residuals and config.skip_unread_tail):
+        return False
     grain = config.recompute_grain
-    grain_allows = grain == "layer_input" or (grain == "auto" and kind in CHOOSES_ON)
-    return config.save_residuals and config.skip_unread_tail and grain_allows
+    return grain == "layer_input" or (grain == "auto" and auto_may_take_layer_input(layers, kind))
 
 
 def planning_config(config: RunConfig, kind: str) -> RunConfig:
@@ -163,7 +165,7 @@ def profile_and_plan(
         names=sequence.names,
         prepare=prepare,
         one_per_kind=config.profile == "one_per_kind",
-        keep_residuals=may_save_residuals(config, device.type),
+        keep_residuals=may_save_residuals(config, device.type, sequence.layers),
     )
     from roundpipe.optim.host_room import available_host_bytes
     from roundpipe.plan.rounds import round_sizes

@@ -75,6 +75,12 @@ def host_room(available: int | None, environ: Mapping[str, str] | None = None) -
     return None if available is None else int(HOST_SHARE * available) // processes
 
 
+def auto_may_take_layer_input(layers: Sequence[nn.Module], kind: str) -> bool:
+    """Whether "auto" may take layer_input on ``kind`` devices for ``layers`` before any plan is
+    made: the rule's first three points."""
+    return kind in CHOOSES_ON and dense_tail_width(layers) >= MIN_WIDTH
+
+
 def choose_grain(
     config: RunConfig,
     layers: Sequence[nn.Module],
