@@ -150,3 +150,24 @@ def test_inductor_on_cuda_keeps_and_uses_the_residual_in_bf16() -> None:
     for want, got in zip(full, skipped, strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch._dynamo.reset()
+
+
+def test_a_run_saves_residuals_only_where_a_layer_can_keep_one() -> None:
+    """Before any device plan (no budget on the CPU): a LoRA decoder model at layer_input does; a
+    model without such a layer, or one whose o_proj trains, does not (its schedule waits for no
+    residual and counts none on the link)."""
+    import roundpipe
+    from tests.helpers import mlp
+
+    def residuals(model: nn.Module, **fields: Any) -> bool:
+        config = roundpipe.RunConfig(devices="cpu:1", recompute_grain="layer_input", **fields)
+        with roundpipe.RoundPipe(model, config=config) as pipe:
+            saved = pipe.trace().meta["layer_residuals"]
+            assert saved is pipe.runtime.save_residuals
+            return bool(saved)
+
+    assert residuals(lora(tiny_causal_lm("qwen3", attn="sdpa")))
+    assert not residuals(lora(tiny_causal_lm("qwen3", attn="sdpa")), save_residuals=False)
+    assert not residuals(mlp(0, width=8, depth=3))
+    trained_o_proj = tiny_causal_lm("qwen3", attn="sdpa")  # every weight trains
+    assert not residuals(trained_o_proj)

@@ -92,6 +92,11 @@ def _parts(layer: nn.Module) -> tuple[Any, nn.Module] | None:
     return None if linear is None else (norm, linear)
 
 
+def supported(module: nn.Module) -> bool:
+    """Whether a decoder layer within ``module`` (the user's, not yet readied) can keep one."""
+    return any(_parts(m) is not None for m in module.modules())
+
+
 def install(layer: nn.Module) -> bool:
     """Ready roundpipe's copy of a decoder layer to keep and use its residual (module docstring);
     whether it can."""
@@ -166,4 +171,4 @@ def kept_or_used(layer: nn.Module, hidden: torch.Tensor, slot: ResidualSlot | No
         slot.value = kept[0] if len(kept) == 1 else None
 
 
-__all__ = ["ResidualSlot", "install", "installed", "keeping", "kept_or_used", "using"]
+__all__ = ["ResidualSlot", "install", "installed", "keeping", "kept_or_used", "supported", "using"]
