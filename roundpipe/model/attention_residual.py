@@ -46,6 +46,7 @@ from roundpipe.model.swap_class import subclass_of
 
 OFF, KEEP, USE = 0, 1, 2
 _MARKER = "_roundpipe_attention_tail"  # not `frozen_tail.tails`'s: flagged only by `using`
+_READIED = "_roundpipe_residual_parts"  # on a readied layer: its (norm, o_proj linear)
 _subclasses: dict[type, type] = {}
 
 
@@ -112,21 +113,28 @@ def install(layer: nn.Module) -> bool:
         norm.register_forward_pre_hook(_residual_hook)
         norm.residual_store = []
     norm.residual_mode = OFF
+    # Found once: a call's `kept_or_used` reads them on the host path of every layer call.
+    object.__setattr__(layer, _READIED, (norm, linear))
     return True
 
 
 def installed(layer: nn.Module) -> bool:
     """Whether `install` readied ``layer``."""
-    parts = _parts(layer)
-    return parts is not None and getattr(parts[0], "residual_store", None) is not None
+    return getattr(layer, _READIED, None) is not None
+
+
+def _readied(layer: nn.Module) -> tuple[Any, nn.Module]:
+    parts: tuple[Any, nn.Module] | None = getattr(layer, _READIED, None)
+    if parts is None:
+        raise ValueError(f"a {type(layer).__name__} that attention_residual.install() did not ready")
+    return parts
 
 
 @contextmanager
 def keeping(layer: nn.Module) -> Iterator[list[torch.Tensor]]:
     """While inside, a call of ``layer`` (an `installed` one) appends its post-attention residual
     to the list yielded."""
-    norm, _ = _parts(layer) or (None, None)
-    assert norm is not None, "keeping() on a layer install() did not ready"
+    norm, _ = _readied(layer)
     kept: list[torch.Tensor] = []
     norm.residual_mode = KEEP
     try:
@@ -141,8 +149,7 @@ def keeping(layer: nn.Module) -> Iterator[list[torch.Tensor]]:
 def using(layer: nn.Module, residual: torch.Tensor) -> Iterator[None]:
     """While inside, a call of ``layer`` with grad takes ``residual`` as its post-attention
     residual and leaves out ``o_proj``'s frozen product (module docstring)."""
-    norm, linear = _parts(layer) or (None, None)
-    assert norm is not None and linear is not None, "using() on a layer install() did not ready"
+    norm, linear = _readied(layer)
     norm.residual_store.append(residual)
     norm.residual_mode = USE
     setattr(linear, "output_unread", True)  # noqa: B010
