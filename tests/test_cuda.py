@@ -302,3 +302,46 @@ def test_cuda_tight_budget_split_plan_follows_the_unbudgeted_run(monkeypatch: py
     assert all(map(math.isfinite, tight_losses)), tight_losses
     # Each layer runs the same kernels on the same data whichever stage it is in.
     assert tight_losses == pytest.approx(free_losses, rel=1e-2)
+
+
+def _residual_run(save_residuals: bool, batch: dict) -> tuple[list[float], dict]:
+    """Four sync steps of a LoRA model (q/k/v/o, bf16, compiled as "auto" compiles on CUDA) in
+    one-layer stages at layer_input grain; the losses and the trace's meta."""
+    from tests.test_transformers_parity import lora
+
+    config = roundpipe.RunConfig(
+        devices="cuda:0",
+        num_microbatches=4,
+        precision="bf16",
+        memory_budget="8GiB",
+        async_optimizer=False,
+        replan=False,
+        recompute_grain="layer_input",
+        save_residuals=save_residuals,
+    )
+    model = lora(_qwen3(layers=6, hidden=1024))
+    with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        losses = []
+        for _ in range(4):
+            losses.append(pipe.forward_backward(batch))
+            pipe.step()
+        pipe.synchronize()
+        pipe.trace().check_rules()
+        return losses, dict(pipe.trace().meta)
+
+
+def test_cuda_saved_residuals_train_as_the_full_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer's post-attention residual saved beside its input and taken back by the
+    recompute, which leaves out o_proj (`roundpipe.model.attention_residual`), through the CUDA
+    streams, the packed pinned downloads and inductor: the same losses as without, to bf16."""
+    from roundpipe.planning import device_plan
+
+    monkeypatch.setattr(device_plan, "STAGES_ON_ONE_DEVICE", "balanced")  # the finest stages that fit
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32768, (4, 1024), generator=g)
+    batch = {"input_ids": ids, "labels": ids}
+    saved, meta = _residual_run(True, batch)
+    full, full_meta = _residual_run(False, batch)
+    assert meta["plan"]["bwd_stages"] and meta["layer_residuals"] and not full_meta["layer_residuals"]
+    assert all(map(math.isfinite, saved))
+    assert saved == pytest.approx(full, rel=1e-2)
