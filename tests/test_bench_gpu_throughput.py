@@ -225,6 +225,16 @@ def test_choice_sum_flag_forces_the_kernels_either_way_or_leaves_the_default() -
         bench.parse_args(["--choice-sum", "yes"])
 
 
+def test_save_residuals_flag_reaches_the_run_config_or_leaves_its_default() -> None:
+    for argv, saved in (
+        ([], True),
+        (["--save-residuals", "false"], False),
+        (["--save-residuals", "true"], True),
+    ):
+        args = bench.parse_args(["--workload", "E", *argv])
+        assert bench.make_config(args.workloads[0], "async", args).save_residuals is saved, argv
+
+
 def test_lora_roundpipe_side_trains_adapters_in_bf16() -> None:
     args = bench.parse_args(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4"])
     args.steps, args.warmup = 1, 1
