@@ -336,3 +336,13 @@ def test_reading_each_loss_a_step_late_trains_the_same_run(
     for checkpoint in ("checkpoint", "checkpoint-3"):
         a = (tmp_path / "lag0" / checkpoint / "weights.safetensors").read_bytes()
         assert a == (tmp_path / "lag1" / checkpoint / "weights.safetensors").read_bytes(), checkpoint
+
+
+def test_no_save_residuals_reaches_the_run_config(model_config: Path, tmp_path: Path) -> None:
+    from roundpipe.cli import build_parser
+    from roundpipe.cli.train_command import options
+
+    args = tiny_args(model_config, tmp_path, "r", steps=2)
+    for extra, saved in (([], True), (["--no-save-residuals"], False)):
+        chosen = make_config(options(build_parser().parse_args([*args, *extra]))).run_config()
+        assert chosen.save_residuals is saved, extra

@@ -243,6 +243,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     for flag, text in _SWITCHES:
         parser.add_argument(flag, dest=flag[2:].replace("-", "_"), action="store_true", help=text)
+    parser.add_argument(
+        "--no-save-residuals",
+        dest="save_residuals",
+        action="store_false",
+        help="layer_input grain saves each layer's input alone, not its post-attention residual beside "
+        "it (less host memory; each recompute then computes o_proj)",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--async", dest="async_optimizer", action="store_true", help="staleness-1 optimizer (default)"
@@ -268,6 +275,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
         "truncation",
         "packing",
         "lora_experts",
+        "save_residuals",
     ):
         if hasattr(args, name):
             flags[name] = getattr(args, name)

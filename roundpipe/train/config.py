@@ -112,6 +112,9 @@ class TrainConfig(BaseModel):
     recompute_grain: Literal["auto", "stage", "layer", "layer_input"] = Field(
         default="auto", description="RunConfig.recompute_grain: what a backward stage recomputes from"
     )
+    save_residuals: bool = Field(
+        default=True, description="RunConfig.save_residuals: layer_input saves each layer's residual too"
+    )
     async_optimizer: bool = Field(default=True, description="staleness-1 optimizer overlapping the next step")
     async_warmup_steps: int = Field(
         default=DEFAULT_ASYNC_WARMUP_STEPS,
@@ -262,6 +265,7 @@ class TrainConfig(BaseModel):
             dequantize=self.dequantize,
             profile=self.profile,
             recompute_grain=self.recompute_grain,
+            save_residuals=self.save_residuals,
             max_grad_norm=self.max_grad_norm,
             seed=self.seed,
             distributed={"timeout_s": self.dist_timeout},
