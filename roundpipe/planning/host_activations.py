@@ -81,7 +81,9 @@ def check_activation_room(
     if grain == "layer_input":
         fixes.insert(0, "recompute_grain='stage' (only each backward stage's input is saved)")
         if any(memory.residual_bytes):
-            fixes.insert(0, "save_residuals=False (each layer's input without its residual)")
+            fixes.insert(
+                0, "save_residuals=False (each layer's input without its residual; --no-save-residuals)"
+            )
     fixes.append("a larger memory_budget (larger stages save fewer layer inputs)")
     fixes.append("free host memory that other processes hold")
     raise HostMemoryError(
