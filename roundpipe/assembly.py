@@ -19,12 +19,12 @@ import torch
 
 from roundpipe.config import RunConfig
 from roundpipe.errors import ConfigError
-from roundpipe.model import attention_residual
 from roundpipe.model.sequence import LayerSequence
 from roundpipe.optim.distributed import make_collectives
 from roundpipe.optim.host import HostModel, LossScaler, OptimizerFactory, SchedulerFactory
 from roundpipe.optim.lr_ramp import ramp_factor
 from roundpipe.plan import LayerCosts
+from roundpipe.planning.device_plan import may_save_residuals
 from roundpipe.planning.grain import initial_grain
 from roundpipe.sched.spec import ScheduleOptions, fresh_layer_set, fresh_units_at
 
@@ -85,9 +85,8 @@ def make_runtime(
     )
     runtime.collectives = make_collectives(config.distributed, host)
     runtime.skip_unread_tail = config.skip_unread_tail
-    # Until a device plan says (from the residuals its profile measured): where a layer can keep one.
-    can_keep = any(attention_residual.supported(layer) for layer in sequence.layers)
-    runtime.save_residuals = config.save_residuals and config.skip_unread_tail and can_keep
+    # Until a device plan says (from the residuals its profile measured); only layer_input reads it.
+    runtime.save_residuals = may_save_residuals(config, kind, sequence.layers)
     # Until a device plan says otherwise (`record_device_plan`): no budget to decide against. A
     # model may arrive holding 4-bit weights whatever base_format says.
     runtime.dense.enabled = config.dequantize != "call" and runtime.dense.holds_quantized()

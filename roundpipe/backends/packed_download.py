@@ -20,43 +20,20 @@ when they all are, is the peak.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 from roundpipe.optim.host_room import layout_pieces
-
-
-def _collect(obj: Any, wanted: Callable[[torch.Tensor], bool], found: dict[int, torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if wanted(obj):
-            found.setdefault(id(obj), obj)
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _collect(value, wanted, found)
-    elif isinstance(obj, tuple | list):
-        for value in obj:
-            _collect(value, wanted, found)
-
-
-def _replaced(obj: Any, copies: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return copies.get(id(obj), obj)
-    if isinstance(obj, Mapping):
-        return {k: _replaced(v, copies) for k, v in obj.items()}
-    if isinstance(obj, tuple | list):
-        return type(obj)(_replaced(v, copies) for v in obj)
-    return obj
 
 
 def copy_together(values: Sequence[Any], wanted: Callable[[torch.Tensor], bool], pinned: bool) -> list[Any]:
     """``values`` with every ``wanted`` tensor among them copied to the host into pieces per dtype
     (`layout_pieces`; ``pinned``: pinned pieces, copied without blocking), each distinct tensor
     once; the others as they are."""
-    found: dict[int, torch.Tensor] = {}
-    for value in values:
-        _collect(value, wanted, found)
+    found = {id(t): t for t in tree_leaves(list(values)) if isinstance(t, torch.Tensor) and wanted(t)}
     if not found:
         return list(values)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -72,7 +49,7 @@ def copy_together(values: Sequence[Any], wanted: Callable[[torch.Tensor], bool],
             view = memory[piece][first : first + tensor.numel()].view(tensor.shape)
             view.copy_(tensor, non_blocking=pinned)
             copies[id(tensor)] = view
-    return [_replaced(value, copies) for value in values]
+    return [tree_map(lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t, v) for v in values]
 
 
 def download_together(values: Sequence[Any]) -> list[Any]:

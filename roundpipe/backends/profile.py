@@ -29,7 +29,6 @@ It must never keep a device copy after it returns, change the user's parameters,
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -40,7 +39,12 @@ from torch import nn
 
 from roundpipe.backends.meter import Meter as _Meter
 from roundpipe.backends.out_of_memory import is_out_of_memory
-from roundpipe.backends.profile_bytes import allocated_for_backward, dequantized_bytes, gradients_saved_ahead
+from roundpipe.backends.profile_bytes import (
+    ShapedRefs,
+    allocated_for_backward,
+    dequantized_bytes,
+    gradients_saved_ahead,
+)
 from roundpipe.backends.profile_kinds import OnePerKind, warm_up_kind
 from roundpipe.backends.replicas import Binder
 from roundpipe.backends.storages import (
@@ -57,7 +61,6 @@ from roundpipe.plan.memory import LayerMemory
 from roundpipe.plan.sizes import format_bytes
 
 GiB = 2**30
-ShapedRefs = dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]]  # parameter shape -> saved storages
 Prepare = Callable[[nn.Module], nn.Module]  # readies a layer copy as the run's replicas (compiled or not)
 
 

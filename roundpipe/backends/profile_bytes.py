@@ -16,6 +16,8 @@ from torch import nn
 
 from roundpipe.backends.storages import collect_storages, storage_bytes
 
+ShapedRefs = dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]]  # parameter shape -> saved storages
+
 
 def allocated_for_backward(
     out: Any, inputs: dict[int, int], saved: dict[int, int], grad_fwd: dict[str, float]
@@ -29,9 +31,7 @@ def allocated_for_backward(
     return int(grad_fwd["after"] - grad_fwd["before"]) - unsaved_new + saved_inputs
 
 
-def gradients_saved_ahead(
-    params: dict[str, torch.Tensor], param_shaped: dict[torch.Size, list[weakref.ref[torch.UntypedStorage]]]
-) -> int:
+def gradients_saved_ahead(params: dict[str, torch.Tensor], param_shaped: ShapedRefs) -> int:
     """Bytes of parameter gradients that are saved storages: computed ahead in the forward (a
     chunked loss), handed on by the backward rather than allocated."""
     ahead = [s for refs in param_shaped.values() for ref in refs if (s := ref()) is not None]

@@ -192,6 +192,17 @@ def saved_residuals(slots: Sequence[Any], grain: Grain, on: bool) -> frozenset[i
     return frozenset(j for s in slots if s.kind == "bwd" for j in s.layers)
 
 
+def input_sender(fwd_stages: Sequence[range], layer: int) -> int | None:
+    """The forward stage whose downloads carry ``layer``'s input (> 0): the one ending there or
+    holding it inside; None past every forward stage."""
+    return next((i for i, r in enumerate(fwd_stages) if r.start < layer <= r.stop), None)
+
+
+def residual_sender(fwd_stages: Sequence[range], layer: int) -> int | None:
+    """The forward stage that computes ``layer``, so sends its residual down; None past them."""
+    return next((i for i, r in enumerate(fwd_stages) if r.start <= layer < r.stop), None)
+
+
 def _draining(
     mem: LayerMemory, slot: Any, before: Any, own: int, farthest: int, grain: Grain, num_devices: int
 ) -> int:

@@ -56,11 +56,14 @@ class DevicePlan:
 
 def may_save_residuals(config: RunConfig, kind: str, layers: Sequence[nn.Module]) -> bool:
     """Whether a run of ``config`` on ``kind`` devices may save residuals
-    (`roundpipe.model.attention_residual`), so its profile keeps them as its forward stages would:
-    at a named layer_input grain, or where "auto" may choose it (`roundpipe.planning.grain`)."""
+    (`roundpipe.model.attention_residual`): a layer of ``layers`` can keep one, and the grain is a
+    named layer_input or one "auto" may choose (`roundpipe.planning.grain`). Its profile keeps
+    them then, as its forward stages would; until a device plan says, the run saves them where
+    its grain is layer_input."""
+    from roundpipe.model.attention_residual import supported
     from roundpipe.planning.grain import auto_may_take_layer_input
 
-    if not (config.save_residuals and config.skip_unread_tail):
+    if not (config.save_residuals and config.skip_unread_tail and any(map(supported, layers))):
         return False
     grain = config.recompute_grain
     return grain == "layer_input" or (grain == "auto" and auto_may_take_layer_input(layers, kind))

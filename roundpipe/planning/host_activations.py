@@ -24,7 +24,14 @@ from typing import Any
 
 from roundpipe.errors import HostMemoryError
 from roundpipe.optim.host_room import MEMINFO, available_host_bytes, layout_pieces, pinned_bytes
-from roundpipe.plan.memory import Grain, LayerMemory, saved_inputs, saved_residuals
+from roundpipe.plan.memory import (
+    Grain,
+    LayerMemory,
+    input_sender,
+    residual_sender,
+    saved_inputs,
+    saved_residuals,
+)
 from roundpipe.plan.sizes import format_bytes
 
 
@@ -37,28 +44,19 @@ def saved_activation_bytes(
     (`roundpipe.backends.packed_download`), which the pinned allocator rounds up. Layer 0's input
     is the data, held anyway."""
     forward = [s.layers for s in slots if s.kind == "fwd"]
-    by_stage: dict[int, list[int]] = {}  # forward stage (or -1: none) -> the bytes it downloads
-
-    def add(nbytes: int, stage: int) -> None:
-        by_stage.setdefault(stage, []).append(nbytes)
-
-    for j in sorted(j for j in saved_inputs(slots, grain) if j > 0):  # sent down by the stage ending there
-        add(
-            memory.boundary_bytes[j] - memory.carried_bytes[j],
-            next((i for i, r in enumerate(forward) if r.start < j <= r.stop), -1),
-        )
-    for j in sorted(saved_residuals(slots, grain, True)):  # by the stage computing the layer
+    by_stage: dict[int | None, list[int]] = {}  # forward stage (None: none) -> the bytes it downloads
+    for j in sorted(j for j in saved_inputs(slots, grain) if j > 0):
+        nbytes = memory.boundary_bytes[j] - memory.carried_bytes[j]
+        by_stage.setdefault(input_sender(forward, j), []).append(nbytes)
+    for j in sorted(saved_residuals(slots, grain, True)):
         if memory.residual_bytes[j]:
-            add(
-                memory.residual_bytes[j],
-                next((i for i, r in enumerate(forward) if r.start <= j < r.stop), -1),
-            )
+            by_stage.setdefault(residual_sender(forward, j), []).append(memory.residual_bytes[j])
     sizes = [n for stage in by_stage.values() for n in stage]
     if not pinned:
         return sum(sizes) * microbatches, len(sizes) * microbatches
     held = 0
     for stage, stage_sizes in by_stage.items():
-        pieces = layout_pieces(stage_sizes, True)[0] if stage >= 0 else stage_sizes
+        pieces = layout_pieces(stage_sizes, True)[0] if stage is not None else stage_sizes
         held += sum(pinned_bytes(n) for n in pieces)
     return held * microbatches, len(sizes) * microbatches
 

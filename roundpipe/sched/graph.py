@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from roundpipe.errors import ScheduleError
 from roundpipe.plan.dispatch import SlotRun, dispatch
 from roundpipe.plan.kinds import SlotKind
+from roundpipe.plan.memory import input_sender, residual_sender
 from roundpipe.plan.partition import Plan
 from roundpipe.sched import rules
 from roundpipe.sched.backward_run import BackwardRunContext, backward_chains
@@ -231,11 +232,13 @@ class GraphBuilder:
         start = run.layers.stop - 1 if self.options.layer_inputs else run.layers.start  # deepest saved last
         saved_by = read_by = None
         stages = self.plan.fwd_stages  # forward slot i holds fwd_stages[i]
-        if start > 0 and self.options.layer_residuals:  # the slot computing it saves its residual last
-            saved_by = next(i for i, r in enumerate(stages) if r.start <= start < r.stop)
-        elif start > 0:
-            saved_by = next(i for i, r in enumerate(stages) if r.start < start <= r.stop)
-            read_by = saved_by + 1 if stages[saved_by].stop == start else None
+        if start > 0:
+            # With residuals the slot computing it saves its residual last; else its input's sender.
+            sender = residual_sender if self.options.layer_residuals else input_sender
+            saved_by = sender(stages, start)
+            assert saved_by is not None, f"layer {start} is past the forward stages"
+            if not self.options.layer_residuals:
+                read_by = saved_by + 1 if stages[saved_by].stop == start else None
         history, runs_back = self._device_runs.get(run.device, ()), 2 if self.options.inputs_ahead else 1
         return BackwardRunContext(
             act_bytes=self.spec.act_bytes,
