@@ -78,7 +78,20 @@ def host_room(available: int | None, environ: Mapping[str, str] | None = None) -
 def auto_may_take_layer_input(layers: Sequence[nn.Module], kind: str) -> bool:
     """Whether "auto" may take layer_input on ``kind`` devices for ``layers`` before any plan is
     made: the rule's first three points."""
-    return kind in CHOOSES_ON and dense_tail_width(layers) >= MIN_WIDTH
+    return why_not_layer_input(layers, kind) is None
+
+
+def why_not_layer_input(layers: Sequence[nn.Module], kind: str) -> str | None:
+    """Why "auto" keeps "stage" on ``kind`` devices for ``layers`` whatever the plans: the first of
+    the rule's first three points that fails, or None where all hold."""
+    if kind not in CHOOSES_ON:
+        return f"auto: {kind} devices recompute each backward stage from its input"
+    width = dense_tail_width(layers)  # walks every module: only where the device allows the choice
+    if width == 0:
+        return "auto: not every decoder layer ends in a frozen dense down_proj"
+    if width < MIN_WIDTH:
+        return f"auto: {width} wide, under {MIN_WIDTH}"
+    return None
 
 
 def choose_grain(
@@ -97,15 +110,11 @@ def choose_grain(
     residuals = config.save_residuals
     if config.recompute_grain != "auto":
         return plan_at(config.recompute_grain, residuals), "named in RunConfig.recompute_grain"
-    if kind not in CHOOSES_ON:
-        return plan_at("stage", False), f"auto: {kind} devices recompute each backward stage from its input"
+    why_not = why_not_layer_input(layers, kind)
+    if why_not is not None:
+        return plan_at("stage", False), why_not
     if room is None:
         return plan_at("stage", False), "auto: the host's available memory is unknown"
-    width = dense_tail_width(layers)  # walks every module: only where the rest allows the choice
-    if width == 0:
-        return plan_at("stage", False), "auto: not every decoder layer ends in a frozen dense down_proj"
-    if width < MIN_WIDTH:
-        return plan_at("stage", False), f"auto: {width} wide, under {MIN_WIDTH}"
     why = "auto: no plan fits the memory budget at layer_input"
     for with_residuals in dict.fromkeys((residuals, False)):  # with them first, where the run may
         try:
