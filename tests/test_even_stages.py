@@ -94,17 +94,31 @@ def test_the_fake_engine_with_the_link_times_the_even_cut_faster_and_it_is_offer
     held = device_plan(greedy, 26 << 30)
     offered = even_cut(held, BUDGET, config(), LINK, greedy_ms)
     assert offered is not None
-    assert offered.plan == evenly_cut(greedy, COSTS) and offered.iteration_ms == pytest.approx(even_ms)
+    # Cut evenly, its fused stage longer where that fits and is faster still (two layers here).
+    start = offered.plan.fused.start
+    assert start < greedy.fused.start and offered.plan == evenly_cut(greedy, COSTS, start)
+    assert (
+        offered.iteration_ms == pytest.approx(iteration_ms(offered.plan)) and offered.iteration_ms < even_ms
+    )
     assert offered.prediction.fits(BUDGET) and offered.prediction.prefetch == held.prediction.prefetch
+    longer = evenly_cut(greedy, COSTS, start - 1)  # where the search stopped: no fit, or no faster
+    fits = predict_peak(longer, memory(), "stage", act_in_flight=2).fits(BUDGET)
+    assert not fits or iteration_ms(longer) >= offered.iteration_ms
 
 
 def test_a_cut_already_even_or_no_faster_or_over_the_budget_is_not_offered() -> None:
     greedy = greedy_plan()
     greedy_ms = iteration_ms(greedy)
     even = evenly_cut(greedy, COSTS)
-    assert even_cut(device_plan(even, 26 << 30), BUDGET, config(), LINK, 1e9) is None
+    # Already even: offered only with a longer fused stage, where one fits the budget.
+    exact = predict_peak(even, memory(), "stage", act_in_flight=2).peak_bytes
+    assert even_cut(device_plan(even, 26 << 30), exact, config(), LINK, 1e9) is None
+    offered = even_cut(device_plan(even, 26 << 30), BUDGET, config(), LINK, 1e9)
+    assert offered is not None and offered.plan.fused.start < even.fused.start
     # No faster by EVEN_GAIN than what the plan in hand is said to take.
-    no_gain = iteration_ms(even) / (1 - EVEN_GAIN / 2)
+    best = even_cut(device_plan(greedy, 26 << 30), BUDGET, config(), LINK, greedy_ms)
+    assert best is not None
+    no_gain = best.iteration_ms / (1 - EVEN_GAIN / 2)
     assert even_cut(device_plan(greedy, 26 << 30), BUDGET, config(), LINK, no_gain) is None
     # A budget the even plan's predicted peak does not fit.
     assert (
@@ -152,8 +166,11 @@ def test_the_cuda_replan_takes_the_even_cut_for_coarse_stages_only(
         param_bytes=list(UPLOAD),
         round_size=MICROBATCHES,
     )
-    chosen = link_refine.with_link(device_plan(greedy, 26 << 30), config(), run.trace, UPLOAD)
-    assert chosen.plan == (evenly_cut(greedy, COSTS) if stages == "coarse" else greedy)
+    held = device_plan(greedy, 26 << 30)
+    chosen = link_refine.with_link(held, config(), run.trace, UPLOAD)
+    offered = even_cut(held, BUDGET, config(), LINK, greedy_ms)
+    assert offered is not None
+    assert chosen.plan == (offered.plan if stages == "coarse" else greedy)
     assert chosen.link == report
 
 
@@ -171,3 +188,74 @@ def test_the_coarsest_plan_that_fits_cut_evenly_beats_the_plan_that_ran() -> Non
     even = evenly_cut(coarse, COSTS)
     assert predict_peak(even, memory(), "stage", act_in_flight=2).fits(BUDGET)
     assert iteration_ms(even) < iteration_ms(greedy_plan()) * (1 - EVEN_GAIN)
+
+
+# Qwen3-32B shape at 4 x 4,096 tokens on one H100 (the measured 7.1 ms forward and 8.7 ms
+# backward a layer and microbatch), its frozen base in 4 bits made dense once a run, planned as
+# that run was: forward and backward stages of 7 layers, a fused stage of 7 (the LM head's too).
+# Memory shaped like that run's (an activation set of ~1 GB a layer and microbatch).
+E_FWD = (1.1, *(7.1,) * 64, 12.7)
+E_BWD = (0.01, *(8.7,) * 64, 1.4)
+E_COSTS = LayerCosts(E_FWD, E_BWD, (1,) * 66)
+E_BUDGET = planning_budget(24 << 30, "cuda")
+
+
+def e_memory(base: str) -> tuple[tuple[int, ...], LayerMemory]:
+    """The uploaded bytes of each layer and its memory, with a 4-bit base (a quarter of the bytes
+    uploaded, the dense copies held while a stage runs) or a bf16 one."""
+    packed, dense = (int(0.276 * GB), int(0.97 * GB)) if base == "nf4" else (int(0.97 * GB), 0)
+    mib = 1 << 20
+    upload = (int(1.56 * GB), *(packed,) * 64, int(1.56 * GB))
+    memory = LayerMemory(
+        param_bytes=upload,
+        grad_bytes=(0, *(4 * mib,) * 64, 0),
+        saved_bytes=(0, *(int(0.45 * GB),) * 64, int(1.3 * GB)),
+        work_bytes=(40 * mib, *(int(0.3 * GB),) * 64, int(2.5 * GB)),
+        boundary_bytes=(mib, *(42 * mib,) * 64, 42 * mib),
+        bwd_work_bytes=(0, *(int(0.4 * GB),) * 64, int(2.5 * GB)),
+        carried_bytes=(mib,) * 66,
+        dense_bytes=(0, *(dense,) * 64, 0),
+        residual_bytes=(0, *(42 * mib,) * 64, 0),
+    )
+    return upload, memory
+
+
+def e_plan() -> Plan:
+    fwd = ranges([*[(7 * i, 7 * i + 7) for i in range(8)], (56, 59)])
+    bwd = ranges([*[(59 - 7 * i - 7, 59 - 7 * i) for i in range(8)], (0, 3)])
+    return Plan.from_stages(fwd, range(59, 66), bwd, E_COSTS, 1, 4)
+
+
+@pytest.mark.parametrize("base", ["nf4", "bf16"])
+def test_the_fused_stage_grows_where_small_uploads_leave_room_for_it(base: str) -> None:
+    """Every stage of the greedy cut has the same cap, half the limit, for a stage uploaded behind
+    it as large as itself; a 4-bit base uploads a quarter of what a stage holds, so its fused stage
+    was shorter than fits. Each layer more in it is one less recomputed: the even cut takes the
+    longest fused stage that fits and is faster (two layers more here); with a bf16 base none
+    longer fits."""
+    upload, memory = e_memory(base)
+    plan = e_plan()
+    prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
+    held = DevicePlan(plan, E_COSTS, memory, prediction, 24 << 30, "cuda")
+    e_config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, round_size=4)
+
+    def e_ms(cut: Plan) -> float:
+        return link_iteration_ms(cut, E_COSTS, upload, 53.9, 4, async_optimizer=True, round_size=4)
+
+    held_ms = e_ms(plan)
+    offered = even_cut(held, E_BUDGET, e_config, (53.9, upload), held_ms)
+    longer = evenly_cut(plan, E_COSTS, plan.fused.start - 1)
+    if base == "bf16":
+        assert prediction.fits(E_BUDGET)
+        assert not predict_peak(longer, memory, "layer_input", act_in_flight=2).fits(E_BUDGET)
+        assert offered is not None and offered.plan.fused == plan.fused  # cut evenly, no longer
+        return
+    assert offered is not None
+    assert len(offered.plan.fused) == len(plan.fused) + 2 and offered.prediction.fits(E_BUDGET)
+    assert offered.plan.num_slots == plan.num_slots
+    assert offered.iteration_ms == pytest.approx(e_ms(offered.plan))
+    assert offered.iteration_ms < held_ms * (1 - EVEN_GAIN)
+    # Each layer more saves its forward of 4 microbatches (28.4 ms) on the fake engine.
+    assert e_ms(longer) - e_ms(offered.plan) == pytest.approx(4 * 7.1, rel=0.05)
+    one_more = evenly_cut(plan, E_COSTS, offered.plan.fused.start - 1)
+    assert not predict_peak(one_more, memory, "layer_input", act_in_flight=2).fits(E_BUDGET)

@@ -20,8 +20,12 @@ prefetched behind it (`Plan.from_stages` checks it and names a layer too large o
 Greedy cuts leave the remainder in the last stage of each direction: a one-layer forward stage
 before a six-layer fused stage computes for far less time than the fused stage's weights take to
 upload behind it. `evenly_cut` spreads the same layers over the same number of stages, the larger
-ones first in computing order; `roundpipe.planning.even_stages` takes it where the fake engine with
-the measured link runs it faster and its predicted peak fits.
+ones first in computing order, and may start the fused stage earlier: every stage shares one cap,
+half the limit, because the stage uploaded behind it may be as large, which it is not where the
+uploads are smaller than what a stage holds (a 4-bit base, dense once a run: a quarter of its
+bytes), and each layer more in the fused stage is one layer less recomputed.
+`roundpipe.planning.even_stages` takes such a cut where the fake engine with the measured link
+runs it faster and its predicted peak fits.
 
 It must stay pure: numbers in, a `Plan` out.
 """
@@ -76,21 +80,24 @@ def _even_sizes(layers: int, stages: int) -> list[int]:
     return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
 
 
-def evenly_cut(plan: Plan, costs: LayerCosts) -> Plan:
-    """``plan`` (one device's) with the same fused stage and as many forward and backward stages,
-    the layers before the fused stage spread over each as evenly as whole layers allow, larger
-    stages first in the order they compute (forward from the first layer, backward from the
-    fused stage down). Memory is left to the caller's prediction: a stage here is never longer
-    than the longest one of ``plan`` in its direction."""
-    first_fused = plan.fused.start
+def evenly_cut(plan: Plan, costs: LayerCosts, fused_start: int | None = None) -> Plan:
+    """``plan`` (one device's) with its fused stage from layer ``fused_start`` (default: where
+    ``plan``'s starts) and as many forward and backward stages as ``plan`` (fewer where fewer
+    layers are left before the fused stage), the layers before the fused stage spread over each as
+    evenly as whole layers allow, larger stages first in the order they compute (forward from the
+    first layer, backward from the fused stage down). Memory is left to the caller's prediction:
+    at ``fused_start`` at or past ``plan``'s, a stage here is never longer than the longest one of
+    ``plan`` in its direction."""
+    first_fused = plan.fused.start if fused_start is None else fused_start
     fwd: list[range] = []
     start = 0
-    for size in _even_sizes(first_fused, len(plan.fwd_stages)):
+    for size in _even_sizes(first_fused, min(first_fused, len(plan.fwd_stages))):
         fwd.append(range(start, start + size))
         start += size
     bwd: list[range] = []
     stop = first_fused
-    for size in _even_sizes(first_fused, len(plan.bwd_stages)):
+    for size in _even_sizes(first_fused, min(first_fused, len(plan.bwd_stages))):
         bwd.append(range(stop - size, stop))
         stop -= size
-    return Plan.from_stages(fwd, plan.fused, bwd, costs, plan.num_devices, plan.num_microbatches)
+    fused = plan.fused if fused_start is None else range(fused_start, plan.fused.stop)
+    return Plan.from_stages(fwd, fused, bwd, costs, plan.num_devices, plan.num_microbatches)
