@@ -179,7 +179,7 @@ def make_backend(kind: str, indices: tuple[int, ...], runtime: Runtime, costs: L
     if kind == "cpu":
         from roundpipe.backends.cpu import CpuBackend
 
-        return CpuBackend(runtime)
+        return CpuBackend(runtime, num_devices=len(indices))
     if kind == "cuda":
         from roundpipe.backends.cuda import CudaBackend
 

@@ -66,6 +66,9 @@ class LaneThreadBackend:
     def next_time(self) -> float | None:
         return None
 
+    def lane_started(self, lane: str) -> None:
+        """Runs first on ``lane``'s thread, before any of its tasks (per-thread settings)."""
+
     def execute(self, task: Task) -> Waiter | None:
         """Do (or issue) the task's work on its lane thread. None: the work is complete; a waiter:
         the work is issued, and the waiter blocks until it has run."""
@@ -77,7 +80,12 @@ class LaneThreadBackend:
         if executor is None:
             if self._closed:
                 raise RuntimeError(f"{type(self).__name__} is closed")
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"roundpipe-{lane}")
+            executor = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix=f"roundpipe-{lane}",
+                initializer=self.lane_started,
+                initargs=(lane,),
+            )
             self._executors[lane] = executor
         return executor
 
