@@ -14,9 +14,10 @@ times it 1.5% shorter (`tests/test_even_stages.py`).
 The greedy cut also gives the fused stage the cap of every stage, half the limit, as if the stage
 uploaded behind each were as large as it. On a 4-bit base made dense once a run the upload is a
 quarter of that: on one H100 under 24 GiB a Qwen3-32B shape in nf4 planned a fused stage of 7
-layers at 16.5 GiB (bf16: 8 at 20.0) under a 21 GiB planning budget, with 7 layers' recompute per
-microbatch its fused stage would have saved. So the fused stage is tried longer too, one layer at
-a time from the plan's, while the predicted peak fits and the fake engine runs it faster.
+layers at 16.5 GiB (bf16: 8 at 20.0) under a 21 GiB planning budget, though each layer more in the
+fused stage is one layer's forward less per microbatch (computed once with grad, not in a forward
+stage and again in a recompute). So the fused stage is tried longer too, one layer at a time from
+the plan's, while the predicted peak fits and the fake engine runs it faster.
 
 The cut is taken only where, on the run's measured link, it is at least `EVEN_GAIN` faster than
 the plan in hand and its predicted peak fits the budget: never slower under that model.
