@@ -72,6 +72,33 @@ def test_each_compute_lane_takes_its_share_and_nothing_else_changes(workers: int
 
 
 @pytest.mark.usefixtures("four_threads")
+def test_lanes_starting_together_each_take_their_own_count() -> None:
+    """Two pipes' lanes start on threads of their own at any time: while a compute lane sets its
+    count the process count is its share for a moment, and a lane reading it then would keep it
+    (its reductions then summing in another order than its twin's in the other pipe)."""
+    backend = CpuBackend(runtime=None, num_devices=4)  # type: ignore[arg-type]
+    lanes = [f"d{i}.{kind}" for i in range(4) for kind in ("compute", "act_up", "grad_down")] * 4
+    seen: dict[int, tuple[str, int]] = {}
+    start = threading.Barrier(len(lanes))
+
+    def run(index: int, lane: str) -> None:
+        start.wait()
+        backend.lane_started(lane)
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        seen[index] = (lane, torch.get_num_threads())
+
+    threads = [threading.Thread(target=run, args=(i, lane)) for i, lane in enumerate(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == len(lanes)
+    for lane, count in seen.values():
+        assert count == (1 if lane.endswith(".compute") else 4), lane
+    assert in_thread(torch.get_num_threads) == 4
+
+
+@pytest.mark.usefixtures("four_threads")
 def test_use_intra_op_threads_keeps_the_count_through_later_ops() -> None:
     def work() -> int:
         use_intra_op_threads(3, 4)

@@ -42,19 +42,29 @@ class CpuBackend(LaneThreadBackend):
         self.compute_threads = max(1, self.process_threads // max(1, num_devices))
 
     def lane_started(self, lane: str) -> None:
-        if lane_suffix(lane) == "compute" and self.compute_threads < self.process_threads:
-            use_intra_op_threads(self.compute_threads, self.process_threads)
+        share = self.compute_threads if lane_suffix(lane) == "compute" else None
+        use_intra_op_threads(share if share != self.process_threads else None, self.process_threads)
 
 
-def use_intra_op_threads(count: int, process_default: int) -> None:
-    """The calling thread's intra-op threads set to ``count``; threads started later keep
-    ``process_default``. torch keeps one process-wide count, which a thread reads into its own on
-    its first parallel op (`torch.get_num_threads` triggers that read, so it is done first) and
-    which `torch.set_num_threads` also writes: a short thread writes the default back."""
-    torch.get_num_threads()
-    torch.set_num_threads(count)
-    restore = threading.Thread(
-        target=torch.set_num_threads, args=(process_default,), name="roundpipe-threads"
-    )
-    restore.start()
-    restore.join()
+_COUNT_LOCK = threading.Lock()
+"""Held while a lane thread takes its intra-op thread count: torch's process-wide count, which a
+thread reads into its own at its first parallel op, is another number for a moment while a compute
+lane sets its own (`use_intra_op_threads`), and no lane may read it then."""
+
+
+def use_intra_op_threads(count: int | None, process_default: int) -> None:
+    """The calling thread's intra-op threads read from the process count now (None), or set to
+    ``count`` with the process count left at ``process_default`` for threads started later. torch
+    keeps one process-wide count, which a thread reads into its own on its first parallel op
+    (`torch.get_num_threads` triggers that read, so it is done first, under `_COUNT_LOCK`) and which
+    `torch.set_num_threads` also writes: a short thread writes the default back."""
+    with _COUNT_LOCK:
+        torch.get_num_threads()
+        if count is None:
+            return
+        torch.set_num_threads(count)
+        restore = threading.Thread(
+            target=torch.set_num_threads, args=(process_default,), name="roundpipe-threads"
+        )
+        restore.start()
+        restore.join()
