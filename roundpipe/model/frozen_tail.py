@@ -120,9 +120,11 @@ def _unread_output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 _subclasses: dict[type, type] = {}
+TAIL_MARKER = "_roundpipe_tail"
+"""The class attribute of a marked tail's subclass (`mark_tail`, `tails`)."""
 
 
-def unread_linear_methods(base: type, marker: str = "_roundpipe_tail") -> dict[str, Any]:
+def unread_linear_methods(base: type, marker: str = TAIL_MARKER) -> dict[str, Any]:
     """The methods of a frozen linear's subclass that returns `_UnreadProduct` in a call with grad
     while its ``output_unread`` flag is set; ``marker``, a class attribute, says which kind of tail
     it is (`tails` lists those of the default one)."""
@@ -139,7 +141,7 @@ def unread_linear_methods(base: type, marker: str = "_roundpipe_tail") -> dict[s
 
 def _experts_methods(base: type) -> dict[str, Any]:
     """Grouped experts read the flag themselves (`roundpipe.model.experts.grouped_experts`)."""
-    return {"_roundpipe_tail": True, "__module__": base.__module__}
+    return {TAIL_MARKER: True, "__module__": base.__module__}
 
 
 def _plain_lora(wrapper: nn.Module) -> bool:
@@ -169,7 +171,7 @@ def _tail_of(layer: nn.Module) -> nn.Module | None:
     tail = getattr(mlp, "down_proj", None)
     if not transformers_names(mlp) & TAIL_MLPS or not isinstance(tail, nn.Module):
         return None
-    return frozen_linear(tail, "_roundpipe_tail")
+    return frozen_linear(tail, TAIL_MARKER)
 
 
 def frozen_linear(module: nn.Module, marker: str) -> nn.Module | None:
@@ -218,7 +220,7 @@ def mark_tail(layer: nn.Module) -> bool:
     tail = _tail_of(layer)
     if tail is None:
         return False
-    if not getattr(type(tail), "_roundpipe_tail", False):
+    if not getattr(type(tail), TAIL_MARKER, False):
         methods = (
             _experts_methods if getattr(type(tail), "_roundpipe_grouped", False) else unread_linear_methods
         )
@@ -233,7 +235,7 @@ def mark_tail(layer: nn.Module) -> bool:
 
 def tails(module: nn.Module) -> list[nn.Module]:
     """The marked tails within ``module``."""
-    return [m for m in module.modules() if getattr(type(m), "_roundpipe_tail", False)]
+    return [m for m in module.modules() if getattr(type(m), TAIL_MARKER, False)]
 
 
 @contextmanager
