@@ -121,7 +121,8 @@ def choose_grain(
             planned = plan_at("layer_input", with_residuals)
         except PlanError:
             continue
-        what = "layer inputs and residuals" if saves_residuals(planned) else "layer inputs"
+        kept_residuals = saves_residuals(planned)
+        what = "layer inputs and residuals" if kept_residuals else "layer inputs"
         saved = saved_bytes(planned)
         if saved <= room:
             return (
@@ -129,7 +130,7 @@ def choose_grain(
                 f"auto: one round's {what} ({format_bytes(saved)}) fit the host room ({format_bytes(room)})",
             )
         why = f"auto: one round's {what} ({format_bytes(saved)}) exceed the host room ({format_bytes(room)})"
-        if not saves_residuals(planned):
+        if not kept_residuals:
             break  # without them the same plan
     return plan_at("stage", False), why
 
