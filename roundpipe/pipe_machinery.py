@@ -211,7 +211,14 @@ class PipeMachinery:
         prepare = self.runtime.prepare_replica
         device = self.runtime.device(0)
         return self._planner.profile(
-            self._sequence, self.host.dtype, device, sample, target, loss_fn, prepare=prepare
+            self._sequence,
+            self.host.dtype,
+            device,
+            sample,
+            target,
+            loss_fn,
+            prepare=prepare,
+            keep_residuals=self.runtime.save_residuals,  # what the run was assembled to save
         )
 
     def _use_device_plan(self, device_plan: DevicePlan) -> None:

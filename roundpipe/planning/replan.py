@@ -108,6 +108,7 @@ class RunPlanner:
         loss_fn: Any,
         *,
         prepare: Any = None,
+        keep_residuals: bool | None = None,
     ) -> DevicePlan:
         """Measure the layers on ``device`` with one microbatch; plan within the budget."""
         self.profile_pending = False  # also when called without `claim_profile`
@@ -122,6 +123,7 @@ class RunPlanner:
             loss_fn,
             self.budget,
             prepare=prepare,
+            keep_residuals=keep_residuals,
         )
         # A re-plan keeps the grain this plan chose ("auto" chooses once, here).
         self.config = self.config.model_copy(update={"recompute_grain": self.device_plan.grain})
