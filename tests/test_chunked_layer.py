@@ -218,12 +218,12 @@ def test_under_a_budget_long_rows_take_the_least_slicing_a_plan_fits(
     measured: list[str] = []
     mlp_slices: list[int] = []
 
-    def profile(self: Any, *args: Any, prepare: Any = None) -> Any:
+    def profile(self: Any, *args: Any, prepare: Any = None, **options: Any) -> Any:
         level = prepare.__self__.compiler.slicing.level  # the run's Runtime.prepare_replica
         measured.append(level)
         if level != fitting:
             raise PlanError(f"no plan fits the memory budget ({level})")
-        return real(self, *args, prepare=prepare)
+        return real(self, *args, prepare=prepare, **options)
 
     def mlp_spy(fn: Any, first: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
         mlp_slices.append(first.shape[0])
@@ -245,7 +245,7 @@ def test_under_a_budget_long_rows_take_the_least_slicing_a_plan_fits(
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert_same_weights(model, reference)
 
-    def never_fits(self: Any, *args: Any, prepare: Any = None) -> Any:
+    def never_fits(self: Any, *args: Any, prepare: Any = None, **options: Any) -> Any:
         raise PlanError(f"no plan fits ({prepare.__self__.compiler.slicing.level})")
 
     monkeypatch.setattr(RunPlanner, "profile", never_fits)

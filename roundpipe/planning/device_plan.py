@@ -149,14 +149,12 @@ def profile_and_plan(
     target: Any,
     loss_fn: Any,
     budget_bytes: int | None,
-    *,
+    keep_residuals: bool,
     prepare: Any = None,
-    keep_residuals: bool | None = None,
 ) -> DevicePlan:
-    """Measure every layer (or one of each kind: ``config.profile``) on ``device`` with one
-    microbatch and plan within the budget (``prepare`` readies each layer copy as the run's
-    replicas are: compiled or not). ``keep_residuals``: whether the profile keeps residuals, where
-    the caller has already asked `may_save_residuals` (a walk over every module)."""
+    """Measure every layer (or one of each kind: ``config.profile``) on ``device`` with one microbatch,
+    each copy readied by ``prepare`` as the run's replicas are, with residuals where the run may
+    save them (``keep_residuals``, from `may_save_residuals`), and plan within the budget."""
     from roundpipe.backends.profile import profile_layers
 
     memory, fwd_ms, bwd_ms = profile_layers(
@@ -170,11 +168,7 @@ def profile_and_plan(
         names=sequence.names,
         prepare=prepare,
         one_per_kind=config.profile == "one_per_kind",
-        keep_residuals=(
-            may_save_residuals(config, device.type, sequence.layers)
-            if keep_residuals is None
-            else keep_residuals
-        ),
+        keep_residuals=keep_residuals,
     )
     from roundpipe.optim.host_room import available_host_bytes
     from roundpipe.plan.rounds import round_sizes

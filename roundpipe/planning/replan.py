@@ -108,9 +108,10 @@ class RunPlanner:
         loss_fn: Any,
         *,
         prepare: Any = None,
-        keep_residuals: bool | None = None,
+        keep_residuals: bool,
     ) -> DevicePlan:
-        """Measure the layers on ``device`` with one microbatch; plan within the budget."""
+        """Measure the layers on ``device`` with one microbatch (keeping residuals where the run
+        may save them: `roundpipe.planning.device_plan.may_save_residuals`); plan within the budget."""
         self.profile_pending = False  # also when called without `claim_profile`
         self.device_plan = profile_and_plan(
             self.config,
