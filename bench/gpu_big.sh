@@ -162,7 +162,7 @@ keys = ["tokens_per_s", "peak_gib", "predicted_peak_gib", "host_rss_gib", "h2d_b
         "h2d_gbps_achieved", "h2d_gbps_probe", "link_busy", "compute_fraction", "bubble",
         "exposed_transfer", "host_bound", "link_bound_tokens_per_s", "of_link_bound", "slots", "build_s",
         "long_row_slicing", "prefetch_stages", "dense_weights", "attention_backend", "gap_causes_ms",
-        "upload_parts_ahead", "compile_s_measured", "alloc_retries_measured"]
+        "upload_parts_ahead", "compile_s_measured", "alloc_retries_measured", "dense_per_call_layers", "plan"]
 shown = {k: r.get(k) for k in keys}
 shown["issue_ms_per_iteration"] = r.get("breakdown", {}).get("issue_ms_per_iteration")  # against busy_ms
 shown["slowest_compute_ms"] = [(c["ms"], c["iteration"]) for c in r.get("slowest_computes", [])[:3]]

@@ -538,6 +538,7 @@ def run_roundpipe(
         "long_row_slicing": trace.meta.get("long_row_slicing"),  # the least slicing that fit, if long
         "prefetch_stages": trace.meta.get("prefetch_stages"),  # stages uploaded ahead, as last planned
         "dense_weights": trace.meta.get("dense_weights"),  # 4-bit weights dense once a stage run
+        "dense_per_call_layers": trace.meta.get("dense_per_call_layers"),  # but these (a fused stage)
         "recompute_grain": trace.meta.get("recompute_grain"),  # the grain the device plan was made at
         "recompute_grain_why": trace.meta.get("recompute_grain_why"),  # and why ("auto" chose, or named)
         # Each layer's forward and backward ms as the profile measured them and as the re-plan

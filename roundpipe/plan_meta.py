@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from roundpipe.planning.dequantize import dense_weights_of
+from roundpipe.planning.dequantize import dense_weights_of, per_call_layers_of
 
 if TYPE_CHECKING:
     from roundpipe.backends.runtime import Runtime
@@ -27,7 +27,9 @@ def record_device_plan(device_plan: DevicePlan, runtime: Runtime, trace: Trace, 
     runtime.memory_prediction = device_plan.prediction
     # A re-plan keeps the first plan's memory table, so every plan of a run dequantizes alike.
     runtime.dense.enabled = dense_weights_of(device_plan.memory)
+    runtime.dense.per_call = per_call_layers_of(device_plan.memory)
     trace.meta["dense_weights"] = runtime.dense.enabled
+    trace.meta["dense_per_call_layers"] = runtime.dense.per_call_layers()
     runtime.memory_predictions[next_iteration] = device_plan.prediction
     trace.meta["memory_prediction"] = device_plan.prediction.to_dict()
     trace.meta["memory_budget_bytes"] = device_plan.budget_bytes

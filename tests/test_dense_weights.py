@@ -46,9 +46,13 @@ def test_a_bound_dense_copy_gives_the_per_call_numbers() -> None:
 
 
 def counted_run(
-    dequantize: str, monkeypatch: pytest.MonkeyPatch, grain: str = "stage"
+    dequantize: str,
+    monkeypatch: pytest.MonkeyPatch,
+    grain: str = "stage",
+    per_call: frozenset[int] = frozenset(),
 ) -> tuple[list[float], Any, int, int]:
-    """Losses, adapters, dequantizations and the most dense copies held at once over two steps."""
+    """Losses, adapters, dequantizations and the most dense copies held at once over two steps
+    (``per_call``: layers that dequantize in each call while runs hold copies of the others')."""
     calls = {"n": 0, "held": 0}
     real = expert_products.dequantize_nf4
 
@@ -72,11 +76,19 @@ def counted_run(
     )
     losses = []
     with roundpipe.RoundPipe(model, optimizer=sgd, config=config) as pipe:
+        pipe.runtime.dense.per_call = per_call
         runs = pipe.runtime.dense.runs
         drop = pipe.runtime.dense.drop
 
         def watching(task: Any) -> None:
             calls["held"] = max(calls["held"], len(runs))
+            copied = {
+                layer
+                for held in runs.values()
+                for layer, named in held.items()
+                if any("dense" in n for n in named)
+            }
+            assert not copied & per_call, "a layer left per call got a run's copy"
             drop(task)
 
         pipe.runtime.dense.drop = watching  # type: ignore[method-assign]
@@ -86,7 +98,7 @@ def counted_run(
         pipe.synchronize()
         assert not runs  # every run's copies went with its last compute
         expected = per_run_dequantizations(list(pipe.trace()), len(pipe.host.layers))
-    if dequantize == "run":
+    if dequantize == "run" and not per_call:
         assert calls["n"] == expected
     return losses, adapters(model), calls["n"], calls["held"]
 
@@ -159,6 +171,20 @@ def test_once_per_run_trains_as_per_call_with_fewer_dequantizations(
         assert torch.equal(got[name], want[name]), name
     assert calls >= 3 * runs  # per call, each of a run's three microbatches dequantizes at least once
     assert held == 0 and held_per_run == 1  # one run's copies at a time on the one device
+
+
+def test_layers_left_per_call_dequantize_in_each_call_beside_runs_holding_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan may leave its fused stage per call (`roundpipe.planning.even_stages`): those layers
+    take no copies, the other runs keep theirs, and the numbers are the per-call ones."""
+    per_call, want, calls, _ = counted_run("call", monkeypatch)
+    _, _, runs, _ = counted_run("run", monkeypatch)
+    mixed, got, mixed_calls, held = counted_run("run", monkeypatch, per_call=frozenset((2,)))
+    assert mixed == per_call
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert runs < mixed_calls < calls and held == 1
 
 
 def table(dense: tuple[int, ...] = ()) -> LayerMemory:

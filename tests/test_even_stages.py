@@ -20,8 +20,9 @@ from roundpipe.errors import PlanError
 from roundpipe.plan import LayerCosts, Plan
 from roundpipe.plan.coarse import evenly_cut
 from roundpipe.plan.memory import LayerMemory, predict_peak
+from roundpipe.planning import even_stages
 from roundpipe.planning.device_plan import DevicePlan, planning_budget
-from roundpipe.planning.even_stages import EVEN_GAIN, even_cut
+from roundpipe.planning.even_stages import EVEN_GAIN, _longest_fused, even_cut, fused_per_call
 from roundpipe.planning.link_plan import link_iteration_ms
 
 GB = 10**9
@@ -243,14 +244,17 @@ def test_the_fused_stage_grows_where_small_uploads_leave_room_for_it(base: str) 
         return link_iteration_ms(cut, E_COSTS, upload, 53.9, 4, async_optimizer=True, round_size=4)
 
     held_ms = e_ms(plan)
-    offered = even_cut(held, E_BUDGET, e_config, (53.9, upload), held_ms)
     longer = evenly_cut(plan, E_COSTS, plan.fused.start - 1)
     if base == "bf16":
+        offered = even_cut(held, E_BUDGET, e_config, (53.9, upload), held_ms)
         assert prediction.fits(E_BUDGET)
         assert not predict_peak(longer, memory, "layer_input", act_in_flight=2).fits(E_BUDGET)
         assert offered is not None and offered.plan.fused == plan.fused  # cut evenly, no longer
+        assert offered.memory is memory  # no dense copies to leave out
         return
-    assert offered is not None
+    # With its dense copies (the fused stage dequantizing in each call: the next test).
+    offered = _longest_fused(held, E_BUDGET, e_config, (53.9, upload), False, None)
+    assert offered is not None and offered.memory is memory
     assert len(offered.plan.fused) == len(plan.fused) + 2 and offered.prediction.fits(E_BUDGET)
     assert offered.plan.num_slots == plan.num_slots
     assert offered.iteration_ms == pytest.approx(e_ms(offered.plan))
@@ -259,3 +263,40 @@ def test_the_fused_stage_grows_where_small_uploads_leave_room_for_it(base: str) 
     assert e_ms(longer) - e_ms(offered.plan) == pytest.approx(4 * 7.1, rel=0.05)
     one_more = evenly_cut(plan, E_COSTS, offered.plan.fused.start - 1)
     assert not predict_peak(one_more, memory, "layer_input", act_in_flight=2).fits(E_BUDGET)
+
+
+def test_a_fused_stage_that_dequantizes_in_each_call_holds_more_layers_and_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where runs hold dense copies of a 4-bit base, the fused stage may leave its own out: a
+    quarter of the bytes a layer, so it takes more layers, each one forward of four microbatches
+    less to recompute (28.4 ms) for eight dequantizations more (5.5 ms at 1,400 GB/s). The other
+    runs keep their copies; the runtime follows the memory table the cut comes with. Where
+    dequantizing is slow the fused stage keeps its copies."""
+    upload, memory = e_memory("nf4")
+    plan = e_plan()
+    prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
+    held = DevicePlan(plan, E_COSTS, memory, prediction, 24 << 30, "cuda")
+    e_config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, round_size=4)
+    link = (53.9, upload)
+    held_ms = link_iteration_ms(plan, E_COSTS, upload, 53.9, 4, async_optimizer=True, round_size=4)
+    with_copies = _longest_fused(held, E_BUDGET, e_config, link, False, None)
+    offered = even_cut(held, E_BUDGET, e_config, link, held_ms)
+    assert with_copies is not None and offered is not None
+    start = offered.plan.fused.start
+    per_call_memory, per_call_costs = fused_per_call(memory, E_COSTS, start)
+    assert offered.memory == per_call_memory
+    assert offered.memory.dense_bytes[start:] == (0,) * (66 - start)
+    assert offered.memory.dense_bytes[:start] == memory.dense_bytes[:start]
+    assert per_call_costs.fwd_ms[start + 1] - E_COSTS.fwd_ms[start + 1] == pytest.approx(0.97 / 1.4)
+    assert per_call_costs.fwd_ms[:start] == E_COSTS.fwd_ms[:start]
+    assert len(offered.plan.fused) > len(with_copies.plan.fused) + 4
+    assert offered.prediction.fits(E_BUDGET) and offered.plan.num_slots == plan.num_slots
+    assert offered.iteration_ms == pytest.approx(
+        link_iteration_ms(offered.plan, per_call_costs, upload, 53.9, 4, async_optimizer=True, round_size=4)
+    )
+    assert offered.iteration_ms < with_copies.iteration_ms * (1 - EVEN_GAIN)
+
+    monkeypatch.setattr(even_stages, "DEQUANTIZE_GBPS", 20.0)  # 48 ms a call
+    slow = even_cut(held, E_BUDGET, e_config, link, held_ms)
+    assert slow is not None and slow.memory is memory and slow.plan == with_copies.plan

@@ -33,6 +33,9 @@ class DenseRuns:
     def __init__(self, layers: Sequence[nn.Module], dtype: torch.dtype) -> None:
         self.layers, self.dtype = layers, dtype
         self.enabled = False
+        # Layers whose runs dequantize in each call while the others' hold dense copies: the plan's
+        # memory table counts no copies for them (`roundpipe.planning.even_stages`: a fused stage).
+        self.per_call: frozenset[int] = frozenset()
         self.runs: dict[RunKey, Params] = {}
         self._quantized: dict[int, tuple[QuantizedSublayer, ...]] = {}
 
@@ -61,10 +64,17 @@ class DenseRuns:
             return params  # the run before still holds its copies: this compute dequantizes in its calls
         held = dict(params)
         for layer, named in params.items():
-            if sublayers := self._sublayers(layer):
+            if layer not in self.per_call and (sublayers := self._sublayers(layer)):
                 held[layer] = named | dequantize_run(sublayers, named, self.dtype)
-        self.runs[run] = held
+        if any(held[layer] is not named for layer, named in params.items()):
+            self.runs[run] = held  # a run that made none holds nothing the next run must wait for
         return held
+
+    def per_call_layers(self) -> list[int]:
+        """The layers holding 4-bit weights that dequantize in each call though runs hold copies."""
+        if not self.enabled:
+            return []
+        return sorted(layer for layer in self.per_call if layer < len(self.layers) and self._sublayers(layer))
 
     def drop(self, task: Task) -> None:
         """After a run's last compute (``task``, a compute task) its dense copies go. They were

@@ -58,3 +58,11 @@ def plan_dequantizing(
 def dense_weights_of(memory: LayerMemory) -> bool:
     """Whether a run planned on ``memory`` dequantizes once per stage run."""
     return any(memory.dense_bytes)
+
+
+def per_call_layers_of(memory: LayerMemory) -> frozenset[int]:
+    """The layers that dequantize in each call in a run planned on ``memory`` where others hold
+    dense copies (none where none do): those the table counts no copies for."""
+    if not dense_weights_of(memory):
+        return frozenset()
+    return frozenset(layer for layer, held in enumerate(memory.dense_bytes) if not held)

@@ -19,6 +19,14 @@ fused stage is one layer's forward less per microbatch (computed once with grad,
 stage and again in a recompute). So the fused stage is tried longer too, one layer at a time from
 the plan's, while the predicted peak fits and the fake engine runs it faster.
 
+Where the runs hold dense copies of a 4-bit base (`RunConfig.dequantize`), the fused stage is
+also tried dequantizing in each call, every other run keeping its copies. A fused run computes
+each microbatch's forward and backward at once, so the copies save it seven dequantizations of
+each weight in eight at four microbatches (~5.5 ms a Qwen3-32B layer an iteration, at
+`DEQUANTIZE_GBPS`), while without them the stage holds a quarter of the bytes (0.28 GB against
+1.25 a layer) and takes more layers, each one forward of four microbatches (~28 ms) less to
+recompute.
+
 The cut is taken only where, on the run's measured link, it is at least `EVEN_GAIN` faster than
 the plan in hand and its predicted peak fits the budget: never slower under that model.
 
@@ -27,7 +35,7 @@ It runs the engine, so it lives in ``planning``; it must never touch a device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from roundpipe.config import RunConfig
@@ -42,6 +50,12 @@ EVEN_GAIN = 0.005
 
 MAX_FUSED_GROWTH = 16
 """The most layers the even cut adds to the fused stage (each one more costs a run of the fake engine)."""
+
+DEQUANTIZE_GBPS = 1400.0
+"""Dense bytes a 4-bit weight's dequantization writes per second on CUDA, in GB/s, to time a
+fused stage that dequantizes in each call: below the kernel's 1,680-1,925 on an H100's MLP
+projections and above its 840-970 on o_proj (`python bench/gpu_nf4.py`; Qwen3-32B's layer,
+weighted by bytes, ~1,500)."""
 
 
 class HeldPlan(Protocol):
@@ -59,11 +73,14 @@ class HeldPlan(Protocol):
 
 @dataclass(frozen=True)
 class EvenCut:
-    """The evenly cut plan, its predicted peak and its time per iteration with the link on."""
+    """The evenly cut plan, its predicted peak, its time per iteration with the link on, and the
+    memory table it was predicted on (the held plan's, or with the fused stage's dense copies left
+    out: `fused_per_call`; the runtime follows it)."""
 
     plan: Plan
     prediction: MemoryPrediction
     iteration_ms: float
+    memory: LayerMemory
 
 
 def even_cut(
@@ -74,27 +91,68 @@ def even_cut(
     iteration_ms: float,
 ) -> EvenCut | None:
     """The fastest `evenly_cut` of one device's plan in hand, its fused stage as in the plan or
-    longer by up to `MAX_FUSED_GROWTH` layers (module docstring), on the fake engine with ``link``
-    on (GB/s and each layer's uploaded bytes), where it is `EVEN_GAIN` faster than
-    ``iteration_ms`` (the held plan's time, one stage uploaded ahead) and its peak, predicted as the
-    held one was (`predict_like`), fits ``budget`` (the planning budget; None: any); else None.
-    The fused stage grows while each longer one fits and runs faster than the one before. Plans
-    of several devices keep their stages: they are the evaluated choice's."""
-    plan = held.plan
-    if plan.num_devices != 1:
+    longer by up to `MAX_FUSED_GROWTH` layers (module docstring), and where the plan's runs hold
+    dense copies of a 4-bit base, also with the fused stage dequantizing in each call
+    (`fused_per_call`), on the fake engine with ``link`` on (GB/s and each layer's uploaded
+    bytes), where it is `EVEN_GAIN` faster than ``iteration_ms`` (the held plan's time, one stage
+    uploaded ahead) and its peak, predicted as the held one was (`predict_like`), fits ``budget``
+    (the planning budget; None: any); else None. Plans of several devices keep their stages: they
+    are the evaluated choice's."""
+    if held.plan.num_devices != 1:
         return None
     best: EvenCut | None = None
-    shortest = max(len(plan.fwd_stages), len(plan.bwd_stages), 1)
-    for fused_start in range(plan.fused.start, max(shortest, plan.fused.start - MAX_FUSED_GROWTH) - 1, -1):
-        cut = _timed_cut(held, fused_start, budget, config, link)
-        if cut is None or (best is not None and cut.iteration_ms >= best.iteration_ms):
-            if fused_start < plan.fused.start:
-                break  # a longer fused stage no longer fits, or gains no more
-            continue
-        best = cut
+    for per_call in (False, True) if any(held.memory.dense_bytes) else (False,):
+        best = _longest_fused(held, budget, config, link, per_call, best)
     if best is None or best.iteration_ms > iteration_ms * (1 - EVEN_GAIN):
         return None
     return best
+
+
+def _longest_fused(
+    held: HeldPlan,
+    budget: int | None,
+    config: RunConfig,
+    link: tuple[float, tuple[int, ...]],
+    per_call: bool,
+    best: EvenCut | None,
+) -> EvenCut | None:
+    """``best``, or a faster cut whose fused stage is the held plan's or longer (dequantizing in
+    each call where ``per_call``): it grows while each longer one fits and runs faster than the
+    one before."""
+    plan = held.plan
+    last: EvenCut | None = None
+    shortest = max(len(plan.fwd_stages), len(plan.bwd_stages), 1)
+    for fused_start in range(plan.fused.start, max(shortest, plan.fused.start - MAX_FUSED_GROWTH) - 1, -1):
+        cut = _timed_cut(held, fused_start, budget, config, link, per_call)
+        if cut is None or (last is not None and cut.iteration_ms >= last.iteration_ms):
+            if fused_start < plan.fused.start:
+                break  # a longer fused stage no longer fits, or gains no more
+            continue
+        last = cut
+        if best is None or cut.iteration_ms < best.iteration_ms:
+            best = cut
+    return best
+
+
+def fused_per_call(
+    memory: LayerMemory, costs: LayerCosts, fused_start: int
+) -> tuple[LayerMemory, LayerCosts]:
+    """The memory table and costs of a plan whose fused stage, from ``fused_start`` to the last
+    layer, dequantizes its 4-bit weights in each call while every other run holds dense copies:
+    no copies counted for its layers (the profile's working sets hold a call's dense transient),
+    and each of their forward and backward calls one dequantization longer (its dense bytes
+    written at `DEQUANTIZE_GBPS`)."""
+    last = costs.num_layers
+    extra = [0.0] * fused_start + [
+        memory.dense_bytes[i] / (DEQUANTIZE_GBPS * 1e6) for i in range(fused_start, last)
+    ]
+    dense = tuple(held if i < fused_start else 0 for i, held in enumerate(memory.dense_bytes))
+    timed = replace(
+        costs,
+        fwd_ms=tuple(ms + more for ms, more in zip(costs.fwd_ms, extra, strict=True)),
+        bwd_ms=tuple(ms + more for ms, more in zip(costs.bwd_ms, extra, strict=True)),
+    )
+    return replace(memory, dense_bytes=dense), timed
 
 
 def _timed_cut(
@@ -103,14 +161,24 @@ def _timed_cut(
     budget: int | None,
     config: RunConfig,
     link: tuple[float, tuple[int, ...]],
+    per_call: bool,
 ) -> EvenCut | None:
-    """`evenly_cut` of the held plan with its fused stage from ``fused_start``, predicted and
-    timed, or None where it is the held plan itself or its peak does not fit ``budget``."""
-    plan, costs = held.plan, held.costs
+    """`evenly_cut` of the held plan with its fused stage from ``fused_start`` (dequantizing in
+    each call where ``per_call``), predicted and timed, or None where it is the held plan itself
+    or its peak does not fit ``budget``."""
+    plan = held.plan
+    memory, costs = (
+        fused_per_call(held.memory, held.costs, fused_start) if per_call else (held.memory, held.costs)
+    )
     even = evenly_cut(plan, costs, fused_start)
-    if (even.fwd_stages, even.fused, even.bwd_stages) == (plan.fwd_stages, plan.fused, plan.bwd_stages):
+    unchanged = (even.fwd_stages, even.fused, even.bwd_stages) == (
+        plan.fwd_stages,
+        plan.fused,
+        plan.bwd_stages,
+    )
+    if unchanged and not per_call:
         return None
-    prediction = predict_like(held.prediction, even, held.memory)
+    prediction = predict_like(held.prediction, even, memory)
     if budget is not None and not prediction.fits(budget):
         return None
     gbps, param_bytes = link
@@ -123,4 +191,4 @@ def _timed_cut(
         async_optimizer=config.async_optimizer,
         round_size=config.round_size,
     )
-    return EvenCut(even, prediction, ms)
+    return EvenCut(even, prediction, ms, memory)

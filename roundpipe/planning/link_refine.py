@@ -63,7 +63,7 @@ def with_link(
         even = even_cut(chosen, budget, config, (gbps, param_bytes), iteration_ms)
         if even is not None:
             chosen, iteration_ms = (
-                replace(chosen, plan=even.plan, prediction=even.prediction),
+                replace(chosen, plan=even.plan, prediction=even.prediction, memory=even.memory),
                 even.iteration_ms,
             )
     # Only where uploads outlast compute: the fake engine there moves weights, not activations.
