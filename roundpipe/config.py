@@ -245,7 +245,8 @@ class RunConfig(BaseModel):
         "once per stage run, the copy kept for all its microbatches (the plan counts the stage's "
         'dense weights, so its stages are smaller); "call", inside each layer call (forward, '
         'recompute and backward each: the least memory); "auto", "run" where a plan fits the '
-        'memory budget with it, else "call"',
+        'memory budget with it, else "call" (on CUDA one device\'s fused stage may dequantize in '
+        "each call where that holds more layers and runs faster)",
     )
     max_grad_norm: float | None = Field(None, gt=0, description="clip the global gradient norm to this value")
     loss_scale: Literal["dynamic", "none"] | float = Field(

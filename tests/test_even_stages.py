@@ -272,7 +272,7 @@ def test_a_fused_stage_that_dequantizes_in_each_call_holds_more_layers_and_is_ta
     quarter of the bytes a layer, so it takes more layers, each one forward of four microbatches
     less to recompute (28.4 ms) for eight dequantizations more (5.5 ms at 1,400 GB/s). The other
     runs keep their copies; the runtime follows the memory table the cut comes with. Where
-    dequantizing is slow the fused stage keeps its copies."""
+    dequantizing is slow, or dequantize="run" asks for copies in every run, it keeps its copies."""
     upload, memory = e_memory("nf4")
     plan = e_plan()
     prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
@@ -297,6 +297,9 @@ def test_a_fused_stage_that_dequantizes_in_each_call_holds_more_layers_and_is_ta
     )
     assert offered.iteration_ms < with_copies.iteration_ms * (1 - EVEN_GAIN)
 
+    named = e_config.model_copy(update={"dequantize": "run"})  # copies in every run, as asked
+    kept = even_cut(held, E_BUDGET, named, link, held_ms)
+    assert kept is not None and kept.memory is memory and kept.plan == with_copies.plan
     monkeypatch.setattr(even_stages, "DEQUANTIZE_GBPS", 20.0)  # 48 ms a call
     slow = even_cut(held, E_BUDGET, e_config, link, held_ms)
     assert slow is not None and slow.memory is memory and slow.plan == with_copies.plan

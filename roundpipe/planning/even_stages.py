@@ -19,8 +19,9 @@ fused stage is one layer's forward less per microbatch (computed once with grad,
 stage and again in a recompute). So the fused stage is tried longer too, one layer at a time from
 the plan's, while the predicted peak fits and the fake engine runs it faster.
 
-Where the runs hold dense copies of a 4-bit base (`RunConfig.dequantize`), the fused stage is
-also tried dequantizing in each call, every other run keeping its copies. A fused run computes
+Where the runs hold dense copies of a 4-bit base by ``RunConfig.dequantize="auto"`` (``"run"``
+asks for copies in every run), the fused stage is also tried dequantizing in each call, every
+other run keeping its copies. A fused run computes
 each microbatch's forward and backward at once, so the copies save it seven dequantizations of
 each weight in eight at four microbatches (~5.5 ms a Qwen3-32B layer an iteration, at
 `DEQUANTIZE_GBPS`), while without them the stage holds a quarter of the bytes (0.28 GB against
@@ -92,7 +93,7 @@ def even_cut(
 ) -> EvenCut | None:
     """The fastest `evenly_cut` of one device's plan in hand, its fused stage as in the plan or
     longer by up to `MAX_FUSED_GROWTH` layers (module docstring), and where the plan's runs hold
-    dense copies of a 4-bit base, also with the fused stage dequantizing in each call
+    dense copies of a 4-bit base by ``dequantize="auto"``, also with the fused stage dequantizing in each call
     (`fused_per_call`), on the fake engine with ``link`` on (GB/s and each layer's uploaded
     bytes), where it is `EVEN_GAIN` faster than ``iteration_ms`` (the held plan's time, one stage
     uploaded ahead) and its peak, predicted as the held one was (`predict_like`), fits ``budget``
@@ -101,7 +102,8 @@ def even_cut(
     if held.plan.num_devices != 1:
         return None
     best: EvenCut | None = None
-    for per_call in (False, True) if any(held.memory.dense_bytes) else (False,):
+    may_call = any(held.memory.dense_bytes) and config.dequantize == "auto"  # "run": every run copies
+    for per_call in (False, True) if may_call else (False,):
         best = _longest_fused(held, budget, config, link, per_call, best)
     if best is None or best.iteration_ms > iteration_ms * (1 - EVEN_GAIN):
         return None
