@@ -290,6 +290,26 @@ def test_once_per_run_on_cuda_trains_as_per_call() -> None:
         torch.testing.assert_close(run_adapters[name], tensor, rtol=2e-2, atol=2e-3, msg=name)
 
 
+@pytest.mark.gpu
+def test_a_fused_stage_left_per_call_on_cuda_trains_as_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cuda:0, compiled layers, bf16: a plan that leaves a layer per call beside runs holding
+    copies (`roundpipe.planning.even_stages`) trains as every call dequantizing."""
+    monkeypatch.setattr("roundpipe.plan_meta.per_call_layers_of", lambda memory: frozenset((2,)))
+    results, metas = [], []
+    for dequantize in ("run", "call"):
+        meta: dict[str, Any] = {}
+        fields = dict(devices="cuda:0", num_microbatches=3, precision="bf16", compile=True)
+        model = lora_qwen3()
+        losses = pipe_loop(model, token_data(3), meta, base_format="nf4", dequantize=dequantize, **fields)
+        results.append((losses, adapters(model)))
+        metas.append(meta)
+    (mixed_losses, mixed_adapters), (call_losses, call_adapters) = results
+    assert metas[0]["dense_weights"] and metas[0]["dense_per_call_layers"] == [2]
+    assert mixed_losses == pytest.approx(call_losses, rel=1e-2, abs=1e-2)
+    for name, tensor in call_adapters.items():
+        torch.testing.assert_close(mixed_adapters[name], tensor, rtol=2e-2, atol=2e-3, msg=name)
+
+
 def test_an_out_of_memory_error_names_the_dense_copies_and_the_per_call_remedy() -> None:
     from roundpipe.backends.holdings import device_holdings, out_of_memory_error
     from roundpipe.backends.host_data import RunKey
