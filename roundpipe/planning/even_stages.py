@@ -54,9 +54,11 @@ MAX_FUSED_GROWTH = 16
 
 DEQUANTIZE_GBPS = 1400.0
 """Dense bytes a 4-bit weight's dequantization writes per second on CUDA, in GB/s, to time a
-fused stage that dequantizes in each call: below the kernel's 1,680-1,925 on an H100's MLP
-projections and above its 840-970 on o_proj (`python bench/gpu_nf4.py`; Qwen3-32B's layer,
-weighted by bytes, ~1,500)."""
+fused stage that dequantizes in each call. On one H100 (`bash bench/gpu_big.sh E-nf4 E`, one call)
+the profile, which calls every layer per call, timed a Qwen3-32B layer's forward 0.90 ms and its
+backward 0.52 ms longer in nf4 than in bf16: 1.42 ms a microbatch for 0.97 GB written twice,
+1,370 GB/s (the kernel alone: 1,680-1,925 on the MLP projections, 840-970 on o_proj,
+`python bench/gpu_nf4.py`)."""
 
 
 class HeldPlan(Protocol):
