@@ -290,6 +290,22 @@ def test_once_per_run_on_cuda_trains_as_per_call() -> None:
         torch.testing.assert_close(run_adapters[name], tensor, rtol=2e-2, atol=2e-3, msg=name)
 
 
+def test_a_device_plan_hands_the_layers_left_per_call_to_the_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime reads which layers dequantize in each call from the device plan's memory table
+    (`roundpipe.plan_meta`), and the trace names them; the numbers stay the per-call ones."""
+    monkeypatch.setattr("roundpipe.plan_meta.per_call_layers_of", lambda memory: frozenset((2,)))
+    runs = []
+    for dequantize in ("run", "call"):
+        meta: dict[str, Any] = {}
+        fields = dict(devices="cpu:1", num_microbatches=3, memory_budget="4GiB")
+        losses = pipe_loop(
+            lora_qwen3(), token_data(2), meta, base_format="nf4", dequantize=dequantize, **fields
+        )
+        runs.append((losses, meta["dense_weights"], meta["dense_per_call_layers"]))
+    assert runs[0][1:] == (True, [2]) and runs[1][1:] == (False, [])
+    assert runs[0][0] == runs[1][0]
+
+
 @pytest.mark.gpu
 def test_a_fused_stage_left_per_call_on_cuda_trains_as_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """On cuda:0, compiled layers, bf16: a plan that leaves a layer per call beside runs holding

@@ -303,3 +303,32 @@ def test_a_fused_stage_that_dequantizes_in_each_call_holds_more_layers_and_is_ta
     monkeypatch.setattr(even_stages, "DEQUANTIZE_GBPS", 20.0)  # 48 ms a call
     slow = even_cut(held, E_BUDGET, e_config, link, held_ms)
     assert slow is not None and slow.memory is memory and slow.plan == with_copies.plan
+
+
+def test_the_cuda_replan_takes_the_per_call_fused_stage_with_its_memory_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`with_link` (the CUDA re-plan) on the nf4 plan, the link measured from a run's uploads:
+    the chosen device plan carries the per-call cut's memory table, from which the runtime reads
+    which layers dequantize in each call (`per_call_layers_of`), and keeps the compute times."""
+    from roundpipe.plan.link import link_report
+    from roundpipe.planning import link_plan, link_refine
+    from roundpipe.planning.dequantize import per_call_layers_of
+    from roundpipe.planning.simulate import simulate
+
+    upload, memory = e_memory("nf4")
+    plan = e_plan()
+    held_ms = link_iteration_ms(plan, E_COSTS, upload, 53.9, 4, async_optimizer=True, round_size=4)
+    report = link_report(plan, E_COSTS, upload, 53.9, (4,))
+    choice = link_plan.LinkChoice(plan, held_ms, held_ms, report)
+    monkeypatch.setattr(link_plan, "choose_link_plan", lambda *args, **kwargs: choice)
+    run = simulate(plan, E_COSTS, 1, 4, iterations=2, link_gbps=53.9, param_bytes=list(upload), round_size=4)
+    prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
+    held = DevicePlan(plan, E_COSTS, memory, prediction, 24 << 30, "cuda")
+    e_config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, round_size=4)
+    chosen = link_refine.with_link(held, e_config, run.trace, upload)
+    start = chosen.plan.fused.start
+    assert start < plan.fused.start - 4 and chosen.costs == E_COSTS
+    per_call = per_call_layers_of(chosen.memory)
+    assert set(range(start, 66)) <= per_call and not per_call & set(range(1, start))
+    assert chosen.prediction == predict_peak(chosen.plan, chosen.memory, "layer_input", act_in_flight=2)
