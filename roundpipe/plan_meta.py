@@ -25,7 +25,8 @@ def record_device_plan(device_plan: DevicePlan, runtime: Runtime, trace: Trace, 
     built earlier keep the prediction of the plan they were built for) and its measurements in the
     trace's metadata: the first profiled layer costs stay, later refined ones replace the current."""
     runtime.memory_prediction = device_plan.prediction
-    # A re-plan keeps the first plan's memory table, so every plan of a run dequantizes alike.
+    # A re-plan keeps the first plan's memory table, so every plan of a run dequantizes alike, but
+    # for the fused stage its even cut may leave per call (`roundpipe.planning.even_stages`).
     runtime.dense.enabled = dense_weights_of(device_plan.memory)
     runtime.dense.per_call = per_call_layers_of(device_plan.memory)
     trace.meta["dense_weights"] = runtime.dense.enabled

@@ -21,12 +21,11 @@ the plan's, while the predicted peak fits and the fake engine runs it faster.
 
 Where the runs hold dense copies of a 4-bit base by ``RunConfig.dequantize="auto"`` (``"run"``
 asks for copies in every run), the fused stage is also tried dequantizing in each call, every
-other run keeping its copies. A fused run computes
-each microbatch's forward and backward at once, so the copies save it seven dequantizations of
-each weight in eight at four microbatches (~5.5 ms a Qwen3-32B layer an iteration, at
-`DEQUANTIZE_GBPS`), while without them the stage holds a quarter of the bytes (0.28 GB against
-1.25 a layer) and takes more layers, each one forward of four microbatches (~28 ms) less to
-recompute.
+other run keeping its copies. A fused run computes each microbatch's forward and backward at
+once, so the copies save it seven dequantizations of each weight in eight at four microbatches
+(~4.9 ms a Qwen3-32B layer an iteration at `DEQUANTIZE_GBPS`; the model charges all eight), while
+without them the stage holds a quarter of the bytes (0.28 GB against 1.25 a layer) and takes more
+layers, each one forward of four microbatches (~28 ms) less to recompute.
 
 The cut is taken only where, on the run's measured link, it is at least `EVEN_GAIN` faster than
 the plan in hand and its predicted peak fits the budget: never slower under that model.
@@ -95,8 +94,8 @@ def even_cut(
 ) -> EvenCut | None:
     """The fastest `evenly_cut` of one device's plan in hand, its fused stage as in the plan or
     longer by up to `MAX_FUSED_GROWTH` layers (module docstring), and where the plan's runs hold
-    dense copies of a 4-bit base by ``dequantize="auto"``, also with the fused stage dequantizing in each call
-    (`fused_per_call`), on the fake engine with ``link`` on (GB/s and each layer's uploaded
+    dense copies of a 4-bit base by ``dequantize="auto"``, also with the fused stage dequantizing
+    in each call (`fused_per_call`), on the fake engine with ``link`` on (GB/s and each layer's uploaded
     bytes), where it is `EVEN_GAIN` faster than ``iteration_ms`` (the held plan's time, one stage
     uploaded ahead) and its peak, predicted as the held one was (`predict_like`), fits ``budget``
     (the planning budget; None: any); else None. Plans of several devices keep their stages: they
@@ -175,13 +174,9 @@ def _timed_cut(
         fused_per_call(held.memory, held.costs, fused_start) if per_call else (held.memory, held.costs)
     )
     even = evenly_cut(plan, costs, fused_start)
-    unchanged = (even.fwd_stages, even.fused, even.bwd_stages) == (
-        plan.fwd_stages,
-        plan.fused,
-        plan.bwd_stages,
-    )
-    if unchanged and not per_call:
-        return None
+    if not per_call and even.fused == plan.fused:
+        if even.fwd_stages == plan.fwd_stages and even.bwd_stages == plan.bwd_stages:
+            return None
     prediction = predict_like(held.prediction, even, memory)
     if budget is not None and not prediction.fits(budget):
         return None
