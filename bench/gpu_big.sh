@@ -99,6 +99,10 @@ declare -A VARIANT=(
   # E-noresiduals (the line's save_residuals says whether "auto" saved them); a named
   # layer_input saves them wherever the host has the bytes: E-inputs against E-inputsnores
   [noresiduals]="--save-residuals false"
+  # Every stage run of a 4-bit base holds dense copies, the fused stage's too (RunConfig.dequantize
+  # "run"; "auto" may leave the fused stage per call for more layers in it, planning/even_stages.py):
+  # E-nf4 against E-nf4-copies
+  [copies]="--dequantize run"
   [inputsnores]="--recompute-grain layer_input --save-residuals false"
   # Fewer kernel launches per compiled layer: inductor's horizontal fusion of independent kernels,
   # or its more aggressive fusion.

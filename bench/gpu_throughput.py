@@ -216,6 +216,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "without its post-attention residual under layer_input, so recomputes compute o_proj",
     )
     p.add_argument(
+        "--dequantize",
+        choices=("auto", "run", "call"),
+        help='RunConfig.dequantize (default: its default, "auto", which may leave one device\'s fused '
+        'stage per call); "run": every stage run holds dense copies',
+    )
+    p.add_argument(
         "--inductor",
         action="append",
         default=[],
@@ -343,6 +349,8 @@ def make_config(workload: Workload, mode: str, args: argparse.Namespace) -> Any:
         fields["skip_unread_tail"] = args.skip_unread_tail == "true"
     if getattr(args, "save_residuals", None) and "save_residuals" in roundpipe.RunConfig.model_fields:
         fields["save_residuals"] = args.save_residuals == "true"
+    if getattr(args, "dequantize", None):
+        fields["dequantize"] = args.dequantize
     route = budget_route(workload)["budget_field"]
     if route is None:
         return roundpipe.RunConfig(**fields)

@@ -235,6 +235,16 @@ def test_save_residuals_flag_reaches_the_run_config_or_leaves_its_default() -> N
         assert bench.make_config(args.workloads[0], "async", args).save_residuals is saved, argv
 
 
+def test_dequantize_flag_reaches_the_run_config_or_leaves_its_default() -> None:
+    for argv, dequantize in (
+        ([], "auto"),
+        (["--dequantize", "run"], "run"),
+        (["--dequantize", "call"], "call"),
+    ):
+        args = bench.parse_args(["--workload", "E-nf4", *argv])
+        assert bench.make_config(args.workloads[0], "async", args).dequantize == dequantize, argv
+
+
 def test_lora_roundpipe_side_trains_adapters_in_bf16() -> None:
     args = bench.parse_args(["--devices", "cpu:2", "--workload", "tiny", "--lora-r", "4"])
     args.steps, args.warmup = 1, 1
