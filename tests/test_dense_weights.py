@@ -233,6 +233,29 @@ def test_a_run_makes_its_copies_only_once_the_run_before_has_dropped_its_own() -
     assert set(runs.runs) == {second, elsewhere}
 
 
+def test_a_run_left_per_call_makes_no_copies_and_the_next_run_waits_for_its_end() -> None:
+    """A fused run left per call holds no copies, yet the run after it makes its own only once the
+    fused run's last compute is done: never beside the fused stage's activations."""
+    from roundpipe.backends.dense_runs import DenseRuns
+    from roundpipe.backends.host_data import RunKey
+    from roundpipe.sched.task import COMPUTE, Task
+
+    layers = [quantize_frozen_(nn.Sequential(nn.Linear(64, 64).requires_grad_(False))) for _ in range(2)]
+    runs = DenseRuns(layers, torch.float32)
+    runs.enabled, runs.per_call = True, frozenset((1,))
+    fused, after = RunKey(0, 0, 0, 0), RunKey(0, 0, 0, 1)
+    transient = {
+        fused: {1: dict(layers[1].named_parameters())},
+        after: {0: dict(layers[0].named_parameters())},
+    }
+    assert runs.params(fused, transient)[1] is transient[fused][1]  # no copy
+    assert runs.per_call_layers() == [1]
+    assert runs.params(after, transient) is transient[after]  # the fused run has not ended
+    of_fused = {"device": 0, "iteration": 0, "round": 0, "slot": 0, "num_parts": 1}
+    runs.drop(Task(("c", 0), COMPUTE, "compute0", part=0, **of_fused))
+    assert "0.dense" in runs.params(after, transient)[0]
+
+
 def test_auto_falls_back_to_per_call_where_no_plan_fits_the_copies() -> None:
     layers = [quantize_frozen_(nn.Sequential(nn.Linear(64, 64).requires_grad_(False))) for _ in range(4)]
     seen: list[tuple[int, ...]] = []

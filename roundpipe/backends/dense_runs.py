@@ -66,8 +66,10 @@ class DenseRuns:
         for layer, named in params.items():
             if layer not in self.per_call and (sublayers := self._sublayers(layer)):
                 held[layer] = named | dequantize_run(sublayers, named, self.dtype)
-        if any(held[layer] is not named for layer, named in params.items()):
-            self.runs[run] = held  # a run that made none holds nothing the next run must wait for
+        # Kept also where every layer is per call (a fused stage, `per_call`): the next run on the
+        # device makes its copies only once this one's last compute is done, as the memory model
+        # counts one run's copies beside a stage, never beside a fused stage's activations.
+        self.runs[run] = held
         return held
 
     def per_call_layers(self) -> list[int]:
