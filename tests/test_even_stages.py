@@ -227,6 +227,23 @@ def e_plan() -> Plan:
     return Plan.from_stages(fwd, range(59, 66), bwd, E_COSTS, 1, 4)
 
 
+E_LINK_GBPS = 53.9
+E_CONFIG = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, round_size=4)
+
+
+def e_held(base: str) -> tuple[DevicePlan, tuple[int, ...]]:
+    """The device plan that ran (`e_plan`, predicted at layer_input) and each layer's uploaded bytes."""
+    upload, memory = e_memory(base)
+    plan = e_plan()
+    prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
+    return DevicePlan(plan, E_COSTS, memory, prediction, 24 << 30, "cuda"), upload
+
+
+def e_ms(cut: Plan, upload: tuple[int, ...], costs: LayerCosts = E_COSTS) -> float:
+    """``cut``'s iteration on the fake engine with the link on, as `even_cut` times it."""
+    return link_iteration_ms(cut, costs, upload, E_LINK_GBPS, 4, async_optimizer=True, round_size=4)
+
+
 @pytest.mark.parametrize("base", ["nf4", "bf16"])
 def test_the_fused_stage_grows_where_small_uploads_leave_room_for_it(base: str) -> None:
     """Every stage of the greedy cut has the same cap, half the limit, for a stage uploaded behind
@@ -234,33 +251,26 @@ def test_the_fused_stage_grows_where_small_uploads_leave_room_for_it(base: str) 
     was shorter than fits. Each layer more in it is one less recomputed: the even cut takes the
     longest fused stage that fits and is faster (two layers more here); with a bf16 base none
     longer fits."""
-    upload, memory = e_memory(base)
-    plan = e_plan()
-    prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
-    held = DevicePlan(plan, E_COSTS, memory, prediction, 24 << 30, "cuda")
-    e_config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, round_size=4)
-
-    def e_ms(cut: Plan) -> float:
-        return link_iteration_ms(cut, E_COSTS, upload, 53.9, 4, async_optimizer=True, round_size=4)
-
-    held_ms = e_ms(plan)
+    held, upload = e_held(base)
+    plan, memory, prediction = held.plan, held.memory, held.prediction
+    held_ms = e_ms(plan, upload)
     longer = evenly_cut(plan, E_COSTS, plan.fused.start - 1)
     if base == "bf16":
-        offered = even_cut(held, E_BUDGET, e_config, (53.9, upload), held_ms)
+        offered = even_cut(held, E_BUDGET, E_CONFIG, (E_LINK_GBPS, upload), held_ms)
         assert prediction.fits(E_BUDGET)
         assert not predict_peak(longer, memory, "layer_input", act_in_flight=2).fits(E_BUDGET)
         assert offered is not None and offered.plan.fused == plan.fused  # cut evenly, no longer
         assert offered.memory is memory  # no dense copies to leave out
         return
     # With its dense copies (the fused stage dequantizing in each call: the next test).
-    offered = _longest_fused(held, E_BUDGET, e_config, (53.9, upload), False, None)
+    offered = _longest_fused(held, E_BUDGET, E_CONFIG, (E_LINK_GBPS, upload), False, None)
     assert offered is not None and offered.memory is memory
     assert len(offered.plan.fused) == len(plan.fused) + 2 and offered.prediction.fits(E_BUDGET)
     assert offered.plan.num_slots == plan.num_slots
-    assert offered.iteration_ms == pytest.approx(e_ms(offered.plan))
+    assert offered.iteration_ms == pytest.approx(e_ms(offered.plan, upload))
     assert offered.iteration_ms < held_ms * (1 - EVEN_GAIN)
     # Each layer more saves its forward of 4 microbatches (28.4 ms) on the fake engine.
-    assert e_ms(longer) - e_ms(offered.plan) == pytest.approx(4 * 7.1, rel=0.05)
+    assert e_ms(longer, upload) - e_ms(offered.plan, upload) == pytest.approx(4 * 7.1, rel=0.05)
     one_more = evenly_cut(plan, E_COSTS, offered.plan.fused.start - 1)
     assert not predict_peak(one_more, memory, "layer_input", act_in_flight=2).fits(E_BUDGET)
 
@@ -273,15 +283,12 @@ def test_a_fused_stage_that_dequantizes_in_each_call_holds_more_layers_and_is_ta
     less to recompute (28.4 ms) for eight dequantizations more (5.5 ms at 1,400 GB/s). The other
     runs keep their copies; the runtime follows the memory table the cut comes with. Where
     dequantizing is slow, or dequantize="run" asks for copies in every run, it keeps its copies."""
-    upload, memory = e_memory("nf4")
-    plan = e_plan()
-    prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
-    held = DevicePlan(plan, E_COSTS, memory, prediction, 24 << 30, "cuda")
-    e_config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, round_size=4)
-    link = (53.9, upload)
-    held_ms = link_iteration_ms(plan, E_COSTS, upload, 53.9, 4, async_optimizer=True, round_size=4)
-    with_copies = _longest_fused(held, E_BUDGET, e_config, link, False, None)
-    offered = even_cut(held, E_BUDGET, e_config, link, held_ms)
+    held, upload = e_held("nf4")
+    plan, memory = held.plan, held.memory
+    link = (E_LINK_GBPS, upload)
+    held_ms = e_ms(plan, upload)
+    with_copies = _longest_fused(held, E_BUDGET, E_CONFIG, link, False, None)
+    offered = even_cut(held, E_BUDGET, E_CONFIG, link, held_ms)
     assert with_copies is not None and offered is not None
     start = offered.plan.fused.start
     per_call_memory, per_call_costs = fused_per_call(memory, E_COSTS, start)
@@ -292,16 +299,14 @@ def test_a_fused_stage_that_dequantizes_in_each_call_holds_more_layers_and_is_ta
     assert per_call_costs.fwd_ms[:start] == E_COSTS.fwd_ms[:start]
     assert len(offered.plan.fused) > len(with_copies.plan.fused) + 4
     assert offered.prediction.fits(E_BUDGET) and offered.plan.num_slots == plan.num_slots
-    assert offered.iteration_ms == pytest.approx(
-        link_iteration_ms(offered.plan, per_call_costs, upload, 53.9, 4, async_optimizer=True, round_size=4)
-    )
+    assert offered.iteration_ms == pytest.approx(e_ms(offered.plan, upload, per_call_costs))
     assert offered.iteration_ms < with_copies.iteration_ms * (1 - EVEN_GAIN)
 
-    named = e_config.model_copy(update={"dequantize": "run"})  # copies in every run, as asked
+    named = E_CONFIG.model_copy(update={"dequantize": "run"})  # copies in every run, as asked
     kept = even_cut(held, E_BUDGET, named, link, held_ms)
     assert kept is not None and kept.memory is memory and kept.plan == with_copies.plan
     monkeypatch.setattr(even_stages, "DEQUANTIZE_GBPS", 20.0)  # 48 ms a call
-    slow = even_cut(held, E_BUDGET, e_config, link, held_ms)
+    slow = even_cut(held, E_BUDGET, E_CONFIG, link, held_ms)
     assert slow is not None and slow.memory is memory and slow.plan == with_copies.plan
 
 
@@ -316,17 +321,16 @@ def test_the_cuda_replan_takes_the_per_call_fused_stage_with_its_memory_table(
     from roundpipe.planning.dequantize import per_call_layers_of
     from roundpipe.planning.simulate import simulate
 
-    upload, memory = e_memory("nf4")
-    plan = e_plan()
-    held_ms = link_iteration_ms(plan, E_COSTS, upload, 53.9, 4, async_optimizer=True, round_size=4)
-    report = link_report(plan, E_COSTS, upload, 53.9, (4,))
+    held, upload = e_held("nf4")
+    plan = held.plan
+    held_ms = e_ms(plan, upload)
+    report = link_report(plan, E_COSTS, upload, E_LINK_GBPS, (4,))
     choice = link_plan.LinkChoice(plan, held_ms, held_ms, report)
     monkeypatch.setattr(link_plan, "choose_link_plan", lambda *args, **kwargs: choice)
-    run = simulate(plan, E_COSTS, 1, 4, iterations=2, link_gbps=53.9, param_bytes=list(upload), round_size=4)
-    prediction = predict_peak(plan, memory, "layer_input", act_in_flight=2)
-    held = DevicePlan(plan, E_COSTS, memory, prediction, 24 << 30, "cuda")
-    e_config = roundpipe.RunConfig(devices="cpu:1", num_microbatches=4, round_size=4)
-    chosen = link_refine.with_link(held, e_config, run.trace, upload)
+    run = simulate(
+        plan, E_COSTS, 1, 4, iterations=2, link_gbps=E_LINK_GBPS, param_bytes=list(upload), round_size=4
+    )
+    chosen = link_refine.with_link(held, E_CONFIG, run.trace, upload)
     start = chosen.plan.fused.start
     assert start < plan.fused.start - 4 and chosen.costs == E_COSTS
     per_call = per_call_layers_of(chosen.memory)
